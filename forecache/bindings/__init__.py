@@ -1,0 +1,25 @@
+"""ctypes access to the patched llama.cpp: our patch's C API and ggml backend/device queries.
+
+Everything is loaded from the shared libraries that llama-cpp-python itself loads, so there is one
+copy of llama.cpp in the process. llama.h's own functions are used through ``llama_cpp.llama_cpp``.
+"""
+
+from forecache.bindings.libs import (
+    EXPECTED_PATCH_VERSION,
+    PatchedBuildError,
+    build_info,
+    libggml,
+    libllama,
+    llama_cpp_module,
+    patch_version,
+)
+
+__all__ = [
+    "EXPECTED_PATCH_VERSION",
+    "PatchedBuildError",
+    "build_info",
+    "libggml",
+    "libllama",
+    "llama_cpp_module",
+    "patch_version",
+]

@@ -1,0 +1,122 @@
+"""ggml backend registry and device queries (ggml-backend.h), through ctypes."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+from forecache.bindings.libs import libggml, libllama
+
+# enum ggml_backend_dev_type in ggml-backend.h
+DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
+
+
+@dataclass
+class Device:
+    """One ggml backend device."""
+
+    index: int
+    name: str
+    description: str
+    type: str
+    backend: str
+    memory_total: int
+    memory_free: int
+
+
+@functools.cache
+def _lib() -> ctypes.CDLL:
+    lib = libggml()
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    sigs = {
+        "ggml_backend_dev_count": ([], sz),
+        "ggml_backend_dev_get": ([sz], vp),
+        "ggml_backend_dev_name": ([vp], ctypes.c_char_p),
+        "ggml_backend_dev_description": ([vp], ctypes.c_char_p),
+        "ggml_backend_dev_memory": ([vp, ctypes.POINTER(sz), ctypes.POINTER(sz)], None),
+        "ggml_backend_dev_type": ([vp], ctypes.c_int),
+        "ggml_backend_dev_backend_reg": ([vp], vp),
+        "ggml_backend_dev_host_buffer_type": ([vp], vp),
+        "ggml_backend_reg_name": ([vp], ctypes.c_char_p),
+        "ggml_backend_reg_count": ([], sz),
+        "ggml_backend_reg_get": ([sz], vp),
+    }
+    for name, (args, res) in sigs.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = res
+    return lib
+
+
+def _ensure_backends_loaded() -> None:
+    # llama_backend_init registers the backends compiled into libggml.
+    from forecache.bindings.libs import llama_cpp_module
+
+    llama_cpp_module().llama_backend_init()
+
+
+def backends() -> list[str]:
+    """Names of the registered ggml backends (CPU, CUDA, ...)."""
+    _ensure_backends_loaded()
+    lib = _lib()
+    return [lib.ggml_backend_reg_name(lib.ggml_backend_reg_get(i)).decode()
+            for i in range(lib.ggml_backend_reg_count())]
+
+
+def devices() -> list[Device]:
+    """All ggml backend devices with their memory."""
+    _ensure_backends_loaded()
+    lib = _lib()
+    out = []
+    for i in range(lib.ggml_backend_dev_count()):
+        dev = lib.ggml_backend_dev_get(i)
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        lib.ggml_backend_dev_memory(dev, ctypes.byref(free), ctypes.byref(total))
+        reg = lib.ggml_backend_dev_backend_reg(dev)
+        out.append(Device(
+            index=i,
+            name=lib.ggml_backend_dev_name(dev).decode(),
+            description=(lib.ggml_backend_dev_description(dev) or b"").decode(),
+            type=DEVICE_TYPES.get(lib.ggml_backend_dev_type(dev), "unknown"),
+            backend=lib.ggml_backend_reg_name(reg).decode() if reg else "",
+            memory_total=total.value,
+            memory_free=free.value,
+        ))
+    return out
+
+
+def has_pinned_host_buffer(index: int) -> bool:
+    """Whether the device offers a pinned host buffer type (CUDA does, the CPU does not)."""
+    lib = _lib()
+    return bool(lib.ggml_backend_dev_host_buffer_type(lib.ggml_backend_dev_get(index)))
+
+
+@dataclass
+class CopyBandwidth:
+    """Measured copy bandwidth between host memory and a device buffer, GB/s."""
+
+    h2d_gbps: float
+    d2h_gbps: float
+    pinned: bool
+    nbytes: int
+
+
+class CopyProbeError(RuntimeError):
+    """The bandwidth probe could not run (bad device, no pinned memory, allocation failure)."""
+
+
+_PROBE_ERRORS = {-1: "bad device index", -2: "pinned host memory unavailable",
+                 -3: "allocation failed"}
+
+
+def measure_copy(index: int, nbytes: int = 256 << 20, n_iter: int = 5,
+                 pinned: bool = True) -> CopyBandwidth:
+    """Copy nbytes host->device and back n_iter times and return the bandwidth (patch C API)."""
+    _ensure_backends_loaded()
+    h2d, d2h = ctypes.c_double(0), ctypes.c_double(0)
+    rc = libllama().forecache_measure_copy(index, nbytes, n_iter, pinned,
+                                           ctypes.byref(h2d), ctypes.byref(d2h))
+    if rc != 0:
+        raise CopyProbeError(_PROBE_ERRORS.get(rc, f"error {rc}"))
+    return CopyBandwidth(h2d.value, d2h.value, pinned, nbytes)

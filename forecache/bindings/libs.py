@@ -1,0 +1,87 @@
+"""Locating llama-cpp-python's shared libraries and checking they carry our patch series."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+from pathlib import Path
+from types import ModuleType
+
+# Must equal FORECACHE_PATCH_VERSION in patches/0001's include/forecache.h.
+EXPECTED_PATCH_VERSION = 1
+
+_FIX = "run `forecache build` (or `make setup`) to install forecache's patched llama-cpp-python"
+
+
+class PatchedBuildError(RuntimeError):
+    """llama-cpp-python is missing, stock, or built from another patch series."""
+
+
+@functools.cache
+def llama_cpp_module() -> ModuleType:
+    """The imported ``llama_cpp.llama_cpp`` low-level module (loads libllama)."""
+    try:
+        import llama_cpp.llama_cpp as low
+    except ImportError as e:
+        raise PatchedBuildError(f"llama-cpp-python is not installed or does not load ({e}): "
+                                f"{_FIX}") from e
+    return low
+
+
+def lib_dir() -> Path:
+    """Directory holding libllama / libggml of the imported llama_cpp package."""
+    return Path(llama_cpp_module()._base_path)
+
+
+@functools.cache
+def libllama() -> ctypes.CDLL:
+    """libllama as loaded by llama-cpp-python, with our C API's signatures declared."""
+    lib = llama_cpp_module()._lib
+    try:
+        fn = lib.forecache_patch_version
+    except AttributeError:
+        raise PatchedBuildError(f"the installed llama-cpp-python is a stock build without "
+                                f"forecache's patches: {_FIX}") from None
+    fn.argtypes = []
+    fn.restype = ctypes.c_int32
+    _declare_api(lib)
+    return lib
+
+
+def _declare_api(lib: ctypes.CDLL) -> None:
+    lib.forecache_measure_copy.argtypes = [
+        ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int32, ctypes.c_bool,
+        ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_double),
+    ]
+    lib.forecache_measure_copy.restype = ctypes.c_int32
+
+
+def patch_version() -> int:
+    """The patch-series version compiled into libllama; refuses a mismatched build."""
+    version = int(libllama().forecache_patch_version())
+    if version != EXPECTED_PATCH_VERSION:
+        raise PatchedBuildError(f"libllama has forecache patch version {version}, this forecache "
+                                f"needs {EXPECTED_PATCH_VERSION}: {_FIX}")
+    return version
+
+
+@functools.cache
+def libggml() -> ctypes.CDLL:
+    """libggml (backend registry and devices), the same file llama-cpp-python loaded."""
+    libllama()
+    path = lib_dir() / "libggml.so"
+    if not path.exists():
+        raise PatchedBuildError(f"{path} is missing: {_FIX}")
+    return ctypes.CDLL(str(path))
+
+
+def build_info() -> dict:
+    """The build record written into the package by ``forecache build``."""
+    import llama_cpp
+
+    p = Path(llama_cpp.__file__).parent / "forecache_build.json"
+    if not p.exists():
+        raise PatchedBuildError(f"llama-cpp-python {llama_cpp.__version__} has no forecache build "
+                                f"record: {_FIX}")
+    return json.loads(p.read_text())

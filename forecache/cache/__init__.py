@@ -1,0 +1,1 @@
+"""Expert store (host), slot cache (device), policies, prefetcher and compute reordering."""

@@ -1,0 +1,30 @@
+"""The ``forecache`` command line."""
+
+from __future__ import annotations
+
+import click
+
+from forecache import __version__
+from forecache.cli.errors import main_guard
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="forecache")
+def cli() -> None:
+    """forecache: run Mixture-of-Experts GGUF models larger than GPU memory on llama.cpp."""
+
+
+def _register() -> None:
+    from forecache.cli import build_cmd, doctor_cmd, generate_cmd, model_cmds
+
+    for mod in (build_cmd, doctor_cmd, generate_cmd, model_cmds):
+        for cmd in mod.COMMANDS:
+            cli.add_command(cmd)
+
+
+_register()
+
+
+def main() -> None:
+    """Console-script entry point."""
+    main_guard(cli)

@@ -1,0 +1,32 @@
+"""``forecache build``: the patched llama-cpp-python."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from forecache import llama_build
+
+
+@click.command("build")
+@click.option("--source", type=click.Path(path_type=Path),
+              help="Local llama-cpp-python sdist (.tar.gz) or unpacked tree, for offline machines.")
+@click.option("--backend", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
+              show_default=True,
+              help="auto: CUDA when nvcc and a GPU are present (FORECACHE_CUDA=1/0 forces).")
+@click.option("--force", is_flag=True, help="Rebuild even when a cached wheel exists.")
+@click.option("--export-source", type=click.Path(path_type=Path), metavar="DIR",
+              help="Only write a trimmed, unpatched source tree to DIR (to carry offline).")
+def build(source: Path | None, backend: str, force: bool, export_source: Path | None) -> None:
+    """Build and install forecache's patched llama-cpp-python (cached after the first time)."""
+    if export_source:
+        out = llama_build.export_source(source, export_source)
+        click.echo(f"wrote trimmed source tree to {out}")
+        return
+    info = llama_build.build(source, backend, force)
+    click.echo(f"ready: llama-cpp-python {info['version']}+forecache.{info['key']} "
+               f"({info['backend']})")
+
+
+COMMANDS = [build]

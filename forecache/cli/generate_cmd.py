@@ -1,0 +1,83 @@
+"""``forecache generate`` and ``forecache run``."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from forecache.engine import Engine, GenerationResult, SamplingParams
+
+
+def _print_stats(res: GenerationResult) -> None:
+    n = len(res.tokens)
+    tps = 1.0 / res.tpot_s if res.tpot_s > 0 else 0.0
+    click.echo(f"\n[{res.prompt_tokens} prompt tokens, {n} generated ({res.finish_reason}); "
+               f"TTFT {res.ttft_s * 1000:.1f} ms, TPOT {res.tpot_s * 1000:.1f} ms, "
+               f"{tps:.1f} tokens/s]", err=True)
+
+
+def _stream(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+@click.command("generate")
+@click.option("-m", "--model", "model", required=True, type=click.Path(path_type=Path),
+              help="GGUF model file.")
+@click.option("-p", "--prompt", required=True, help="Prompt text (special tokens are parsed).")
+@click.option("-n", "--n-predict", "n_predict", default=128, show_default=True,
+              help="Tokens to generate.")
+@click.option("--greedy", is_flag=True, help="Always take the most likely token.")
+@click.option("--seed", default=0, show_default=True, help="Sampling seed.")
+@click.option("--temp", default=0.8, show_default=True, help="Sampling temperature.")
+@click.option("--ctx", "n_ctx", default=4096, show_default=True, help="Context length.")
+@click.option("--threads", type=int, default=None, help="CPU threads (default: all cores).")
+@click.option("--n-gpu-layers", default=-1, show_default=True,
+              help="Layers on the GPU on a CUDA build (-1 = all).")
+@click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-generation tokens.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print one JSON object: tokens, text, stats.")
+@click.option("--verbose", is_flag=True, help="Show llama.cpp's own log.")
+def generate(model: Path, prompt: str, n_predict: int, greedy: bool, seed: int, temp: float,
+             n_ctx: int, threads: int | None, n_gpu_layers: int, ignore_eos: bool, as_json: bool,
+             verbose: bool) -> None:
+    """Generate text from a prompt with a GGUF MoE model."""
+    if n_predict < 0:
+        raise click.BadParameter("must be >= 0", param_hint="-n")
+    sampling = SamplingParams(greedy=greedy, temperature=temp)
+    with Engine(model, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers, seed=seed,
+                verbose=verbose) as eng:
+        res = eng.generate(prompt, n_predict, sampling, on_text=None if as_json else _stream,
+                           ignore_eos=ignore_eos)
+    if as_json:
+        click.echo(json.dumps(res.to_json()))
+    else:
+        _print_stats(res)
+
+
+@click.command("run")
+@click.option("-m", "--model", "model", type=click.Path(path_type=Path), default=None,
+              help="GGUF model file (default: the built-in default model, made on first run).")
+@click.option("-p", "--prompt", default=None, help="Prompt (default: a short built-in question).")
+@click.option("-n", "--n-predict", "n_predict", default=64, show_default=True,
+              help="Tokens to generate.")
+def run(model: Path | None, prompt: str | None, n_predict: int) -> None:
+    """Answer a prompt with the default model (or -m MODEL) and print the speed."""
+    from forecache.default_model import DEFAULT_PROMPT, ensure_default_model
+
+    path = model if model is not None else ensure_default_model()
+    question = prompt or DEFAULT_PROMPT
+    with Engine(path) as eng:
+        text = eng.format_chat([{"role": "user", "content": question}])
+        click.echo(f"model: {path.name} ({eng.model_file.arch}, {eng.model_file.n_layer} layers, "
+                   f"{eng.model_file.n_expert} experts, top-{eng.model_file.n_expert_used})",
+                   err=True)
+        click.echo(f"> {question}", err=True)
+        res = eng.generate(text, n_predict, SamplingParams(greedy=True), on_text=_stream)
+    _print_stats(res)
+
+
+COMMANDS = [generate, run]

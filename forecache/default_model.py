@@ -1,0 +1,31 @@
+"""The built-in default model: made on first use so the main command works out of the box."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from forecache.llama_build import cache_dir
+
+DEFAULT_PRESET = "tiny"
+DEFAULT_TYPE = "q8_0"
+DEFAULT_SEED = 0
+DEFAULT_PROMPT = "Explain in two sentences why a Mixture-of-Experts model is cheap to run."
+
+
+def default_model_path() -> Path:
+    """Where the default model lives in the user's cache."""
+    return cache_dir() / "models" / f"{DEFAULT_PRESET}-{DEFAULT_TYPE}-seed{DEFAULT_SEED}.gguf"
+
+
+def ensure_default_model() -> Path:
+    """The default model's path, writing it first if it is not there yet."""
+    path = default_model_path()
+    if not path.exists():
+        from forecache.model_maker import make_model
+
+        print(f"forecache: making the default model ({DEFAULT_PRESET}, {DEFAULT_TYPE}) at {path}",
+              file=sys.stderr)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        make_model(path, DEFAULT_PRESET, DEFAULT_TYPE, seed=DEFAULT_SEED)
+    return path

@@ -1,0 +1,185 @@
+"""Loading a GGUF MoE model on the patched llama.cpp and generating text from it."""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from forecache.bindings import llama_cpp_module, patch_version
+from forecache.gguf_inspect import ModelFile, require_moe
+
+
+class ModelLoadError(RuntimeError):
+    """llama.cpp refused the model; the message says what to try."""
+
+
+@dataclass
+class SamplingParams:
+    """How the next token is chosen; ``greedy`` overrides the rest."""
+
+    greedy: bool = False
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+
+    def llama_kwargs(self) -> dict:
+        if self.greedy:
+            return {"temp": 0.0, "repeat_penalty": 1.0}
+        return {"temp": self.temperature, "top_k": self.top_k, "top_p": self.top_p,
+                "min_p": self.min_p, "repeat_penalty": self.repeat_penalty}
+
+
+@dataclass
+class GenerationResult:
+    """Generated token ids and text with their timings."""
+
+    tokens: list[int]
+    text: str
+    prompt_tokens: int
+    finish_reason: str  # "length" or "stop"
+    ttft_s: float
+    tpot_s: float
+    stats: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {
+            "tokens": self.tokens,
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+            "stats": {
+                "prompt_tokens": self.prompt_tokens,
+                "gen_tokens": len(self.tokens),
+                "ttft_s": self.ttft_s,
+                "tpot_s": self.tpot_s,
+                **self.stats,
+            },
+        }
+
+
+@contextlib.contextmanager
+def _quiet_stderr(enabled: bool) -> Iterator[None]:
+    """Silence llama.cpp's C-level log output (it writes to fd 2 directly)."""
+    if not enabled:
+        yield
+        return
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+class Engine:
+    """A loaded model: llama.cpp context plus the model file's header facts."""
+
+    def __init__(self, model_path: str | os.PathLike[str], *, n_ctx: int = 4096,
+                 n_threads: int | None = None, n_gpu_layers: int = -1, seed: int = 0,
+                 n_batch: int = 512, verbose: bool = False) -> None:
+        self.model_file: ModelFile = require_moe(model_path)
+        patch_version()  # refuses a stock llama-cpp-python before llama.cpp touches the file
+        from llama_cpp import Llama
+
+        ctx_train = int(self.model_file.arch_kv("context_length", n_ctx) or n_ctx)
+        self.n_ctx = min(n_ctx, ctx_train)
+        threads = n_threads or os.cpu_count() or 1
+        try:
+            with _quiet_stderr(not verbose):
+                self.llm = Llama(model_path=str(model_path), n_ctx=self.n_ctx, n_batch=n_batch,
+                                 n_threads=threads, n_threads_batch=threads,
+                                 n_gpu_layers=n_gpu_layers, seed=seed, verbose=verbose)
+        except (ValueError, RuntimeError) as e:
+            raise ModelLoadError(f"llama.cpp could not load {model_path}: {e} (run with "
+                                 "--verbose for llama.cpp's log; check free memory)") from e
+        low = llama_cpp_module()
+        self._vocab = low.llama_model_get_vocab(self.llm.model)
+        self._is_eog = low.llama_vocab_is_eog
+
+    @property
+    def path(self) -> Path:
+        return self.model_file.path
+
+    def tokenize(self, text: str, special: bool = True) -> list[int]:
+        """Token ids of text (special tokens such as <|im_start|> are parsed)."""
+        return self.llm.tokenize(text.encode("utf-8"), add_bos=True, special=special)
+
+    def format_chat(self, messages: list[dict[str, str]]) -> str:
+        """Render messages with the model's own chat template (tokenizer.chat_template)."""
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        template = self.llm.metadata.get("tokenizer.chat_template")
+        if not template:
+            raise ValueError(f"{self.path.name} has no chat template (tokenizer.chat_template)")
+        model = self.llm._model
+        eos, bos = self.llm.token_eos(), self.llm.token_bos()
+        fmt = Jinja2ChatFormatter(template, model.token_get_text(eos) if eos >= 0 else "",
+                                  model.token_get_text(bos) if bos >= 0 else "")
+        return fmt(messages=messages).prompt
+
+    def generate(self, prompt: str | list[int], max_tokens: int, sampling: SamplingParams,
+                 on_text: Callable[[str], None] | None = None, ignore_eos: bool = False,
+                 ) -> GenerationResult:
+        """Prefill the prompt, then decode up to max_tokens, streaming text to on_text."""
+        tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
+        if not tokens:
+            raise ValueError("the prompt is empty")
+        if len(tokens) + max_tokens > self.n_ctx:
+            raise ValueError(f"prompt ({len(tokens)} tokens) + {max_tokens} generated tokens "
+                             f"exceed the context of {self.n_ctx}; use a shorter prompt, fewer "
+                             "tokens or a larger --ctx")
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        out: list[int] = []
+        pieces: list[str] = []
+        finish = "length"
+        t0 = time.perf_counter()
+        t_first = t0
+        if max_tokens > 0:
+            gen = self.llm.generate(tokens, reset=True, **sampling.llama_kwargs())
+            for tok in gen:
+                if not out:
+                    t_first = time.perf_counter()
+                if not ignore_eos and self._is_eog(self._vocab, tok):
+                    finish = "stop"
+                    break
+                out.append(tok)
+                piece = decoder.decode(self.llm.detokenize([tok], prev_tokens=tokens + out[:-1]))
+                if piece:
+                    pieces.append(piece)
+                    if on_text:
+                        on_text(piece)
+                if len(out) >= max_tokens:
+                    break
+            gen.close()
+        tail = decoder.decode(b"", final=True)
+        if tail:
+            pieces.append(tail)
+            if on_text:
+                on_text(tail)
+        t_end = time.perf_counter()
+        ttft = t_first - t0
+        tpot = (t_end - t_first) / (len(out) - 1) if len(out) > 1 else 0.0
+        return GenerationResult(out, "".join(pieces), len(tokens), finish, ttft, tpot)
+
+    def close(self) -> None:
+        """Free the llama.cpp model and context now rather than at garbage collection."""
+        llm = getattr(self, "llm", None)
+        if llm is not None:
+            llm.close()
+            self.llm = None  # type: ignore[assignment]
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,226 @@
+"""Reading a GGUF file's header without loading it, and refusing files forecache cannot run.
+
+Every command checks its model here first, so a missing, truncated, non-GGUF or non-MoE file gets a
+one-line error instead of a crash inside llama.cpp.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+# Arrays longer than this (token lists, merges) are not materialised; only their length is kept.
+MAX_ARRAY_KEEP = 64
+
+# value types of the GGUF key-value section
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+            11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+MOE_ARCHES_TESTED = ("qwen2moe",)
+
+
+class GGUFError(ValueError):
+    """The file is not a model forecache can run; the message says why and what to do."""
+
+
+@dataclass
+class TensorInfo:
+    """One tensor's entry in the GGUF header."""
+
+    name: str
+    shape: tuple[int, ...]  # ggml order: ne[0] is the row length
+    type: GGMLQuantizationType
+    offset: int  # relative to the data section
+    nbytes: int
+
+
+@dataclass
+class ModelFile:
+    """What forecache needs to know about a GGUF model before loading it."""
+
+    path: Path
+    version: int
+    kv: dict[str, Any]
+    array_lengths: dict[str, int]
+    tensors: list[TensorInfo]
+    data_offset: int
+    file_size: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def arch(self) -> str:
+        return str(self.kv.get("general.architecture", ""))
+
+    def arch_kv(self, key: str, default: Any = None) -> Any:
+        """An architecture-scoped key, e.g. ``arch_kv("expert_count")``."""
+        return self.kv.get(f"{self.arch}.{key}", default)
+
+    @property
+    def n_layer(self) -> int:
+        return int(self.arch_kv("block_count", 0))
+
+    @property
+    def n_expert(self) -> int:
+        return int(self.arch_kv("expert_count", 0) or 0)
+
+    @property
+    def n_expert_used(self) -> int:
+        return int(self.arch_kv("expert_used_count", 0) or 0)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 1 and any(is_expert_tensor(t.name) for t in self.tensors)
+
+    @property
+    def n_vocab(self) -> int:
+        return self.array_lengths.get("tokenizer.ggml.tokens", 0)
+
+    def expert_bytes(self) -> int:
+        """Bytes of routed-expert tensors (those the expert cache manages)."""
+        return sum(t.nbytes for t in self.tensors if is_expert_tensor(t.name))
+
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+def is_expert_tensor(name: str) -> bool:
+    """Routed-expert weight tensors (all experts of a layer stacked), as llama.cpp names them."""
+    return "_exps." in name
+
+
+def tensor_nbytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:
+    """Bytes of a tensor of that shape and type."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    n = 1
+    for d in shape:
+        n *= d
+    if shape and shape[0] % block:
+        raise GGUFError(f"tensor row of {shape[0]} is not a multiple of the {qtype.name} block")
+    return n // block * size
+
+
+class _Reader:
+    def __init__(self, buf: mmap.mmap | bytes, path: Path) -> None:
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def take(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        if self.pos + size > len(self.buf):
+            raise GGUFError(f"{self.path}: GGUF header is truncated (the file is cut short); "
+                            "re-copy or re-create it")
+        (val,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return val
+
+    def string(self) -> str:
+        n = self.take("<Q")
+        if self.pos + n > len(self.buf):
+            raise GGUFError(f"{self.path}: GGUF header is truncated (the file is cut short); "
+                            "re-copy or re-create it")
+        s = bytes(self.buf[self.pos:self.pos + n])
+        self.pos += n
+        return s.decode("utf-8", errors="replace")
+
+    def skip_string(self) -> None:
+        n = self.take("<Q")
+        self.pos += n
+
+    def value(self, vtype: int, key: str, lengths: dict[str, int]) -> Any:
+        if vtype in _SCALARS:
+            return self.take(_SCALARS[vtype])
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            etype = self.take("<I")
+            count = self.take("<Q")
+            lengths[key] = count
+            if count <= MAX_ARRAY_KEEP:
+                return [self.value(etype, key, {}) for _ in range(count)]
+            if etype == _STRING:
+                for _ in range(count):
+                    self.skip_string()
+            elif etype in _SCALARS:
+                self.pos += struct.calcsize(_SCALARS[etype]) * count
+            else:
+                for _ in range(count):
+                    self.value(etype, key, {})
+            return None
+        raise GGUFError(f"{self.path}: unknown GGUF value type {vtype} for key {key!r} "
+                        "(corrupt file?)")
+
+
+def read_model_file(path: str | os.PathLike[str]) -> ModelFile:
+    """Parse a GGUF header and check the file is complete; raises GGUFError with a one-line fix."""
+    p = Path(path)
+    if not p.exists():
+        raise GGUFError(f"model file not found: {p} (create one with "
+                        f"`forecache make-model {p} --preset tiny`)")
+    if p.is_dir():
+        raise GGUFError(f"{p} is a directory, not a GGUF model file")
+    size = p.stat().st_size
+    with open(p, "rb") as f:
+        head = f.read(4)
+        if head != GGUF_MAGIC:
+            raise GGUFError(f"{p} is not a GGUF file (starts with {head!r}, expected b'GGUF'); "
+                            "convert the model to GGUF first")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            return _parse(mm, p, size)
+
+
+def _parse(mm: mmap.mmap, p: Path, size: int) -> ModelFile:
+    r = _Reader(mm, p)
+    r.pos = 4
+    version = r.take("<I")
+    if version not in (2, 3):
+        raise GGUFError(f"{p}: unsupported GGUF version {version} (llama.cpp reads 2 and 3)")
+    n_tensors, n_kv = r.take("<Q"), r.take("<Q")
+    if n_tensors > 1 << 24 or n_kv > 1 << 24:
+        raise GGUFError(f"{p}: GGUF header is corrupt ({n_tensors} tensors, {n_kv} keys)")
+    kv: dict[str, Any] = {}
+    lengths: dict[str, int] = {}
+    for _ in range(n_kv):
+        key = r.string()
+        vtype = r.take("<I")
+        kv[key] = r.value(vtype, key, lengths)
+    tensors = []
+    for _ in range(n_tensors):
+        name = r.string()
+        n_dims = r.take("<I")
+        if n_dims > 8:
+            raise GGUFError(f"{p}: tensor {name!r} has {n_dims} dimensions (corrupt file?)")
+        shape = tuple(r.take("<Q") for _ in range(n_dims))
+        raw_type = r.take("<I")
+        offset = r.take("<Q")
+        try:
+            qtype = GGMLQuantizationType(raw_type)
+        except ValueError:
+            raise GGUFError(f"{p}: tensor {name!r} has unknown type {raw_type}") from None
+        tensors.append(TensorInfo(name, shape, qtype, offset, tensor_nbytes(shape, qtype)))
+    align = int(kv.get("general.alignment", DEFAULT_ALIGNMENT))
+    data_offset = (r.pos + align - 1) // align * align
+    end = max((data_offset + t.offset + t.nbytes for t in tensors), default=data_offset)
+    if end > size:
+        raise GGUFError(f"{p} is truncated: {size} bytes on disk, its tensors need {end}; "
+                        "the download or copy did not finish, re-copy or re-create it")
+    return ModelFile(p, version, kv, lengths, tensors, data_offset, size)
+
+
+def require_moe(path: str | os.PathLike[str]) -> ModelFile:
+    """read_model_file, and refuse models that have no routed experts."""
+    mf = read_model_file(path)
+    if not mf.arch:
+        raise GGUFError(f"{mf.path}: GGUF has no general.architecture; it is not a model file")
+    if not mf.is_moe:
+        raise GGUFError(f"{mf.path} is not a Mixture-of-Experts model (architecture {mf.arch!r} "
+                        f"has no routed experts); forecache runs MoE GGUFs such as "
+                        f"{', '.join(MOE_ARCHES_TESTED)}")
+    return mf

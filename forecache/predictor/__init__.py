@@ -1,0 +1,1 @@
+"""Routing traces to training data, learned per-layer predictors, baselines, ONNX export and run."""

@@ -1,0 +1,91 @@
+"""Bad model files get one clear line and a non-zero exit, never a traceback."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cli_helpers import run_cli
+
+from forecache.gguf_inspect import GGUFError, read_model_file, require_moe
+
+
+def _dense_gguf(path: Path) -> Path:
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(8)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    w.add_tensor("blk.0.ffn_up.weight", np.zeros((8, 8), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def _assert_one_line_error(args: list[str], needle: str) -> None:
+    res = run_cli(*args)
+    assert res.returncode == 1, res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr
+    assert lines[0].startswith("forecache: error:") and needle in lines[0], lines[0]
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(GGUFError, match="model file not found"):
+        read_model_file(tmp_path / "nope.gguf")
+    _assert_one_line_error(["generate", "-m", str(tmp_path / "nope.gguf"), "-p", "x"],
+                           "model file not found")
+
+
+def test_not_gguf(tmp_path: Path) -> None:
+    p = tmp_path / "notes.gguf"
+    p.write_text("just some text\n")
+    _assert_one_line_error(["generate", "-m", str(p), "-p", "x"], "is not a GGUF file")
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    p = tmp_path / "empty.gguf"
+    p.write_bytes(b"")
+    _assert_one_line_error(["generate", "-m", str(p), "-p", "x"], "is not a GGUF file")
+
+
+def test_truncated_file(tmp_path: Path, tiny_model: Callable[[str], Path]) -> None:
+    data = tiny_model("q8_0").read_bytes()
+    cut_data = tmp_path / "cut-data.gguf"
+    cut_data.write_bytes(data[: len(data) - 1000])
+    _assert_one_line_error(["generate", "-m", str(cut_data), "-p", "x"], "is truncated")
+    cut_header = tmp_path / "cut-header.gguf"
+    cut_header.write_bytes(data[:2000])
+    _assert_one_line_error(["generate", "-m", str(cut_header), "-p", "x"], "truncated")
+
+
+def test_non_moe_model(tmp_path: Path) -> None:
+    p = _dense_gguf(tmp_path / "dense.gguf")
+    assert read_model_file(p).arch == "llama"
+    with pytest.raises(GGUFError, match="not a Mixture-of-Experts model"):
+        require_moe(p)
+    _assert_one_line_error(["generate", "-m", str(p), "-p", "x"], "not a Mixture-of-Experts")
+
+
+def test_inspect_reads_tiny(tiny_model: Callable[[str], Path]) -> None:
+    mf = require_moe(tiny_model("q4_k"))
+    assert mf.arch == "qwen2moe" and mf.is_moe
+    assert mf.n_expert == 16 and mf.n_expert_used == 4 and mf.n_layer == 4
+    assert 0 < mf.expert_bytes() < mf.total_bytes()
+    assert mf.data_offset + max(t.offset + t.nbytes for t in mf.tensors) <= mf.file_size
+
+
+def test_make_model_refuses_to_overwrite(tmp_path: Path) -> None:
+    p = tmp_path / "m.gguf"
+    p.write_text("precious")
+    _assert_one_line_error(["make-model", str(p), "--preset", "tiny"], "exists")
+    assert p.read_text() == "precious"
+
+
+def test_unknown_preset(tmp_path: Path) -> None:
+    _assert_one_line_error(["make-model", str(tmp_path / "m.gguf"), "--preset", "nope"], "nope")

@@ -1,0 +1,116 @@
+"""The patched build: what is installed, how builds are keyed, and how failures are reported."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import shutil
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from forecache import llama_build
+from forecache.llama_build import BuildError
+
+
+def test_installed_build_is_ours_and_current() -> None:
+    import llama_cpp
+
+    info = llama_build.installed_build_info()
+    assert info is not None, "llama_cpp in this environment was not built by forecache"
+    assert info["patch_hash"] == llama_build.patch_series_hash()
+    assert info["patches"] == [p.name for p in llama_build.patch_files()]
+    expected = f"{llama_build.LLAMA_CPP_PYTHON_VERSION}+forecache.{info['key']}"
+    assert llama_cpp.__version__ == expected
+
+
+def test_patch_hash_changes_with_series(tmp_path: Path) -> None:
+    for p in llama_build.patch_files():
+        shutil.copy(p, tmp_path / p.name)
+    h0 = llama_build.patch_series_hash(tmp_path)
+    assert h0 == llama_build.patch_series_hash()
+    (tmp_path / "0099-extra.patch").write_text("--- a/x\n+++ b/x\n")
+    assert llama_build.patch_series_hash(tmp_path) != h0
+
+
+def test_build_key_depends_on_flags() -> None:
+    a = llama_build.BuildConfig("cpu", "h", ["p"], ["-DA=1"])
+    b = llama_build.BuildConfig("cuda", "h", ["p"], ["-DA=1"])
+    c = llama_build.BuildConfig("cpu", "h", ["p"], ["-DA=2"])
+    assert len({a.key, b.key, c.key}) == 3
+    assert a.key == llama_build.BuildConfig("cpu", "h", ["p"], ["-DA=1"]).key
+
+
+def _fake_tree(root: Path, text: str = "int x = 1;\n") -> Path:
+    tree = root / "llama_cpp_python-0.3.36"
+    (tree / "vendor" / "llama.cpp" / "src").mkdir(parents=True)
+    (tree / "vendor" / "llama.cpp" / "src" / "f.c").write_text(text)
+    return tree
+
+
+def test_patch_that_does_not_apply_names_itself(tmp_path: Path) -> None:
+    tree = _fake_tree(tmp_path, "something else\n")
+    bad = tmp_path / "0002-broken.patch"
+    bad.write_text("--- a/src/f.c\n+++ b/src/f.c\n@@ -1 +1 @@\n-int x = 1;\n+int x = 2;\n")
+    with pytest.raises(BuildError, match="0002-broken.patch does not apply"):
+        llama_build.apply_patches(tree, [bad])
+
+
+def test_patch_applies_in_order(tmp_path: Path) -> None:
+    tree = _fake_tree(tmp_path)
+    p1 = tmp_path / "0001-a.patch"
+    p1.write_text("--- a/src/f.c\n+++ b/src/f.c\n@@ -1 +1 @@\n-int x = 1;\n+int x = 2;\n")
+    p2 = tmp_path / "0002-b.patch"
+    p2.write_text("--- a/src/f.c\n+++ b/src/f.c\n@@ -1 +1 @@\n-int x = 2;\n+int x = 3;\n")
+    llama_build.apply_patches(tree, [p1, p2])
+    assert (tree / "vendor" / "llama.cpp" / "src" / "f.c").read_text() == "int x = 3;\n"
+
+
+def test_real_series_applies_to_pinned_sdist(tmp_path: Path) -> None:
+    sdist = llama_build.cache_dir() / "sdist" / llama_build.SDIST_NAME
+    if not sdist.exists():
+        pytest.skip("pinned sdist not in the cache (built from --source)")
+    tree = llama_build.unpack_source(sdist, tmp_path)
+    llama_build.trim_tree(tree)
+    llama_build.apply_patches(tree, llama_build.patch_files())
+    assert (tree / "vendor" / "llama.cpp" / "include" / "forecache.h").exists()
+    assert not (tree / "vendor" / "llama.cpp" / "docs").exists()
+
+
+def test_wrong_sdist_is_refused(tmp_path: Path) -> None:
+    fake = tmp_path / llama_build.SDIST_NAME
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tf:
+        data = b"not llama"
+        info = tarfile.TarInfo("x/readme")
+        info.size = len(data)
+        tf.addfile(info, io.BytesIO(data))
+    fake.write_bytes(buf.getvalue())
+    assert hashlib.sha256(fake.read_bytes()).hexdigest() != llama_build.SDIST_SHA256
+    with pytest.raises(BuildError, match="expected " + llama_build.SDIST_SHA256):
+        llama_build.unpack_source(fake, tmp_path / "work")
+
+
+def test_source_tree_of_wrong_shape_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "src" / "nothing").mkdir(parents=True)
+    (tmp_path / "work").mkdir()
+    with pytest.raises(BuildError, match="not a llama-cpp-python source tree"):
+        llama_build.unpack_source(tmp_path / "src", tmp_path / "work")
+
+
+def test_backend_choice_follows_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FORECACHE_CUDA", "0")
+    assert llama_build.choose_backend() == "cpu"
+    monkeypatch.setenv("FORECACHE_CUDA", "1")
+    monkeypatch.setattr(llama_build, "find_nvcc", lambda: None)
+    with pytest.raises(BuildError, match="nvcc was not found"):
+        llama_build.choose_backend()
+    assert "-DGGML_CUDA=OFF" in llama_build.backend_cmake_args("cpu")
+    assert "-DLLAVA_BUILD=OFF" in llama_build.backend_cmake_args("cpu")
+
+
+def test_missing_compiler_is_explained(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(llama_build.shutil, "which", lambda name: None)
+    with pytest.raises(BuildError, match="no C/C.. compiler found"):
+        llama_build.check_toolchain("cpu")

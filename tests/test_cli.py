@@ -1,0 +1,40 @@
+"""Every command's help works, and the commands users run first do their job."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cli_helpers import run_cli
+
+COMMANDS = ["build", "doctor", "generate", "make-model", "run"]
+
+
+def test_top_level_help_lists_commands() -> None:
+    res = run_cli("--help", check=True)
+    for cmd in COMMANDS:
+        assert cmd in res.stdout
+
+
+@pytest.mark.parametrize("cmd", COMMANDS)
+def test_command_help(cmd: str) -> None:
+    res = run_cli(cmd, "--help", check=True)
+    assert res.stdout.startswith(f"Usage: python -m forecache {cmd}") or "Usage:" in res.stdout
+
+
+def test_doctor_json_reports_build_and_devices() -> None:
+    res = run_cli("doctor", "--json", "--probe-mib", "16", check=True)
+    report = json.loads(res.stdout)
+    assert report["patch_version"] >= 1
+    assert report["patch_series_hash"]
+    assert report["cpu_count"] >= 1
+    assert report["host_memcpy_gbps"] > 0
+    assert any(d["type"] == "cpu" and d["memory_total_bytes"] > 0 for d in report["devices"])
+    for d in report["devices"]:
+        if d["type"] == "gpu":
+            assert d["h2d_gbps_pinned"] > 0 and d["d2h_gbps_pinned"] > 0
+
+
+def test_doctor_text() -> None:
+    res = run_cli("doctor", "--no-measure", check=True)
+    assert "patch series" in res.stdout and "devices:" in res.stdout
