@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import click
@@ -11,12 +12,14 @@ from forecache.engine import ModelLoadError
 from forecache.gguf_inspect import GGUFError
 from forecache.llama_build import BuildError
 
-USER_ERRORS = (GGUFError, PatchedBuildError, ModelLoadError, BuildError, ValueError,
-               FileExistsError, PermissionError)
+# OSError covers the file-system problems users meet: disk full, permissions, existing output.
+USER_ERRORS = (GGUFError, PatchedBuildError, ModelLoadError, BuildError, ValueError, OSError)
 
 
 def main_guard(cli: click.Group) -> None:
     """Run the CLI; known errors print ``forecache: error: ...`` and exit 1, Ctrl-C exits 130."""
+    # SIGTERM unwinds like Ctrl-C, so partial outputs are removed by their writers' cleanup.
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Exit as e:
@@ -33,3 +36,7 @@ def main_guard(cli: click.Group) -> None:
     except USER_ERRORS as e:
         click.echo(f"forecache: error: {e}", err=True)
         sys.exit(1)
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt

@@ -72,9 +72,12 @@ def run(model: Path | None, prompt: str | None, n_predict: int) -> None:
     question = prompt or DEFAULT_PROMPT
     with Engine(path) as eng:
         text = eng.format_chat([{"role": "user", "content": question}])
-        click.echo(f"model: {path.name} ({eng.model_file.arch}, {eng.model_file.n_layer} layers, "
-                   f"{eng.model_file.n_expert} experts, top-{eng.model_file.n_expert_used})",
-                   err=True)
+        mf = eng.model_file
+        click.echo(f"model: {path.name} ({mf.arch}, {mf.n_layer} layers, {mf.n_expert} experts, "
+                   f"top-{mf.n_expert_used})", err=True)
+        if "forecache.preset" in mf.kv:
+            click.echo("note: this model has random weights (made by `forecache make-model`), "
+                       "so its text is noise; the timings are real", err=True)
         click.echo(f"> {question}", err=True)
         res = eng.generate(text, n_predict, SamplingParams(greedy=True), on_text=_stream)
     _print_stats(res)

@@ -1,0 +1,387 @@
+"""Write a random-weight GGUF of a real MoE shape that llama.cpp loads and runs.
+
+gguf.GGUFWriter writes the header, metadata and tensor infos; the tensor data is then
+generated in fixed chunks (one expert slab, or a band of rows) by worker processes that
+`os.pwrite` them at precomputed offsets. Each chunk's random stream is seeded from
+(seed, tensor name, chunk index), so the file's bytes do not depend on the worker count.
+Quantized tensors are produced as random valid blocks directly, without quantizing floats.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing
+import os
+import shutil
+import signal
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter
+
+from .model_specs import (
+    QTYPES,
+    ModelSpec,
+    SizeReport,
+    TensorPlan,
+    get_spec,
+    parse_qtype,
+    size_report,
+    tensor_plan,
+)
+from .vocab_maker import Vocab, make_vocab
+
+Q = GGMLQuantizationType
+
+#: Largest chunk one job generates, in weights (bounds each worker's memory to ~100 MB).
+CHUNK_ELEMENTS = 1 << 24
+#: Below this much tensor data the default (workers=None) writes in-process: a process pool
+#: costs more to start than the tiny preset takes to generate.
+POOL_MIN_BYTES = 64 << 20
+EMBEDDING_STD = 0.02
+BIAS_STD = 0.02
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What `make_model` wrote."""
+
+    path: Path
+    preset: str
+    qtype: str
+    seed: int
+    layers: int
+    n_tensors: int
+    file_bytes: int
+    seconds: float
+    sizes: SizeReport
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One chunk of one tensor: `rows` rows of `row_len` weights, written at `offset`."""
+
+    offset: int
+    ggml_type: int
+    rows: int
+    row_len: int
+    std: float  # 0 means "all ones" (norm weights)
+    seed: tuple[int, ...]
+
+
+# --- random tensor data ----------------------------------------------------------------
+
+def _rms(values: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(values.astype(np.float64) ** 2)))
+
+
+# Root mean square of one block's integer quants when its bytes are uniformly random.
+_Q8_0_RMS = _rms(np.arange(-128, 128))
+_Q4_0_RMS = _rms(np.arange(16) - 8)
+_Q5_0_RMS = _rms(np.arange(32) - 16)
+_Q4_K_Q_STD = _rms(np.arange(16) - 7.5)
+# Q4_K sub-block scales are 4 + byte % 16 (4..19) and mins 2 * scale (fit 6 bits); small
+# scales keep the f16 super-block scale d well above the f16 subnormal range.
+_Q4_K_SC_RMS = _rms(4 + np.arange(16))
+
+
+def _random_bytes(rng: np.random.Generator, n: int) -> np.ndarray:
+    """n uniformly random bytes, writable (raw generator output is the fastest source)."""
+    return rng.bit_generator.random_raw((n + 7) // 8).view(np.uint8)[:n]
+
+
+def _set_f16(blocks: np.ndarray, col: int, value: float, random_sign: bool = False) -> None:
+    """Store f16 `value` in bytes col..col+1 of every block, keeping a random sign if asked.
+
+    A random sign per block makes the mean of block types with an offset zero point
+    (Q4_0, Q5_0, Q8_0 quants have mean -0.5) zero over the tensor.
+    """
+    bits = np.uint16(np.float16(value).view(np.uint16))
+    word = np.full(len(blocks), bits, dtype=np.uint16)
+    if random_sign:
+        word |= (blocks[:, col + 1].astype(np.uint16) & 0x80) << 8
+    blocks[:, col] = word & 0xFF
+    blocks[:, col + 1] = word >> 8
+
+
+def _q4_k_scales(raw: np.ndarray) -> np.ndarray:
+    """Pack 8 scales (4..19) and mins (2 * scale) per block into ggml's 12-byte layout."""
+    sc = 4 + (raw[:, :8] & 15)
+    m = sc * 2
+    out = np.empty((len(raw), 12), dtype=np.uint8)
+    out[:, 0:4] = sc[:, 0:4] | ((sc[:, 4:8] >> 4) << 6)
+    out[:, 4:8] = m[:, 0:4] | ((m[:, 4:8] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:8] & 0xF) | ((m[:, 4:8] & 0xF) << 4)
+    return out
+
+
+def random_blocks(
+    ggml_type: GGMLQuantizationType, n_elements: int, std: float, rng: np.random.Generator
+) -> np.ndarray:
+    """Random valid quantized blocks whose dequantized values have mean ~0 and `std`.
+
+    The quants are random bytes; only the f16 block scales (and Q4_K's packed sub-block
+    scales and mins) are set, to the values that give the wanted spread.
+    """
+    block, block_bytes = GGML_QUANT_SIZES[ggml_type]
+    if n_elements % block:
+        raise ValueError(f"{n_elements} weights is not a whole number of {ggml_type.name} blocks")
+    nb = n_elements // block
+    blocks = _random_bytes(rng, nb * block_bytes).reshape(nb, block_bytes)
+    if ggml_type == Q.Q8_0:
+        _set_f16(blocks, 0, std / _Q8_0_RMS, random_sign=True)
+    elif ggml_type == Q.Q4_0:
+        _set_f16(blocks, 0, std / _Q4_0_RMS, random_sign=True)
+    elif ggml_type == Q.Q5_0:
+        _set_f16(blocks, 0, std / _Q5_0_RMS, random_sign=True)
+    elif ggml_type == Q.Q4_K:
+        d = float(np.float16(std / (_Q4_K_SC_RMS * _Q4_K_Q_STD)))
+        blocks[:, 4:16] = _q4_k_scales(blocks[:, 4:16])
+        _set_f16(blocks, 0, d)
+        # value = d*sc*q - dmin*m with m = 2*sc: dmin = 3.75*d centres q (0..15) on 7.5.
+        _set_f16(blocks, 2, 3.75 * d)
+    else:
+        raise ValueError(f"no random block generator for {ggml_type.name}")
+    return blocks.reshape(-1)
+
+
+def _generate(job: _Job) -> np.ndarray:
+    """The bytes of one chunk."""
+    n = job.rows * job.row_len
+    ggml_type = Q(job.ggml_type)
+    if job.std == 0:
+        return np.ones(n, dtype=np.float32 if ggml_type == Q.F32 else np.float16)
+    rng = np.random.default_rng(job.seed)
+    if ggml_type in (Q.F32, Q.F16):
+        values = rng.standard_normal(n, dtype=np.float32)
+        values *= job.std
+        return values if ggml_type == Q.F32 else values.astype(np.float16)
+    return random_blocks(ggml_type, n, job.std, rng)
+
+
+# --- chunking and seeding --------------------------------------------------------------
+
+def _init_std(plan: TensorPlan) -> float:
+    """Spread of a tensor's weights, chosen to keep activations O(1) through the layers."""
+    if plan.kind == "norm":
+        return 0.0
+    if plan.name == "token_embd.weight":
+        return EMBEDDING_STD
+    if plan.name.endswith(".bias"):
+        return BIAS_STD
+    # y = W x with W of shape {fan_in, fan_out}: std 1/sqrt(fan_in) keeps |y| ~ |x|.
+    return 1.0 / float(np.sqrt(plan.ne[0]))
+
+
+def _name_key(name: str) -> int:
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def _jobs(plans: Iterable[TensorPlan], offsets: Iterable[int], seed: int) -> list[_Job]:
+    """Split every tensor into chunks; 3-D tensors never mix experts within a chunk."""
+    jobs = []
+    for plan, offset in zip(plans, offsets, strict=True):
+        row_len = plan.ne[0]
+        n_rows = plan.n_elements // row_len
+        slab_rows = plan.ne[1] if len(plan.ne) == 3 else n_rows
+        step = max(1, min(slab_rows, CHUNK_ELEMENTS // row_len))
+        row_bytes = plan.nbytes // n_rows
+        std = _init_std(plan)
+        key = _name_key(plan.name)
+        index = 0
+        for slab_start in range(0, n_rows, slab_rows):
+            for start in range(slab_start, slab_start + slab_rows, step):
+                rows = min(step, slab_start + slab_rows - start)
+                jobs.append(_Job(offset + start * row_bytes, int(plan.ggml_type), rows,
+                                 row_len, std, (seed, key, index)))
+                index += 1
+    return jobs
+
+
+# --- writing -----------------------------------------------------------------------------
+
+_worker_fd: int | None = None
+
+
+def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> int:
+    view = memoryview(data).cast("B")
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+    return done
+
+
+def _init_worker(path: str) -> None:
+    global _worker_fd
+    # The parent handles Ctrl-C and SIGTERM (removing the partial file) and terminates the
+    # pool; workers just stop, without tracebacks of their own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _worker_fd = os.open(path, os.O_WRONLY)
+
+
+def _run_job(job: _Job) -> int:
+    assert _worker_fd is not None
+    return _pwrite_all(_worker_fd, _generate(job), job.offset)
+
+
+def _add_metadata(writer: GGUFWriter, spec: ModelSpec, qtype: str, seed: int,
+                  vocab: Vocab) -> None:
+    """Hyperparameter and tokenizer keys, as convert_hf_to_gguf.py writes them for Qwen2-MoE."""
+    writer.add_type("model")
+    writer.add_name(f"forecache-{spec.name}-random")
+    writer.add_description(
+        f"Random weights with the shape of {spec.hf_repo or spec.name}, made by forecache"
+    )
+    writer.add_string("forecache.preset", spec.name)
+    writer.add_uint64("forecache.seed", seed)
+    writer.add_block_count(spec.layers)
+    writer.add_context_length(spec.context_length)
+    writer.add_embedding_length(spec.d_model)
+    writer.add_feed_forward_length(spec.ff)
+    writer.add_head_count(spec.heads)
+    writer.add_head_count_kv(spec.kv_heads)
+    writer.add_rope_freq_base(spec.rope_theta)
+    writer.add_layer_norm_rms_eps(spec.rms_eps)
+    writer.add_expert_count(spec.experts)
+    writer.add_expert_used_count(spec.top_k)
+    writer.add_expert_feed_forward_length(spec.expert_ff)
+    writer.add_expert_shared_feed_forward_length(spec.shared_expert_ff)
+    writer.add_file_type(int(QTYPES[qtype][1]))
+    writer.add_quantization_version(GGML_QUANT_VERSION)
+    vocab.write_to(writer)
+
+
+def _write_header(path: Path, spec: ModelSpec, qtype: str, seed: int,
+                  plans: list[TensorPlan]) -> list[int]:
+    """Write header, metadata and tensor infos; return each tensor's absolute data offset.
+
+    Offsets follow the GGUF rule GGUFWriter also uses: the data section starts at the next
+    multiple of the alignment, and every tensor is padded to the alignment.
+    """
+    writer = GGUFWriter(path, spec.arch)
+    _add_metadata(writer, spec, qtype, seed, make_vocab(spec.vocab, spec.text_tokens))
+    for plan in plans:
+        # Shapes go in numpy order; with an explicit raw_dtype GGUFWriter keeps them as given.
+        writer.add_tensor_info(plan.name, tuple(reversed(plan.ne)), np.dtype(np.float32),
+                               plan.nbytes, raw_dtype=plan.ggml_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    assert writer.fout is not None
+    position = writer.fout[0].tell()
+    writer.close()
+    align = writer.data_alignment
+    offsets, offset = [], GGUFWriter.ggml_pad(position, align)
+    for plan in plans:
+        offsets.append(offset)
+        offset += GGUFWriter.ggml_pad(plan.nbytes, align)
+    offsets.append(offset)  # end of file
+    return offsets
+
+
+def _mp_context() -> multiprocessing.context.BaseContext:
+    """fork on Linux, spawn elsewhere.
+
+    fork starts workers at once and, unlike spawn, does not re-run an unguarded caller's
+    __main__. The children only generate random numbers and pwrite, so threads the caller
+    may have (BLAS, llama.cpp) cannot leave them a lock they need; glibc's malloc is
+    fork-safe.
+    """
+    if sys.platform.startswith("linux"):
+        return multiprocessing.get_context("fork")
+    return multiprocessing.get_context("spawn")
+
+
+def _write_data(path: Path, jobs: list[_Job], workers: int, total: int,
+                progress: Callable[[int, int], None] | None) -> None:
+    done = 0
+    if progress:
+        progress(0, total)
+    if workers <= 1:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            for job in jobs:
+                done += _pwrite_all(fd, _generate(job), job.offset)
+                if progress:
+                    progress(done, total)
+        finally:
+            os.close(fd)
+        return
+    with warnings.catch_warnings():
+        # Python >= 3.12 warns about fork in a threaded process; see _mp_context.
+        warnings.filterwarnings("ignore", r".*fork\(\) may lead to deadlocks", DeprecationWarning)
+        pool = _mp_context().Pool(workers, initializer=_init_worker, initargs=(str(path),))
+    with pool:
+        for n in pool.imap_unordered(_run_job, jobs, chunksize=1):
+            done += n
+            if progress:
+                progress(done, total)
+
+
+def make_model(
+    out_path: str | os.PathLike[str],
+    preset: str,
+    qtype: str = "f16",
+    seed: int = 0,
+    *,
+    n_layers: int | None = None,
+    workers: int | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> ModelInfo:
+    """Write a random-weight GGUF of model `preset` (a models.yaml name) to `out_path`.
+
+    qtype is one of f16, q8_0, q4_0, q4_k; `seed` fixes the weights; `n_layers` overrides
+    the preset's layer count; `workers` is the number of writer processes (default: all
+    CPUs, or in-process for small models); `progress(bytes_done, bytes_total)` is called as
+    tensor data is written. The file is written next to `out_path` under a temporary name
+    and renamed when complete. Raises ValueError for an unknown preset or type.
+    """
+    started = time.monotonic()
+    qtype = qtype.lower()
+    parse_qtype(qtype)
+    spec = get_spec(preset).with_layers(n_layers)
+    if seed < 0:
+        raise ValueError(f"seed must be >= 0, got {seed}")
+    plans = tensor_plan(spec, qtype)
+    total = sum(p.nbytes for p in plans)
+    if workers is None:
+        workers = 1 if total < POOL_MIN_BYTES else (os.cpu_count() or 1)
+
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.partial")
+    try:
+        offsets = _write_header(tmp, spec, qtype, seed, plans)
+        file_bytes = offsets[-1]
+        free = shutil.disk_usage(out.parent).free
+        if free < file_bytes - tmp.stat().st_size:
+            raise OSError(f"{out.parent}: {file_bytes / 1e9:.1f} GB needed, "
+                          f"{free / 1e9:.1f} GB free")
+        os.truncate(tmp, file_bytes)
+        _write_data(tmp, _jobs(plans, offsets[:-1], seed), workers, total, progress)
+        fd = os.open(tmp, os.O_WRONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return ModelInfo(
+        path=out,
+        preset=spec.name,
+        qtype=qtype,
+        seed=seed,
+        layers=spec.layers,
+        n_tensors=len(plans),
+        file_bytes=file_bytes,
+        seconds=time.monotonic() - started,
+        sizes=size_report(spec, qtype),
+    )

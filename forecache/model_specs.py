@@ -1,0 +1,339 @@
+"""Model shapes from models.yaml, and the GGUF tensor layout and sizes they imply.
+
+A `ModelSpec` holds one model's hyperparameters. `tensor_plan` lists the tensors llama.cpp
+expects for it (names, shapes, ggml types) and `size_report` sums parameters and bytes per
+tensor class, which is what memory budgets need: routed-expert weights can live off the GPU,
+everything else is needed for every token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from gguf import (
+    GGML_QUANT_SIZES,
+    MODEL_ARCH,
+    MODEL_ARCH_NAMES,
+    MODEL_TENSOR,
+    TENSOR_NAMES,
+    GGMLQuantizationType,
+    LlamaFileType,
+)
+
+#: models.yaml is looked up inside the package first (when installed), then at the repo root.
+_YAML_CANDIDATES = (
+    Path(__file__).resolve().parent / "models.yaml",
+    Path(__file__).resolve().parent.parent / "models.yaml",
+)
+
+#: The weight types `make-model --type` accepts: ggml type of the matrices and file type label.
+QTYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
+    "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
+    "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+    "q4_0": (GGMLQuantizationType.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+    # Every matrix is Q4_K (except the Q5_0 fallbacks), which llama.cpp labels Q4_K_S.
+    "q4_k": (GGMLQuantizationType.Q4_K, LlamaFileType.MOSTLY_Q4_K_S),
+}
+
+#: Same fallbacks as llama.cpp's quantizer (tensor_type_fallback in llama-quant.cpp) for a
+#: row length that is not a multiple of the type's block size.
+_FALLBACK: dict[GGMLQuantizationType, GGMLQuantizationType] = {
+    GGMLQuantizationType.Q4_K: GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_K: GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q6_K: GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q2_K: GGMLQuantizationType.Q4_0,
+    GGMLQuantizationType.Q3_K: GGMLQuantizationType.Q4_0,
+}
+
+#: Tensor classes. "expert" is the routed experts (the part worth caching); the rest is dense.
+TENSOR_KINDS = ("embedding", "norm", "attention", "router", "shared_expert", "expert")
+
+
+class UnknownModelError(ValueError):
+    """Raised for a model name that models.yaml does not define."""
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """An architecture forecache can write."""
+
+    name: str
+    hf_architecture: str
+    description: str = ""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Hyperparameters of one MoE model (one entry of models.yaml `models`)."""
+
+    name: str
+    arch: str
+    hf_repo: str | None
+    description: str
+    layers: int
+    experts: int
+    top_k: int
+    shared_experts: int
+    expert_ff: int
+    shared_expert_ff: int
+    ff: int
+    d_model: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    text_tokens: int
+    context_length: int
+    rope_theta: float
+    rms_eps: float
+    typical_q4_gb: float | None = None
+
+    @property
+    def head_dim(self) -> int:
+        """Size of one attention head."""
+        return self.d_model // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the K and V projections (GQA)."""
+        return self.head_dim * self.kv_heads
+
+    def with_layers(self, layers: int | None) -> ModelSpec:
+        """Return a copy with `layers` blocks (None keeps the count)."""
+        if layers is None:
+            return self
+        if layers < 1:
+            raise ValueError(f"layer count must be >= 1, got {layers}")
+        return dataclasses.replace(self, layers=layers)
+
+    def validate(self) -> None:
+        """Raise ValueError if the shape is inconsistent."""
+        problems = []
+        if self.d_model % self.heads:
+            problems.append("d_model is not a multiple of heads")
+        if self.heads % self.kv_heads:
+            problems.append("heads is not a multiple of kv_heads")
+        if not 0 < self.top_k <= self.experts:
+            problems.append("top_k must be in 1..experts")
+        if self.arch == "qwen2moe" and self.shared_experts != 1:
+            problems.append("qwen2moe has exactly one shared expert")
+        if not 256 + 1 <= self.text_tokens <= self.vocab - 3:
+            problems.append("text_tokens must leave room for 3 special tokens in vocab")
+        if problems:
+            raise ValueError(f"model {self.name!r} in models.yaml: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    """One tensor of the GGUF: `ne` is in ggml order (ne[0] is the row length)."""
+
+    name: str
+    ne: tuple[int, ...]
+    ggml_type: GGMLQuantizationType
+    kind: str
+
+    @property
+    def n_elements(self) -> int:
+        """Number of weights."""
+        n = 1
+        for d in self.ne:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the tensor data in the file, without alignment padding."""
+        block, block_bytes = GGML_QUANT_SIZES[self.ggml_type]
+        return self.n_elements // block * block_bytes
+
+
+@dataclass(frozen=True)
+class SizeReport:
+    """Parameters and bytes of a model in one weight type, split by tensor class."""
+
+    qtype: str
+    params: dict[str, int]
+    bytes: dict[str, int]
+    expert_params: int
+    expert_bytes: int
+    nonexpert_params: int
+    nonexpert_bytes: int
+    bytes_per_expert: int
+    active_bytes_per_token: int
+
+    @property
+    def total_params(self) -> int:
+        """All parameters."""
+        return self.expert_params + self.nonexpert_params
+
+    @property
+    def total_bytes(self) -> int:
+        """All tensor bytes (the GGUF file is this plus header and padding)."""
+        return self.expert_bytes + self.nonexpert_bytes
+
+
+def parse_qtype(qtype: str) -> GGMLQuantizationType:
+    """Map a `--type` name to its ggml type; ValueError naming the valid ones otherwise."""
+    try:
+        return QTYPES[qtype.lower()][0]
+    except KeyError:
+        raise ValueError(
+            f"unknown weight type {qtype!r}; valid types: {', '.join(QTYPES)}"
+        ) from None
+
+
+def tensor_type(name: str, ne: tuple[int, ...], qtype: str) -> GGMLQuantizationType:
+    """Choose the ggml type of one tensor when the model is written as `qtype`.
+
+    1-D tensors (norms, biases) and the routers stay F32: llama.cpp's quantizer never
+    quantizes them and routing is sensitive to their precision. Matrices get the requested
+    type, or llama.cpp's fallback when the row length (ne[0]) does not fit its block size.
+    """
+    if len(ne) == 1 or name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")):
+        return GGMLQuantizationType.F32
+    want = parse_qtype(qtype)
+    if ne[0] % GGML_QUANT_SIZES[want][0] == 0:
+        return want
+    fallback = _FALLBACK.get(want, want)
+    if ne[0] % GGML_QUANT_SIZES[fallback][0] == 0:
+        return fallback
+    return GGMLQuantizationType.F16
+
+
+def tensor_plan(spec: ModelSpec, qtype: str) -> list[TensorPlan]:
+    """List the tensors of `spec` in file order, with the shapes llama.cpp's loader expects.
+
+    Expert tensors hold all experts of a layer: gate/up are {d_model, expert_ff, experts} and
+    down is {expert_ff, d_model, experts} in ggml order, so one expert is a contiguous slab.
+    """
+    if spec.arch != MODEL_ARCH_NAMES[MODEL_ARCH.QWEN2MOE]:
+        raise ValueError(f"cannot lay out architecture {spec.arch!r}; supported: qwen2moe")
+    parse_qtype(qtype)
+    d, kv, n_exp = spec.d_model, spec.kv_dim, spec.experts
+    fe, fs = spec.expert_ff, spec.shared_expert_ff
+    out: list[TensorPlan] = []
+
+    def add(tensor: MODEL_TENSOR, suffix: str, shape: tuple[int, ...], kind: str,
+            bid: int | None = None) -> None:
+        name = TENSOR_NAMES[tensor].format(bid=bid) + "." + suffix
+        out.append(TensorPlan(name, shape, tensor_type(name, shape, qtype), kind))
+
+    T = MODEL_TENSOR
+    add(T.TOKEN_EMBD, "weight", (d, spec.vocab), "embedding")
+    for b in range(spec.layers):
+        add(T.ATTN_NORM, "weight", (d,), "norm", b)
+        add(T.ATTN_Q, "weight", (d, d), "attention", b)
+        add(T.ATTN_Q, "bias", (d,), "attention", b)
+        add(T.ATTN_K, "weight", (d, kv), "attention", b)
+        add(T.ATTN_K, "bias", (kv,), "attention", b)
+        add(T.ATTN_V, "weight", (d, kv), "attention", b)
+        add(T.ATTN_V, "bias", (kv,), "attention", b)
+        add(T.ATTN_OUT, "weight", (d, d), "attention", b)
+        add(T.FFN_NORM, "weight", (d,), "norm", b)
+        add(T.FFN_GATE_INP, "weight", (d, n_exp), "router", b)
+        add(T.FFN_GATE_EXP, "weight", (d, fe, n_exp), "expert", b)
+        add(T.FFN_UP_EXP, "weight", (d, fe, n_exp), "expert", b)
+        add(T.FFN_DOWN_EXP, "weight", (fe, d, n_exp), "expert", b)
+        add(T.FFN_GATE_INP_SHEXP, "weight", (d,), "shared_expert", b)
+        add(T.FFN_GATE_SHEXP, "weight", (d, fs), "shared_expert", b)
+        add(T.FFN_UP_SHEXP, "weight", (d, fs), "shared_expert", b)
+        add(T.FFN_DOWN_SHEXP, "weight", (fs, d), "shared_expert", b)
+    add(T.OUTPUT_NORM, "weight", (d,), "norm")
+    add(T.OUTPUT, "weight", (d, spec.vocab), "embedding")
+    return out
+
+
+def size_report(spec: ModelSpec, qtype: str) -> SizeReport:
+    """Count parameters and bytes per tensor class for `spec` written as `qtype`.
+
+    `bytes_per_expert` is one expert of one layer (its gate, up and down slabs);
+    `active_bytes_per_token` is the dense part plus top_k experts in every layer.
+    """
+    params = dict.fromkeys(TENSOR_KINDS, 0)
+    nbytes = dict.fromkeys(TENSOR_KINDS, 0)
+    for t in tensor_plan(spec, qtype):
+        params[t.kind] += t.n_elements
+        nbytes[t.kind] += t.nbytes
+    dense_params = sum(v for k, v in params.items() if k != "expert")
+    dense_bytes = sum(v for k, v in nbytes.items() if k != "expert")
+    per_expert = nbytes["expert"] // (spec.layers * spec.experts)
+    return SizeReport(
+        qtype=qtype.lower(),
+        params=params,
+        bytes=nbytes,
+        expert_params=params["expert"],
+        expert_bytes=nbytes["expert"],
+        nonexpert_params=dense_params,
+        nonexpert_bytes=dense_bytes,
+        bytes_per_expert=per_expert,
+        active_bytes_per_token=dense_bytes + per_expert * spec.top_k * spec.layers,
+    )
+
+
+def _find_yaml(path: str | Path | None) -> Path:
+    if path is not None:
+        return Path(path)
+    for candidate in _YAML_CANDIDATES:
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError("models.yaml not found in " + ", ".join(map(str, _YAML_CANDIDATES)))
+
+
+def _model_from_dict(name: str, raw: Mapping[str, Any]) -> ModelSpec:
+    fields = {f.name for f in dataclasses.fields(ModelSpec)} - {"name"}
+    unknown = set(raw) - fields
+    missing = {f.name for f in dataclasses.fields(ModelSpec)
+               if f.default is dataclasses.MISSING and f.name != "name"} - set(raw)
+    if unknown or missing:
+        raise ValueError(
+            f"model {name!r} in models.yaml: unknown keys {sorted(unknown)}, "
+            f"missing keys {sorted(missing)}"
+        )
+    spec = ModelSpec(name=name, **{**raw, "description": raw.get("description") or ""})
+    spec.validate()
+    return spec
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: Path) -> tuple[dict[str, ArchSpec], dict[str, ModelSpec]]:
+    data = yaml.safe_load(path.read_text())
+    archs = {
+        name: ArchSpec(name=name, **(raw or {}))
+        for name, raw in (data.get("architectures") or {}).items()
+    }
+    models = {}
+    for name, raw in (data.get("models") or {}).items():
+        spec = _model_from_dict(str(name), raw)
+        if spec.arch not in archs:
+            raise ValueError(f"model {name!r} in {path}: architecture {spec.arch!r} not listed")
+        models[spec.name] = spec
+    return archs, models
+
+
+def load_specs(path: str | Path | None = None) -> dict[str, ModelSpec]:
+    """All models of models.yaml by name, in file order."""
+    return dict(_load(_find_yaml(path).resolve())[1])
+
+
+def load_architectures(path: str | Path | None = None) -> dict[str, ArchSpec]:
+    """All architectures of models.yaml by name."""
+    return dict(_load(_find_yaml(path).resolve())[0])
+
+
+def model_names(path: str | Path | None = None) -> list[str]:
+    """Names of the known models, in file order."""
+    return list(load_specs(path))
+
+
+def get_spec(name: str, path: str | Path | None = None) -> ModelSpec:
+    """Look a model up by name (case-insensitive); UnknownModelError lists the known names."""
+    specs = load_specs(path)
+    spec = specs.get(name) or specs.get(name.lower())
+    if spec is None:
+        raise UnknownModelError(f"unknown model {name!r}; known models: {', '.join(specs)}")
+    return spec

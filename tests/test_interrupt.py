@@ -1,0 +1,28 @@
+"""An interrupted make-model leaves neither a half-written model nor its temporary file."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def test_sigterm_during_make_model_leaves_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "m.gguf"
+    # About 1 GB: long enough to be caught while the tensor data is being written.
+    proc = subprocess.Popen([sys.executable, "-m", "forecache", "make-model", str(out),
+                             "--preset", "qwen1.5-moe-a2.7b", "--type", "q4_k", "--layers", "2"],
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not list(tmp_path.glob("*.partial")) and time.time() < deadline:
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        time.sleep(0.02)
+    assert list(tmp_path.glob("*.partial")), "make-model never started writing"
+    proc.send_signal(signal.SIGTERM)
+    rc = proc.wait(60)
+    err = proc.stderr.read() if proc.stderr else ""
+    assert rc == 130, err
+    assert "Traceback" not in err and err.strip().endswith("forecache: interrupted")
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,258 @@
+"""Tests for the GGUF model maker: specs, tensor layout, random blocks, tokenizer, llama.cpp."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import jinja2
+import llama_cpp
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from forecache import model_maker, model_specs
+from forecache.model_maker import make_model, random_blocks
+from forecache.model_specs import get_spec, size_report, tensor_plan, tensor_type
+from forecache.vocab_maker import CHATML_TEMPLATE, SPECIAL_TOKENS, decode_token, make_vocab
+
+QTYPES = ["f16", "q8_0", "q4_0", "q4_k"]
+
+
+def _field(reader: GGUFReader, key: str):
+    return reader.fields[key].contents()
+
+
+# --- specs -----------------------------------------------------------------------------
+
+def test_real_shapes_match_hf_configs() -> None:
+    a27 = get_spec("qwen1.5-moe-a2.7b")
+    assert (a27.layers, a27.d_model, a27.heads, a27.kv_heads) == (24, 2048, 16, 16)
+    assert (a27.experts, a27.top_k, a27.expert_ff, a27.shared_expert_ff) == (60, 4, 1408, 5632)
+    assert (a27.vocab, a27.context_length, a27.rope_theta, a27.rms_eps) == (
+        151936, 8192, 1e6, 1e-6)
+    q57 = get_spec("qwen2-57b-a14b")
+    assert (q57.layers, q57.d_model, q57.heads, q57.kv_heads) == (28, 3584, 28, 4)
+    assert (q57.experts, q57.top_k, q57.expert_ff, q57.shared_expert_ff) == (64, 8, 2560, 20480)
+    assert (q57.vocab, q57.context_length, q57.rope_theta, q57.ff) == (151936, 32768, 1e6, 18944)
+    tiny = get_spec("tiny")
+    assert (tiny.layers, tiny.experts, tiny.top_k) == (4, 16, 4)
+    assert (tiny.head_dim, tiny.kv_heads) == (64, 2)
+    assert (tiny.expert_ff, tiny.shared_expert_ff, tiny.d_model) == (256, 512, 256)
+
+
+def test_unknown_model_lists_known_names() -> None:
+    with pytest.raises(ValueError) as err:
+        get_spec("mixtral-9000")
+    message = str(err.value)
+    assert "\n" not in message
+    assert all(name in message for name in model_specs.model_names())
+
+
+def test_size_report_counts_parameters() -> None:
+    a27 = size_report(get_spec("qwen1.5-moe-a2.7b"), "q4_k")
+    assert a27.total_params == pytest.approx(14.3e9, rel=0.01)
+    q57 = size_report(get_spec("qwen2-57b-a14b"), "q4_k")
+    assert q57.total_params == pytest.approx(57.4e9, rel=0.01)
+    assert q57.expert_bytes + q57.nonexpert_bytes == q57.total_bytes
+    assert q57.bytes_per_expert * 64 * 28 == q57.expert_bytes
+    assert q57.nonexpert_bytes < q57.active_bytes_per_token < q57.total_bytes
+    f16 = size_report(get_spec("qwen2-57b-a14b"), "f16")
+    assert f16.expert_bytes == f16.expert_params * 2
+
+
+def test_tensor_type_choice() -> None:
+    assert tensor_type("blk.0.ffn_down_exps.weight", (1408, 2048, 60), "q4_k") == Q.Q5_0
+    assert tensor_type("blk.0.ffn_up_exps.weight", (2048, 1408, 60), "q4_k") == Q.Q4_K
+    assert tensor_type("blk.0.ffn_gate_inp.weight", (2048, 60), "q8_0") == Q.F32
+    assert tensor_type("blk.0.attn_q.bias", (2048,), "q4_0") == Q.F32
+    assert tensor_type("blk.0.attn_q.weight", (2048, 2048), "f16") == Q.F16
+    with pytest.raises(ValueError, match="q4_k"):
+        tensor_type("blk.0.attn_q.weight", (2048, 2048), "q3_k")
+
+
+# --- random blocks -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_0, Q.Q8_0, Q.Q4_0])
+@pytest.mark.parametrize("fan_in", [256, 2560, 20480])
+def test_random_blocks_dequantize_to_intended_spread(qtype: Q, fan_in: int) -> None:
+    std = 1 / np.sqrt(fan_in)
+    blocks = random_blocks(qtype, 256 * 2048, std, np.random.default_rng(3))
+    values = dequantize(blocks.reshape(2048, -1), qtype)
+    assert values.shape == (2048, 256)
+    assert np.isfinite(values).all()
+    assert values.std() == pytest.approx(std, rel=0.03)
+    assert abs(values.mean()) < 0.02 * std
+
+
+# --- writing -----------------------------------------------------------------------------
+
+def test_bad_arguments_raise_one_line_value_errors(tmp_path: Path) -> None:
+    out = tmp_path / "m.gguf"
+    with pytest.raises(ValueError) as err:
+        make_model(out, "nope", "q4_k")
+    assert "tiny" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ValueError) as err:
+        make_model(out, "tiny", "q5_k")
+    assert all(q in str(err.value) for q in QTYPES) and "\n" not in str(err.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_interrupted_write_leaves_nothing(tmp_path: Path) -> None:
+    def stop(done: int, total: int) -> None:
+        if done > total // 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        make_model(tmp_path / "m.gguf", "tiny", "q4_k", progress=stop)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tiny_is_fast_and_reports_progress(tmp_path: Path) -> None:
+    seen: list[tuple[int, int]] = []
+    info = make_model(tmp_path / "m.gguf", "tiny", "q4_k",
+                      progress=lambda done, total: seen.append((done, total)))
+    assert info.seconds < 2.0
+    assert seen[-1][0] == seen[-1][1] == info.sizes.total_bytes
+    assert info.file_bytes == os.path.getsize(tmp_path / "m.gguf")
+
+
+def test_bytes_do_not_depend_on_worker_count(tmp_path: Path) -> None:
+    one = make_model(tmp_path / "a.gguf", "tiny", "q4_k", seed=7, n_layers=2, workers=1)
+    two = make_model(tmp_path / "b.gguf", "tiny", "q4_k", seed=7, n_layers=2, workers=2)
+    other = make_model(tmp_path / "c.gguf", "tiny", "q4_k", seed=8, n_layers=2, workers=1)
+    assert one.path.read_bytes() == two.path.read_bytes()
+    assert one.path.read_bytes() != other.path.read_bytes()
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_tensor_data_lands_at_the_offsets_gguf_reads(tmp_path: Path, qtype: str) -> None:
+    info = make_model(tmp_path / "m.gguf", "tiny", qtype, seed=1, n_layers=1)
+    reader = GGUFReader(info.path)
+    plans = tensor_plan(get_spec("tiny").with_layers(1), qtype)
+    by_name = {t.name: t for t in reader.tensors}
+    assert [t.name for t in reader.tensors] == [p.name for p in plans]
+    for plan in plans:
+        tensor = by_name[plan.name]
+        jobs = model_maker._jobs([plan], [tensor.data_offset], seed=1)
+        expected = b"".join(model_maker._generate(j).tobytes() for j in jobs)
+        assert tensor.tensor_type == plan.ggml_type
+        assert bytes(tensor.data.reshape(-1).view(np.uint8)) == expected, plan.name
+
+
+def test_qwen2_57b_two_layers_matches_models_yaml(tmp_path: Path) -> None:
+    spec = get_spec("qwen2-57b-a14b")
+    info = make_model(tmp_path / "q57.gguf", "qwen2-57b-a14b", "q4_k", n_layers=2, workers=2)
+    reader = GGUFReader(info.path)
+    arch = "qwen2moe"
+    assert _field(reader, "general.architecture") == arch
+    expected = {
+        "block_count": 2,
+        "context_length": spec.context_length,
+        "embedding_length": spec.d_model,
+        "feed_forward_length": spec.ff,
+        "attention.head_count": spec.heads,
+        "attention.head_count_kv": spec.kv_heads,
+        "expert_count": spec.experts,
+        "expert_used_count": spec.top_k,
+        "expert_feed_forward_length": spec.expert_ff,
+        "expert_shared_feed_forward_length": spec.shared_expert_ff,
+    }
+    for key, value in expected.items():
+        assert _field(reader, f"{arch}.{key}") == value, key
+    assert _field(reader, f"{arch}.rope.freq_base") == pytest.approx(spec.rope_theta)
+    assert _field(reader, f"{arch}.attention.layer_norm_rms_epsilon") == pytest.approx(1e-6)
+    assert _field(reader, "general.file_type") == 14
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    assert len(tokens) == spec.vocab
+    assert tokens[151643:151646] == list(SPECIAL_TOKENS)
+    assert _field(reader, "tokenizer.ggml.eos_token_id") == 151645
+
+    shapes = {t.name: (tuple(int(x) for x in t.shape), t.tensor_type) for t in reader.tensors}
+    d, fe, fs, e, kv = spec.d_model, spec.expert_ff, spec.shared_expert_ff, spec.experts, 512
+    assert shapes["token_embd.weight"] == ((d, spec.vocab), Q.Q4_K)
+    assert shapes["output.weight"] == ((d, spec.vocab), Q.Q4_K)
+    assert shapes["blk.1.attn_k.weight"] == ((d, kv), Q.Q4_K)
+    assert shapes["blk.1.attn_k.bias"] == ((kv,), Q.F32)
+    assert shapes["blk.1.ffn_gate_inp.weight"] == ((d, e), Q.F32)
+    assert shapes["blk.1.ffn_gate_exps.weight"] == ((d, fe, e), Q.Q4_K)
+    assert shapes["blk.1.ffn_down_exps.weight"] == ((fe, d, e), Q.Q4_K)
+    assert shapes["blk.1.ffn_gate_inp_shexp.weight"] == ((d,), Q.F32)
+    assert shapes["blk.1.ffn_down_shexp.weight"] == ((fs, d), Q.Q4_K)
+    assert len(shapes) == 3 + 2 * 17
+
+    down = next(t for t in reader.tensors if t.name == "blk.1.ffn_down_exps.weight")
+    one_expert = np.asarray(down.data[5])  # expert 5: rows of Q4_K blocks
+    values = dequantize(one_expert, Q.Q4_K)
+    assert values.shape == (d, fe)
+    assert np.isfinite(values).all()
+    assert values.std() == pytest.approx(1 / np.sqrt(fe), rel=0.03)
+
+
+# --- tokenizer ---------------------------------------------------------------------------
+
+def test_vocab_structure() -> None:
+    vocab = make_vocab(151936, 151643)
+    assert len(vocab.tokens) == len(set(vocab.tokens)) == 151936
+    assert len(vocab.merges) >= 151643 - 256
+    token_set = set(vocab.tokens)
+    for merge in vocab.merges:
+        left, right = merge.split(" ")
+        assert left in token_set and right in token_set and left + right in token_set
+    for token in vocab.tokens[256:151643]:
+        decode_token(token).decode("utf-8")  # every merged token is whole text
+    assert vocab.tokens[151643:151646] == list(SPECIAL_TOKENS)
+    assert set(vocab.token_types[151643:151646]) == {3}  # CONTROL
+    assert set(vocab.token_types[151646:]) == {5}  # UNUSED padding
+    assert (vocab.eos_id, vocab.eot_id, vocab.bos_id) == (151645, 151645, 151643)
+    small = make_vocab(2048)
+    assert small.tokens[:2045] == vocab.tokens[:2045]  # smaller vocabularies are prefixes
+
+
+# --- llama.cpp ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_models(tiny_model: Callable[[str], Path]) -> dict[str, Path]:
+    return {q: tiny_model(q) for q in QTYPES}
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_llama_cpp_loads_and_runs(tiny_models: dict[str, Path], qtype: str) -> None:
+    llm = llama_cpp.Llama(model_path=str(tiny_models[qtype]), n_ctx=256, logits_all=True,
+                          verbose=False)
+    text = "Hello world, 123!"
+    tokens = llm.tokenize(text.encode(), add_bos=False)
+    assert llm.detokenize(tokens).decode() == text
+    assert len(tokens) < len(text.encode())  # merges apply
+
+    llm.eval(tokens)
+    logits = np.asarray(llm.scores[: llm.n_tokens])
+    assert np.isfinite(logits).all()
+    assert logits.std() > 0.1
+    top2 = np.sort(logits[-1])[-2:]
+    assert top2[1] - top2[0] > 1e-4  # greedy has a unique choice
+
+    runs = []
+    for _ in range(2):
+        llm.reset()
+        out = llm(text, max_tokens=12, temperature=0.0)
+        runs.append(out["choices"][0]["text"])
+    assert runs[0] == runs[1] and runs[0]
+
+
+def test_llama_cpp_chat_template(tiny_models: dict[str, Path]) -> None:
+    llm = llama_cpp.Llama(model_path=str(tiny_models["q4_k"]), n_ctx=256, verbose=False)
+    assert llm.metadata["tokenizer.chat_template"] == CHATML_TEMPLATE
+    prompt = jinja2.Template(CHATML_TEMPLATE).render(
+        messages=[{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    assert prompt == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+                      "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    ids = llm.tokenize(prompt.encode(), add_bos=False, special=True)
+    assert ids[0] == 2046 and ids.count(2047) == 2  # <|im_start|>, <|im_end|>
+    assert llm.token_eos() == 2047
+    reply = llm.create_chat_completion([{"role": "user", "content": "Hi"}], max_tokens=4,
+                                       temperature=0.0)
+    assert reply["choices"][0]["message"]["role"] == "assistant"
