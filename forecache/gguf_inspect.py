@@ -9,7 +9,7 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,6 @@ class ModelFile:
     tensors: list[TensorInfo]
     data_offset: int
     file_size: int
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def arch(self) -> str:
