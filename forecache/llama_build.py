@@ -246,6 +246,8 @@ def verify_sdist(sdist: Path) -> None:
 
 def unpack_source(source: Path | None, work: Path) -> Path:
     """Copy or unpack the source into ``work`` and return the llama-cpp-python tree in it."""
+    if source is None and os.environ.get("FORECACHE_LLAMA_SOURCE"):
+        source = Path(os.environ["FORECACHE_LLAMA_SOURCE"])
     if source is None:
         source = fetch_sdist(cache_dir() / "sdist")
     source = source.expanduser().resolve()
@@ -501,7 +503,8 @@ def build(source: Path | None = None, backend: str = "auto", force: bool = False
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry: ``python -m forecache.llama_build`` (also ``forecache build``)."""
     ap = argparse.ArgumentParser(prog="forecache build", description=__doc__.splitlines()[0])
-    ap.add_argument("--source", type=Path, help="local sdist (.tar.gz) or unpacked source tree")
+    ap.add_argument("--source", type=Path, help="local sdist (.tar.gz) or unpacked source tree "
+                    "(default: $FORECACHE_LLAMA_SOURCE, else download)")
     ap.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"])
     ap.add_argument("--force", action="store_true", help="rebuild even when a cached wheel exists")
     ap.add_argument("--export-source", type=Path, metavar="DIR",

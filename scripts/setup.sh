@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Set up forecache in ./.venv: Python dependencies, then the patched llama.cpp build (cached in
 # ~/.cache/forecache after the first time), then forecache itself. Safe to re-run.
+# Offline: PIP_NO_INDEX=1 PIP_FIND_LINKS=DIR (wheels) FORECACHE_LLAMA_SOURCE=TREE (from
+# `forecache build --export-source TREE`), and FORECACHE_VENV_SYSTEM_SITE=1 to reuse the
+# machine's own numpy/onnxruntime.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,7 +14,13 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; th
 fi
 if [ ! -x .venv/bin/python ]; then
     echo "[forecache setup] creating .venv"
-    "$PY" -m venv .venv
+    # FORECACHE_VENV_SYSTEM_SITE=1 lets the venv see packages the machine already has (offline
+    # machines with numpy/onnxruntime preinstalled).
+    if [ "${FORECACHE_VENV_SYSTEM_SITE:-0}" = 1 ]; then
+        "$PY" -m venv --system-site-packages .venv
+    else
+        "$PY" -m venv .venv
+    fi
 fi
 # (the grep drops pip's notes about unreachable extra indexes; pip's exit status is kept)
 pip_install() {

@@ -11,7 +11,8 @@ from forecache import llama_build
 
 @click.command("build")
 @click.option("--source", type=click.Path(path_type=Path),
-              help="Local llama-cpp-python sdist (.tar.gz) or unpacked tree, for offline machines.")
+              help="Local llama-cpp-python sdist (.tar.gz) or unpacked tree, for offline machines "
+              "(default: $FORECACHE_LLAMA_SOURCE, else download).")
 @click.option("--backend", type=click.Choice(["auto", "cpu", "cuda"]), default="auto",
               show_default=True,
               help="auto: CUDA when nvcc and a GPU are present (FORECACHE_CUDA=1/0 forces).")
