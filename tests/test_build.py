@@ -114,3 +114,20 @@ def test_missing_compiler_is_explained(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(llama_build.shutil, "which", lambda name: None)
     with pytest.raises(BuildError, match="no C/C.. compiler found"):
         llama_build.check_toolchain("cpu")
+
+
+def test_exported_tree_is_a_valid_offline_source(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    sdist = llama_build.cache_dir() / "sdist" / llama_build.SDIST_NAME
+    if not sdist.exists():
+        pytest.skip("pinned sdist not in the cache (built from --source)")
+    exported = llama_build.export_source(sdist, tmp_path / "src")
+    assert not (exported / "vendor" / "llama.cpp" / "docs").exists()
+    with pytest.raises(BuildError, match="exists"):
+        llama_build.export_source(sdist, exported)
+    monkeypatch.setenv("FORECACHE_LLAMA_SOURCE", str(exported))
+    (tmp_path / "work").mkdir()
+    tree = llama_build.unpack_source(None, tmp_path / "work")
+    assert tree.parent == tmp_path / "work"
+    assert llama_build.llama_cpp_commit(tree) == llama_build.llama_cpp_commit(exported)
+    llama_build.apply_patches(tree, llama_build.patch_files())
