@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny models written once per test session, and a CLI runner."""
+"""Shared fixtures: tiny models written once per test session."""
 
 from __future__ import annotations
 
@@ -6,8 +6,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-
-QTYPES = ("f16", "q8_0", "q4_0", "q4_k")
 
 
 @pytest.fixture(scope="session")
