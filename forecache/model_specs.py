@@ -26,6 +26,8 @@ from gguf import (
     LlamaFileType,
 )
 
+from forecache.gguf_inspect import tensor_nbytes
+
 #: models.yaml is looked up inside the package first (when installed), then at the repo root.
 _YAML_CANDIDATES = (
     Path(__file__).resolve().parent / "models.yaml",
@@ -148,8 +150,7 @@ class TensorPlan:
     @property
     def nbytes(self) -> int:
         """Size of the tensor data in the file, without alignment padding."""
-        block, block_bytes = GGML_QUANT_SIZES[self.ggml_type]
-        return self.n_elements // block * block_bytes
+        return tensor_nbytes(self.ne, self.ggml_type)
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 from cli_helpers import run_cli, run_cli_json
 
+from forecache import model_specs
 from forecache.engine import Engine, SamplingParams
 
-QTYPES = ("f16", "q8_0", "q4_0", "q4_k")
+QTYPES = list(model_specs.QTYPES)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

@@ -19,7 +19,7 @@ from forecache.model_maker import make_model, random_blocks
 from forecache.model_specs import get_spec, size_report, tensor_plan, tensor_type
 from forecache.vocab_maker import CHATML_TEMPLATE, SPECIAL_TOKENS, decode_token, make_vocab
 
-QTYPES = ["f16", "q8_0", "q4_0", "q4_k"]
+QTYPES = list(model_specs.QTYPES)
 
 
 def _field(reader: GGUFReader, key: str):

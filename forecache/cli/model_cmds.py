@@ -7,12 +7,14 @@ from pathlib import Path
 
 import click
 
+from forecache.model_specs import QTYPES
+
 
 @click.command("make-model")
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--preset", required=True, help="Model shape from models.yaml (e.g. tiny, "
               "qwen1.5-moe-a2.7b, qwen2-57b-a14b).")
-@click.option("--type", "qtype", type=click.Choice(["f16", "q8_0", "q4_0", "q4_k"]),
+@click.option("--type", "qtype", type=click.Choice(list(QTYPES)),
               default="f16", show_default=True, help="Type of the weight matrices.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random weights.")
 @click.option("--layers", "n_layers", type=int, default=None,
