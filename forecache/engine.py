@@ -11,8 +11,25 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
 from forecache.bindings import llama_cpp_module, patch_version
+from forecache.cache.runtime import ExpertCache
+from forecache.cache.setup import (
+    CacheConfig,
+    Placement,
+    attach,
+    expert_overrides,
+    make_policy,
+    place,
+)
 from forecache.gguf_inspect import ModelFile, require_moe
+
+# Text routed once to build the static policy's profile when none is given.
+CALIBRATION_TEXT = (
+    "The history of science is the study of how people came to understand the natural world: "
+    "measuring the stars, mixing metals, growing crops, curing illness and writing it all down. "
+)
 
 
 class ModelLoadError(RuntimeError):
@@ -86,16 +103,23 @@ class Engine:
 
     def __init__(self, model_path: str | os.PathLike[str], *, n_ctx: int = 4096,
                  n_threads: int | None = None, n_gpu_layers: int = -1, seed: int = 0,
-                 n_batch: int = 512, verbose: bool = False) -> None:
+                 n_batch: int = 512, verbose: bool = False,
+                 cache: CacheConfig | None = None) -> None:
         self.model_file: ModelFile = require_moe(model_path)
+        self.cache_config = cache
+        self.expert_cache: ExpertCache | None = None
+        self.placement: Placement | None = None
         patch_version()  # refuses a stock llama-cpp-python before llama.cpp touches the file
         from llama_cpp import Llama
 
         ctx_train = int(self.model_file.arch_kv("context_length", n_ctx) or n_ctx)
         self.n_ctx = min(n_ctx, ctx_train)
         threads = n_threads or os.cpu_count() or 1
+        if cache is not None:
+            self.placement = place(self.model_file, cache, n_ctx=self.n_ctx, n_ubatch=n_batch)
         try:
-            with _quiet_stderr(not verbose):
+            with _quiet_stderr(not verbose), (expert_overrides(self.placement) if self.placement
+                                              else contextlib.nullcontext()):
                 self.llm = Llama(model_path=str(model_path), n_ctx=self.n_ctx, n_batch=n_batch,
                                  n_threads=threads, n_threads_batch=threads,
                                  n_gpu_layers=n_gpu_layers, seed=seed, verbose=verbose)
@@ -105,6 +129,41 @@ class Engine:
         low = llama_cpp_module()
         self._vocab = low.llama_model_get_vocab(self.llm.model)
         self._is_eog = low.llama_vocab_is_eog
+        if cache is not None and cache.policy in ("lru", "static"):
+            self._attach_cache(cache)
+
+    def _attach_cache(self, cfg: CacheConfig) -> None:
+        assert self.placement is not None
+        if cfg.policy == "static" and cfg.profile is None:
+            cfg.profile = self.routing_profile(self.tokenize(CALIBRATION_TEXT * 2), 16)
+        self.expert_cache = attach(self.llm.ctx, self.placement, cfg,
+                                   make_policy(cfg, self.placement.n_slots))
+        self.expert_cache.wait_idle()  # the static policy's pinned experts
+        self.expert_cache.reset_stats()
+
+    def routing_profile(self, tokens: list[int], n_gen: int) -> np.ndarray:
+        """Routed-expert counts [n_layer, n_expert] of a greedy run over ``tokens``, computed from
+        host memory with a recording hook (one slot per layer is allocated for the hook)."""
+        from forecache.cache.policies import Policy
+        from forecache.cache.setup import attach as attach_cache
+
+        class _Record(Policy):
+            def on_gate(self, layer, experts):  # type: ignore[no-untyped-def]
+                return None
+
+        assert self.placement is not None
+        n_slots = [1 if n else 0 for n in self.placement.n_slots]
+        rec = attach_cache(self.llm.ctx, Placement(self.placement.device, None, n_slots, []),
+                           CacheConfig(policy="lru", slots_per_layer=1, record=True),
+                           _Record(n_slots))
+        try:
+            self.generate(tokens, n_gen, SamplingParams(greedy=True), ignore_eos=True)
+        finally:
+            rec.close()
+        counts = np.zeros((self.model_file.n_layer, self.model_file.n_expert), dtype=np.int64)
+        for layer, ids in rec.routes:
+            np.add.at(counts[layer], ids.ravel(), 1)
+        return counts
 
     @property
     def path(self) -> Path:
@@ -169,10 +228,34 @@ class Engine:
         t_end = time.perf_counter()
         ttft = t_first - t0
         tpot = (t_end - t_first) / (len(out) - 1) if len(out) > 1 else 0.0
-        return GenerationResult(out, "".join(pieces), len(tokens), finish, ttft, tpot)
+        return GenerationResult(out, "".join(pieces), len(tokens), finish, ttft, tpot,
+                                self.cache_stats())
+
+    def last_logits(self) -> np.ndarray:
+        """A copy of the logits of the last token evaluated (n_vocab floats)."""
+        low = llama_cpp_module()
+        n_vocab = low.llama_vocab_n_tokens(self._vocab)
+        ptr = low.llama_get_logits_ith(self.llm.ctx, -1)
+        return np.ctypeslib.as_array(ptr, shape=(n_vocab,)).copy()
+
+    def cache_stats(self) -> dict:
+        """Expert-cache counters since the last reset (zeros without a cache)."""
+        policy = self.cache_config.policy if self.cache_config else "none"
+        out = {"policy": policy, "hits": 0, "misses": 0, "h2d_bytes": 0, "stall_s": 0.0,
+               "cache_slots": 0, "host_layers": 0, "copy_s": 0.0, "hook_s": 0.0}
+        if self.expert_cache is not None:
+            s = self.expert_cache.stats()
+            out.update({k: s[k] for k in ("hits", "misses", "h2d_bytes", "stall_s", "host_layers",
+                                          "copy_s", "hook_s")})
+            out["cache_slots"] = self.expert_cache.n_slots_total
+        return out
 
     def close(self) -> None:
         """Free the llama.cpp model and context now rather than at garbage collection."""
+        cache = getattr(self, "expert_cache", None)
+        if cache is not None:
+            cache.close()
+            self.expert_cache = None
         llm = getattr(self, "llm", None)
         if llm is not None:
             llm.close()

@@ -89,3 +89,26 @@ def test_make_model_refuses_to_overwrite(tmp_path: Path) -> None:
 
 def test_unknown_preset(tmp_path: Path) -> None:
     _assert_one_line_error(["make-model", str(tmp_path / "m.gguf"), "--preset", "nope"], "nope")
+
+
+def test_budget_too_small(tiny_model: Callable[[str], Path]) -> None:
+    args = ["generate", "-m", str(tiny_model("q8_0")), "-p", "x", "--policy", "lru"]
+    _assert_one_line_error([*args, "--gpu-budget", "1MiB"], "need at least")
+
+
+def test_budget_larger_than_device(tiny_model: Callable[[str], Path]) -> None:
+    args = ["generate", "-m", str(tiny_model("q8_0")), "-p", "x", "--policy", "lru"]
+    _assert_one_line_error([*args, "--gpu-budget", "1000TiB"], "is larger than")
+
+
+def test_policy_without_size_and_bad_size(tiny_model: Callable[[str], Path]) -> None:
+    args = ["generate", "-m", str(tiny_model("q8_0")), "-p", "x"]
+    _assert_one_line_error([*args, "--policy", "static"], "needs --gpu-budget")
+    _assert_one_line_error([*args, "--gpu-budget", "lots"], "cannot read size")
+    _assert_one_line_error([*args, "--cache-fraction", "1.5"], "--cache-fraction")
+
+
+def test_non_moe_model_with_policy(tmp_path: Path) -> None:
+    p = _dense_gguf(tmp_path / "dense.gguf")
+    _assert_one_line_error(["generate", "-m", str(p), "-p", "x", "--policy", "lru",
+                            "--gpu-budget", "1GiB"], "not a Mixture-of-Experts")

@@ -7,7 +7,7 @@ import json
 import pytest
 from cli_helpers import run_cli
 
-COMMANDS = ["build", "doctor", "generate", "make-model", "run"]
+COMMANDS = ["bench", "build", "doctor", "generate", "make-model", "run"]
 
 
 def test_top_level_help_lists_commands() -> None:

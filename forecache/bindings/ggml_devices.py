@@ -38,6 +38,7 @@ def _lib() -> ctypes.CDLL:
         "ggml_backend_dev_type": ([vp], ctypes.c_int),
         "ggml_backend_dev_backend_reg": ([vp], vp),
         "ggml_backend_dev_host_buffer_type": ([vp], vp),
+        "ggml_backend_dev_buffer_type": ([vp], vp),
         "ggml_backend_reg_name": ([vp], ctypes.c_char_p),
         "ggml_backend_reg_count": ([], sz),
         "ggml_backend_reg_get": ([sz], vp),
@@ -90,6 +91,24 @@ def has_pinned_host_buffer(index: int) -> bool:
     """Whether the device offers a pinned host buffer type (CUDA does, the CPU does not)."""
     lib = _lib()
     return bool(lib.ggml_backend_dev_host_buffer_type(lib.ggml_backend_dev_get(index)))
+
+
+def host_buffer_type(index: int) -> int:
+    """Buffer type for host-resident weights next to device ``index``: its pinned host buffer
+    type when it has one, else the device's own (CPU) buffer type."""
+    lib = _lib()
+    dev = lib.ggml_backend_dev_get(index)
+    return lib.ggml_backend_dev_host_buffer_type(dev) or lib.ggml_backend_dev_buffer_type(dev)
+
+
+def cache_device() -> Device:
+    """The device expert slots live on: the first GPU, else the CPU."""
+    devs = devices()
+    for kind in ("gpu", "cpu"):
+        for d in devs:
+            if d.type == kind:
+                return d
+    raise RuntimeError("ggml reports no GPU and no CPU device")
 
 
 @dataclass

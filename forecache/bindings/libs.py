@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 from types import ModuleType
 
-# Must equal FORECACHE_PATCH_VERSION in patches/0001's include/forecache.h.
-EXPECTED_PATCH_VERSION = 1
+# Must equal FORECACHE_PATCH_VERSION in include/forecache.h (patches/0003).
+EXPECTED_PATCH_VERSION = 2
 
 _FIX = "run `forecache build` (or `make setup`) to install forecache's patched llama-cpp-python"
 
@@ -55,6 +55,10 @@ def _declare_api(lib: ctypes.CDLL) -> None:
         ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_double),
     ]
     lib.forecache_measure_copy.restype = ctypes.c_int32
+    if getattr(lib, "forecache_cache_init", None) is not None:
+        from forecache.bindings.cache_api import declare
+
+        declare(lib)
 
 
 def patch_version() -> int:

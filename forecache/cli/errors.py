@@ -8,12 +8,14 @@ import sys
 import click
 
 from forecache.bindings import PatchedBuildError
+from forecache.cache.runtime import CacheError
 from forecache.engine import ModelLoadError
 from forecache.gguf_inspect import GGUFError
 from forecache.llama_build import BuildError
 
 # OSError covers the file-system problems users meet: disk full, permissions, existing output.
-USER_ERRORS = (GGUFError, PatchedBuildError, ModelLoadError, BuildError, ValueError, OSError)
+USER_ERRORS = (GGUFError, PatchedBuildError, ModelLoadError, BuildError, CacheError, ValueError,
+               OSError)
 
 
 def main_guard(cli: click.Group) -> None:

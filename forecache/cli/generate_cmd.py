@@ -8,7 +8,33 @@ from pathlib import Path
 
 import click
 
+from forecache.cache.budget import parse_size
+from forecache.cache.policies import POLICIES
+from forecache.cache.setup import CacheConfig
 from forecache.engine import Engine, GenerationResult, SamplingParams
+
+
+def cache_options(fn):  # type: ignore[no-untyped-def]
+    """--policy, --gpu-budget and --cache-fraction."""
+    fn = click.option("--cache-fraction", type=float, default=None,
+                      help="Share of each layer's experts held in device slots (0-1].")(fn)
+    fn = click.option("--gpu-budget", default=None,
+                      help="All device memory the run may use: weights, KV cache, buffers, "
+                           "expert slots (e.g. 24GiB).")(fn)
+    fn = click.option("--policy", type=click.Choice(POLICIES), default=None,
+                      help="Expert placement (default: lru when a size is given, else llama.cpp's "
+                           "own placement).")(fn)
+    return fn
+
+
+def cache_config(policy: str | None, gpu_budget: str | None,
+                 cache_fraction: float | None) -> CacheConfig | None:
+    """The CacheConfig the cache options ask for, or None for llama.cpp's own placement."""
+    if policy is None and gpu_budget is None and cache_fraction is None:
+        return None
+    return CacheConfig(policy=policy or "lru",
+                       gpu_budget=parse_size(gpu_budget) if gpu_budget is not None else None,
+                       cache_fraction=cache_fraction)
 
 
 def _print_stats(res: GenerationResult) -> None:
@@ -41,15 +67,18 @@ def _stream(text: str) -> None:
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object: tokens, text, stats.")
 @click.option("--verbose", is_flag=True, help="Show llama.cpp's own log.")
+@cache_options
 def generate(model: Path, prompt: str, n_predict: int, greedy: bool, seed: int, temp: float,
              n_ctx: int, threads: int | None, n_gpu_layers: int, ignore_eos: bool, as_json: bool,
-             verbose: bool) -> None:
+             verbose: bool, policy: str | None, gpu_budget: str | None,
+             cache_fraction: float | None) -> None:
     """Generate text from a prompt with a GGUF MoE model."""
     if n_predict < 0:
         raise click.BadParameter("must be >= 0", param_hint="-n")
     sampling = SamplingParams(greedy=greedy, temperature=temp)
+    cfg = cache_config(policy, gpu_budget, cache_fraction)
     with Engine(model, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers, seed=seed,
-                verbose=verbose) as eng:
+                verbose=verbose, cache=cfg) as eng:
         res = eng.generate(prompt, n_predict, sampling, on_text=None if as_json else _stream,
                            ignore_eos=ignore_eos)
     if as_json:

@@ -1,0 +1,61 @@
+"""Placement policies side by side (offload, ncmoe, lru, static): the table in BENCHMARKS.md.
+
+    python benchmarks/policy_bench.py -m MODEL --gpu-budget 24GiB --prompt-len 512 --gen 128 \
+        [--policies offload,ncmoe,lru,static] [--json OUT.json]
+
+Prints the device, its host-to-device bandwidth and the table; --json also writes the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+from forecache.bench import format_table, run_bench
+from forecache.bindings.ggml_devices import CopyProbeError, cache_device, measure_copy
+from forecache.cache.budget import parse_size
+from forecache.cache.policies import POLICIES
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", required=True, type=Path)
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--gpu-budget", default=None)
+    ap.add_argument("--cache-fraction", type=float, default=None)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="write the report here")
+    a = ap.parse_args()
+
+    dev = cache_device()
+    try:
+        bw = measure_copy(dev.index, 256 << 20, 5, pinned=dev.type == "gpu")
+        h2d = bw.h2d_gbps
+    except CopyProbeError:
+        h2d = None
+    print(f"device: {dev.name} ({dev.description}), {dev.memory_total / 2**30:.1f} GiB; "
+          f"host->device {h2d:.1f} GB/s" if h2d else f"device: {dev.name}", file=sys.stderr)
+    t0 = time.time()
+    report = run_bench(a.model, [p.strip() for p in a.policies.split(",")],
+                       gpu_budget=parse_size(a.gpu_budget) if a.gpu_budget else None,
+                       cache_fraction=a.cache_fraction, prompt_len=a.prompt_len, n_gen=a.gen,
+                       n_prompts=a.prompts, n_threads=a.threads,
+                       progress=lambda s: print(s, file=sys.stderr))
+    report.update({"device": dev.name, "device_description": dev.description,
+                   "h2d_gbps": h2d, "host": platform.node(), "command": " ".join(sys.argv),
+                   "date": time.strftime("%Y-%m-%d"), "wall_s": time.time() - t0})
+    print(format_table(report))
+    if a.json:
+        a.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,62 @@
+"""ctypes declarations of the expert-cache part of our C API (include/forecache.h, patch 0003)."""
+
+from __future__ import annotations
+
+import ctypes
+
+# int32_t hook(void * ud, int32_t layer, int32_t n_tokens, int32_t n_used,
+#              const int32_t * ids, const float * weights, const float * gate_input, int32_t n_embd)
+GATE_HOOK = ctypes.CFUNCTYPE(
+    ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
+    ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_float),
+    ctypes.c_int32,
+)
+
+
+class CacheStats(ctypes.Structure):
+    """struct forecache_cache_stats."""
+
+    _fields_ = [
+        ("hits", ctypes.c_uint64),
+        ("misses", ctypes.c_uint64),
+        ("host_layers", ctypes.c_uint64),
+        ("h2d_bytes", ctypes.c_uint64),
+        ("n_chunks", ctypes.c_uint64),
+        ("n_hook_calls", ctypes.c_uint64),
+        ("copy_s", ctypes.c_double),
+        ("stall_s", ctypes.c_double),
+        ("hook_s", ctypes.c_double),
+        ("host_s", ctypes.c_double),
+    ]
+
+    def as_dict(self) -> dict:
+        return {name: getattr(self, name) for name, _ in self._fields_}
+
+
+class TensorBuftOverride(ctypes.Structure):
+    """struct llama_model_tensor_buft_override: a name pattern and a buffer type."""
+
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+def declare(lib: ctypes.CDLL) -> None:
+    """Set argument and result types of the expert-cache functions on libllama."""
+    vp, i32, sz = ctypes.c_void_p, ctypes.c_int32, ctypes.c_size_t
+    sigs = {
+        "forecache_cache_init": ([vp, ctypes.POINTER(i32), i32, sz, sz, ctypes.c_char_p, sz], vp),
+        "forecache_cache_free": ([vp], None),
+        "forecache_cache_set_hook": ([vp, GATE_HOOK, vp, ctypes.c_bool], None),
+        "forecache_cache_layer_info": ([vp, i32, ctypes.POINTER(i32), ctypes.POINTER(i32),
+                                        ctypes.POINTER(sz)], i32),
+        "forecache_cache_slot_of": ([vp, i32, i32], i32),
+        "forecache_cache_expert_in": ([vp, i32, i32], i32),
+        "forecache_cache_load": ([vp, i32, i32, i32, i32], i32),
+        "forecache_cache_cancel": ([vp, i32, i32], i32),
+        "forecache_cache_wait_idle": ([vp], None),
+        "forecache_cache_get_stats": ([vp, i32, ctypes.POINTER(CacheStats)], i32),
+        "forecache_cache_reset_stats": ([vp], None),
+    }
+    for name, (args, res) in sigs.items():
+        fn = getattr(lib, name)
+        fn.argtypes = args
+        fn.restype = res

@@ -1,0 +1,113 @@
+"""Device memory budgets: parsing sizes and turning a budget into expert slots or ncmoe layers."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from forecache.gguf_inspect import ModelFile
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40,
+          "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
+          "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+# Compute buffers beyond the logits and expert activations (attention scratch, graph bookkeeping).
+COMPUTE_RESERVE = 256 << 20
+
+
+class BudgetError(ValueError):
+    """A budget that cannot run the model; the message states what is needed."""
+
+
+def parse_size(text: str) -> int:
+    """Bytes in a size such as ``24GiB``, ``24G`` (binary), ``24GB`` (decimal) or ``1e9``."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).upper() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"cannot read size {text!r}: use a number with an optional unit, "
+                         "e.g. 24GiB, 512MiB or 24GB")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def format_size(n: float) -> str:
+    """Bytes as GiB or MiB with one decimal."""
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Where a budget goes: fixed needs, then expert slots (or whole expert layers for ncmoe)."""
+
+    budget: int
+    non_expert_bytes: int
+    kv_bytes: int
+    compute_bytes: int
+    expert_bytes: int          # one expert of one layer, all projections
+    n_expert: int
+    moe_layers: list[int]
+
+    @property
+    def fixed_bytes(self) -> int:
+        return self.non_expert_bytes + self.kv_bytes + self.compute_bytes
+
+    @property
+    def expert_budget(self) -> int:
+        return self.budget - self.fixed_bytes
+
+    def slots_per_layer(self) -> list[int]:
+        """Slots for each layer, the expert budget spread evenly over the MoE layers."""
+        total = max(self.expert_budget, 0) // self.expert_bytes
+        base, extra = divmod(total, len(self.moe_layers))
+        out = [0] * (max(self.moe_layers) + 1)
+        for i, il in enumerate(self.moe_layers):
+            out[il] = min(self.n_expert, base + (1 if i < extra else 0))
+        return out
+
+    def ncmoe_cpu_layers(self) -> int:
+        """``--n-cpu-moe`` N: the first N MoE layers keep their experts on the host."""
+        on_gpu = max(self.expert_budget, 0) // (self.expert_bytes * self.n_expert)
+        return max(0, len(self.moe_layers) - on_gpu)
+
+
+def kv_cache_bytes(model: ModelFile, n_ctx: int) -> int:
+    """f16 K and V for every layer (llama.cpp's default cache type)."""
+    n_embd = int(model.arch_kv("embedding_length", 0))
+    n_head = int(model.arch_kv("attention.head_count", 1))
+    n_head_kv = int(model.arch_kv("attention.head_count_kv", n_head) or n_head)
+    head_dim = int(model.arch_kv("attention.key_length", n_embd // max(n_head, 1)))
+    return model.n_layer * n_ctx * n_head_kv * head_dim * 2 * 2
+
+
+def plan_memory(model: ModelFile, budget: int, *, n_ctx: int, n_ubatch: int,
+                device_name: str, device_total: int) -> MemoryPlan:
+    """Split ``budget`` bytes of device memory; refuses budgets the device or model cannot meet."""
+    if budget > device_total:
+        raise BudgetError(f"budget {format_size(budget)} is larger than {device_name}'s "
+                          f"{format_size(device_total)}; lower --gpu-budget")
+    moe_layers = sorted({int(t.name.split(".")[1]) for t in model.tensors
+                         if t.name.startswith("blk.") and "_exps." in t.name})
+    expert_bytes = sum(t.nbytes for t in model.tensors if "_exps." in t.name and
+                       t.name.startswith(f"blk.{moe_layers[0]}.")) // model.n_expert
+    n_ff_exp = int(model.arch_kv("expert_feed_forward_length", 0))
+    n_embd = int(model.arch_kv("embedding_length", 0))
+    compute = (n_ubatch * model.n_vocab * 4 + n_ubatch * model.n_expert_used * n_ff_exp * 4 * 3
+               + n_ubatch * n_embd * 4 * 8 + COMPUTE_RESERVE)
+    plan = MemoryPlan(budget=budget, non_expert_bytes=model.total_bytes() - model.expert_bytes(),
+                      kv_bytes=kv_cache_bytes(model, n_ctx), compute_bytes=compute,
+                      expert_bytes=expert_bytes, n_expert=model.n_expert, moe_layers=moe_layers)
+    if plan.expert_budget < 0:
+        raise BudgetError(
+            f"budget {format_size(budget)} is too small for {model.path.name}: non-expert weights "
+            f"{format_size(plan.non_expert_bytes)} + KV cache {format_size(plan.kv_bytes)} + "
+            f"compute buffers {format_size(plan.compute_bytes)} need at least "
+            f"{format_size(plan.fixed_bytes)}; raise --gpu-budget or lower --ctx")
+    return plan
+
+
+def slots_for_fraction(model: ModelFile, fraction: float) -> list[int]:
+    """Slots per layer caching ``fraction`` of each MoE layer's experts (at least one)."""
+    if not 0 < fraction <= 1:
+        raise ValueError(f"--cache-fraction must be in (0, 1], not {fraction}")
+    n = max(1, math.ceil(fraction * model.n_expert - 1e-9))
+    return [n if any(t.name.startswith(f"blk.{il}.") and "_exps." in t.name for t in model.tensors)
+            else 0 for il in range(model.n_layer)]

@@ -1,0 +1,105 @@
+"""Slot assignment policies: which expert goes into which slot when the gate hook fires.
+
+A policy mirrors the slot contents it has asked for, so it never queries the C side on the hot path.
+``on_gate`` returns the (expert, slot) copies to queue, or None to compute the layer from host
+memory (more distinct experts than the policy may place, e.g. during prefill).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import numpy as np
+
+POLICIES = ("offload", "ncmoe", "lru", "static")
+# Slots the static policy keeps for misses (ProMoE's static baseline).
+STATIC_SPARE_SLOTS = 2
+
+
+class Policy:
+    """Base class: per-layer slot counts and the hook decision."""
+
+    name = "base"
+
+    def __init__(self, n_slots: Sequence[int]) -> None:
+        self.n_slots = list(n_slots)
+
+    def initial_loads(self) -> list[tuple[int, int, int]]:
+        """(layer, expert, slot) copies to queue before the first token."""
+        return []
+
+    def on_gate(self, layer: int, experts: np.ndarray) -> list[tuple[int, int]] | None:
+        raise NotImplementedError
+
+
+class LRUPolicy(Policy):
+    """Least recently used per layer; a miss evicts the oldest expert the layer does not need."""
+
+    name = "lru"
+
+    def __init__(self, n_slots: Sequence[int]) -> None:
+        super().__init__(n_slots)
+        self._lru: list[OrderedDict[int, int]] = [OrderedDict() for _ in self.n_slots]
+
+    def on_gate(self, layer: int, experts: np.ndarray) -> list[tuple[int, int]] | None:
+        lru = self._lru[layer]
+        for e in experts.tolist():
+            if e in lru:
+                lru.move_to_end(e)
+        if len(experts) > self.n_slots[layer]:
+            return None
+        loads = []
+        for e in experts.tolist():
+            if e in lru:
+                continue
+            if len(lru) < self.n_slots[layer]:
+                slot = len(lru)
+            else:
+                _, slot = lru.popitem(last=False)  # oldest; hits were moved to the end above
+            lru[e] = slot
+            loads.append((e, slot))
+        return loads
+
+
+class StaticPolicy(Policy):
+    """The hottest experts of a routing profile stay pinned; two spare slots take misses (LRU)."""
+
+    name = "static"
+
+    def __init__(self, n_slots: Sequence[int], profile: np.ndarray) -> None:
+        super().__init__(n_slots)
+        self.pinned: list[dict[int, int]] = []
+        self._spare: list[OrderedDict[int, int]] = []
+        self._spare_slots: list[list[int]] = []
+        for il, n in enumerate(self.n_slots):
+            n_pin = max(n - STATIC_SPARE_SLOTS, 0)
+            counts = profile[il] if il < len(profile) else np.zeros(0)
+            # stable sort: ties go to the lower expert id, so a profile gives one placement
+            hot = np.argsort(-counts, kind="stable")[:n_pin].tolist() if n_pin else []
+            self.pinned.append({int(e): s for s, e in enumerate(hot)})
+            self._spare.append(OrderedDict())
+            self._spare_slots.append(list(range(len(hot), n)))
+
+    def initial_loads(self) -> list[tuple[int, int, int]]:
+        return [(il, e, s) for il, pins in enumerate(self.pinned) for e, s in pins.items()]
+
+    def on_gate(self, layer: int, experts: np.ndarray) -> list[tuple[int, int]] | None:
+        pins, spare, free = self.pinned[layer], self._spare[layer], self._spare_slots[layer]
+        missing = [e for e in experts.tolist() if e not in pins]
+        for e in missing:
+            if e in spare:
+                spare.move_to_end(e)
+        if len(missing) > len(free):
+            return None
+        loads = []
+        for e in missing:
+            if e in spare:
+                continue
+            if len(spare) < len(free):
+                slot = free[len(spare)]
+            else:
+                _, slot = spare.popitem(last=False)
+            spare[e] = slot
+            loads.append((e, slot))
+        return loads

@@ -1,0 +1,131 @@
+"""From a policy and a budget to llama.cpp tensor placement and an attached expert cache."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from forecache.bindings import llama_cpp_module
+from forecache.bindings.cache_api import TensorBuftOverride
+from forecache.bindings.ggml_devices import Device, cache_device, host_buffer_type
+from forecache.cache.budget import MemoryPlan, plan_memory, slots_for_fraction
+from forecache.cache.policies import POLICIES, LRUPolicy, Policy, StaticPolicy
+from forecache.cache.runtime import DEFAULT_CHUNK_BYTES, ExpertCache
+from forecache.gguf_inspect import ModelFile
+
+EXPERT_PATTERN = r"_exps\."
+
+
+@dataclass
+class CacheConfig:
+    """How a run places routed experts: a policy and how much device memory it may use.
+
+    Exactly one of ``gpu_budget`` (bytes for everything on the device), ``cache_fraction`` (share of
+    each layer's experts in slots) or ``slots_per_layer`` sizes the cache; ``offload`` needs none.
+    """
+
+    policy: str = "offload"
+    gpu_budget: int | None = None
+    cache_fraction: float | None = None
+    slots_per_layer: int | None = None
+    profile: np.ndarray | None = None  # static: routed counts [n_layer, n_expert]
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    record: bool = False
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        sizes = [x for x in (self.gpu_budget, self.cache_fraction, self.slots_per_layer)
+                 if x is not None]
+        if len(sizes) > 1:
+            raise ValueError("give one of --gpu-budget and --cache-fraction, not both")
+        if self.policy in ("ncmoe", "lru", "static") and not sizes:
+            raise ValueError(f"policy {self.policy} needs --gpu-budget or --cache-fraction")
+        if self.policy == "ncmoe" and self.gpu_budget is None:
+            raise ValueError("policy ncmoe places whole layers and needs --gpu-budget")
+
+
+@dataclass
+class Placement:
+    """The decisions made before llama.cpp loads the model."""
+
+    device: Device
+    plan: MemoryPlan | None
+    n_slots: list[int]
+    host_layers: list[int]  # layers whose experts are in host memory
+
+
+def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int) -> Placement:
+    """Choose the device and split the budget for ``cfg``."""
+    dev = cache_device()
+    plan = None
+    if cfg.gpu_budget is not None:
+        plan = plan_memory(model, cfg.gpu_budget, n_ctx=n_ctx, n_ubatch=n_ubatch,
+                           device_name=dev.name, device_total=dev.memory_total)
+    moe_layers = sorted({int(t.name.split(".")[1]) for t in model.tensors if "_exps." in t.name})
+    if cfg.policy == "ncmoe":
+        assert plan is not None
+        return Placement(dev, plan, [0] * model.n_layer, moe_layers[:plan.ncmoe_cpu_layers()])
+    if cfg.policy == "offload":
+        return Placement(dev, plan, [0] * model.n_layer, moe_layers)
+    if plan is not None:
+        slots = plan.slots_per_layer() + [0] * model.n_layer
+        slots = slots[:model.n_layer]
+    elif cfg.cache_fraction is not None:
+        slots = slots_for_fraction(model, cfg.cache_fraction)
+    else:
+        assert cfg.slots_per_layer is not None
+        slots = [min(cfg.slots_per_layer, model.n_expert) if il in moe_layers else 0
+                 for il in range(model.n_layer)]
+    return Placement(dev, plan, slots, moe_layers)
+
+
+@contextlib.contextmanager
+def expert_overrides(placement: Placement) -> Iterator[None]:
+    """While active, llama.cpp loads the experts of ``placement.host_layers`` into host memory
+    (pinned when the device has a pinned host buffer type), as ``-ot``/``--n-cpu-moe`` do.
+
+    llama-cpp-python does not expose tensor_buft_overrides, so the default model parameters it
+    starts from are wrapped for the duration of the load.
+    """
+    if not placement.host_layers:
+        yield
+        return
+    low = llama_cpp_module()
+    buft = host_buffer_type(placement.device.index)
+    layers = "|".join(str(il) for il in placement.host_layers)
+    patterns = [f"^blk\\.({layers})\\..*{EXPERT_PATTERN}".encode()]
+    arr = (TensorBuftOverride * (len(patterns) + 1))()
+    for i, pat in enumerate(patterns):
+        arr[i].pattern = pat
+        arr[i].buft = buft
+    original = low.llama_model_default_params
+
+    def params_with_overrides():  # type: ignore[no-untyped-def]
+        p = original()
+        p.tensor_buft_overrides = ctypes.cast(arr, ctypes.c_void_p)
+        return p
+
+    low.llama_model_default_params = params_with_overrides
+    try:
+        yield
+    finally:
+        low.llama_model_default_params = original
+
+
+def make_policy(cfg: CacheConfig, n_slots: list[int]) -> Policy:
+    if cfg.policy == "lru":
+        return LRUPolicy(n_slots)
+    if cfg.profile is None:
+        raise ValueError("policy static needs a routing profile")
+    return StaticPolicy(n_slots, cfg.profile)
+
+
+def attach(ctx: int, placement: Placement, cfg: CacheConfig, policy: Policy) -> ExpertCache:
+    """Create the expert cache on a loaded context."""
+    return ExpertCache(ctx, placement.n_slots, policy, device=placement.device.index,
+                       chunk_bytes=cfg.chunk_bytes, record=cfg.record)

@@ -1,0 +1,47 @@
+"""``forecache bench``: every placement policy on the same prompts, side by side."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from forecache.bench import format_table, run_bench
+from forecache.cache.budget import parse_size
+from forecache.cache.policies import POLICIES
+
+
+@click.command("bench")
+@click.option("-m", "--model", "model", required=True, type=click.Path(path_type=Path),
+              help="GGUF model file.")
+@click.option("--policies", default=",".join(POLICIES), show_default=True,
+              help="Comma-separated policies to run.")
+@click.option("--gpu-budget", default=None, help="Device memory for each run (e.g. 24GiB).")
+@click.option("--cache-fraction", type=float, default=None,
+              help="Share of experts in slots (instead of --gpu-budget; ncmoe needs a budget).")
+@click.option("--prompt-len", default=512, show_default=True, help="Prompt tokens.")
+@click.option("--gen", "n_gen", default=128, show_default=True, help="Generated tokens.")
+@click.option("--prompts", "n_prompts", default=3, show_default=True, help="Prompts per policy.")
+@click.option("--threads", type=int, default=None, help="CPU threads (default: all cores).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def bench(model: Path, policies: str, gpu_budget: str | None, cache_fraction: float | None,
+          prompt_len: int, n_gen: int, n_prompts: int, threads: int | None, as_json: bool) -> None:
+    """Run each policy on the same prompts; report TTFT, TPOT, hit rate, H2D and ratios."""
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    bad = [p for p in names if p not in POLICIES]
+    if bad or not names:
+        raise click.BadParameter(f"unknown policy {', '.join(bad) or '(none)'}; choose from "
+                                 f"{', '.join(POLICIES)}", param_hint="--policies")
+    if gpu_budget is None and cache_fraction is None:
+        raise click.UsageError("give --gpu-budget or --cache-fraction")
+    if prompt_len < 1 or n_gen < 2 or n_prompts < 1:
+        raise click.UsageError("--prompt-len and --prompts must be >= 1 and --gen >= 2")
+    report = run_bench(model, names, gpu_budget=parse_size(gpu_budget) if gpu_budget else None,
+                       cache_fraction=cache_fraction, prompt_len=prompt_len, n_gen=n_gen,
+                       n_prompts=n_prompts, n_threads=threads,
+                       progress=lambda s: click.echo(s, err=True))
+    click.echo(json.dumps(report) if as_json else format_table(report))
+
+
+COMMANDS = [bench]

@@ -1,0 +1,155 @@
+"""The expert cache on the CPU build: lossless for every policy and size, accounting, copies."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from forecache.cache.budget import plan_memory
+from forecache.cache.setup import CacheConfig
+from forecache.engine import Engine, SamplingParams
+from forecache.gguf_inspect import read_model_file
+
+N_GEN = 64
+N_BATCH = 128  # the 300-token prompt spans three ubatches
+PROMPT_LENS = (1, 7, 64, 300)
+
+
+def _prompts(eng: Engine) -> list[list[int]]:
+    text = eng.tokenize("The quick brown fox jumps over the lazy dog, again and again. " * 40)
+    return [text[:n] for n in PROMPT_LENS]
+
+
+def _run(model: Path, cfg: CacheConfig | None) -> list[tuple[list[int], np.ndarray, dict]]:
+    with Engine(model, n_ctx=512, n_batch=N_BATCH, n_threads=2, cache=cfg) as eng:
+        out = []
+        for p in _prompts(eng):
+            res = eng.generate(p, N_GEN, SamplingParams(greedy=True), ignore_eos=True)
+            out.append((res.tokens, eng.last_logits(), res.stats))
+        return out
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model: Callable[[str], Path]) -> list[tuple[list[int], np.ndarray, dict]]:
+    """Stock llama.cpp: plain llama-cpp-python placement, no hook."""
+    return _run(tiny_model("q8_0"), None)
+
+
+def _ncmoe_budget(model: Path, host_layers: int) -> int:
+    mf = read_model_file(model)
+    plan = plan_memory(mf, 1 << 40, n_ctx=512, n_ubatch=N_BATCH, device_name="x",
+                       device_total=1 << 50)
+    on_gpu = len(plan.moe_layers) - host_layers
+    return plan.fixed_bytes + on_gpu * plan.n_expert * plan.expert_bytes
+
+
+def _configs(model: Path) -> list[CacheConfig]:
+    cfgs = [CacheConfig("offload"),
+            CacheConfig("ncmoe", gpu_budget=_ncmoe_budget(model, 2))]
+    for pol in ("lru", "static"):
+        cfgs.append(CacheConfig(pol, slots_per_layer=1))
+        cfgs += [CacheConfig(pol, cache_fraction=f) for f in (0.25, 0.5, 1.0)]
+    return cfgs
+
+
+def test_every_policy_is_lossless(tiny_model: Callable[[str], Path], reference: list) -> None:
+    model = tiny_model("q8_0")
+    assert reference[0][1].shape == (read_model_file(model).n_vocab,)
+    for cfg in _configs(model):
+        got = _run(model, cfg)
+        for n, (ref, out) in zip(PROMPT_LENS, zip(reference, got, strict=True), strict=True):
+            where = (f"{cfg.policy} slots={cfg.slots_per_layer} "
+                     f"fraction={cfg.cache_fraction} prompt={n}")
+            assert out[0] == ref[0], f"tokens differ: {where}"
+            assert np.array_equal(out[1], ref[1]), f"final logits differ: {where}"
+        total = got[-1][2]
+        if cfg.cache_fraction is not None:
+            # the cache was used: some layers ran from slots, with copies behind them
+            assert total["cache_slots"] > 0 and total["hits"] > 0 and total["h2d_bytes"] > 0, cfg
+        elif cfg.slots_per_layer == 1:
+            # one slot cannot hold a top-4 token: every layer ran from host memory
+            assert total["host_layers"] > 0 and total["h2d_bytes"] == 0, cfg
+
+
+def _reference_lru(routes: list[tuple[int, np.ndarray]], n_slots: int) -> dict:
+    """Replay routed ids through an independent per-layer LRU of n_slots."""
+    lru: dict[int, OrderedDict[int, None]] = {}
+    hits = misses = loads = host = 0
+    for layer, ids in routes:
+        cache = lru.setdefault(layer, OrderedDict())
+        want = list(dict.fromkeys(int(e) for e in ids.ravel()))
+        present = [e for e in want if e in cache]
+        hits += len(present)
+        misses += len(want) - len(present)
+        for e in present:
+            cache.move_to_end(e)
+        if len(want) > n_slots:
+            host += 1
+            continue
+        for e in want:
+            if e not in cache:
+                if len(cache) == n_slots:
+                    cache.popitem(last=False)
+                cache[e] = None
+                loads += 1
+    return {"hits": hits, "misses": misses, "loads": loads, "host_layers": host}
+
+
+def test_accounting_matches_reference_lru(tiny_model: Callable[[str], Path]) -> None:
+    model = tiny_model("q8_0")
+    n_slots = 6  # top-4 decode fits, prefill does not
+    cfg = CacheConfig("lru", slots_per_layer=n_slots, record=True)
+    with Engine(model, n_ctx=512, n_batch=N_BATCH, n_threads=2, cache=cfg) as eng:
+        for p in _prompts(eng)[1:3]:
+            eng.generate(p, 24, SamplingParams(greedy=True), ignore_eos=True)
+        cache = eng.expert_cache
+        assert cache is not None
+        cache.wait_idle()
+        stats = eng.cache_stats()
+        routes = list(cache.routes)
+        expert_bytes = {il: info.expert_bytes for il, info in cache.layers.items()}
+    assert len({layer for layer, _ in routes}) == read_model_file(model).n_layer
+    ref = _reference_lru(routes, n_slots)
+    assert ref["host_layers"] > 0 and ref["loads"] > 0  # both paths were exercised
+    assert stats["hits"] == ref["hits"]
+    assert stats["misses"] == ref["misses"]
+    assert stats["host_layers"] == ref["host_layers"]
+    assert len(set(expert_bytes.values())) == 1
+    assert stats["h2d_bytes"] == ref["loads"] * next(iter(expert_bytes.values()))
+
+
+def test_copy_engine_queue_and_cancel(tiny_model: Callable[[str], Path]) -> None:
+    from forecache.cache.runtime import LOW
+
+    model = tiny_model("q8_0")
+    cfg = CacheConfig("lru", slots_per_layer=4, chunk_bytes=4096)
+    with Engine(model, n_ctx=256, cache=cfg) as eng:
+        cache = eng.expert_cache
+        assert cache is not None
+        lib, h = cache._lib, cache._handle
+        info = cache.layers[0]
+        # queue more than the worker can finish at once, then cancel what has not started
+        for il in cache.layers:
+            for s in range(4):
+                assert lib.forecache_cache_load(h, il, s + 4, s, LOW) == 0
+        assert lib.forecache_cache_load(h, 0, info.n_expert, 0, LOW) == -1  # no such expert
+        dropped = lib.forecache_cache_cancel(h, -1, LOW)
+        cache.wait_idle()
+        emptied = sum(cache.slot_of(il, s + 4) < 0 for il in cache.layers for s in range(4))
+        assert emptied == dropped
+        s = cache.stats()
+        full = 16 - dropped  # loads that were not cancelled completed
+        if dropped:  # a cancelled load may have copied some of its chunks, never all
+            assert full * info.expert_bytes <= s["h2d_bytes"] < 16 * info.expert_bytes
+        else:
+            assert s["h2d_bytes"] == 16 * info.expert_bytes
+        assert s["n_chunks"] >= full * -(-info.expert_bytes // 4096)
+        # whatever survived still computes the same tokens as a fresh engine
+        tokens = eng.generate([1, 2, 3], 8, SamplingParams(greedy=True), ignore_eos=True).tokens
+    with Engine(model, n_ctx=256) as plain:
+        assert plain.generate([1, 2, 3], 8, SamplingParams(greedy=True), ignore_eos=True).tokens \
+            == tokens
