@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from forecache.bindings import llama_cpp_module, patch_version
+from forecache.cache.policies import HostOnlyPolicy
 from forecache.cache.runtime import ExpertCache
 from forecache.cache.setup import (
     CacheConfig,
@@ -144,18 +145,11 @@ class Engine:
     def routing_profile(self, tokens: list[int], n_gen: int) -> np.ndarray:
         """Routed-expert counts [n_layer, n_expert] of a greedy run over ``tokens``, computed from
         host memory with a recording hook (one slot per layer is allocated for the hook)."""
-        from forecache.cache.policies import Policy
-        from forecache.cache.setup import attach as attach_cache
-
-        class _Record(Policy):
-            def on_gate(self, layer, experts):  # type: ignore[no-untyped-def]
-                return None
-
         assert self.placement is not None
         n_slots = [1 if n else 0 for n in self.placement.n_slots]
-        rec = attach_cache(self.llm.ctx, Placement(self.placement.device, None, n_slots, []),
-                           CacheConfig(policy="lru", slots_per_layer=1, record=True),
-                           _Record(n_slots))
+        rec = attach(self.llm.ctx, Placement(self.placement.device, None, n_slots, []),
+                     CacheConfig(policy="lru", slots_per_layer=1, record=True),
+                     HostOnlyPolicy(n_slots))
         try:
             self.generate(tokens, n_gen, SamplingParams(greedy=True), ignore_eos=True)
         finally:

@@ -69,6 +69,12 @@ class MemoryPlan:
         return max(0, len(self.moe_layers) - on_gpu)
 
 
+def moe_layers(model: ModelFile) -> list[int]:
+    """Indices of the layers that have routed-expert tensors."""
+    return sorted({int(t.name.split(".")[1]) for t in model.tensors
+                   if t.name.startswith("blk.") and "_exps." in t.name})
+
+
 def kv_cache_bytes(model: ModelFile, n_ctx: int) -> int:
     """f16 K and V for every layer (llama.cpp's default cache type)."""
     n_embd = int(model.arch_kv("embedding_length", 0))
@@ -84,17 +90,16 @@ def plan_memory(model: ModelFile, budget: int, *, n_ctx: int, n_ubatch: int,
     if budget > device_total:
         raise BudgetError(f"budget {format_size(budget)} is larger than {device_name}'s "
                           f"{format_size(device_total)}; lower --gpu-budget")
-    moe_layers = sorted({int(t.name.split(".")[1]) for t in model.tensors
-                         if t.name.startswith("blk.") and "_exps." in t.name})
+    layers = moe_layers(model)
     expert_bytes = sum(t.nbytes for t in model.tensors if "_exps." in t.name and
-                       t.name.startswith(f"blk.{moe_layers[0]}.")) // model.n_expert
+                       t.name.startswith(f"blk.{layers[0]}.")) // model.n_expert
     n_ff_exp = int(model.arch_kv("expert_feed_forward_length", 0))
     n_embd = int(model.arch_kv("embedding_length", 0))
     compute = (n_ubatch * model.n_vocab * 4 + n_ubatch * model.n_expert_used * n_ff_exp * 4 * 3
                + n_ubatch * n_embd * 4 * 8 + COMPUTE_RESERVE)
     plan = MemoryPlan(budget=budget, non_expert_bytes=model.total_bytes() - model.expert_bytes(),
                       kv_bytes=kv_cache_bytes(model, n_ctx), compute_bytes=compute,
-                      expert_bytes=expert_bytes, n_expert=model.n_expert, moe_layers=moe_layers)
+                      expert_bytes=expert_bytes, n_expert=model.n_expert, moe_layers=layers)
     if plan.expert_budget < 0:
         raise BudgetError(
             f"budget {format_size(budget)} is too small for {model.path.name}: non-expert weights "
@@ -109,5 +114,5 @@ def slots_for_fraction(model: ModelFile, fraction: float) -> list[int]:
     if not 0 < fraction <= 1:
         raise ValueError(f"--cache-fraction must be in (0, 1], not {fraction}")
     n = max(1, math.ceil(fraction * model.n_expert - 1e-9))
-    return [n if any(t.name.startswith(f"blk.{il}.") and "_exps." in t.name for t in model.tensors)
-            else 0 for il in range(model.n_layer)]
+    layers = set(moe_layers(model))
+    return [n if il in layers else 0 for il in range(model.n_layer)]

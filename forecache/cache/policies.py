@@ -33,6 +33,15 @@ class Policy:
         raise NotImplementedError
 
 
+class HostOnlyPolicy(Policy):
+    """Computes every layer from host memory; with a recording cache it profiles routing."""
+
+    name = "host"
+
+    def on_gate(self, layer: int, experts: np.ndarray) -> list[tuple[int, int]] | None:
+        return None
+
+
 class LRUPolicy(Policy):
     """Least recently used per layer; a miss evicts the oldest expert the layer does not need."""
 

@@ -12,7 +12,7 @@ import numpy as np
 from forecache.bindings import llama_cpp_module
 from forecache.bindings.cache_api import TensorBuftOverride
 from forecache.bindings.ggml_devices import Device, cache_device, host_buffer_type
-from forecache.cache.budget import MemoryPlan, plan_memory, slots_for_fraction
+from forecache.cache.budget import MemoryPlan, moe_layers, plan_memory, slots_for_fraction
 from forecache.cache.policies import POLICIES, LRUPolicy, Policy, StaticPolicy
 from forecache.cache.runtime import DEFAULT_CHUNK_BYTES, ExpertCache
 from forecache.gguf_inspect import ModelFile
@@ -66,22 +66,21 @@ def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int) -> P
     if cfg.gpu_budget is not None:
         plan = plan_memory(model, cfg.gpu_budget, n_ctx=n_ctx, n_ubatch=n_ubatch,
                            device_name=dev.name, device_total=dev.memory_total)
-    moe_layers = sorted({int(t.name.split(".")[1]) for t in model.tensors if "_exps." in t.name})
+    layers = moe_layers(model)
     if cfg.policy == "ncmoe":
         assert plan is not None
-        return Placement(dev, plan, [0] * model.n_layer, moe_layers[:plan.ncmoe_cpu_layers()])
+        return Placement(dev, plan, [0] * model.n_layer, layers[:plan.ncmoe_cpu_layers()])
     if cfg.policy == "offload":
-        return Placement(dev, plan, [0] * model.n_layer, moe_layers)
+        return Placement(dev, plan, [0] * model.n_layer, layers)
     if plan is not None:
-        slots = plan.slots_per_layer() + [0] * model.n_layer
-        slots = slots[:model.n_layer]
+        slots = (plan.slots_per_layer() + [0] * model.n_layer)[:model.n_layer]
     elif cfg.cache_fraction is not None:
         slots = slots_for_fraction(model, cfg.cache_fraction)
     else:
         assert cfg.slots_per_layer is not None
-        slots = [min(cfg.slots_per_layer, model.n_expert) if il in moe_layers else 0
+        slots = [min(cfg.slots_per_layer, model.n_expert) if il in layers else 0
                  for il in range(model.n_layer)]
-    return Placement(dev, plan, slots, moe_layers)
+    return Placement(dev, plan, slots, layers)
 
 
 @contextlib.contextmanager
