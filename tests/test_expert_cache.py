@@ -153,3 +153,13 @@ def test_copy_engine_queue_and_cancel(tiny_model: Callable[[str], Path]) -> None
     with Engine(model, n_ctx=256) as plain:
         assert plain.generate([1, 2, 3], 8, SamplingParams(greedy=True), ignore_eos=True).tokens \
             == tokens
+
+
+def test_repackable_type_runs_from_slots(tiny_model: Callable[[str], Path]) -> None:
+    """q4_0 is a type llama.cpp's CPU backend repacks; host experts must keep the file layout."""
+    model = tiny_model("q4_0")
+    offload = _run(model, CacheConfig("offload"))
+    lru = _run(model, CacheConfig("lru", cache_fraction=0.5))
+    for a, b in zip(offload, lru, strict=True):
+        assert a[0] == b[0] and np.array_equal(a[1], b[1])
+    assert lru[-1][2]["hits"] > 0

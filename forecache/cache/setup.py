@@ -107,6 +107,9 @@ def expert_overrides(placement: Placement) -> Iterator[None]:
     def params_with_overrides():  # type: ignore[no-untyped-def]
         p = original()
         p.tensor_buft_overrides = ctypes.cast(arr, ctypes.c_void_p)
+        # Slots are filled by copying an expert's bytes, so host experts keep the file's layout:
+        # no CPU weight repacking (llama.cpp would otherwise repack experts overridden to "CPU").
+        p.use_extra_bufts = False
         return p
 
     low.llama_model_default_params = params_with_overrides
