@@ -200,6 +200,8 @@ class Engine:
         if max_tokens > 0:
             gen = self.llm.generate(tokens, reset=True, **sampling.llama_kwargs())
             for tok in gen:
+                if self.expert_cache is not None:
+                    self.expert_cache.check_interrupt()
                 if not out:
                     t_first = time.perf_counter()
                 if not ignore_eos and self._is_eog(self._vocab, tok):

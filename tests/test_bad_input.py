@@ -112,3 +112,20 @@ def test_non_moe_model_with_policy(tmp_path: Path) -> None:
     p = _dense_gguf(tmp_path / "dense.gguf")
     _assert_one_line_error(["generate", "-m", str(p), "-p", "x", "--policy", "lru",
                             "--gpu-budget", "1GiB"], "not a Mixture-of-Experts")
+
+
+def test_predictor_commands_refuse_bad_input(tmp_path: Path,
+                                             tiny_model: Callable[[str], Path]) -> None:
+    bad = tmp_path / "t.npz"
+    bad.write_bytes(b"garbage")
+    _assert_one_line_error(["eval-predictor", "--trace", str(bad)], "not a trace file")
+    _assert_one_line_error(["eval-predictor", "--trace", str(tmp_path / "none.npz")],
+                           "no such trace file")
+    good = tmp_path / "g.npz"
+    np.savez(good, experts=np.zeros((4, 2, 2), np.int16), seq=np.zeros(4, np.int32))
+    _assert_one_line_error(["eval-predictor", "--trace", str(good), "--predictors", "magic"],
+                           "unknown predictor magic")
+    _assert_one_line_error(["eval-predictor", "--trace", str(good), "--window", "0"],
+                           "windows are integers >= 1")
+    _assert_one_line_error(["train", "-m", str(tiny_model("q8_0")), "--trace", str(good),
+                            "--window", "1"], "records no model identity")

@@ -7,7 +7,8 @@ import json
 import pytest
 from cli_helpers import run_cli
 
-COMMANDS = ["bench", "build", "doctor", "generate", "make-model", "run"]
+COMMANDS = ["bench", "build", "doctor", "eval-predictor", "generate", "make-model", "run", "trace",
+            "train"]
 
 
 def test_top_level_help_lists_commands() -> None:

@@ -26,3 +26,29 @@ def test_sigterm_during_make_model_leaves_nothing(tmp_path: Path) -> None:
     assert rc == 130, err
     assert "Traceback" not in err and err.strip().endswith("forecache: interrupted")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_sigint_during_trace_keeps_finished_requests(tiny_model, tmp_path: Path) -> None:
+    """Ctrl-C in the middle of a trace keeps every finished request as a valid trace."""
+    from forecache.trace_file import TraceFile
+
+    out = tmp_path / "t.npz"
+    proc = subprocess.Popen([sys.executable, "-m", "forecache", "trace", "-m",
+                             str(tiny_model("q8_0")), "--builtin", "default", "--out", str(out),
+                             "-n", "16"], stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    line = ""
+    deadline = time.time() + 120
+    while "[trace] " not in line and time.time() < deadline:  # the first progress line
+        line = proc.stderr.readline()
+        assert line or proc.poll() is None, "trace ended early"
+    proc.send_signal(signal.SIGINT)
+    rc = proc.wait(120)
+    err = proc.stderr.read()
+    assert rc == 130, err
+    assert "Traceback" not in err and "interrupted: kept the" in err
+    with TraceFile(out) as tr:
+        n = tr.info().n_requests
+        assert 32 <= n < 320  # at least the 10% reported, not all of them
+        assert tr.meta["n_requests"] == n
+    assert [p.name for p in tmp_path.iterdir()] == ["t.npz"]

@@ -15,9 +15,16 @@ def cli() -> None:
 
 
 def _register() -> None:
-    from forecache.cli import bench_cmd, build_cmd, doctor_cmd, generate_cmd, model_cmds
+    from forecache.cli import (
+        bench_cmd,
+        build_cmd,
+        doctor_cmd,
+        generate_cmd,
+        model_cmds,
+        predictor_cmds,
+    )
 
-    for mod in (bench_cmd, build_cmd, doctor_cmd, generate_cmd, model_cmds):
+    for mod in (bench_cmd, build_cmd, doctor_cmd, generate_cmd, model_cmds, predictor_cmds):
         for cmd in mod.COMMANDS:
             cli.add_command(cmd)
 

@@ -1,0 +1,236 @@
+"""Recording routing traces: run prompts through a model and keep what every MoE layer routed.
+
+The experts stay in host memory and every layer is computed there (the host-only policy), so the
+gate hook sees each layer's routed ids, router weights and, when asked, its router input; the
+tokens generated are the same as without the hook.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from forecache.cache.budget import moe_layers
+from forecache.cache.policies import HostOnlyPolicy
+from forecache.cache.setup import CacheConfig
+from forecache.engine import Engine, SamplingParams
+from forecache.model_identity import identity
+from forecache.trace_file import TraceError, TraceWriter
+
+BUILTIN_PROMPTS = ("default",)
+
+
+@dataclass
+class PromptItem:
+    """One request: plain text or chat messages."""
+
+    id: str
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+
+
+def builtin_prompts_path(name: str) -> Path:
+    """The JSONL file of a builtin prompt set."""
+    if name not in BUILTIN_PROMPTS:
+        raise ValueError(f"unknown builtin prompt set {name!r}; choose one of "
+                         f"{', '.join(BUILTIN_PROMPTS)}")
+    return Path(str(resources.files("forecache") / "data" / "prompts" / f"{name}.jsonl"))
+
+
+def load_prompts(path: str | os.PathLike[str]) -> list[PromptItem]:
+    """Read a prompts JSONL file: each line an object with "prompt" (text) or "messages" (chat
+    messages with role and content), and optionally "id". Every line is checked before any work
+    starts; a bad line is reported with its number."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{p}: no such prompts file")
+    items: list[PromptItem] = []
+    with open(p, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{p}:{n}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not valid JSON ({e.msg}); each line must be one "
+                                 'object such as {"prompt": "..."}') from e
+            if not isinstance(obj, dict):
+                raise ValueError(f'{where}: expected an object such as {{"prompt": "..."}}')
+            pid = str(obj.get("id", f"line-{n}"))
+            if isinstance(obj.get("prompt"), str) and obj["prompt"]:
+                items.append(PromptItem(pid, prompt=obj["prompt"]))
+            elif isinstance(obj.get("messages"), list) and obj["messages"] and all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str) for m in obj["messages"]):
+                items.append(PromptItem(pid, messages=obj["messages"]))
+            else:
+                raise ValueError(f'{where}: needs a non-empty "prompt" string or a "messages" '
+                                 'list of {"role", "content"} objects')
+    if not items:
+        raise ValueError(f"{p}: no prompts in the file")
+    return items
+
+
+@dataclass
+class TraceSummary:
+    """What a trace run recorded."""
+
+    path: Path
+    requests: int
+    tokens: int
+    prefill_tokens: int
+    decode_tokens: int
+    seconds: float
+    interrupted: bool
+    outputs: list[list[int]]
+
+
+class _Recorder:
+    """Collects one request's hook calls, per MoE layer in call order."""
+
+    def __init__(self, layer_index: dict[int, int], gate_input: bool) -> None:
+        self.layer_index = layer_index
+        self.gate_input = gate_input
+        self.reset()
+
+    def reset(self) -> None:
+        n = len(self.layer_index)
+        self.ids: list[list[np.ndarray]] = [[] for _ in range(n)]
+        self.weights: list[list[np.ndarray]] = [[] for _ in range(n)]
+        self.x: list[list[np.ndarray]] = [[] for _ in range(n)]
+
+    def __call__(self, layer: int, ids: np.ndarray, w: np.ndarray | None,
+                 x: np.ndarray | None) -> None:
+        li = self.layer_index[layer]
+        self.ids[li].append(ids.astype(np.int16))
+        self.weights[li].append(w.astype(np.float16) if w is not None
+                                else np.zeros(ids.shape, np.float16))
+        if self.gate_input:
+            if x is None:
+                raise RuntimeError("the gate hook gave no gate input")
+            self.x[li].append(x.astype(np.float16))
+
+    def request_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """experts [T, L, k], weights [T, L, k], gate_input [T, L, d] of the finished request."""
+        rows = {sum(len(a) for a in per) for per in self.ids}
+        if len(rows) != 1:
+            raise RuntimeError(f"MoE layers saw different token counts {sorted(rows)}")
+        experts = np.stack([np.concatenate(per) for per in self.ids], axis=1)
+        weights = np.stack([np.concatenate(per) for per in self.weights], axis=1)
+        x = np.stack([np.concatenate(per) for per in self.x], axis=1) if self.gate_input else None
+        return experts, weights, x
+
+
+def record_trace(model_path: str | os.PathLike[str], prompts: list[PromptItem],
+                 out: str | os.PathLike[str], *, n_gen: int = 64, gate_input: bool = False,
+                 chat: bool = True, n_ctx: int = 4096, n_batch: int = 512,
+                 source: str = "", progress: Callable[[int, int, int], None] | None = None,
+                 ) -> TraceSummary:
+    """Run every prompt (prefill, then up to ``n_gen`` greedy tokens) and write the trace.
+
+    ``chat`` wraps plain prompts as a user message in the model's chat template (when it has
+    one). Ctrl-C keeps the requests finished so far as a valid, shorter trace.
+    """
+    import time
+
+    t0 = time.perf_counter()
+    engine = Engine(model_path, n_ctx=n_ctx, n_batch=n_batch,
+                    cache=CacheConfig(policy="offload"))
+    try:
+        model = engine.model_file
+        layers = moe_layers(model)
+        rec = _Recorder({il: i for i, il in enumerate(layers)}, gate_input)
+        n_slots = [1 if il in layers else 0 for il in range(model.n_layer)]
+        from forecache.cache.runtime import ExpertCache
+
+        assert engine.placement is not None
+        hook = ExpertCache(engine.llm.ctx, n_slots, HostOnlyPolicy(n_slots),
+                           device=engine.placement.device.index, on_route=rec,
+                           gate_input=gate_input)
+        has_template = bool(engine.llm.metadata.get("tokenizer.chat_template"))
+        n_embd = int(model.arch_kv("embedding_length", 0))
+        meta: dict[str, Any] = {**identity(model), "source": source, "n_gen": n_gen,
+                                "chat_template": chat and has_template}
+        writer = TraceWriter(out, n_layers=len(layers), top_k=model.n_expert_used,
+                             n_embd=n_embd if gate_input else None, meta=meta)
+        writer.keep_partial = True
+        outputs: list[list[int]] = []
+        prefill = decode = 0
+        interrupted = False
+        try:
+            with writer:
+                for i, item in enumerate(prompts):
+                    text = _render(engine, item, chat and has_template)
+                    tokens = engine.tokenize(text)
+                    budget = max(0, min(n_gen, engine.n_ctx - len(tokens)))
+                    if len(tokens) >= engine.n_ctx:
+                        raise ValueError(f"prompt {item.id} has {len(tokens)} tokens, more than "
+                                         f"the context of {engine.n_ctx}; use a larger --ctx")
+                    rec.reset()
+                    engine.llm.reset()  # no KV prefix reuse: every prompt token is routed
+                    with _all_rows_computed(engine):
+                        res = engine.generate(tokens, budget, SamplingParams(greedy=True))
+                    experts, weights, x = rec.request_arrays()
+                    fed = (tokens + res.tokens)[:experts.shape[0]]
+                    if experts.shape[0] not in (len(tokens) + len(res.tokens) - 1,
+                                                len(tokens) + len(res.tokens)):
+                        raise RuntimeError(f"request {item.id}: {experts.shape[0]} routed rows "
+                                           f"for {len(tokens)} prompt and {len(res.tokens)} "
+                                           "generated tokens")
+                    phase = (np.arange(len(fed)) >= len(tokens)).astype(np.int8)
+                    writer.add_request(experts, token_ids=np.asarray(fed), phase=phase,
+                                       weights=weights, gate_input=x)
+                    outputs.append(res.tokens)
+                    prefill += len(tokens)
+                    decode += len(fed) - len(tokens)
+                    if progress:
+                        progress(i + 1, len(prompts), writer.n_rows)
+                    hook.check_interrupt()
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            hook.close()
+        if not interrupted and writer.n_requests == 0:
+            raise TraceError("no request was recorded")
+    finally:
+        engine.close()
+    if interrupted and not outputs:
+        raise KeyboardInterrupt
+    return TraceSummary(Path(out), len(outputs), prefill + decode, prefill, decode,
+                        time.perf_counter() - t0, interrupted, outputs)
+
+
+@contextlib.contextmanager
+def _all_rows_computed(engine: Engine) -> Iterator[None]:
+    """Ask llama.cpp for an output at every token of a batch: otherwise the last layer computes
+    only the rows whose logits are used and routes no other token. llama-cpp-python keeps no
+    extra logits (its logits_all stays off), and sampling still reads the last row."""
+    batch = engine.llm._batch
+    original = batch.set_batch
+
+    def set_batch(batch: Sequence[int], n_past: int, logits_all: bool) -> None:
+        original(batch=batch, n_past=n_past, logits_all=True)
+
+    batch.set_batch = set_batch  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del batch.set_batch
+
+
+def _render(engine: Engine, item: PromptItem, chat: bool) -> str:
+    if item.messages is not None:
+        return engine.format_chat(item.messages)
+    assert item.prompt is not None
+    if chat:
+        return engine.format_chat([{"role": "user", "content": item.prompt}])
+    return item.prompt
