@@ -7,6 +7,9 @@ from pathlib import Path
 
 from forecache.llama_build import cache_dir
 
+# The trained reference model shipped in the package (tools/reference_model); when a checkout
+# lacks it, a random-weight `tiny` is made instead so the main command still runs.
+REFERENCE_MODEL = Path(__file__).resolve().parent / "data" / "models" / "forecache-ref-q8_0.gguf"
 DEFAULT_PRESET = "tiny"
 DEFAULT_TYPE = "q8_0"
 DEFAULT_SEED = 0
@@ -19,7 +22,9 @@ def default_model_path() -> Path:
 
 
 def ensure_default_model() -> Path:
-    """The default model's path, writing it first if it is not there yet."""
+    """The default model's path: the shipped reference model, else a `tiny` made on first use."""
+    if REFERENCE_MODEL.is_file():
+        return REFERENCE_MODEL
     path = default_model_path()
     if not path.exists():
         from forecache.model_maker import make_model

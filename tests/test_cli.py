@@ -7,8 +7,8 @@ import json
 import pytest
 from cli_helpers import run_cli
 
-COMMANDS = ["bench", "build", "doctor", "eval-predictor", "generate", "make-model", "run", "trace",
-            "train"]
+COMMANDS = ["bench", "build", "doctor", "eval-predictor", "generate", "make-model", "routing-stats",
+            "run", "trace", "train"]
 
 
 def test_top_level_help_lists_commands() -> None:

@@ -22,9 +22,11 @@ def _register() -> None:
         generate_cmd,
         model_cmds,
         predictor_cmds,
+        stats_cmd,
     )
 
-    for mod in (bench_cmd, build_cmd, doctor_cmd, generate_cmd, model_cmds, predictor_cmds):
+    for mod in (bench_cmd, build_cmd, doctor_cmd, generate_cmd, model_cmds, predictor_cmds,
+                stats_cmd):
         for cmd in mod.COMMANDS:
             cli.add_command(cmd)
 
