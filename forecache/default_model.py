@@ -13,7 +13,7 @@ REFERENCE_MODEL = Path(__file__).resolve().parent / "data" / "models" / "forecac
 DEFAULT_PRESET = "tiny"
 DEFAULT_TYPE = "q8_0"
 DEFAULT_SEED = 0
-DEFAULT_PROMPT = "Explain in two sentences why a Mixture-of-Experts model is cheap to run."
+DEFAULT_PROMPT = "Continue this text:\nAnd it came to pass, when the king"
 
 
 def default_model_path() -> Path:
