@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 
 from forecache.bindings import llama_cpp_module, patch_version
-from forecache.cache.policies import HostOnlyPolicy
 from forecache.cache.runtime import ExpertCache
 from forecache.cache.setup import (
     CacheConfig,
     Placement,
     attach,
+    attach_observer,
     expert_overrides,
     make_policy,
     place,
@@ -144,19 +144,19 @@ class Engine:
 
     def routing_profile(self, tokens: list[int], n_gen: int) -> np.ndarray:
         """Routed-expert counts [n_layer, n_expert] of a greedy run over ``tokens``, computed from
-        host memory with a recording hook (one slot per layer is allocated for the hook)."""
+        host memory with an observing hook."""
         assert self.placement is not None
-        n_slots = [1 if n else 0 for n in self.placement.n_slots]
-        rec = attach(self.llm.ctx, Placement(self.placement.device, None, n_slots, []),
-                     CacheConfig(policy="lru", slots_per_layer=1, record=True),
-                     HostOnlyPolicy(n_slots))
+        counts = np.zeros((self.model_file.n_layer, self.model_file.n_expert), dtype=np.int64)
+
+        def count(layer: int, ids: np.ndarray, _w: object, _x: object) -> None:
+            np.add.at(counts[layer], ids.ravel(), 1)
+
+        observer = attach_observer(self.llm.ctx, self.model_file, self.placement.device.index,
+                                   count)
         try:
             self.generate(tokens, n_gen, SamplingParams(greedy=True), ignore_eos=True)
         finally:
-            rec.close()
-        counts = np.zeros((self.model_file.n_layer, self.model_file.n_expert), dtype=np.int64)
-        for layer, ids in rec.routes:
-            np.add.at(counts[layer], ids.ravel(), 1)
+            observer.close()
         return counts
 
     @property

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from typing import Any
 
+from forecache.atomic_file import write_atomic
 from forecache.cache.budget import moe_layers
 from forecache.gguf_inspect import ModelFile
 from forecache.llama_build import cache_dir
@@ -45,9 +45,7 @@ def fingerprint(model: ModelFile) -> str:
     digest = h.hexdigest()
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(digest)
-        os.replace(tmp, memo)
+        write_atomic(memo, digest)
     except OSError:
         pass  # a read-only cache only costs a re-hash next time
     return digest

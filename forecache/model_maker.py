@@ -240,6 +240,13 @@ def _add_metadata(writer: GGUFWriter, spec: ModelSpec, qtype: str, seed: int,
     )
     writer.add_string("forecache.preset", spec.name)
     writer.add_uint64("forecache.seed", seed)
+    add_hparams(writer, spec, qtype)
+    vocab.write_to(writer)
+
+
+def add_hparams(writer: GGUFWriter, spec: ModelSpec, qtype: str) -> None:
+    """The architecture's hyperparameter keys and the file type, as the HF converter writes
+    them for Qwen2-MoE."""
     writer.add_block_count(spec.layers)
     writer.add_context_length(spec.context_length)
     writer.add_embedding_length(spec.d_model)
@@ -254,7 +261,6 @@ def _add_metadata(writer: GGUFWriter, spec: ModelSpec, qtype: str, seed: int,
     writer.add_expert_shared_feed_forward_length(spec.shared_expert_ff)
     writer.add_file_type(int(QTYPES[qtype][1]))
     writer.add_quantization_version(GGML_QUANT_VERSION)
-    vocab.write_to(writer)
 
 
 def _write_header(path: Path, spec: ModelSpec, qtype: str, seed: int,

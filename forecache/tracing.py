@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -19,8 +20,7 @@ from typing import Any
 import numpy as np
 
 from forecache.cache.budget import moe_layers
-from forecache.cache.policies import HostOnlyPolicy
-from forecache.cache.setup import CacheConfig
+from forecache.cache.setup import CacheConfig, attach_observer
 from forecache.engine import Engine, SamplingParams
 from forecache.model_identity import identity
 from forecache.trace_file import TraceError, TraceWriter
@@ -140,8 +140,6 @@ def record_trace(model_path: str | os.PathLike[str], prompts: list[PromptItem],
     ``chat`` wraps plain prompts as a user message in the model's chat template (when it has
     one). Ctrl-C keeps the requests finished so far as a valid, shorter trace.
     """
-    import time
-
     t0 = time.perf_counter()
     engine = Engine(model_path, n_ctx=n_ctx, n_batch=n_batch,
                     cache=CacheConfig(policy="offload"))
@@ -149,13 +147,9 @@ def record_trace(model_path: str | os.PathLike[str], prompts: list[PromptItem],
         model = engine.model_file
         layers = moe_layers(model)
         rec = _Recorder({il: i for i, il in enumerate(layers)}, gate_input)
-        n_slots = [1 if il in layers else 0 for il in range(model.n_layer)]
-        from forecache.cache.runtime import ExpertCache
-
         assert engine.placement is not None
-        hook = ExpertCache(engine.llm.ctx, n_slots, HostOnlyPolicy(n_slots),
-                           device=engine.placement.device.index, on_route=rec,
-                           gate_input=gate_input)
+        hook = attach_observer(engine.llm.ctx, model, engine.placement.device.index, rec,
+                               gate_input=gate_input)
         has_template = bool(engine.llm.metadata.get("tokenizer.chat_template"))
         n_embd = int(model.arch_kv("embedding_length", 0))
         meta: dict[str, Any] = {**identity(model), "source": source, "n_gen": n_gen,
@@ -171,10 +165,10 @@ def record_trace(model_path: str | os.PathLike[str], prompts: list[PromptItem],
                 for i, item in enumerate(prompts):
                     text = _render(engine, item, chat and has_template)
                     tokens = engine.tokenize(text)
-                    budget = max(0, min(n_gen, engine.n_ctx - len(tokens)))
                     if len(tokens) >= engine.n_ctx:
                         raise ValueError(f"prompt {item.id} has {len(tokens)} tokens, more than "
                                          f"the context of {engine.n_ctx}; use a larger --ctx")
+                    budget = min(n_gen, engine.n_ctx - len(tokens))
                     rec.reset()
                     engine.llm.reset()  # no KV prefix reuse: every prompt token is routed
                     with _all_rows_computed(engine):

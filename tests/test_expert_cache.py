@@ -102,7 +102,9 @@ def _reference_lru(routes: list[tuple[int, np.ndarray]], n_slots: int) -> dict:
 def test_accounting_matches_reference_lru(tiny_model: Callable[[str], Path]) -> None:
     model = tiny_model("q8_0")
     n_slots = 6  # top-4 decode fits, prefill does not
-    cfg = CacheConfig("lru", slots_per_layer=n_slots, record=True)
+    routes: list[tuple[int, np.ndarray]] = []
+    cfg = CacheConfig("lru", slots_per_layer=n_slots,
+                      on_route=lambda layer, ids, _w, _x: routes.append((layer, ids.copy())))
     with Engine(model, n_ctx=512, n_batch=N_BATCH, n_threads=2, cache=cfg) as eng:
         for p in _prompts(eng)[1:3]:
             eng.generate(p, 24, SamplingParams(greedy=True), ignore_eos=True)
@@ -110,7 +112,6 @@ def test_accounting_matches_reference_lru(tiny_model: Callable[[str], Path]) -> 
         assert cache is not None
         cache.wait_idle()
         stats = eng.cache_stats()
-        routes = list(cache.routes)
         expert_bytes = {il: info.expert_bytes for il, info in cache.layers.items()}
     assert len({layer for layer, _ in routes}) == read_model_file(model).n_layer
     ref = _reference_lru(routes, n_slots)

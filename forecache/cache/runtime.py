@@ -32,15 +32,14 @@ class LayerInfo:
 class ExpertCache:
     """Device slots for the routed experts of a context, driven by a policy through the gate hook.
 
-    ``record=True`` keeps every (layer, routed ids) the hook saw, for profiles and tests.
     ``on_route(layer, ids [n, k], weights [n, k] | None, gate_input [n, d] | None)`` sees every
     routing decision (the arrays are only valid during the call); ``gate_input=True`` asks the C
     side to read the router input back for it.
     """
 
     def __init__(self, ctx: int, n_slots: Sequence[int], policy: Policy, *, device: int,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, record: bool = False,
-                 on_route: RouteCallback | None = None, gate_input: bool = False) -> None:
+                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, on_route: RouteCallback | None = None,
+                 gate_input: bool = False) -> None:
         self._lib = libllama()
         arr = (ctypes.c_int32 * len(n_slots))(*n_slots)
         err = ctypes.create_string_buffer(512)
@@ -50,10 +49,8 @@ class ExpertCache:
             raise CacheError(f"cannot set up the expert cache: {err.value.decode()}")
         self._handle: int | None = handle
         self.policy = policy
-        self.record = record
         self.on_route = on_route
         self.interrupt_pending = False
-        self.routes: list[tuple[int, np.ndarray]] = []
         self.layers: dict[int, LayerInfo] = {}
         for il in range(len(n_slots)):
             n_e, n_s, nb = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_size_t()
@@ -70,8 +67,6 @@ class ExpertCache:
                  w_p: object, x_p: object, n_embd: int) -> int:
         try:
             ids = np.ctypeslib.as_array(ids_p, shape=(n_tokens * n_used,))
-            if self.record:
-                self.routes.append((layer, ids.reshape(n_tokens, n_used).copy()))
             if self.on_route is not None:
                 w = np.ctypeslib.as_array(w_p, shape=(n_tokens, n_used)) if w_p else None
                 x = np.ctypeslib.as_array(x_p, shape=(n_tokens, n_embd)) if x_p else None
@@ -118,7 +113,6 @@ class ExpertCache:
 
     def reset_stats(self) -> None:
         self._lib.forecache_cache_reset_stats(self._handle)
-        self.routes.clear()
 
     @property
     def n_slots_total(self) -> int:

@@ -13,8 +13,8 @@ from forecache.bindings import llama_cpp_module
 from forecache.bindings.cache_api import TensorBuftOverride
 from forecache.bindings.ggml_devices import Device, cache_device, host_buffer_type
 from forecache.cache.budget import MemoryPlan, moe_layers, plan_memory, slots_for_fraction
-from forecache.cache.policies import POLICIES, LRUPolicy, Policy, StaticPolicy
-from forecache.cache.runtime import DEFAULT_CHUNK_BYTES, ExpertCache
+from forecache.cache.policies import POLICIES, HostOnlyPolicy, LRUPolicy, Policy, StaticPolicy
+from forecache.cache.runtime import DEFAULT_CHUNK_BYTES, ExpertCache, RouteCallback
 from forecache.gguf_inspect import ModelFile
 
 EXPERT_PATTERN = r"_exps\."
@@ -34,7 +34,7 @@ class CacheConfig:
     slots_per_layer: int | None = None
     profile: np.ndarray | None = None  # static: routed counts [n_layer, n_expert]
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    record: bool = False
+    on_route: RouteCallback | None = None  # sees every routing decision (see ExpertCache)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -130,4 +130,16 @@ def make_policy(cfg: CacheConfig, n_slots: list[int]) -> Policy:
 def attach(ctx: int, placement: Placement, cfg: CacheConfig, policy: Policy) -> ExpertCache:
     """Create the expert cache on a loaded context."""
     return ExpertCache(ctx, placement.n_slots, policy, device=placement.device.index,
-                       chunk_bytes=cfg.chunk_bytes, record=cfg.record)
+                       chunk_bytes=cfg.chunk_bytes, on_route=cfg.on_route)
+
+
+def attach_observer(ctx: int, model: ModelFile, device: int, on_route: RouteCallback, *,
+                    gate_input: bool = False) -> ExpertCache:
+    """An expert cache that only watches: every MoE layer is computed from host memory (the
+    experts must be host-resident) and each routing decision goes to ``on_route``. Traces and
+    routing profiles use it; one slot per MoE layer is allocated because the hook fires only on
+    layers with slots."""
+    layers = set(moe_layers(model))
+    n_slots = [1 if il in layers else 0 for il in range(model.n_layer)]
+    return ExpertCache(ctx, n_slots, HostOnlyPolicy(n_slots), device=device, on_route=on_route,
+                       gate_input=gate_input)

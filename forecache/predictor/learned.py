@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
 
+from forecache.atomic_file import write_atomic
 from forecache.predictor.base import Predictor, Request
 from forecache.predictor.mlp import OnnxMLP, hidden_size, to_onnx, train_mlp
 
@@ -25,20 +24,6 @@ TIE_BREAK = 1e-4
 def onnx_file(layer_from: int, layer_to: int) -> str:
     """File name of one pair's network inside a saved predictor's directory."""
     return f"learned-{layer_from}-{layer_to}.onnx"
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write via a temp file in the same directory and rename, so readers never see half."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _json_safe(stats: dict) -> dict:
@@ -158,7 +143,7 @@ class LearnedPredictor(Predictor):
         files = {}
         for pair in self.pairs:
             name = onnx_file(*pair)
-            _write_atomic(d / name, self._onnx[pair])
+            write_atomic(d / name, self._onnx[pair])
             files[name] = hashlib.sha256(self._onnx[pair]).hexdigest()
         meta = {
             "format": "forecache-learned-predictor", "version": FORMAT_VERSION,
@@ -170,7 +155,7 @@ class LearnedPredictor(Predictor):
                       for p in self.pairs],
             "prior": self.prior.tolist(),
         }
-        _write_atomic(d / META_FILE, (json.dumps(meta, indent=1) + "\n").encode())
+        write_atomic(d / META_FILE, (json.dumps(meta, indent=1) + "\n").encode())
 
     @classmethod
     def load(cls, directory: str | Path, threads: int = 1) -> LearnedPredictor:

@@ -18,6 +18,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from forecache.predictor.metrics import topk_accuracy
+
 OPSET = 17
 # IR version 8 is the one that goes with opset 17: keeps the files loadable by onnxruntime >= 1.17.
 IR_VERSION = 8
@@ -156,16 +158,6 @@ def blas_threads(n: int | None) -> Iterator[None]:
 def _log_softmax(z: np.ndarray) -> np.ndarray:
     z = z - z.max(axis=1, keepdims=True)
     return z - np.log(np.exp(z).sum(axis=1, keepdims=True))
-
-
-def topk_accuracy(logits: np.ndarray, targets: np.ndarray) -> float:
-    """Share of the true experts (``targets`` [n, k], all known) inside the top-k of ``logits``."""
-    n, k = targets.shape
-    if n == 0:
-        return float("nan")
-    pred = np.argpartition(-logits, k - 1, axis=1)[:, :k]
-    hit = (pred[:, :, None] == targets[:, None, :]).any(axis=1)
-    return float(hit.sum() / (n * k))
 
 
 def _finite_rows(x: np.ndarray, chunk: int = 8192) -> np.ndarray:
@@ -371,7 +363,8 @@ def _train_mlp(x: np.ndarray, targets: np.ndarray, n_expert: int, hidden: int, *
               scale=scale32)
     if n_val:
         val_loss, logits = evaluate(n_tr, n)
-        val_acc = topk_accuracy(logits, tk[n_tr:])
+        hits, rows = topk_accuracy(logits, tk[n_tr:])
+        val_acc = hits / rows if rows else float("nan")
     else:
         val_loss, val_acc = float(best_loss), float("nan")
     stats = {

@@ -8,9 +8,9 @@ against the model at hand, so predictors of another model are refused.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
+from forecache.atomic_file import write_atomic
 from forecache.gguf_inspect import ModelFile
 from forecache.llama_build import cache_dir
 from forecache.model_identity import identity, require_same_model
@@ -31,9 +31,8 @@ def learned_dir(model: ModelFile, window: int) -> Path:
 
 def write_identity(directory: Path, model: ModelFile, extra: dict | None = None) -> None:
     """Record which model the predictors in ``directory`` belong to."""
-    tmp = directory / f".{MODEL_FILE}.{os.getpid()}.tmp"
-    tmp.write_text(json.dumps({**identity(model), **(extra or {})}, indent=1, sort_keys=True))
-    os.replace(tmp, directory / MODEL_FILE)
+    write_atomic(directory / MODEL_FILE,
+                 json.dumps({**identity(model), **(extra or {})}, indent=1, sort_keys=True))
 
 
 def load_learned(model: ModelFile, window: int | None = None, directory: Path | None = None,

@@ -37,44 +37,30 @@ def write_gguf(model: Qwen2Moe, tok: Tokenizer, path: Path, qtype: str, valid_lo
     from gguf import GGMLQuantizationType, GGUFWriter, TokenType
     from gguf.quants import quantize
 
-    from forecache.vocab_maker import CHATML_TEMPLATE
+    from forecache.model_maker import add_hparams
+    from forecache.model_specs import get_spec
+    from forecache.vocab_maker import Vocab
 
-    c = model.c
+    spec = get_spec("reference")
+    mismatch = {k: (v, getattr(spec, k)) for k, v in model.c.to_dict().items()
+                if k != "vocab" and getattr(spec, k) != v}
+    if mismatch or spec.vocab != model.c.vocab:
+        raise SystemExit(f"the checkpoint's shape differs from models.yaml's reference preset: "
+                         f"{mismatch or 'vocab'}")
     tokens, merges = vocab_lists(tok)
     special = {s: tok.token_to_id(s) for s in SPECIAL_TOKENS}
     types = [int(TokenType.CONTROL) if t in special else int(TokenType.NORMAL) for t in tokens]
+    vocab = Vocab(tokens=tokens, token_types=types, merges=merges,
+                  bos_id=special["<|endoftext|>"], eos_id=special["<|endoftext|>"],
+                  eot_id=special["<|im_end|>"], pad_id=special["<|endoftext|>"])
     w = GGUFWriter(str(path) + ".tmp", "qwen2moe")
     w.add_type("model")
     w.add_name(NAME)
     w.add_description("forecache's reference MoE, trained on public-domain and PSF-licensed "
                       "text and code (tools/reference_model)")
     w.add_float32("forecache.valid_loss", float(valid_loss))
-    w.add_block_count(c.layers)
-    w.add_context_length(c.context_length)
-    w.add_embedding_length(c.d_model)
-    w.add_feed_forward_length(c.shared_expert_ff)
-    w.add_head_count(c.heads)
-    w.add_head_count_kv(c.kv_heads)
-    w.add_rope_freq_base(c.rope_theta)
-    w.add_layer_norm_rms_eps(c.rms_eps)
-    w.add_expert_count(c.experts)
-    w.add_expert_used_count(c.top_k)
-    w.add_expert_feed_forward_length(c.expert_ff)
-    w.add_expert_shared_feed_forward_length(c.shared_expert_ff)
-    ftype = {"f16": 1, "q8_0": 7}[qtype]
-    w.add_file_type(ftype)
-    w.add_quantization_version(2)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(special["<|endoftext|>"])
-    w.add_eos_token_id(special["<|endoftext|>"])
-    w.add_eot_token_id(special["<|im_end|>"])
-    w.add_pad_token_id(special["<|endoftext|>"])
-    w.add_add_bos_token(False)
-    w.add_chat_template(CHATML_TEMPLATE)
+    add_hparams(w, spec, qtype)
+    vocab.write_to(w)
     for name, t in gguf_tensors(model).items():
         a = t.detach().float().numpy()
         small = a.ndim == 1 or name.endswith("ffn_gate_inp.weight")  # norms, biases, routers
