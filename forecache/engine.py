@@ -130,7 +130,7 @@ class Engine:
         low = llama_cpp_module()
         self._vocab = low.llama_model_get_vocab(self.llm.model)
         self._is_eog = low.llama_vocab_is_eog
-        if cache is not None and cache.policy in ("lru", "static"):
+        if cache is not None and cache.policy in ("lru", "static", "promoe"):
             self._attach_cache(cache)
 
     def _attach_cache(self, cfg: CacheConfig) -> None:
@@ -138,9 +138,24 @@ class Engine:
         if cfg.policy == "static" and cfg.profile is None:
             cfg.profile = self.routing_profile(self.tokenize(CALIBRATION_TEXT * 2), 16)
         self.expert_cache = attach(self.llm.ctx, self.placement, cfg,
-                                   make_policy(cfg, self.placement.n_slots))
+                                   make_policy(cfg, self.placement.n_slots), self.model_file,
+                                   say=lambda msg: print(msg, file=sys.stderr))
+        if self.expert_cache.worker is not None:
+            self._watch_batches(self.expert_cache)
         self.expert_cache.wait_idle()  # the static policy's pinned experts
         self.expert_cache.reset_stats()
+
+    def _watch_batches(self, cache: ExpertCache) -> None:
+        """Give the cache the token ids of each batch llama-cpp-python decodes (for predictors
+        that use them); llama-cpp-python has no hook for it, so its batch setter is wrapped."""
+        batch = self.llm._batch
+        original = batch.set_batch
+
+        def set_batch(batch, n_past, logits_all):  # type: ignore[no-untyped-def]
+            cache.batch_tokens = np.asarray(batch, dtype=np.int32)
+            return original(batch=batch, n_past=n_past, logits_all=logits_all)
+
+        batch.set_batch = set_batch  # type: ignore[method-assign]
 
     def routing_profile(self, tokens: list[int], n_gen: int) -> np.ndarray:
         """Routed-expert counts [n_layer, n_expert] of a greedy run over ``tokens``, computed from
@@ -197,6 +212,9 @@ class Engine:
         finish = "length"
         t0 = time.perf_counter()
         t_first = t0
+        worker = self.expert_cache.worker if self.expert_cache is not None else None
+        if worker is not None:
+            worker.begin_request()
         if max_tokens > 0:
             gen = self.llm.generate(tokens, reset=True, **sampling.llama_kwargs())
             for tok in gen:
@@ -216,6 +234,8 @@ class Engine:
                 if len(out) >= max_tokens:
                     break
             gen.close()
+        if worker is not None:
+            worker.end_request()
         tail = decoder.decode(b"", final=True)
         if tail:
             pieces.append(tail)

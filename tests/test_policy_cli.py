@@ -25,11 +25,12 @@ def test_bench_reports_every_policy_with_ratios(tiny_model: Callable[[str], Path
     model = str(tiny_model("q8_0"))
     rep = run_cli_json("bench", "-m", model, "--gpu-budget", "1GiB", "--prompt-len", "16",
                        "--gen", "4", "--prompts", "1")
-    assert [r["policy"] for r in rep["results"]] == ["offload", "ncmoe", "lru", "static"]
+    assert [r["policy"] for r in rep["results"]] == ["offload", "ncmoe", "lru", "static",
+                                                     "promoe"]
     assert rep["same_tokens"]
     for r in rep["results"]:
         assert r["tpot_s"] > 0 and r["ttft_s"] > 0
-        others = {"offload", "ncmoe"} - {r["policy"]}
+        others = {"offload", "ncmoe", "lru"} - {r["policy"]}
         assert set(r["ratios"]) == others
     table = run_cli("bench", "-m", model, "--cache-fraction", "0.5", "--policies", "offload,lru",
                     "--prompt-len", "8", "--gen", "3", "--prompts", "1", check=True)

@@ -27,10 +27,37 @@ class CacheStats(ctypes.Structure):
         ("stall_s", ctypes.c_double),
         ("hook_s", ctypes.c_double),
         ("host_s", ctypes.c_double),
+        ("hi_tasks", ctypes.c_uint64),
+        ("hi_wait_s", ctypes.c_double),
+        ("hi_wait_max_s", ctypes.c_double),
+        ("chunk_max_s", ctypes.c_double),
+        ("dropped_chunks", ctypes.c_uint64),
+        ("refused_loads", ctypes.c_uint64),
+        ("n_groups", ctypes.c_uint64),
+        ("streamed", ctypes.c_uint64),
     ]
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name, _ in self._fields_}
+
+
+class ChunkInfo(ctypes.Structure):
+    """struct forecache_chunk_info: one chunk copy run by forecache_cache_step."""
+
+    _fields_ = [
+        ("layer", ctypes.c_int32),
+        ("slot", ctypes.c_int32),
+        ("proj", ctypes.c_int32),
+        ("expert", ctypes.c_int32),
+        ("priority", ctypes.c_int32),
+        ("size", ctypes.c_size_t),
+    ]
+
+
+# enum forecache_slot_state
+SLOT_EMPTY, SLOT_READY, SLOT_COPYING, SLOT_QUEUED = -1, 0, 1, 2
+# chunk_bytes of forecache_cache_init: one chunk per expert projection / per whole expert
+CHUNK_PROJECTION, CHUNK_EXPERT = 0, (1 << 64) - 1
 
 
 class TensorBuftOverride(ctypes.Structure):
@@ -52,6 +79,14 @@ def declare(lib: ctypes.CDLL) -> None:
         "forecache_cache_expert_in": ([vp, i32, i32], i32),
         "forecache_cache_load": ([vp, i32, i32, i32, i32], i32),
         "forecache_cache_cancel": ([vp, i32, i32], i32),
+        "forecache_cache_preempt": ([vp, i32, ctypes.POINTER(i32), i32], i32),
+        "forecache_cache_schedule": ([vp, i32, ctypes.POINTER(i32), ctypes.POINTER(i32), i32, i32],
+                                     i32),
+        "forecache_cache_set_reorder": ([vp, ctypes.c_bool], None),
+        "forecache_cache_layer_state": ([vp, i32, ctypes.POINTER(i32), ctypes.POINTER(i32)], i32),
+        "forecache_cache_pause": ([vp, ctypes.c_bool], None),
+        "forecache_cache_step": ([vp, ctypes.POINTER(ChunkInfo)], i32),
+        "forecache_cache_queued": ([vp, i32, i32], i32),
         "forecache_cache_wait_idle": ([vp], None),
         "forecache_cache_get_stats": ([vp, i32, ctypes.POINTER(CacheStats)], i32),
         "forecache_cache_reset_stats": ([vp], None),

@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 from types import ModuleType
 
-# Must equal FORECACHE_PATCH_VERSION in include/forecache.h (patches/0003).
-EXPECTED_PATCH_VERSION = 2
+# Must equal FORECACHE_PATCH_VERSION in include/forecache.h (patches/0004).
+EXPECTED_PATCH_VERSION = 3
 
 _FIX = "run `forecache build` (or `make setup`) to install forecache's patched llama-cpp-python"
 

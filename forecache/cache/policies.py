@@ -9,10 +9,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-POLICIES = ("offload", "ncmoe", "lru", "static")
+if TYPE_CHECKING:
+    from forecache.cache.prefetcher import CopyEngine
+
+POLICIES = ("offload", "ncmoe", "lru", "static", "promoe")
 # Slots the static policy keeps for misses (ProMoE's static baseline).
 STATIC_SPARE_SLOTS = 2
 
@@ -31,6 +35,15 @@ class Policy:
 
     def on_gate(self, layer: int, experts: np.ndarray) -> list[tuple[int, int]] | None:
         raise NotImplementedError
+
+    def gate(self, layer: int, experts: np.ndarray, engine: CopyEngine) -> bool:
+        """Route ``layer``: queue the misses ``on_gate`` asks for; True to compute from slots."""
+        loads = self.on_gate(layer, experts)
+        if loads is None:
+            return False
+        for e, s in loads:
+            engine.load(layer, e, s, 0)
+        return True
 
 
 class HostOnlyPolicy(Policy):

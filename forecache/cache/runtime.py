@@ -9,13 +9,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from forecache.bindings import libllama
-from forecache.bindings.cache_api import GATE_HOOK, CacheStats
+from forecache.bindings.cache_api import CHUNK_PROJECTION, GATE_HOOK, CacheStats
+from forecache.cache.forecast import Forecaster, ForecastWorker
 from forecache.cache.policies import Policy
 
 # (layer, ids [n, k], router weights [n, k] | None, gate input [n, d] | None)
 RouteCallback = Callable[[int, np.ndarray, "np.ndarray | None", "np.ndarray | None"], None]
 HIGH, LOW = 0, 1  # copy priorities: misses, prefetch
-DEFAULT_CHUNK_BYTES = 2 << 20
+DEFAULT_CHUNK_BYTES = CHUNK_PROJECTION
 
 
 class CacheError(RuntimeError):
@@ -30,16 +31,19 @@ class LayerInfo:
 
 
 class ExpertCache:
-    """Device slots for the routed experts of a context, driven by a policy through the gate hook.
+    """Device slots for the routed experts of a context, driven by a policy through the gate hook;
+    the policy's copy engine (load, preempt, schedule, layer_state) is the C cache.
 
     ``on_route(layer, ids [n, k], weights [n, k] | None, gate_input [n, d] | None)`` sees every
     routing decision (the arrays are only valid during the call); ``gate_input=True`` asks the C
-    side to read the router input back for it.
+    side to read the router input back for it. With a ``forecaster``, every gate event also goes
+    to a prediction thread whose forecasts become the policy's prefetches.
     """
 
     def __init__(self, ctx: int, n_slots: Sequence[int], policy: Policy, *, device: int,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, on_route: RouteCallback | None = None,
-                 gate_input: bool = False) -> None:
+                 gate_input: bool = False, forecaster: Forecaster | None = None,
+                 reorder: bool = True) -> None:
         self._lib = libllama()
         arr = (ctypes.c_int32 * len(n_slots))(*n_slots)
         err = ctypes.create_string_buffer(512)
@@ -58,10 +62,45 @@ class ExpertCache:
                                                          ctypes.byref(n_s), ctypes.byref(nb))
             if found == 0:
                 self.layers[il] = LayerInfo(n_e.value, n_s.value, nb.value)
+        self._state = {il: ((ctypes.c_int32 * max(info.n_slots, 1))(),
+                            (ctypes.c_int32 * max(info.n_slots, 1))())
+                       for il, info in self.layers.items()}
+        self.batch_tokens: np.ndarray | None = None  # token ids of the batch being decoded
+        self.worker = ForecastWorker(forecaster, self._prefetch) if forecaster else None
+        want_x = gate_input or (forecaster is not None and forecaster.needs_hidden)
+        self._lib.forecache_cache_set_reorder(handle, reorder)
         self._hook = GATE_HOOK(self._on_gate)  # kept referenced: C holds the pointer
-        self._lib.forecache_cache_set_hook(handle, self._hook, None, gate_input)
+        self._lib.forecache_cache_set_hook(handle, self._hook, None, want_x)
         for il, e, s in policy.initial_loads():
             self._lib.forecache_cache_load(handle, il, e, s, LOW)
+
+    # -- the copy engine a policy drives --------------------------------------------------------
+    def load(self, layer: int, expert: int, slot: int, priority: int) -> int:
+        return int(self._lib.forecache_cache_load(self._handle, layer, expert, slot, priority))
+
+    def preempt(self, layer: int, keep: Sequence[int]) -> int:
+        arr = (ctypes.c_int32 * max(len(keep), 1))(*keep)
+        return int(self._lib.forecache_cache_preempt(self._handle, layer, arr, len(keep)))
+
+    def schedule(self, layer: int, experts: Sequence[int], slots: Sequence[int],
+                 priority: int) -> int:
+        n = len(experts)
+        return int(self._lib.forecache_cache_schedule(
+            self._handle, layer, (ctypes.c_int32 * n)(*experts), (ctypes.c_int32 * n)(*slots),
+            n, priority))
+
+    def layer_state(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        ex, st = self._state[layer]
+        n = self._lib.forecache_cache_layer_state(self._handle, layer, ex, st)
+        return (np.ctypeslib.as_array(ex)[:n].copy(), np.ctypeslib.as_array(st)[:n].copy())
+
+    def queued(self, layer: int = -1, priority: int = -1) -> int:
+        """Queued chunks of ``layer`` (-1: all) at ``priority`` (-1: any)."""
+        return int(self._lib.forecache_cache_queued(self._handle, layer, priority))
+
+    def _prefetch(self, layer: int, experts: np.ndarray, pass_id: int) -> None:
+        if self._handle is not None:
+            self.policy.prefetch(layer, experts.tolist(), pass_id, self)  # type: ignore[attr-defined]
 
     def _on_gate(self, _ud: int, layer: int, n_tokens: int, n_used: int, ids_p: object,
                  w_p: object, x_p: object, n_embd: int) -> int:
@@ -74,12 +113,15 @@ class ExpertCache:
             # distinct experts in order of first use
             uniq, first = np.unique(ids, return_index=True)
             experts = uniq[np.argsort(first, kind="stable")]
-            loads = self.policy.on_gate(layer, experts)
-            if loads is None:
-                return 1
-            for e, s in loads:
-                self._lib.forecache_cache_load(self._handle, layer, e, s, HIGH)
-            return 0
+            on_slots = self.policy.gate(layer, experts, self)
+            if self.worker is not None:
+                x = np.ctypeslib.as_array(x_p, shape=(n_tokens, n_embd)) if x_p else None
+                toks = self.batch_tokens
+                if toks is not None and len(toks) != n_tokens:
+                    toks = None
+                self.worker.submit(layer, ids.reshape(n_tokens, n_used), x, toks,
+                                   self.policy.pass_id)  # type: ignore[attr-defined]
+            return 0 if on_slots else 1
         except KeyboardInterrupt:
             # Ctrl-C/SIGTERM cannot cross the C frame either: finish this layer from host memory
             # (always correct) and let the caller raise it at the next token (check_interrupt).
@@ -120,6 +162,9 @@ class ExpertCache:
 
     def close(self) -> None:
         """Free the C side; the context's next ubatch builds a graph without the cache."""
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
         if self._handle is not None:
             self._lib.forecache_cache_free(self._handle)
             self._handle = None

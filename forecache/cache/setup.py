@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from forecache.bindings import llama_cpp_module
-from forecache.bindings.cache_api import TensorBuftOverride
+from forecache.bindings.cache_api import CHUNK_EXPERT, TensorBuftOverride
 from forecache.bindings.ggml_devices import Device, cache_device, host_buffer_type
 from forecache.cache.budget import MemoryPlan, moe_layers, plan_memory, slots_for_fraction
+from forecache.cache.forecast import Forecaster
 from forecache.cache.policies import POLICIES, HostOnlyPolicy, LRUPolicy, Policy, StaticPolicy
+from forecache.cache.prefetcher import Features, Prefetcher
 from forecache.cache.runtime import DEFAULT_CHUNK_BYTES, ExpertCache, RouteCallback
 from forecache.gguf_inspect import ModelFile
 
@@ -35,6 +37,9 @@ class CacheConfig:
     profile: np.ndarray | None = None  # static: routed counts [n_layer, n_expert]
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     on_route: RouteCallback | None = None  # sees every routing decision (see ExpertCache)
+    features: Features = field(default_factory=Features)  # promoe's techniques
+    predictor: str = "auto"  # promoe: learned when trained for the model, else history
+    window: int | None = None  # promoe: prediction distance; default: the trained one
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -43,7 +48,7 @@ class CacheConfig:
                  if x is not None]
         if len(sizes) > 1:
             raise ValueError("give one of --gpu-budget and --cache-fraction, not both")
-        if self.policy in ("ncmoe", "lru", "static") and not sizes:
+        if self.policy in ("ncmoe", "lru", "static", "promoe") and not sizes:
             raise ValueError(f"policy {self.policy} needs --gpu-budget or --cache-fraction")
         if self.policy == "ncmoe" and self.gpu_budget is None:
             raise ValueError("policy ncmoe places whole layers and needs --gpu-budget")
@@ -122,15 +127,58 @@ def expert_overrides(placement: Placement) -> Iterator[None]:
 def make_policy(cfg: CacheConfig, n_slots: list[int]) -> Policy:
     if cfg.policy == "lru":
         return LRUPolicy(n_slots)
+    if cfg.policy == "promoe":
+        return Prefetcher(n_slots, cfg.features)
     if cfg.profile is None:
         raise ValueError("policy static needs a routing profile")
     return StaticPolicy(n_slots, cfg.profile)
 
 
-def attach(ctx: int, placement: Placement, cfg: CacheConfig, policy: Policy) -> ExpertCache:
-    """Create the expert cache on a loaded context."""
+def make_forecaster(model: ModelFile, cfg: CacheConfig, n_slots: list[int],
+                    say: Callable[[str], None] | None = None) -> Forecaster:
+    """The predictor promoe prefetches with: the learned one trained for ``model`` (window
+    ``cfg.window``, default the smallest trained), else ``history`` (needs no training)."""
+    from forecache.predictor.history import HistoryPredictor
+    from forecache.predictor.store import load_learned, trained_windows
+
+    layers = moe_layers(model)
+    name = cfg.predictor
+    windows = trained_windows(model)
+    if name == "auto":
+        name = "learned" if (windows if cfg.window is None else cfg.window in windows) else \
+            "history"
+        if name == "history" and say is not None:
+            say(f"no learned predictors for {model.path.name}"
+                f"{'' if cfg.window is None else f' (window {cfg.window})'}: prefetching with "
+                "the history predictor; `forecache trace` and `forecache train` make them")
+    if name == "learned":
+        window = cfg.window if cfg.window is not None else (windows[0] if windows else None)
+        predictor = load_learned(model, window)
+    elif name == "history":
+        window = cfg.window or 1
+        predictor = HistoryPredictor(len(layers), model.n_expert, model.n_expert_used)
+    else:
+        raise ValueError(f"policy promoe predicts with learned or history, not {name!r}")
+    return Forecaster(predictor, window, layers, n_slots)
+
+
+def attach(ctx: int, placement: Placement, cfg: CacheConfig, policy: Policy,
+           model: ModelFile | None = None, say: Callable[[str], None] | None = None,
+           ) -> ExpertCache:
+    """Create the expert cache on a loaded context (promoe: with its prediction thread)."""
+    forecaster = None
+    chunk = cfg.chunk_bytes
+    reorder = False  # the reactive baselines wait for every copy of a layer, then compute it
+    if isinstance(policy, Prefetcher):
+        f = policy.features
+        if f.prefetch:
+            assert model is not None, "promoe needs the model file for its predictor"
+            forecaster = make_forecaster(model, cfg, placement.n_slots, say)
+        chunk = chunk if f.chunk else CHUNK_EXPERT
+        reorder = f.reorder
     return ExpertCache(ctx, placement.n_slots, policy, device=placement.device.index,
-                       chunk_bytes=cfg.chunk_bytes, on_route=cfg.on_route)
+                       chunk_bytes=chunk, on_route=cfg.on_route, forecaster=forecaster,
+                       reorder=reorder)
 
 
 def attach_observer(ctx: int, model: ModelFile, device: int, on_route: RouteCallback, *,

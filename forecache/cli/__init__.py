@@ -22,11 +22,12 @@ def _register() -> None:
         generate_cmd,
         model_cmds,
         predictor_cmds,
+        simulate_cmd,
         stats_cmd,
     )
 
     for mod in (bench_cmd, build_cmd, doctor_cmd, generate_cmd, model_cmds, predictor_cmds,
-                stats_cmd):
+                simulate_cmd, stats_cmd):
         for cmd in mod.COMMANDS:
             cli.add_command(cmd)
 

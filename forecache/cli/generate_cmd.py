@@ -10,12 +10,25 @@ import click
 
 from forecache.cache.budget import parse_size
 from forecache.cache.policies import POLICIES
+from forecache.cache.prefetcher import Features
 from forecache.cache.setup import CacheConfig
 from forecache.engine import Engine, GenerationResult, SamplingParams
 
 
 def cache_options(fn):  # type: ignore[no-untyped-def]
-    """--policy, --gpu-budget and --cache-fraction."""
+    """--policy, --gpu-budget, --cache-fraction and promoe's switches."""
+    for name, what in (("reorder", "cache-first expert order and slot streaming"),
+                       ("preempt", "early preemption of queued predictions at the gate"),
+                       ("chunk", "per-projection copy chunks (one chunk per expert instead)"),
+                       ("prefetch", "predicted prefetch")):
+        fn = click.option(f"--no-{name}", f"no_{name}", is_flag=True,
+                          help=f"promoe without {what} (for ablations).")(fn)
+    fn = click.option("--window", type=click.IntRange(1, 64), default=None,
+                      help="promoe: predict this many layers ahead (default: the window the "
+                           "model's learned predictors were trained for).")(fn)
+    fn = click.option("--predictor", type=click.Choice(["auto", "learned", "history"]),
+                      default="auto", show_default=True,
+                      help="promoe's predictor (auto: learned when trained for the model).")(fn)
     fn = click.option("--cache-fraction", type=float, default=None,
                       help="Share of each layer's experts held in device slots (0-1].")(fn)
     fn = click.option("--gpu-budget", default=None,
@@ -27,14 +40,18 @@ def cache_options(fn):  # type: ignore[no-untyped-def]
     return fn
 
 
-def cache_config(policy: str | None, gpu_budget: str | None,
-                 cache_fraction: float | None) -> CacheConfig | None:
+def cache_config(policy: str | None, gpu_budget: str | None, cache_fraction: float | None,
+                 predictor: str = "auto", window: int | None = None, no_prefetch: bool = False,
+                 no_chunk: bool = False, no_preempt: bool = False,
+                 no_reorder: bool = False) -> CacheConfig | None:
     """The CacheConfig the cache options ask for, or None for llama.cpp's own placement."""
     if policy is None and gpu_budget is None and cache_fraction is None:
         return None
     return CacheConfig(policy=policy or "lru",
                        gpu_budget=parse_size(gpu_budget) if gpu_budget is not None else None,
-                       cache_fraction=cache_fraction)
+                       cache_fraction=cache_fraction, predictor=predictor, window=window,
+                       features=Features(prefetch=not no_prefetch, chunk=not no_chunk,
+                                         preempt=not no_preempt, reorder=not no_reorder))
 
 
 def _print_stats(res: GenerationResult) -> None:
@@ -70,13 +87,12 @@ def _stream(text: str) -> None:
 @cache_options
 def generate(model: Path, prompt: str, n_predict: int, greedy: bool, seed: int, temp: float,
              n_ctx: int, threads: int | None, n_gpu_layers: int, ignore_eos: bool, as_json: bool,
-             verbose: bool, policy: str | None, gpu_budget: str | None,
-             cache_fraction: float | None) -> None:
+             verbose: bool, **cache_opts: object) -> None:
     """Generate text from a prompt with a GGUF MoE model."""
     if n_predict < 0:
         raise click.BadParameter("must be >= 0", param_hint="-n")
     sampling = SamplingParams(greedy=greedy, temperature=temp)
-    cfg = cache_config(policy, gpu_budget, cache_fraction)
+    cfg = cache_config(**cache_opts)  # type: ignore[arg-type]
     with Engine(model, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers, seed=seed,
                 verbose=verbose, cache=cfg) as eng:
         res = eng.generate(prompt, n_predict, sampling, on_text=None if as_json else _stream,

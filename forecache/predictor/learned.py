@@ -115,6 +115,11 @@ class LearnedPredictor(Predictor):
         scores = sess.run(np.asarray(hidden).reshape(1, -1))[0]
         return scores + (TIE_BREAK * self.prior[layer_to]).astype(np.float32)
 
+    def predict_batch(self, layer_from: int, layer_to: int, hidden: np.ndarray) -> np.ndarray:
+        """Scores [n, E] for ``layer_to`` from gate inputs [n, d] of ``layer_from`` (one run)."""
+        scores = self._session(layer_from, layer_to).run(hidden)
+        return scores + (TIE_BREAK * self.prior[layer_to]).astype(np.float32)
+
     # -- evaluation -----------------------------------------------------------------------------
     def score_request(self, req: Request, pairs: Sequence[tuple[int, int]],
                       ) -> dict[tuple[int, int], np.ndarray]:

@@ -56,3 +56,13 @@ def load_learned(model: ModelFile, window: int | None = None, directory: Path | 
         raise ValueError(f"{ident_path} is unreadable ({e}); {fix}") from e
     require_same_model(recorded, model, f"the predictors in {directory}", fix)
     return LearnedPredictor.load(directory, threads=threads)
+
+
+def trained_windows(model: ModelFile) -> list[int]:
+    """Windows with learned predictors stored for ``model`` (smallest first)."""
+    base = model_dir(model)
+    out = []
+    for d in base.glob("learned-k*") if base.is_dir() else []:
+        if d.name[len("learned-k"):].isdigit() and (d / MODEL_FILE).is_file():
+            out.append(int(d.name[len("learned-k"):]))
+    return sorted(out)

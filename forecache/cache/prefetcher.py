@@ -1,0 +1,182 @@
+"""The proactive policy (ProMoE §5): early preemption, cache-first reordering, slot streaming and
+prediction-driven prefetch, over a copy engine.
+
+The copy engine is the C expert cache at run time (``ExpertCache``) and the simulator's model of it
+(``simulator.SimEngine``); both run this same code. Priorities: HIGH for the exact misses of the
+layer being routed, LOW for predicted experts of layers ahead.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from forecache.cache.policies import Policy
+
+HIGH, LOW = 0, 1
+# enum forecache_slot_state
+SLOT_EMPTY, SLOT_READY, SLOT_COPYING, SLOT_QUEUED = -1, 0, 1, 2
+
+
+class CopyEngine(Protocol):
+    """What a policy drives: slot loads, preemption, the compute schedule and slot states."""
+
+    def load(self, layer: int, expert: int, slot: int, priority: int) -> int:
+        """Queue ``expert`` into ``slot``; 0, 1 if the slot is in use (nothing changes)."""
+        ...
+
+    def preempt(self, layer: int, keep: Sequence[int]) -> int:
+        """Queued low-priority copies of ``layer``: those of ``keep`` become high, others go."""
+        ...
+
+    def schedule(self, layer: int, experts: Sequence[int], slots: Sequence[int],
+                 priority: int) -> int:
+        """Compute order of the layer being routed, with the slot of each expert."""
+        ...
+
+    def layer_state(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """(expert per slot, -1 empty; state per slot, SLOT_*)."""
+        ...
+
+
+@dataclass(frozen=True)
+class Features:
+    """The ProMoE techniques, each switchable for the ablation."""
+
+    prefetch: bool = True  # predicted experts are copied ahead (sliding window)
+    chunk: bool = True  # copies are split per expert projection (else one task per expert)
+    preempt: bool = True  # at the gate, queued predictions of the layer give way to its misses
+    reorder: bool = True  # experts computed cache-first; more experts than slots stream through
+
+    def label(self) -> str:
+        off = [name for name in ("prefetch", "chunk", "preempt", "reorder")
+               if not getattr(self, name)]
+        return "promoe" + "".join(f" --no-{n}" for n in off)
+
+
+class Prefetcher(Policy):
+    """Slot assignment for ``promoe``: a mirror of each layer's slots with recency, refreshed from
+    the engine at every gate, shared by the gate hook and the prediction worker (one lock)."""
+
+    name = "promoe"
+
+    def __init__(self, n_slots: Sequence[int], features: Features = Features()) -> None:
+        super().__init__(n_slots)
+        self.features = features
+        self.lock = threading.Lock()
+        # per layer: expert -> slot, oldest first (the eviction order)
+        self._lru: list[OrderedDict[int, int]] = [OrderedDict() for _ in self.n_slots]
+        self.pass_id = 0  # forward passes (ubatches) seen
+        self._last_layer = -1
+        self._routed: list[int] = [-1] * len(self.n_slots)  # pass in which each layer was routed
+        self.prefetch_loads = 0
+        self.prefetch_refreshed = 0
+        self.stale_predictions = 0
+
+    # -- gate: the layer being computed --------------------------------------------------------
+    def gate(self, layer: int, experts: np.ndarray, engine: CopyEngine) -> bool:
+        """Route ``layer`` (distinct experts, first use first): True to compute from slots."""
+        f = self.features
+        n = self.n_slots[layer]
+        with self.lock:
+            if layer <= self._last_layer:
+                self.pass_id += 1
+            self._last_layer = layer
+            self._routed[layer] = self.pass_id
+            need = [int(e) for e in experts.tolist()]
+            if f.preempt:
+                engine.preempt(layer, need)
+            expert_of, state = engine.layer_state(layer)
+            lru = self._sync(layer, expert_of)
+            where = {int(e): s for s, e in enumerate(expert_of.tolist()) if e >= 0}
+            if f.reorder:
+                rank = {SLOT_READY: 0, SLOT_COPYING: 1, SLOT_QUEUED: 2}
+                order = sorted(need, key=lambda e: rank[int(state[where[e]])] if e in where else 3)
+            else:
+                order = sorted(need)  # the frameworks' expert-id order
+            if len(order) > n and not f.reorder:
+                return False  # cannot stream without reordered compute: from host memory
+            needed = set(need)
+            for e in need:
+                if e in lru:
+                    lru.move_to_end(e)
+            free = [s for s in range(n) if expert_of[s] < 0]
+            victims = free + [s for e, s in lru.items() if e not in needed]
+            slots: list[int] = []
+            for i, e in enumerate(order):
+                if i >= n:
+                    slots.append(slots[i - n])  # streams through the slot computed longest ago
+                elif e in where:
+                    slots.append(where[e])
+                else:
+                    slots.append(victims.pop(0))
+            if engine.schedule(layer, order, slots, HIGH) != 0:
+                return False
+            # the slot table at the end of the layer: the last expert scheduled into each slot
+            final = {s: e for e, s in zip(order, slots, strict=True)}
+            for s, e in final.items():
+                old = int(expert_of[s])
+                if old >= 0 and old != e:
+                    lru.pop(old, None)
+            for e, s in zip(order, slots, strict=True):
+                if final[s] == e:
+                    lru.pop(e, None)
+                    lru[e] = s
+            return True
+
+    # -- prefetch: a layer ahead ---------------------------------------------------------------
+    def prefetch(self, layer: int, experts: Sequence[int], pass_id: int,
+                 engine: CopyEngine) -> int:
+        """Queue predicted ``experts`` of ``layer`` (best first) at low priority; a resident one
+        only refreshes its recency. Predictions for a layer already routed in ``pass_id`` (or of an
+        older pass) are stale and dropped. Returns the copies queued."""
+        if not self.features.prefetch or self.n_slots[layer] == 0:
+            return 0
+        with self.lock:
+            if pass_id != self.pass_id or self._routed[layer] == pass_id:
+                self.stale_predictions += 1
+                return 0
+            lru = self._lru[layer]
+            picked = [int(e) for e in experts][:self.n_slots[layer]]
+            keep = set(picked)
+            for e in reversed(picked):  # best ends most recent
+                if e in lru:
+                    lru.move_to_end(e)
+                    self.prefetch_refreshed += 1
+            used = set(lru.values())
+            free = [s for s in range(self.n_slots[layer]) if s not in used]
+            victims = free + [s for e, s in lru.items() if e not in keep]
+            queued = 0
+            for e in picked:
+                if e in lru or not victims:
+                    continue
+                s = victims.pop(0)
+                if engine.load(layer, e, s, LOW) != 0:
+                    break  # the layer is being computed: too late for the rest
+                for old, slot in list(lru.items()):
+                    if slot == s:
+                        del lru[old]
+                lru[e] = s
+                queued += 1
+            self.prefetch_loads += queued
+            return queued
+
+    def _sync(self, layer: int, expert_of: np.ndarray) -> OrderedDict[int, int]:
+        """Make the mirror of ``layer`` agree with the engine (preemption empties slots)."""
+        lru = self._lru[layer]
+        actual = {int(e): s for s, e in enumerate(expert_of.tolist()) if e >= 0}
+        for e in [e for e, s in lru.items() if actual.get(e) != s]:
+            del lru[e]
+        for e, s in actual.items():
+            if e not in lru:
+                lru[e] = s
+                lru.move_to_end(e, last=False)  # unknown to the mirror: oldest
+        return lru
+
+    def on_gate(self, layer: int, experts: np.ndarray) -> list[tuple[int, int]] | None:
+        raise NotImplementedError("Prefetcher routes through gate()")

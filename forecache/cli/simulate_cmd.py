@@ -1,0 +1,112 @@
+"""``forecache simulate``: replay a routing trace through a policy on a modelled machine."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import click
+
+from forecache.cache.prefetcher import Features
+from forecache.sim_profile import Profile
+from forecache.sim_run import (
+    ablation,
+    fit_predictor,
+    run_one,
+    slots_for,
+    split_requests,
+    static_profile,
+    trace_shape,
+)
+from forecache.simulator import SIM_POLICIES, SimConfig, SimResult
+from forecache.trace_file import TraceFile
+
+
+def _row(label: str, r: SimResult, base: SimResult | None) -> str:
+    d = r.to_json()
+    sp = ""
+    if base is not None:
+        sp = (f"{base.ttft_s / r.ttft_s if r.ttft_s else 0:>7.2f}x "
+              f"{base.tpot_s / r.tpot_s if r.tpot_s else 0:>7.2f}x "
+              f"{base.stall_s / r.stall_s if r.stall_s else float('inf'):>7.2f}x")
+    return (f"{label:<20} {r.ttft_s * 1e3:>10.1f} {r.tpot_s * 1e3:>9.2f} "
+            f"{d['hit_rate'] * 100:>6.1f} {r.h2d_bytes / 1e9:>8.2f} {r.stall_s:>8.3f} {sp}")
+
+
+HEAD = (f"{'run':<20} {'TTFT ms':>10} {'TPOT ms':>9} {'hit %':>6} {'H2D GB':>8} {'stall s':>8} "
+        f"{'prefill':>8} {'decode':>8} {'stall-cut':>8}")
+
+
+@click.command("simulate")
+@click.option("--trace", "trace_path", required=True, type=click.Path(path_type=Path),
+              help="Routing trace (.npz).")
+@click.option("--policy", type=click.Choice(SIM_POLICIES), default="promoe", show_default=True)
+@click.option("--shape", default=None, help="models.yaml model to replay at (default: the "
+              "trace's own; must agree on layers, experts and top-k).")
+@click.option("--qtype", default="q4_k", show_default=True, help="Quantization of the experts.")
+@click.option("--budget", default=None, help="Device memory for the whole model (e.g. 24GiB).")
+@click.option("--cache-fraction", type=float, default=None, help="Share of experts in slots.")
+@click.option("--profile", "profile_name", default="rtx4090", show_default=True,
+              help="Machine profile: a shipped name or a JSON file.")
+@click.option("--predictor", default="auto", show_default=True,
+              help="promoe's predictor: auto, learned, eam, token or history.")
+@click.option("--window", type=click.IntRange(1, 64), default=2, show_default=True)
+@click.option("--fit-fraction", type=float, default=0.5, show_default=True,
+              help="Leading share of the requests that fits the predictor (the rest replay).")
+@click.option("--n-ubatch", type=click.IntRange(1, 8192), default=512, show_default=True)
+@click.option("--no-prefetch", is_flag=True)
+@click.option("--no-chunk", is_flag=True)
+@click.option("--no-preempt", is_flag=True)
+@click.option("--no-reorder", is_flag=True)
+@click.option("--ablation", "do_ablation", is_flag=True,
+              help="ProMoE's ablation: lru, then each technique added (ignores --policy).")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def simulate_cmd(trace_path: Path, policy: str, shape: str | None, qtype: str,
+                 budget: str | None, cache_fraction: float | None, profile_name: str,
+                 predictor: str, window: int, fit_fraction: float, n_ubatch: int,
+                 no_prefetch: bool, no_chunk: bool, no_preempt: bool, no_reorder: bool,
+                 do_ablation: bool, as_json: bool) -> None:
+    """Replay TRACE through a policy with a timing model; TTFT, TPOT, hits, bytes, stalls."""
+    profile = Profile.load(profile_name)
+    with TraceFile(trace_path) as tf:
+        info = tf.info()
+        sh = trace_shape(trace_path, info, shape, qtype)
+        fit, replay = split_requests(tf, fit_fraction)
+        layers = [il for il in range(info.n_layers)
+                  if any((r.experts[:, il] >= 0).any() for r in replay)]
+        n_slots = slots_for(sh, len(layers), budget, cache_fraction)
+        feats = Features(prefetch=not no_prefetch, chunk=not no_chunk, preempt=not no_preempt,
+                         reorder=not no_reorder)
+        pred_name, pred = None, None
+        if do_ablation or (policy == "promoe" and feats.prefetch):
+            pred_name, pred = fit_predictor(predictor, info, fit, window)
+        cfg = SimConfig(policy=policy, n_slots=n_slots, features=feats, window=window,
+                        n_ubatch=n_ubatch, static_profile=static_profile(fit, info))
+        head = {"trace": str(trace_path), "shape": sh.name, "qtype": sh.qtype,
+                "profile": profile.name, "n_slots": n_slots, "experts": sh.experts,
+                "cached_layers": len(layers), "predictor": pred_name, "window": window,
+                "fit_requests": len(fit), "replay_requests": len(replay)}
+        if do_ablation:
+            runs = ablation(replay, sh, profile, cfg, pred)
+            runs.append(("static", run_one(replay, sh, profile, replace(cfg, policy="static"),
+                                           None)))
+        else:
+            runs = [(feats.label() if policy == "promoe" else policy,
+                     run_one(replay, sh, profile, cfg, pred))]
+    if as_json:
+        click.echo(json.dumps({**head, "runs": [{"run": k, **r.to_json()} for k, r in runs]}))
+        return
+    click.echo(f"{trace_path.name}: {sh.name} {sh.qtype}, {n_slots}/{sh.experts} slots in "
+               f"{len(layers)} layers, profile {profile.name}, predictor {pred_name} "
+               f"(window {window}), {len(replay)} requests replayed")
+    click.echo(HEAD)
+    base = runs[0][1] if do_ablation else None
+    for label, r in runs:
+        click.echo(_row(label, r, base))
+    if do_ablation:
+        click.echo("prefill/decode/stall-cut: ratios to base (lru); stall = loading time on the "
+                   "critical path")
+
+
+COMMANDS = [simulate_cmd]

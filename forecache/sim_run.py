@@ -1,0 +1,149 @@
+"""Setting up a simulation from a trace file: shape, cache size, predictor fitting, ablations."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from forecache.cache.budget import parse_size
+from forecache.cache.prefetcher import Features
+from forecache.predictor.base import Predictor, Request, source_layer
+from forecache.predictor.metrics import topk_accuracy
+from forecache.predictor.registry import make_predictor, unavailable
+from forecache.sim_profile import Profile, SimShape, shape_of, trace_model_names
+from forecache.simulator import SimConfig, SimResult, simulate
+from forecache.trace_file import TraceFile, TraceInfo
+
+# Device memory a budget keeps for the KV cache and compute buffers (4096 context, 512 ubatch).
+BUDGET_RESERVE = 1536 << 20
+ABLATION = [("base (lru)", "lru", Features()),
+            ("+prefetch", "promoe", Features(chunk=False, preempt=False, reorder=False)),
+            ("+chunked", "promoe", Features(preempt=False, reorder=False)),
+            ("+early preemption", "promoe", Features(reorder=False)),
+            ("+reordered", "promoe", Features())]
+
+
+def trace_shape(path: Path, info: TraceInfo, name: str | None, qtype: str) -> SimShape:
+    """The model shape to replay ``path`` at: ``name``, else the trace's own model."""
+    if name is None:
+        name = info.meta.get("preset") or trace_model_names().get(path.stem)
+        if name is None:
+            raise ValueError(f"{path.name}: its model is not in models.yaml; give --shape NAME")
+    shape = shape_of(name, qtype)
+    got = (shape.layers, shape.experts, shape.top_k)
+    want = (info.n_layers, info.n_expert, info.top_k)
+    if got != want:
+        raise ValueError(f"shape {name} has layers/experts/top-k {got} but the trace has {want}; "
+                         "--shape must agree on those")
+    return shape
+
+
+def slots_for(shape: SimShape, n_layers_cached: int, budget: str | None,
+              fraction: float | None) -> int:
+    """Slots per cached layer for a device budget or a cache fraction."""
+    if (budget is None) == (fraction is None):
+        raise ValueError("give exactly one of --budget and --cache-fraction")
+    if fraction is not None:
+        if not 0 < fraction <= 1:
+            raise ValueError(f"--cache-fraction must be in (0, 1], not {fraction}")
+        return max(1, math.ceil(fraction * shape.experts - 1e-9))
+    assert budget is not None
+    fixed = shape.layers * shape.layer_bytes + 2 * shape.head_bytes + BUDGET_RESERVE
+    left = parse_size(budget) - fixed
+    if left < shape.expert_bytes * n_layers_cached:
+        raise ValueError(f"budget {budget} leaves {max(left, 0) / 2**30:.1f} GiB after the "
+                         f"non-expert weights and buffers ({fixed / 2**30:.1f} GiB): not one "
+                         "expert per layer; raise --budget")
+    return min(shape.experts, int(left // (shape.expert_bytes * n_layers_cached)))
+
+
+def split_requests(tf: TraceFile, fit_fraction: float) -> tuple[list[Request], list[Request]]:
+    """(fit, replay): the first ``fit_fraction`` of the requests fit predictors and profiles; a
+    single-request trace is split into two contiguous halves."""
+    reqs = list(tf.requests())
+    if len(reqs) == 1:
+        r = reqs[0]
+        h = r.n_tokens // 2
+
+        def part(sl: slice) -> Request:
+            def cut(a: np.ndarray | None) -> np.ndarray | None:
+                return None if a is None else a[sl]
+            return Request(experts=r.experts[sl], token_ids=cut(r.token_ids),
+                           weights=cut(r.weights), gate_input=cut(r.gate_input),
+                           phase=cut(r.phase))
+        return [part(slice(0, h))], [part(slice(h, None))]
+    n_fit = min(max(1, int(round(len(reqs) * fit_fraction))), len(reqs) - 1)
+    return reqs[:n_fit], reqs[n_fit:]
+
+
+def fit_predictor(name: str, info: TraceInfo, fit: Sequence[Request], window: int
+                  ) -> tuple[str, Predictor]:
+    """Fit ``name`` (``auto``: learned with gate inputs, else the best of eam, token and history
+    by top-k accuracy on the last third of ``fit``) for ``window``."""
+    pairs = [(source_layer(t, window), t) for t in range(1, info.n_layers)]
+    if name == "auto":
+        if unavailable("learned", info, None) is None:
+            name = "learned"
+        else:
+            names = [n for n in ("eam", "token", "history") if unavailable(n, info, None) is None]
+            name = _best(names, info, fit, pairs) if len(fit) > 2 else names[0]
+    why = unavailable(name, info, None)
+    if why:
+        raise ValueError(f"predictor {name}: {why}")
+    p = make_predictor(name, info, pairs)
+    p.fit(fit)
+    return name, p
+
+
+def _best(names: list[str], info: TraceInfo, fit: Sequence[Request],
+          pairs: list[tuple[int, int]]) -> str:
+    cut = max(1, len(fit) * 2 // 3)
+    scored = []
+    for name in names:
+        p = make_predictor(name, info, pairs)
+        p.fit(fit[:cut])
+        total = rows = 0.0
+        for req in fit[cut:]:
+            out = p.score_request(req, pairs)
+            for (_, b), sc in out.items():
+                s, n = topk_accuracy(sc, req.experts[:, b])
+                total, rows = total + s, rows + n
+        scored.append((total / rows if rows else 0.0, name))
+    return max(scored)[1]
+
+
+def static_profile(fit: Sequence[Request], info: TraceInfo) -> np.ndarray:
+    """Routed counts [L, E] of the fit requests (the static policy's hottest experts)."""
+    counts = np.zeros((info.n_layers, info.n_expert), dtype=np.int64)
+    for r in fit:
+        for il in range(info.n_layers):
+            ids = r.experts[:, il].ravel()
+            np.add.at(counts[il], ids[ids >= 0], 1)
+    return counts
+
+
+def fresh(p: Predictor | None) -> Predictor | None:
+    """A copy with the fitted state only (eam learns online: runs must not share it)."""
+    if p is None or p.name == "learned":  # learned keeps no per-run state
+        return p
+    return copy.deepcopy(p)
+
+
+def run_one(replay: Sequence[Request], shape: SimShape, profile: Profile, cfg: SimConfig,
+            predictor: Predictor | None) -> SimResult:
+    return simulate(replay, shape, profile, cfg, fresh(predictor))
+
+
+def ablation(replay: Sequence[Request], shape: SimShape, profile: Profile, base: SimConfig,
+             predictor: Predictor | None) -> list[tuple[str, SimResult]]:
+    """ProMoE Fig. 13/14: LRU, then prefetch, chunking, early preemption and reordering added."""
+    out = []
+    for label, policy, feats in ABLATION:
+        cfg = replace(base, policy=policy, features=feats)
+        out.append((label, run_one(replay, shape, profile, cfg, predictor)))
+    return out

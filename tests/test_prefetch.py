@@ -1,0 +1,211 @@
+"""Proactive caching on the CPU build: the copy engine's queue, promoe's losslessness, and the
+simulator (determinism, agreement with the C engine, the ablation CLI)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from forecache.bindings.cache_api import CHUNK_EXPERT, ChunkInfo
+from forecache.cache.prefetcher import HIGH, LOW, SLOT_EMPTY, SLOT_QUEUED, Features
+from forecache.cache.setup import CacheConfig
+from forecache.engine import Engine, SamplingParams
+from forecache.predictor.base import Request
+from forecache.sim_profile import Profile, shape_of
+from forecache.simulator import SimConfig, SimEngine, simulate
+from forecache.trace_file import TraceWriter
+from tests.cli_helpers import run_cli, run_cli_json
+
+N_BATCH = 128
+
+
+def _steps(cache) -> list[tuple[int, int, int, int, int]]:  # type: ignore[no-untyped-def]
+    """Run every queued chunk on this thread: (layer, slot, proj, expert, priority) in order."""
+    out, info = [], ChunkInfo()
+    while cache._lib.forecache_cache_step(cache._handle, info) == 0:
+        out.append((info.layer, info.slot, info.proj, info.expert, info.priority))
+    return out
+
+
+def test_queue_priority_chunks_preemption_and_in_use(tiny_model: Callable[[str], Path]) -> None:
+    with Engine(tiny_model("q8_0"), n_ctx=256, cache=CacheConfig("lru", slots_per_layer=4)) \
+            as eng:
+        cache = eng.expert_cache
+        assert cache is not None
+        cache._lib.forecache_cache_pause(cache._handle, True)
+        assert cache.load(0, 4, 0, LOW) == 0 and cache.load(1, 5, 1, LOW) == 0
+        assert cache.load(0, 6, 2, LOW) == 0
+        assert cache.queued(-1, LOW) == 9  # one chunk per projection by default
+        info = ChunkInfo()
+        assert cache._lib.forecache_cache_step(cache._handle, info) == 0
+        assert (info.layer, info.expert, info.proj, info.priority) == (0, 4, 0, LOW)
+        # a miss queued now runs next: it waits for at most the one chunk that was in flight
+        assert cache.load(0, 7, 3, HIGH) == 0
+        assert cache._lib.forecache_cache_step(cache._handle, info) == 0
+        assert (info.layer, info.expert, info.proj, info.priority) == (0, 7, 0, HIGH)
+        # early preemption of layer 0 keeping expert 6: 6 moves up, 4 goes, layer 1 is untouched
+        assert cache.preempt(0, [6, 7]) == 1
+        assert cache.queued(0, LOW) == 0 and cache.queued(1, LOW) == 3
+        expert_of, state = cache.layer_state(0)
+        assert expert_of[0] == -1 and state[0] == SLOT_EMPTY  # partly copied, then dropped
+        assert expert_of[2] == 6 and state[2] == SLOT_QUEUED
+        order = _steps(cache)
+        assert order == [(0, 3, 1, 7, HIGH), (0, 3, 2, 7, HIGH), (0, 2, 0, 6, HIGH),
+                         (0, 2, 1, 6, HIGH), (0, 2, 2, 6, HIGH), (1, 1, 0, 5, LOW),
+                         (1, 1, 1, 5, LOW), (1, 1, 2, 5, LOW)]
+        # the layer being computed keeps its slots: a schedule marks them in use
+        assert cache.schedule(0, [6, 7], [2, 3], HIGH) == 0
+        assert cache.load(0, 9, 2, LOW) == 1 and cache.load(0, 9, 1, LOW) == 0
+        s = cache.stats()
+        assert s["refused_loads"] == 1 and s["hi_tasks"] >= 2 and s["dropped_chunks"] == 2
+        cache._lib.forecache_cache_pause(cache._handle, False)
+        cache.wait_idle()
+
+
+def test_whole_expert_chunks(tiny_model: Callable[[str], Path]) -> None:
+    cfg = CacheConfig("lru", slots_per_layer=2, chunk_bytes=CHUNK_EXPERT)
+    with Engine(tiny_model("q8_0"), n_ctx=256, cache=cfg) as eng:
+        cache = eng.expert_cache
+        assert cache is not None
+        cache._lib.forecache_cache_pause(cache._handle, True)
+        cache.load(0, 3, 0, LOW)
+        info = ChunkInfo()
+        assert cache._lib.forecache_cache_step(cache._handle, info) == 0
+        assert info.proj == -1 and info.size == cache.layers[0].expert_bytes
+        assert cache._lib.forecache_cache_step(cache._handle, info) == 1
+        cache._lib.forecache_cache_pause(cache._handle, False)
+
+
+def _generate(model: Path, cfg: CacheConfig | None) -> list[tuple[list[int], np.ndarray, dict]]:
+    with Engine(model, n_ctx=512, n_batch=N_BATCH, n_threads=2, cache=cfg) as eng:
+        text = eng.tokenize("The quick brown fox jumps over the lazy dog, again and again. " * 40)
+        out = []
+        for n in (1, 64, 300):
+            res = eng.generate(text[:n], 32, SamplingParams(greedy=True), ignore_eos=True)
+            stats = dict(res.stats, **(eng.expert_cache.stats() if eng.expert_cache else {}))
+            out.append((res.tokens, eng.last_logits(), stats))
+        return out
+
+
+@pytest.mark.parametrize("features", [Features(), Features(reorder=False), Features(chunk=False),
+                                      Features(preempt=False), Features(prefetch=False)],
+                         ids=lambda f: f.label())
+def test_promoe_is_lossless(tiny_model: Callable[[str], Path], features: Features) -> None:
+    model = tiny_model("q8_0")
+    ref = _generate(model, None)
+    for frac in (0.25, 0.5):
+        cfg = CacheConfig("promoe", cache_fraction=frac, features=features, predictor="history")
+        got = _generate(model, cfg)
+        for (t, lg, _), (rt, rlg, _) in zip(got, ref, strict=True):
+            assert t == rt, (features.label(), frac)
+            assert np.array_equal(lg, rlg), (features.label(), frac)
+        total = {k: sum(g[2][k] for g in got) for k in ("streamed", "host_layers", "h2d_bytes")}
+        assert total["h2d_bytes"] > 0
+        if features.reorder:  # ubatches with more experts than slots stream through them
+            assert total["streamed"] > 0 and total["host_layers"] == 0
+        else:
+            assert total["streamed"] == 0 and total["host_layers"] > 0
+
+
+def _requests(n_req: int = 6, seed: int = 0) -> list[Request]:
+    """Routing with locality: each token keeps half of its previous experts."""
+    rng = np.random.default_rng(seed)
+    L, E, k = 8, 32, 4
+    out = []
+    for _ in range(n_req):
+        T = 40
+        ex = np.zeros((T, L, k), np.int16)
+        for t in range(T):
+            for il in range(L):
+                keep = ex[t - 1, il, :2] if t else rng.choice(E, 2, replace=False)
+                rest = rng.choice(np.setdiff1d(np.arange(E), keep), k - 2, replace=False)
+                ex[t, il] = np.r_[keep, rest]
+        phase = np.r_[np.zeros(24, np.int8), np.ones(T - 24, np.int8)]
+        out.append(Request(experts=ex, token_ids=rng.integers(0, 100, T).astype(np.int32),
+                           phase=phase))
+    return out
+
+
+def test_simulator_is_deterministic_and_streams_prefill() -> None:
+    from forecache.predictor.history import HistoryPredictor
+
+    shape, profile = shape_of("reference", "q8_0"), Profile.load("rtx4090")
+    reqs = _requests()
+    runs = {}
+    for name, cfg in (("lru", SimConfig("lru", n_slots=12, n_ubatch=8)),
+                      ("promoe", SimConfig("promoe", n_slots=12, n_ubatch=8))):
+        a = simulate(reqs, shape, profile, cfg, HistoryPredictor(8, 32, 4)).to_json()
+        b = simulate(reqs, shape, profile, cfg, HistoryPredictor(8, 32, 4)).to_json()
+        assert a == b
+        runs[name] = a
+    assert runs["lru"]["host_layers"] > 0 and runs["promoe"]["host_layers"] == 0
+    assert runs["promoe"]["streamed"] > 0
+    assert runs["promoe"]["prefetch_loads"] > 0
+
+
+def test_sim_engine_follows_the_c_engine(tiny_model: Callable[[str], Path]) -> None:
+    """The same loads, preemption and schedule give the same slot states and copy order."""
+    from forecache.gguf_inspect import read_model_file
+
+    model = tiny_model("q8_0")
+    mf = read_model_file(model)
+    with Engine(model, n_ctx=256, cache=CacheConfig("lru", slots_per_layer=4)) as eng:
+        cache = eng.expert_cache
+        assert cache is not None
+        nb = cache.layers[0].expert_bytes
+        shape = shape_of("tiny", "q8_0")
+        assert shape.experts == mf.n_expert
+        sim = SimEngine(shape, [4] * mf.n_layer, Profile.load("rtx4090"))
+        sim.paused = True
+        cache._lib.forecache_cache_pause(cache._handle, True)
+        script = [("load", 0, 4, 0, LOW), ("load", 0, 5, 1, LOW), ("load", 1, 6, 0, LOW),
+                  ("load", 0, 7, 2, HIGH), ("preempt", 0, [5, 7]),
+                  ("schedule", 0, [5, 7, 9, 10, 11], [1, 2, 0, 3, 0]),
+                  ("load", 0, 12, 3, LOW), ("load", 1, 13, 3, LOW)]
+        for op in script:
+            if op[0] == "load":
+                assert cache.load(*op[1:]) == sim.load(*op[1:])
+            elif op[0] == "preempt":
+                assert cache.preempt(op[1], op[2]) == sim.preempt(op[1], op[2])
+            else:
+                assert cache.schedule(op[1], op[2], op[3], HIGH) == \
+                    sim.schedule(op[1], op[2], op[3], HIGH)
+            for il in (0, 1):
+                c, s = cache.layer_state(il), sim.layer_state(il)
+                assert np.array_equal(c[0], s[0]) and np.array_equal(c[1], s[1]), (op, il)
+        c_order = [(lay, slot, proj, e) for lay, slot, proj, e, _ in _steps(cache)]
+        sim_order = []
+        while (ch := sim._pop()) is not None:
+            sim_order.append((ch.layer, ch.slot, ch.proj, ch.expert))
+        # streamed copies wait for their slot's previous expert: neither engine can run them yet
+        assert c_order == sim_order and len(c_order) > 0
+        assert cache.queued(0, HIGH) == sum(len(q) for q in sim.queue[:1]) > 0
+        assert nb == shape.expert_bytes
+        cache._lib.forecache_cache_pause(cache._handle, False)
+
+
+def test_simulate_cli(tmp_path: Path) -> None:
+    path = tmp_path / "t.npz"
+    with TraceWriter(path, n_layers=8, top_k=4) as w:
+        for r in _requests(4, seed=1):
+            w.add_request(r.experts, token_ids=r.token_ids, phase=r.phase)
+    out = run_cli_json("simulate", "--trace", str(path), "--shape", "reference", "--qtype",
+                       "q8_0", "--cache-fraction", "0.4", "--predictor", "history",
+                       "--n-ubatch", "8", "--ablation")
+    labels = [r["run"] for r in out["runs"]]
+    assert labels == ["base (lru)", "+prefetch", "+chunked", "+early preemption", "+reordered",
+                      "static"]
+    assert out["n_slots"] == 13 and out["replay_requests"] == 2
+    for r in out["runs"]:
+        assert r["ttft_s"] > 0 and r["tpot_s"] > 0 and len(r["per_layer"]) == 8
+    again = run_cli_json("simulate", "--trace", str(path), "--shape", "reference", "--qtype",
+                         "q8_0", "--cache-fraction", "0.4", "--predictor", "history",
+                         "--n-ubatch", "8", "--ablation")
+    assert json.dumps(again, sort_keys=True) == json.dumps(out, sort_keys=True)
+    bad = run_cli("simulate", "--trace", str(path), "--shape", "qwen2-57b-a14b",
+                  "--cache-fraction", "0.5")
+    assert bad.returncode != 0 and "--shape must agree" in bad.stderr
