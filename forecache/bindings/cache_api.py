@@ -54,6 +54,8 @@ class ChunkInfo(ctypes.Structure):
     ]
 
 
+# copy priorities (0 is the highest): a layer's misses, predicted experts
+HIGH, LOW = 0, 1
 # enum forecache_slot_state
 SLOT_EMPTY, SLOT_READY, SLOT_COPYING, SLOT_QUEUED = -1, 0, 1, 2
 # chunk_bytes of forecache_cache_init: one chunk per expert projection / per whole expert

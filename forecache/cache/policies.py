@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from forecache.bindings.cache_api import HIGH
+
 if TYPE_CHECKING:
     from forecache.cache.prefetcher import CopyEngine
 
@@ -42,7 +44,7 @@ class Policy:
         if loads is None:
             return False
         for e, s in loads:
-            engine.load(layer, e, s, 0)
+            engine.load(layer, e, s, HIGH)
         return True
 
 

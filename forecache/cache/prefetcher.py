@@ -16,11 +16,15 @@ from typing import Protocol
 
 import numpy as np
 
+from forecache.bindings.cache_api import (  # noqa: F401  (re-exported for the simulator)
+    HIGH,
+    LOW,
+    SLOT_COPYING,
+    SLOT_EMPTY,
+    SLOT_QUEUED,
+    SLOT_READY,
+)
 from forecache.cache.policies import Policy
-
-HIGH, LOW = 0, 1
-# enum forecache_slot_state
-SLOT_EMPTY, SLOT_READY, SLOT_COPYING, SLOT_QUEUED = -1, 0, 1, 2
 
 
 class CopyEngine(Protocol):
@@ -177,6 +181,3 @@ class Prefetcher(Policy):
                 lru[e] = s
                 lru.move_to_end(e, last=False)  # unknown to the mirror: oldest
         return lru
-
-    def on_gate(self, layer: int, experts: np.ndarray) -> list[tuple[int, int]] | None:
-        raise NotImplementedError("Prefetcher routes through gate()")
