@@ -22,10 +22,12 @@ from forecache.trace_file import TraceFile, TraceInfo
 # Device memory a budget keeps for the KV cache and compute buffers (4096 context, 512 ubatch).
 BUDGET_RESERVE = 1536 << 20
 ABLATION = [("base (lru)", "lru", Features()),
-            ("+prefetch", "promoe", Features(chunk=False, preempt=False, reorder=False)),
-            ("+chunked", "promoe", Features(preempt=False, reorder=False)),
-            ("+early preemption", "promoe", Features(reorder=False)),
-            ("+reordered", "promoe", Features())]
+            ("+prefetch", "promoe", Features(chunk=False, preempt=False, reorder=False,
+                                             split=False)),
+            ("+chunked", "promoe", Features(preempt=False, reorder=False, split=False)),
+            ("+early preemption", "promoe", Features(reorder=False, split=False)),
+            ("+reordered", "promoe", Features(split=False)),
+            ("+host split", "promoe", Features())]
 
 
 def trace_shape(path: Path, info: TraceInfo, name: str | None, qtype: str) -> SimShape:

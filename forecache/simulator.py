@@ -30,6 +30,7 @@ from forecache.cache.prefetcher import (
     Features,
     Prefetcher,
 )
+from forecache.cache.split import CostModel, ExpertShape
 from forecache.predictor.base import Predictor, Request
 from forecache.sim_profile import Profile, SimShape
 
@@ -68,6 +69,7 @@ class _Layer:
     entry_pend: list[list[int]] = field(default_factory=list)
     consumed: list[list[int]] = field(default_factory=list)
     streams: bool = False
+    n_dev: int = 0  # entries [0, n_dev) from slots, the rest from host memory
 
 
 class SimEngine:
@@ -90,8 +92,10 @@ class SimEngine:
         self._seq = itertools.count()
         self.in_use_layer = -1
         self.paused = False  # as forecache_cache_pause: no copy starts
+        self.low_end = float("-inf")  # when the last lower-priority chunk finished
         self.stats = {"h2d_bytes": 0, "n_chunks": 0, "hi_wait_s": 0.0, "hi_wait_max_s": 0.0,
-                      "hi_tasks": 0, "dropped_chunks": 0, "refused_loads": 0, "streamed": 0}
+                      "hi_tasks": 0, "dropped_chunks": 0, "refused_loads": 0, "streamed": 0,
+                      "host_entries": 0, "hi_block_s": 0.0, "hi_block_max_s": 0.0}
 
     # -- the copy engine a policy drives (called at self.now) ----------------------------------
     def load(self, layer: int, expert: int, slot: int, priority: int) -> int:
@@ -131,18 +135,23 @@ class SimEngine:
                  priority: int) -> int:
         L = self.layers[layer]
         n = len(experts)
-        if n == 0 or len(set(experts)) != n or any(not 0 <= s < L.n_slots for s in slots):
+        n_dev = next((i for i, s in enumerate(slots) if s < 0), n)  # host entries from there on
+        if (n == 0 or len(set(experts)) != n or any(not 0 <= s < L.n_slots for s in slots[:n_dev])
+                or any(s != -1 for s in slots[n_dev:])):
             return -1
         self._clear_schedule(layer)
         L.sch_e, L.sch_s = [int(e) for e in experts], [int(s) for s in slots]
         L.sch_first = [False] * n
+        L.n_dev = n_dev
+        self.stats["host_entries"] += n - n_dev
+        n = n_dev
         L.entry_pend = [[0] * L.n_proj for _ in range(n)]
         L.consumed = [[0] * L.n_proj for _ in range(L.n_slots)]
         L.in_use = [False] * L.n_slots
         uses = [0] * L.n_slots
         need = [0] * n
         copy = [False] * n
-        for i, (e, s) in enumerate(zip(L.sch_e, L.sch_s, strict=True)):
+        for i, (e, s) in enumerate(zip(L.sch_e[:n], L.sch_s[:n], strict=True)):
             need[i] = uses[s]
             uses[s] += 1
             if need[i] == 0:
@@ -225,7 +234,7 @@ class SimEngine:
 
     def all_ready(self, layer: int) -> bool:
         L = self.layers[layer]
-        return all(self.entry_ready(layer, i, p) for i in range(len(L.sch_e))
+        return all(self.entry_ready(layer, i, p) for i in range(L.n_dev)
                    for p in range(L.n_proj))
 
     def consume(self, layer: int, entries: Sequence[int], p: int) -> None:
@@ -276,6 +285,10 @@ class SimEngine:
             w = self.now - ch.queued_at
             self.stats["hi_wait_s"] += w
             self.stats["hi_wait_max_s"] = max(self.stats["hi_wait_max_s"], w)
+            b = self.low_end - ch.queued_at  # behind a lower-priority chunk already copying
+            if b > 0:
+                self.stats["hi_block_s"] += b
+                self.stats["hi_block_max_s"] = max(self.stats["hi_block_max_s"], b)
         self.running = ch
         dur = self.profile.chunk_latency_s + ch.size / (self.profile.h2d_gbps * 1e9)
         self.busy_until = self.now + dur
@@ -283,6 +296,8 @@ class SimEngine:
 
     def _finish(self, ch: _Chunk) -> None:
         self.running = None
+        if ch.priority > 0:
+            self.low_end = self.now
         self._count(ch, -1)
         self.stats["h2d_bytes"] += ch.size
         self.stats["n_chunks"] += 1
@@ -347,6 +362,7 @@ class SimEngine:
         L.last_entry = [-1] * L.n_slots
         L.sch_e, L.sch_s, L.sch_first = [], [], []
         L.streams = False
+        L.n_dev = 0
 
     @staticmethod
     def _empty(L: _Layer, slot: int) -> None:
@@ -422,7 +438,9 @@ class Simulator:
                 raise ValueError("the static policy needs a routing profile")
             self.policy = StaticPolicy(self.n_slots, cfg.static_profile)
         elif cfg.policy == "promoe":
-            self.policy = Prefetcher(self.n_slots, f)
+            cost = CostModel.from_profile(profile, ExpertShape(
+                shape.d_model, shape.expert_ff, shape.proj_bytes))
+            self.policy = Prefetcher(self.n_slots, f, cost)
         elif cfg.policy == "offload":
             self.policy = None
         else:
@@ -452,6 +470,12 @@ class Simulator:
     def _host(self, nbytes: float, flops: float) -> float:
         p = self.profile
         return p.cpu_launch_s + max(nbytes / (p.cpu_mem_gbps * 1e9), flops / (p.cpu_gflops * 1e9))
+
+    def _scatter(self, rows: int) -> float:
+        """Host entries' results into the device's output: a copy and a set_rows launch."""
+        p = self.profile
+        nbytes = 4.0 * rows * (self.shape.d_model + self.shape.expert_ff)  # inputs back, results
+        return p.gpu_launch_s + p.chunk_latency_s + nbytes / (p.h2d_gbps * 1e9)
 
     def _node(self, experts: Sequence[int], rows: int, p: int) -> float:
         sh = self.shape
@@ -486,8 +510,9 @@ class Simulator:
             known = ids[ids >= 0]
             if known.size == 0:
                 continue
-            uniq, first = np.unique(known, return_index=True)
-            experts = uniq[np.argsort(first, kind="stable")]
+            uniq, first, counts = np.unique(known, return_index=True, return_counts=True)
+            by_use = np.argsort(first, kind="stable")
+            experts, counts = uniq[by_use], counts[by_use]
             self._account_prediction(il, experts)
             if self.policy is None:
                 self.t += self._host_layer(experts, known.size)
@@ -502,7 +527,7 @@ class Simulator:
             self.t += self.profile.hook_s
             self.hook += self.profile.hook_s
             eng.advance_to(self.t)
-            on_slots = self.policy.gate(il, experts, eng)
+            on_slots = self.policy.gate(il, experts, eng, counts)
             if on_slots and not L.sch_e:
                 on_slots = eng.default_schedule(il, experts.tolist())
             if self.forecaster is not None:
@@ -538,17 +563,26 @@ class Simulator:
         eng = self.engine
         L = eng.layers[il]
         rows_of = {e: int((ids == e).sum()) for e in L.sch_e}
-        n = len(L.sch_e)
+        n = L.n_dev
+        on_host = L.sch_e[n:]
+        host_rows = sum(rows_of[e] for e in on_host)
+        sh = self.shape
         if not self.cfg.features.reorder or self.cfg.policy != "promoe":
             # as the C side without reordering: wait for every slot, then each projection once
             self._wait(il, lambda: eng.all_ready(il))
             for p in range(L.n_proj):
-                self.t += self._node(L.sch_e, sum(rows_of.values()), p)
+                dev = self._node(L.sch_e[:n], sum(rows_of[e] for e in L.sch_e[:n]), p)
+                if on_host:  # computed meanwhile on the CPU, then written into the result
+                    dev = max(dev, self._host(len(on_host) * sh.proj_bytes[p],
+                                              host_rows * sh.proj_flops)) + self._scatter(host_rows)
+                self.t += dev
             eng.advance_to(self.t)
             for p in range(L.n_proj):
                 eng.consume(il, range(n), p)
             return
         for p in range(L.n_proj):
+            host_end = self.t + self._host(len(on_host) * sh.proj_bytes[p],
+                                           host_rows * sh.proj_flops) if on_host else self.t
             i = 0
             while i < n:
                 self._wait(il, lambda i=i, p=p: eng.entry_ready(il, i, p))
@@ -560,6 +594,9 @@ class Simulator:
                 eng.advance_to(self.t)
                 eng.consume(il, range(i, j), p)
                 i = j
+            if on_host:
+                self.t = max(self.t, host_end) + self._scatter(host_rows)
+                eng.advance_to(self.t)
 
     def _forecast(self, il: int, ids: np.ndarray, req: Request, rows: np.ndarray) -> None:
         assert self.forecaster is not None and isinstance(self.policy, Prefetcher)

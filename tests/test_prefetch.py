@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -91,24 +92,46 @@ def _generate(model: Path, cfg: CacheConfig | None) -> list[tuple[list[int], np.
         return out
 
 
-@pytest.mark.parametrize("features", [Features(), Features(reorder=False), Features(chunk=False),
+def _slow_bus(tmp_path: Path) -> str:
+    """A machine profile with copies slower than the host's (memory-bound) expert compute: missing
+    experts go to the CPU while resident ones stay on the device, in the same layers."""
+    raw = json.loads(resources.files("forecache").joinpath(
+        "data/profiles/rtx4090.json").read_text())
+    path = tmp_path / "slow-bus.json"
+    path.write_text(json.dumps(dict(raw, name="slow-bus", h2d_gbps=0.01, cpu_mem_gbps=0.1)))
+    return str(path)
+
+
+@pytest.mark.parametrize("features", [Features(), Features(split=False),
+                                      Features(reorder=False, split=False), Features(chunk=False),
                                       Features(preempt=False), Features(prefetch=False)],
                          ids=lambda f: f.label())
-def test_promoe_is_lossless(tiny_model: Callable[[str], Path], features: Features) -> None:
+def test_promoe_is_lossless(tiny_model: Callable[[str], Path], features: Features,
+                            tmp_path: Path) -> None:
     model = tiny_model("q8_0")
     ref = _generate(model, None)
     for frac in (0.25, 0.5):
-        cfg = CacheConfig("promoe", cache_fraction=frac, features=features, predictor="history")
+        # all-default features: split against a slow bus, so layers mix slots and CPU experts
+        machine = _slow_bus(tmp_path) if features == Features() else "rtx4090"
+        cfg = CacheConfig("promoe", cache_fraction=frac, features=features, predictor="history",
+                          machine=machine)
         got = _generate(model, cfg)
         for (t, lg, _), (rt, rlg, _) in zip(got, ref, strict=True):
             assert t == rt, (features.label(), frac)
             assert np.array_equal(lg, rlg), (features.label(), frac)
-        total = {k: sum(g[2][k] for g in got) for k in ("streamed", "host_layers", "h2d_bytes")}
+        total = {k: sum(g[2][k] for g in got)
+                 for k in ("streamed", "host_layers", "h2d_bytes", "host_entries", "hits")}
         assert total["h2d_bytes"] > 0
-        if features.reorder:  # ubatches with more experts than slots stream through them
-            assert total["streamed"] > 0 and total["host_layers"] == 0
-        else:
-            assert total["streamed"] == 0 and total["host_layers"] > 0
+        for g in got:  # a miss waits behind at most the one lower-priority chunk in flight
+            assert g[2]["hi_block_max_s"] <= g[2]["chunk_max_s"]
+        if features == Features():
+            assert total["host_entries"] > 0 and total["hits"] > 0, total
+        elif not features.split:
+            assert total["host_entries"] == 0
+            if features.reorder:  # ubatches with more experts than slots stream through them
+                assert total["streamed"] > 0 and total["host_layers"] == 0
+            else:
+                assert total["streamed"] == 0 and total["host_layers"] > 0
 
 
 def _requests(n_req: int = 6, seed: int = 0) -> list[Request]:
@@ -130,14 +153,16 @@ def _requests(n_req: int = 6, seed: int = 0) -> list[Request]:
     return out
 
 
-def test_simulator_is_deterministic_and_streams_prefill() -> None:
+def test_simulator_is_deterministic_and_streams_prefill(tmp_path: Path) -> None:
     from forecache.predictor.history import HistoryPredictor
 
     shape, profile = shape_of("reference", "q8_0"), Profile.load("rtx4090")
     reqs = _requests()
     runs = {}
     for name, cfg in (("lru", SimConfig("lru", n_slots=12, n_ubatch=8)),
-                      ("promoe", SimConfig("promoe", n_slots=12, n_ubatch=8))):
+                      ("promoe", SimConfig("promoe", n_slots=12, n_ubatch=8,
+                                           features=Features(split=False))),
+                      ("split", SimConfig("promoe", n_slots=12, n_ubatch=8))):
         a = simulate(reqs, shape, profile, cfg, HistoryPredictor(8, 32, 4)).to_json()
         b = simulate(reqs, shape, profile, cfg, HistoryPredictor(8, 32, 4)).to_json()
         assert a == b
@@ -145,6 +170,18 @@ def test_simulator_is_deterministic_and_streams_prefill() -> None:
     assert runs["lru"]["host_layers"] > 0 and runs["promoe"]["host_layers"] == 0
     assert runs["promoe"]["streamed"] > 0
     assert runs["promoe"]["prefetch_loads"] > 0
+    # a miss waits for at most the one lower-priority chunk copying when it was queued
+    chunk_s = profile.chunk_latency_s + max(shape.proj_bytes) / (profile.h2d_gbps * 1e9)
+    assert 0 < runs["promoe"]["hi_block_max_s"] <= chunk_s + 1e-12
+    # the split computes misses on the CPU where that is cheaper than streaming them
+    assert runs["promoe"]["host_entries"] == 0
+    assert runs["split"]["host_entries"] + runs["split"]["host_layers"] > 0
+    assert runs["split"]["prefill_s"] < runs["promoe"]["prefill_s"]
+    # with copies dearer than the host's compute, layers mix slots and host entries
+    slow = Profile.load(_slow_bus(tmp_path))
+    mixed = simulate(reqs, shape, slow, SimConfig("promoe", n_slots=12, n_ubatch=8),
+                     HistoryPredictor(8, 32, 4)).to_json()
+    assert mixed["host_entries"] > 0 and mixed["hits"] > 0
 
 
 def test_sim_engine_follows_the_c_engine(tiny_model: Callable[[str], Path]) -> None:
@@ -198,7 +235,7 @@ def test_simulate_cli(tmp_path: Path) -> None:
                        "--n-ubatch", "8", "--ablation")
     labels = [r["run"] for r in out["runs"]]
     assert labels == ["base (lru)", "+prefetch", "+chunked", "+early preemption", "+reordered",
-                      "static"]
+                      "+host split", "static"]
     assert out["n_slots"] == 13 and out["replay_requests"] == 2
     for r in out["runs"]:
         assert r["ttft_s"] > 0 and r["tpot_s"] > 0 and len(r["per_layer"]) == 8

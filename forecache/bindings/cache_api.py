@@ -35,6 +35,9 @@ class CacheStats(ctypes.Structure):
         ("refused_loads", ctypes.c_uint64),
         ("n_groups", ctypes.c_uint64),
         ("streamed", ctypes.c_uint64),
+        ("host_entries", ctypes.c_uint64),
+        ("hi_block_s", ctypes.c_double),
+        ("hi_block_max_s", ctypes.c_double),
     ]
 
     def as_dict(self) -> dict:

@@ -9,7 +9,7 @@ from pathlib import Path
 from types import ModuleType
 
 # Must equal FORECACHE_PATCH_VERSION in include/forecache.h (patches/0004).
-EXPECTED_PATCH_VERSION = 3
+EXPECTED_PATCH_VERSION = 4
 
 _FIX = "run `forecache build` (or `make setup`) to install forecache's patched llama-cpp-python"
 

@@ -38,8 +38,10 @@ class Policy:
     def on_gate(self, layer: int, experts: np.ndarray) -> list[tuple[int, int]] | None:
         raise NotImplementedError
 
-    def gate(self, layer: int, experts: np.ndarray, engine: CopyEngine) -> bool:
-        """Route ``layer``: queue the misses ``on_gate`` asks for; True to compute from slots."""
+    def gate(self, layer: int, experts: np.ndarray, engine: CopyEngine,
+             counts: np.ndarray | None = None) -> bool:
+        """Route ``layer`` (distinct experts; ``counts``: token rows of each): queue the misses
+        ``on_gate`` asks for; True to compute from slots."""
         loads = self.on_gate(layer, experts)
         if loads is None:
             return False

@@ -25,6 +25,7 @@ from forecache.bindings.cache_api import (  # noqa: F401  (re-exported for the s
     SLOT_READY,
 )
 from forecache.cache.policies import Policy
+from forecache.cache.split import CostModel
 
 
 class CopyEngine(Protocol):
@@ -56,9 +57,10 @@ class Features:
     chunk: bool = True  # copies are split per expert projection (else one task per expert)
     preempt: bool = True  # at the gate, queued predictions of the layer give way to its misses
     reorder: bool = True  # experts computed cache-first; more experts than slots stream through
+    split: bool = True  # missing experts cheaper on the CPU than over the bus are computed there
 
     def label(self) -> str:
-        off = [name for name in ("prefetch", "chunk", "preempt", "reorder")
+        off = [name for name in ("prefetch", "chunk", "preempt", "reorder", "split")
                if not getattr(self, name)]
         return "promoe" + "".join(f" --no-{n}" for n in off)
 
@@ -69,9 +71,11 @@ class Prefetcher(Policy):
 
     name = "promoe"
 
-    def __init__(self, n_slots: Sequence[int], features: Features = Features()) -> None:
+    def __init__(self, n_slots: Sequence[int], features: Features = Features(),
+                 cost: CostModel | None = None) -> None:
         super().__init__(n_slots)
         self.features = features
+        self.cost = cost if features.split else None  # no cost model: every expert uses a slot
         self.lock = threading.Lock()
         # per layer: expert -> slot, oldest first (the eviction order)
         self._lru: list[OrderedDict[int, int]] = [OrderedDict() for _ in self.n_slots]
@@ -81,10 +85,14 @@ class Prefetcher(Policy):
         self.prefetch_loads = 0
         self.prefetch_refreshed = 0
         self.stale_predictions = 0
+        self.host_experts = 0  # missing experts computed on the host instead of copied
+        self.host_layers = 0  # layers the split computed entirely on the host
 
     # -- gate: the layer being computed --------------------------------------------------------
-    def gate(self, layer: int, experts: np.ndarray, engine: CopyEngine) -> bool:
-        """Route ``layer`` (distinct experts, first use first): True to compute from slots."""
+    def gate(self, layer: int, experts: np.ndarray, engine: CopyEngine,
+             counts: np.ndarray | None = None) -> bool:
+        """Route ``layer`` (distinct experts, first use first; ``counts``: token rows of each):
+        True to compute from slots (and the host, for the experts the split sends there)."""
         f = self.features
         n = self.n_slots[layer]
         with self.lock:
@@ -103,6 +111,19 @@ class Prefetcher(Policy):
                 order = sorted(need, key=lambda e: rank[int(state[where[e]])] if e in where else 3)
             else:
                 order = sorted(need)  # the frameworks' expert-id order
+            host: list[int] = []
+            if self.cost is not None and counts is not None:
+                rows = [(e, int(r), e in where) for e, r in zip(need, counts.tolist(), strict=True)]
+                in_flight = sum(1 for e in need if e in where and state[where[e]] != SLOT_READY)
+                plan = self.cost.plan(rows, in_flight)
+                if plan.whole_layer:
+                    self.host_layers += 1
+                    return False  # all on the CPU: cheaper than any use of the slots
+                host = plan.host
+                if host:
+                    on_host = set(host)
+                    order = [e for e in order if e not in on_host]
+                    self.host_experts += len(host)
             if len(order) > n and not f.reorder:
                 return False  # cannot stream without reordered compute: from host memory
             needed = set(need)
@@ -119,7 +140,7 @@ class Prefetcher(Policy):
                     slots.append(where[e])
                 else:
                     slots.append(victims.pop(0))
-            if engine.schedule(layer, order, slots, HIGH) != 0:
+            if engine.schedule(layer, order + host, slots + [-1] * len(host), HIGH) != 0:
                 return False
             # the slot table at the end of the layer: the last expert scheduled into each slot
             final = {s: e for e, s in zip(order, slots, strict=True)}

@@ -22,6 +22,7 @@ from forecache.cache.policies import Policy
 # (layer, ids [n, k], router weights [n, k] | None, gate input [n, d] | None)
 RouteCallback = Callable[[int, np.ndarray, "np.ndarray | None", "np.ndarray | None"], None]
 DEFAULT_CHUNK_BYTES = CHUNK_PROJECTION
+CALIBRATE_EVERY = 64  # gate calls between cost-model corrections from the measured rates
 
 
 class CacheError(RuntimeError):
@@ -71,6 +72,7 @@ class ExpertCache:
                             (ctypes.c_int32 * max(info.n_slots, 1))())
                        for il, info in self.layers.items()}
         self.batch_tokens: np.ndarray | None = None  # token ids of the batch being decoded
+        self._gates = 0
         self.worker = ForecastWorker(forecaster, self._prefetch) if forecaster else None
         want_x = gate_input or (forecaster is not None and forecaster.needs_hidden)
         self._lib.forecache_cache_set_reorder(handle, reorder)
@@ -116,9 +118,10 @@ class ExpertCache:
                 x = np.ctypeslib.as_array(x_p, shape=(n_tokens, n_embd)) if x_p else None
                 self.on_route(layer, ids.reshape(n_tokens, n_used), w, x)
             # distinct experts in order of first use
-            uniq, first = np.unique(ids, return_index=True)
-            experts = uniq[np.argsort(first, kind="stable")]
-            on_slots = self.policy.gate(layer, experts, self)
+            uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
+            by_use = np.argsort(first, kind="stable")
+            on_slots = self.policy.gate(layer, uniq[by_use], self, counts[by_use])
+            self._calibrate()
             if self.worker is not None:
                 x = np.ctypeslib.as_array(x_p, shape=(n_tokens, n_embd)) if x_p else None
                 toks = self.batch_tokens
@@ -137,6 +140,16 @@ class ExpertCache:
 
             traceback.print_exc()
             return -1
+
+    def _calibrate(self) -> None:
+        """Every CALIBRATE_EVERY gates, give the policy's cost model the measured rates."""
+        cost = getattr(self.policy, "cost", None)
+        if cost is None:
+            return
+        self._gates += 1
+        if self._gates % CALIBRATE_EVERY == 0:
+            s = self.stats()
+            cost.calibrate(s["h2d_bytes"], s["copy_s"], s["host_s"])
 
     def check_interrupt(self) -> None:
         """Raise the KeyboardInterrupt that arrived while the gate hook ran, if any."""
@@ -160,6 +173,9 @@ class ExpertCache:
 
     def reset_stats(self) -> None:
         self._lib.forecache_cache_reset_stats(self._handle)
+        cost = getattr(self.policy, "cost", None)
+        if cost is not None:
+            cost.predicted_host_s = 0.0  # what calibration compares the reset host time with
 
     @property
     def n_slots_total(self) -> int:

@@ -17,9 +17,13 @@ from forecache.cache.forecast import Forecaster
 from forecache.cache.policies import POLICIES, HostOnlyPolicy, LRUPolicy, Policy, StaticPolicy
 from forecache.cache.prefetcher import Features, Prefetcher
 from forecache.cache.runtime import DEFAULT_CHUNK_BYTES, ExpertCache, RouteCallback
-from forecache.gguf_inspect import ModelFile
+from forecache.cache.split import CostModel, ExpertShape
+from forecache.gguf_inspect import ModelFile, is_expert_tensor
+from forecache.sim_profile import Profile
 
 EXPERT_PATTERN = r"_exps\."
+# the machine profile promoe's host/device split starts from until it has measured the rates
+DEFAULT_MACHINE = "rtx4090"
 
 
 @dataclass
@@ -40,6 +44,7 @@ class CacheConfig:
     features: Features = field(default_factory=Features)  # promoe's techniques
     predictor: str = "auto"  # promoe: learned when trained for the model, else history
     window: int | None = None  # promoe: prediction distance; default: the trained one
+    machine: str = DEFAULT_MACHINE  # promoe: profile (name or JSON) the split's costs start from
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -124,11 +129,25 @@ def expert_overrides(placement: Placement) -> Iterator[None]:
         low.llama_model_default_params = original
 
 
-def make_policy(cfg: CacheConfig, n_slots: list[int]) -> Policy:
+def expert_shape(model: ModelFile) -> ExpertShape:
+    """Bytes and per-token flops of one routed expert's projections (first MoE layer)."""
+    layer = moe_layers(model)[0]
+    projs = [t for t in model.tensors
+             if t.name.startswith(f"blk.{layer}.") and is_expert_tensor(t.name)]
+    up = next(t for t in projs if "_up_" in t.name)  # ne: [d_model, expert_ff, n_expert]
+    return ExpertShape(int(up.shape[0]), int(up.shape[1]),
+                       tuple(t.nbytes // t.shape[2] for t in projs))
+
+
+def make_policy(cfg: CacheConfig, n_slots: list[int], model: ModelFile | None = None) -> Policy:
+    """The slot policy of ``cfg`` (promoe's host/device split needs ``model``)."""
     if cfg.policy == "lru":
         return LRUPolicy(n_slots)
     if cfg.policy == "promoe":
-        return Prefetcher(n_slots, cfg.features)
+        cost = None
+        if cfg.features.split and model is not None:
+            cost = CostModel.from_profile(Profile.load(cfg.machine), expert_shape(model))
+        return Prefetcher(n_slots, cfg.features, cost)
     if cfg.profile is None:
         raise ValueError("policy static needs a routing profile")
     return StaticPolicy(n_slots, cfg.profile)

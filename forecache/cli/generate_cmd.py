@@ -11,18 +11,22 @@ import click
 from forecache.cache.budget import parse_size
 from forecache.cache.policies import POLICIES
 from forecache.cache.prefetcher import Features
-from forecache.cache.setup import CacheConfig
+from forecache.cache.setup import DEFAULT_MACHINE, CacheConfig
 from forecache.engine import Engine, GenerationResult, SamplingParams
 
 
 def cache_options(fn):  # type: ignore[no-untyped-def]
     """--policy, --gpu-budget, --cache-fraction and promoe's switches."""
-    for name, what in (("reorder", "cache-first expert order and slot streaming"),
+    for name, what in (("split", "computing missing experts on the CPU when cheaper than copying"),
+                       ("reorder", "cache-first expert order and slot streaming"),
                        ("preempt", "early preemption of queued predictions at the gate"),
                        ("chunk", "per-projection copy chunks (one chunk per expert instead)"),
                        ("prefetch", "predicted prefetch")):
         fn = click.option(f"--no-{name}", f"no_{name}", is_flag=True,
                           help=f"promoe without {what} (for ablations).")(fn)
+    fn = click.option("--machine", default=DEFAULT_MACHINE, show_default=True,
+                      help="promoe: machine profile (shipped name or JSON) the CPU/device split "
+                           "starts from; the measured rates correct it during the run.")(fn)
     fn = click.option("--window", type=click.IntRange(1, 64), default=None,
                       help="promoe: predict this many layers ahead (default: the window the "
                            "model's learned predictors were trained for).")(fn)
@@ -43,15 +47,18 @@ def cache_options(fn):  # type: ignore[no-untyped-def]
 def cache_config(policy: str | None, gpu_budget: str | None, cache_fraction: float | None,
                  predictor: str = "auto", window: int | None = None, no_prefetch: bool = False,
                  no_chunk: bool = False, no_preempt: bool = False,
-                 no_reorder: bool = False) -> CacheConfig | None:
+                 no_reorder: bool = False, no_split: bool = False,
+                 machine: str = DEFAULT_MACHINE) -> CacheConfig | None:
     """The CacheConfig the cache options ask for, or None for llama.cpp's own placement."""
     if policy is None and gpu_budget is None and cache_fraction is None:
         return None
     return CacheConfig(policy=policy or "lru",
                        gpu_budget=parse_size(gpu_budget) if gpu_budget is not None else None,
                        cache_fraction=cache_fraction, predictor=predictor, window=window,
+                       machine=machine,
                        features=Features(prefetch=not no_prefetch, chunk=not no_chunk,
-                                         preempt=not no_preempt, reorder=not no_reorder))
+                                         preempt=not no_preempt, reorder=not no_reorder,
+                                         split=not no_split))
 
 
 def _print_stats(res: GenerationResult) -> None:

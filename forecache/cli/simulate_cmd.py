@@ -59,6 +59,7 @@ HEAD = (f"{'run':<20} {'TTFT ms':>10} {'TPOT ms':>9} {'hit %':>6} {'H2D GB':>8} 
 @click.option("--no-chunk", is_flag=True)
 @click.option("--no-preempt", is_flag=True)
 @click.option("--no-reorder", is_flag=True)
+@click.option("--no-split", is_flag=True)
 @click.option("--ablation", "do_ablation", is_flag=True,
               help="ProMoE's ablation: lru, then each technique added (ignores --policy).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -66,7 +67,7 @@ def simulate_cmd(trace_path: Path, policy: str, shape: str | None, qtype: str,
                  budget: str | None, cache_fraction: float | None, profile_name: str,
                  predictor: str, window: int, fit_fraction: float, n_ubatch: int,
                  no_prefetch: bool, no_chunk: bool, no_preempt: bool, no_reorder: bool,
-                 do_ablation: bool, as_json: bool) -> None:
+                 no_split: bool, do_ablation: bool, as_json: bool) -> None:
     """Replay TRACE through a policy with a timing model; TTFT, TPOT, hits, bytes, stalls."""
     profile = Profile.load(profile_name)
     with TraceFile(trace_path) as tf:
@@ -77,7 +78,7 @@ def simulate_cmd(trace_path: Path, policy: str, shape: str | None, qtype: str,
                   if any((r.experts[:, il] >= 0).any() for r in replay)]
         n_slots = slots_for(sh, len(layers), budget, cache_fraction)
         feats = Features(prefetch=not no_prefetch, chunk=not no_chunk, preempt=not no_preempt,
-                         reorder=not no_reorder)
+                         reorder=not no_reorder, split=not no_split)
         pred_name, pred = None, None
         if do_ablation or (policy == "promoe" and feats.prefetch):
             pred_name, pred = fit_predictor(predictor, info, fit, window)
