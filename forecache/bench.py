@@ -71,6 +71,8 @@ def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n
         "cache_slots": stats["cache_slots"],
         "host_layers": stats["host_layers"],
         "tokens": [r.tokens for r in runs],
+        "stats": stats,
+        "per_prompt": [(r.ttft_s, r.tpot_s) for r in runs],
     }
 
 
@@ -102,7 +104,7 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
                     "ttft_speedup": b["ttft_s"] / r["ttft_s"] if r["ttft_s"] > 0 else 0.0,
                     "decode_speedup": b["tpot_s"] / r["tpot_s"] if r["tpot_s"] > 0 else 0.0,
                 }
-        fields = {k: v for k, v in r.items() if k != "tokens"}
+        fields = {k: v for k, v in r.items() if k not in ("tokens", "stats", "per_prompt")}
         results.append(PolicyResult(policy=pol, ratios=ratios, **fields))
     first = next(iter(raw.values()))["tokens"] if raw else []
     return {
@@ -128,4 +130,93 @@ def format_table(report: dict) -> str:
                      f"{ratio('lru'):>18}")
     lines.append("ratios: prefill (TTFT) speedup / decode (TPOT) speedup; same greedy tokens: "
                  f"{'yes' if report['same_tokens'] else 'NO'}")
+    return "\n".join(lines)
+
+
+def _sized(policy: str, gpu_budget: int | None, fraction: float | None, **kw: object
+           ) -> CacheConfig:
+    return CacheConfig(policy=policy, gpu_budget=gpu_budget,
+                       cache_fraction=fraction if policy != "offload" and gpu_budget is None
+                       else None, **kw)  # type: ignore[arg-type]
+
+
+def run_ablation(model: Path, *, gpu_budget: int | None, cache_fraction: float | None,
+                 prompt_len: int, n_gen: int, n_prompts: int = 3, n_threads: int | None = None,
+                 progress: Callable[[str], None] = lambda s: None) -> dict:
+    """ProMoE's ablation (Fig. 13/14) measured: lru, then promoe's techniques added one by one
+    (the rows of ``sim_run.ABLATION``), on the same prompts; ratios to lru."""
+    from forecache.sim_run import ABLATION
+
+    n_ctx = max(512, prompt_len + n_gen + 16)
+    with Engine(model, n_ctx=n_ctx) as eng:
+        prompts = bench_prompts(eng, n_prompts, prompt_len)
+    rows = []
+    for label, policy, feats in ABLATION:
+        progress(f"running {label} ...")
+        cfg = _sized(policy, gpu_budget, cache_fraction, features=feats)
+        r = run_policy(model, cfg, prompts, n_gen, n_ctx=n_ctx, n_threads=n_threads)
+        rows.append({"run": label, **{k: v for k, v in r.items() if k != "per_prompt"}})
+    base = rows[0]
+    for r in rows:
+        r["prefill_speedup"] = base["ttft_s"] / r["ttft_s"] if r["ttft_s"] > 0 else 0.0
+        r["decode_speedup"] = base["tpot_s"] / r["tpot_s"] if r["tpot_s"] > 0 else 0.0
+        r["stall_cut"] = (base["stats"]["stall_s"] / r["stats"]["stall_s"]
+                          if r["stats"]["stall_s"] > 0 else float("inf"))
+    first = rows[0]["tokens"]
+    return {"model": str(model), "prompt_len": prompt_len, "gen": n_gen, "n_prompts": n_prompts,
+            "gpu_budget": gpu_budget, "cache_fraction": cache_fraction,
+            "same_tokens": all(r["tokens"] == first for r in rows),
+            "runs": [{k: v for k, v in r.items() if k != "tokens"} for r in rows]}
+
+
+def format_ablation(report: dict) -> str:
+    """The measured ablation as a text table."""
+    head = (f"{'run':<20} {'TTFT ms':>9} {'TPOT ms':>9} {'hit %':>6} {'stall s':>8} "
+            f"{'prefill':>8} {'decode':>8} {'stall cut':>9}")
+    lines = [head, "-" * len(head)]
+    for r in report["runs"]:
+        lines.append(f"{r['run']:<20} {r['ttft_s'] * 1e3:>9.2f} {r['tpot_s'] * 1e3:>9.3f} "
+                     f"{r['hit_rate'] * 100:>6.1f} {r['stats']['stall_s']:>8.4f} "
+                     f"{r['prefill_speedup']:>7.2f}x {r['decode_speedup']:>7.2f}x "
+                     f"{r['stall_cut']:>8.2f}x")
+    lines.append("ratios to base (lru); stall = compute waiting for copies; same greedy tokens: "
+                 f"{'yes' if report['same_tokens'] else 'NO'}")
+    return "\n".join(lines)
+
+
+def run_rates(model: Path, rates: list[float], policies: list[str], *, prompt_len: int,
+              n_gen: int, n_prompts: int = 3, n_threads: int | None = None,
+              progress: Callable[[str], None] = lambda s: None) -> dict:
+    """ProMoE's cache-rate sweep (Fig. 17) measured: TTFT and TPOT of each policy at each share
+    of experts in slots (offload, which has no slots, once)."""
+    n_ctx = max(512, prompt_len + n_gen + 16)
+    with Engine(model, n_ctx=n_ctx) as eng:
+        prompts = bench_prompts(eng, n_prompts, prompt_len)
+    table: dict[str, dict[str, tuple[float, float]]] = {}
+    fixed = None
+    for rate in rates:
+        row = {}
+        for pol in policies:
+            if pol == "offload" and fixed is not None:
+                row[pol] = fixed
+                continue
+            progress(f"running {pol} at {rate:g} ...")
+            r = run_policy(model, _sized(pol, None, rate), prompts, n_gen, n_ctx=n_ctx,
+                           n_threads=n_threads)
+            row[pol] = (r["ttft_s"], r["tpot_s"])
+            if pol == "offload":
+                fixed = row[pol]
+        table[f"{rate:g}"] = row
+    return {"model": str(model), "prompt_len": prompt_len, "gen": n_gen, "n_prompts": n_prompts,
+            "policies": policies, "rates": table}
+
+
+def format_rates(report: dict) -> str:
+    """The measured cache-rate sweep: TTFT ms / TPOT ms per policy and rate."""
+    pols = report["policies"]
+    lines = [f"{'cache rate':<11}" + "".join(f"{p:>20}" for p in pols)]
+    for rate, row in report["rates"].items():
+        lines.append(f"{rate:<11}" + "".join(
+            f"{row[p][0] * 1e3:>11.1f} / {row[p][1] * 1e3:>5.2f}" for p in pols))
+    lines.append("TTFT ms / TPOT ms")
     return "\n".join(lines)

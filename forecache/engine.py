@@ -138,7 +138,8 @@ class Engine:
         if cfg.policy == "static" and cfg.profile is None:
             cfg.profile = self.routing_profile(self.tokenize(CALIBRATION_TEXT * 2), 16)
         self.expert_cache = attach(self.llm.ctx, self.placement, cfg,
-                                   make_policy(cfg, self.placement.n_slots, self.model_file),
+                                   make_policy(cfg, self.placement.n_slots, self.model_file,
+                                               self.placement.device),
                                    self.model_file,
                                    say=lambda msg: print(msg, file=sys.stderr))
         if self.expert_cache.worker is not None:

@@ -8,7 +8,7 @@ roofline: the larger of bytes read at memory bandwidth and arithmetic at the com
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from importlib import resources
 from pathlib import Path
 
@@ -36,6 +36,9 @@ class Profile:
     cpu_launch_s: float  # fixed cost of one host expert matmul
     hook_s: float  # gate hook on the critical path
     predictor_s: float  # one prediction on the predictor thread
+    token_s: float = 0.0  # per forward pass, outside the graph: sampling, the Python runtime
+    prefetch_hook_s: float = 0.0  # promoe's gate hook, when it costs more than hook_s (0: same)
+    group_s: float = 0.0  # an expert group computed as its own graph (gather, matmul, scatter)
     source: str = ""
 
     @classmethod
@@ -58,7 +61,8 @@ class Profile:
         except ValueError as e:
             raise ValueError(f"profile {name_or_path}: not JSON ({e})") from e
         names = {f.name for f in fields(cls)}
-        missing = sorted(n for n in names - set(raw) if n != "source")
+        optional = {f.name for f in fields(cls) if f.default is not MISSING}
+        missing = sorted(n for n in names - set(raw) - optional)
         if missing:
             raise ValueError(f"profile {name_or_path}: missing {', '.join(missing)}")
         return cls(**{k: v for k, v in raw.items() if k in names})

@@ -456,6 +456,8 @@ class Simulator:
                                    not any(self.engine.queue))
             self.engine.stats.update(h2d_bytes=0, n_chunks=0)
         self.t = self.engine.now
+        self._hook_s = profile.prefetch_hook_s if cfg.policy == "promoe" and \
+            profile.prefetch_hook_s > 0 else profile.hook_s
         self.hits = self.misses = self.host_layers = 0
         self.stall = self.hook = 0.0
         L = n_layers
@@ -524,8 +526,8 @@ class Simulator:
                     self.hits += 1
                 else:
                     self.misses += 1
-            self.t += self.profile.hook_s
-            self.hook += self.profile.hook_s
+            self.t += self._hook_s
+            self.hook += self._hook_s
             eng.advance_to(self.t)
             on_slots = self.policy.gate(il, experts, eng, counts)
             if on_slots and not L.sch_e:
@@ -542,6 +544,7 @@ class Simulator:
                 continue
             self._slot_compute(il, ids)
         self.t += self._dev(sh.head_bytes, 2.0 * sh.head_bytes / sh.bytes_per_weight)
+        self.t += self.profile.token_s
         eng.advance_to(self.t)
         return self.t - t0
 
@@ -590,7 +593,8 @@ class Simulator:
                 while j < n and eng.entry_ready(il, j, p):
                     j += 1
                 group = L.sch_e[i:j]
-                self.t += self._node(group, sum(rows_of[e] for e in group), p)
+                self.t += self._node(group, sum(rows_of[e] for e in group), p) + \
+                    self.profile.group_s
                 eng.advance_to(self.t)
                 eng.consume(il, range(i, j), p)
                 i = j

@@ -36,3 +36,26 @@ def test_bench_reports_every_policy_with_ratios(tiny_model: Callable[[str], Path
                     "--prompt-len", "8", "--gen", "3", "--prompts", "1", check=True)
     assert "ncmoe" not in table.stdout.split("ratios")[0].split("\n", 2)[2]
     assert "lru" in table.stdout and "vs offload" in table.stdout
+
+
+def test_bench_ablation_and_cache_rates(tiny_model: Callable[[str], Path]) -> None:
+    model = str(tiny_model("q8_0"))
+    rep = run_cli_json("bench", "-m", model, "--cache-fraction", "0.25", "--ablation",
+                       "--prompt-len", "24", "--gen", "4", "--prompts", "1")
+    assert [r["run"] for r in rep["runs"]] == ["base (lru)", "+prefetch", "+chunked",
+                                               "+early preemption", "+reordered", "+host split"]
+    assert rep["same_tokens"]  # every step of the ablation is lossless
+    base = rep["runs"][0]
+    assert base["prefill_speedup"] == 1.0 and base["decode_speedup"] == 1.0
+    assert base["host_layers"] > 0  # lru computes a ubatch with more experts than slots on the CPU
+    assert rep["runs"][4]["host_layers"] == 0  # reordered: those ubatches stream through slots
+    sweep = run_cli_json("bench", "-m", model, "--rates", "0.25,0.75", "--policies",
+                         "offload,lru,promoe", "--prompt-len", "16", "--gen", "3", "--prompts",
+                         "1")
+    assert list(sweep["rates"]) == ["0.25", "0.75"]
+    for row in sweep["rates"].values():
+        assert set(row) == {"offload", "lru", "promoe"}
+        assert all(ttft > 0 and tpot > 0 for ttft, tpot in row.values())
+    assert sweep["rates"]["0.25"]["offload"] == sweep["rates"]["0.75"]["offload"]  # run once
+    bad = run_cli("bench", "-m", model, "--rates", "0.5,2")
+    assert bad.returncode != 0 and "(0, 1]" in bad.stderr

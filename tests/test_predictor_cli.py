@@ -91,3 +91,25 @@ def test_train_stores_predictors_and_refuses_other_models(ref_trace: Path, tmp_p
         load_learned(read_model_file(other), directory=learned_dir(mf, 2))
     res = run_cli("train", "-m", str(other), "--trace", str(ref_trace), "--window", "2")
     assert res.returncode == 1 and "was made for" in res.stderr and "forecache trace" in res.stderr
+
+    # at run time, promoe picks the trained predictors up and prefetches with them, losslessly
+    from forecache.cache.setup import CacheConfig
+    from forecache.engine import Engine, SamplingParams
+
+    def run(cfg: CacheConfig | None) -> tuple[list[int], dict]:
+        with Engine(model, n_ctx=256, cache=cfg) as eng:
+            res = eng.generate("Once upon a time, in a small town by the sea,", 24,
+                               SamplingParams(greedy=True), ignore_eos=True)
+            seen = {}
+            if eng.expert_cache is not None:
+                worker = eng.expert_cache.worker
+                assert worker is not None and not worker.errors
+                seen = {"predictor": worker.forecaster.predictor.name,
+                        "window": worker.forecaster.window,
+                        "prefetch_loads": eng.expert_cache.policy.prefetch_loads}
+            return res.tokens, seen
+
+    stock, _ = run(None)
+    tokens, seen = run(CacheConfig("promoe", cache_fraction=0.4))
+    assert tokens == stock
+    assert seen["predictor"] == "learned" and seen["window"] == 2 and seen["prefetch_loads"] > 0

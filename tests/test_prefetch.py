@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from importlib import resources
 from pathlib import Path
 
@@ -246,3 +247,71 @@ def test_simulate_cli(tmp_path: Path) -> None:
     bad = run_cli("simulate", "--trace", str(path), "--shape", "qwen2-57b-a14b",
                   "--cache-fraction", "0.5")
     assert bad.returncode != 0 and "--shape must agree" in bad.stderr
+
+
+def _engine(n_slots: int = 4) -> SimEngine:
+    eng = SimEngine(shape_of("reference", "q8_0"), [n_slots] * 8, Profile.load("rtx4090"))
+    eng.paused = True  # copies start only when a test says so
+    return eng
+
+
+def test_gate_orders_cache_first_and_keeps_needed_experts() -> None:
+    from forecache.cache.prefetcher import SLOT_COPYING, SLOT_READY, Prefetcher
+
+    eng = _engine()
+    pol = Prefetcher([4] * 8, Features(split=False))
+    for e, s in ((1, 0), (2, 1), (3, 2)):
+        assert eng.load(0, e, s, LOW) == 0
+    eng.paused = False
+    eng._kick()
+    eng.wait_until(lambda: eng.layer_state(0)[1][0] == SLOT_READY)  # expert 1 copied
+    eng.paused = True  # expert 2 is being copied, 3 is still queued
+    eng.advance_to(eng.busy_until - 1e-9)
+    assert eng.layer_state(0)[1].tolist()[:3] == [SLOT_READY, SLOT_COPYING, SLOT_QUEUED]
+    assert pol.gate(0, np.array([7, 3, 2, 1]), eng)
+    L = eng.layers[0]
+    assert L.sch_e == [1, 2, 3, 7]  # ready, in flight, queued, missing
+    assert L.sch_s[:3] == [0, 1, 2] and L.sch_s[3] == 3  # the free slot, nothing evicted
+    # a prediction for the layer being computed cannot take its slots
+    assert eng.load(0, 9, 0, LOW) == 1
+    # a later pass that needs fewer experts evicts only ones it does not need
+    eng.paused = False
+    eng.wait_until(lambda: eng.running is None and not any(eng.queue))
+    assert pol.gate(1, np.array([5]), eng)  # the next layer frees layer 0's slots
+    assert pol.gate(0, np.array([1, 11]), eng)
+    expert_of = eng.layer_state(0)[0].tolist()
+    assert 1 in expert_of and 11 in expert_of
+    assert expert_of.index(11) != expert_of.index(1)
+
+
+def test_split_plan_by_cost() -> None:
+    from forecache.cache.split import CostModel, ExpertShape
+
+    shape = ExpertShape(1024, 704, (405504, 405504, 765952))
+    prof = Profile.load("rtx4090")
+    cost = CostModel.from_profile(prof, shape)
+    # decode, every expert resident: the device computes them
+    assert cost.plan([(1, 1, True), (2, 1, True)], 0).host == []
+    assert not cost.plan([(1, 1, True), (2, 1, True)], 0).whole_layer
+    # decode, one small miss: copying it is quicker than the host's launches and the merge
+    assert cost.plan([(1, 1, True), (2, 1, False)], 0).host == []
+    # decode, one Mixtral-sized miss: reading its weights on the host beats copying them
+    proj = 4096 * 14336 // 256 * 144  # q4_k
+    mixtral = CostModel.from_profile(prof, ExpertShape(4096, 14336, (proj, proj, proj)))
+    plan = mixtral.plan([(1, 1, True), (2, 1, False)], 0)
+    assert plan.host == [2] and not plan.whole_layer
+    # a 512-token ubatch over every expert: the CPU would need far longer than the copies
+    rows = [(e, 48, e < 36) for e in range(64)]
+    big = cost.plan(rows, 0)
+    assert not big.whole_layer and len(big.host) < 28
+    # the few-token misses are the ones that go to the host
+    rows = [(e, 1 if e in (40, 41) else 60, e < 36) for e in range(64)]
+    assert {40, 41} <= set(cost.plan(rows, 0).host)
+    # a CPU far faster than the bus and the device takes the whole layer
+    fast = replace(prof, cpu_gflops=1e9, cpu_mem_gbps=1e9, cpu_launch_s=0.0, h2d_gbps=0.01,
+                   gpu_launch_s=1.0)
+    assert CostModel.from_profile(fast, shape).plan([(1, 4, False), (2, 4, True)], 0).whole_layer
+    # measured rates correct the profile
+    per_copy = shape.nbytes / 5e9 + 3 * prof.chunk_latency_s  # 5 GB/s plus three chunks
+    cost.calibrate(h2d_bytes=shape.nbytes * 100, copy_s=100 * per_copy, host_s=0.0)
+    assert abs(cost.copy_gbps - 5.0) / 5.0 < 0.05

@@ -95,8 +95,11 @@ def plan_memory(model: ModelFile, budget: int, *, n_ctx: int, n_ubatch: int,
                        t.name.startswith(f"blk.{layers[0]}.")) // model.n_expert
     n_ff_exp = int(model.arch_kv("expert_feed_forward_length", 0))
     n_embd = int(model.arch_kv("embedding_length", 0))
-    compute = (n_ubatch * model.n_vocab * 4 + n_ubatch * model.n_expert_used * n_ff_exp * 4 * 3
-               + n_ubatch * n_embd * 4 * 8 + COMPUTE_RESERVE)
+    pairs = n_ubatch * model.n_expert_used
+    compute = (n_ubatch * model.n_vocab * 4 + pairs * n_ff_exp * 4 * 3
+               + n_ubatch * n_embd * 4 * 8 + COMPUTE_RESERVE
+               # expert groups computed from slots: gathered inputs, outputs and row indices
+               + pairs * (max(n_embd, n_ff_exp) * 4 * 2 + 16))
     plan = MemoryPlan(budget=budget, non_expert_bytes=model.total_bytes() - model.expert_bytes(),
                       kv_bytes=kv_cache_bytes(model, n_ctx), compute_bytes=compute,
                       expert_bytes=expert_bytes, n_expert=model.n_expert, moe_layers=layers)

@@ -142,6 +142,15 @@ class Prefetcher(Policy):
                     slots.append(victims.pop(0))
             if engine.schedule(layer, order + host, slots + [-1] * len(host), HIGH) != 0:
                 return False
+            # experts computed on the host still enter the cache, behind this layer's copies, in
+            # slots the schedule does not use: the cache keeps following the routing
+            for e in host:
+                if not victims or engine.load(layer, e, victims[0], LOW) != 0:
+                    break
+                s = victims.pop(0)
+                for old in [o for o, slot in lru.items() if slot == s]:
+                    del lru[old]
+                lru[e] = s
             # the slot table at the end of the layer: the last expert scheduled into each slot
             final = {s: e for e, s in zip(order, slots, strict=True)}
             for s, e in final.items():

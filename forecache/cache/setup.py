@@ -44,7 +44,7 @@ class CacheConfig:
     features: Features = field(default_factory=Features)  # promoe's techniques
     predictor: str = "auto"  # promoe: learned when trained for the model, else history
     window: int | None = None  # promoe: prediction distance; default: the trained one
-    machine: str = DEFAULT_MACHINE  # promoe: profile (name or JSON) the split's costs start from
+    machine: str | None = None  # promoe: profile the split's costs start from (None: default)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -139,14 +139,19 @@ def expert_shape(model: ModelFile) -> ExpertShape:
                        tuple(t.nbytes // t.shape[2] for t in projs))
 
 
-def make_policy(cfg: CacheConfig, n_slots: list[int], model: ModelFile | None = None) -> Policy:
-    """The slot policy of ``cfg`` (promoe's host/device split needs ``model``)."""
+def make_policy(cfg: CacheConfig, n_slots: list[int], model: ModelFile | None = None,
+                device: Device | None = None) -> Policy:
+    """The slot policy of ``cfg``. promoe's host/device split needs ``model``; without an explicit
+    ``cfg.machine`` it is off when the cache ``device`` is the CPU itself (on a CPU build both
+    sides are the same cores)."""
     if cfg.policy == "lru":
         return LRUPolicy(n_slots)
     if cfg.policy == "promoe":
         cost = None
-        if cfg.features.split and model is not None:
-            cost = CostModel.from_profile(Profile.load(cfg.machine), expert_shape(model))
+        on_cpu = device is not None and device.type == "cpu"
+        if cfg.features.split and model is not None and (cfg.machine is not None or not on_cpu):
+            cost = CostModel.from_profile(Profile.load(cfg.machine or DEFAULT_MACHINE),
+                                          expert_shape(model))
         return Prefetcher(n_slots, cfg.features, cost)
     if cfg.profile is None:
         raise ValueError("policy static needs a routing profile")

@@ -7,7 +7,14 @@ from pathlib import Path
 
 import click
 
-from forecache.bench import format_table, run_bench
+from forecache.bench import (
+    format_ablation,
+    format_rates,
+    format_table,
+    run_ablation,
+    run_bench,
+    run_rates,
+)
 from forecache.cache.budget import parse_size
 from forecache.cache.policies import POLICIES
 
@@ -24,23 +31,51 @@ from forecache.cache.policies import POLICIES
 @click.option("--gen", "n_gen", default=128, show_default=True, help="Generated tokens.")
 @click.option("--prompts", "n_prompts", default=3, show_default=True, help="Prompts per policy.")
 @click.option("--threads", type=int, default=None, help="CPU threads (default: all cores).")
+@click.option("--ablation", is_flag=True,
+              help="ProMoE's ablation instead: lru, then promoe's techniques added one by one.")
+@click.option("--rates", default=None,
+              help="Cache-rate sweep instead: comma-separated shares of experts in slots "
+                   "(e.g. 0.25,0.4,0.55,0.7,0.85), for --policies.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def bench(model: Path, policies: str, gpu_budget: str | None, cache_fraction: float | None,
-          prompt_len: int, n_gen: int, n_prompts: int, threads: int | None, as_json: bool) -> None:
+          prompt_len: int, n_gen: int, n_prompts: int, threads: int | None, ablation: bool,
+          rates: str | None, as_json: bool) -> None:
     """Run each policy on the same prompts; report TTFT, TPOT, hit rate, H2D and ratios."""
     names = [p.strip() for p in policies.split(",") if p.strip()]
     bad = [p for p in names if p not in POLICIES]
     if bad or not names:
         raise click.BadParameter(f"unknown policy {', '.join(bad) or '(none)'}; choose from "
                                  f"{', '.join(POLICIES)}", param_hint="--policies")
+    if ablation and rates:
+        raise click.UsageError("give --ablation or --rates, not both")
+    progress = lambda s: click.echo(s, err=True)  # noqa: E731
+    if rates is not None:
+        try:
+            shares = [float(x) for x in rates.split(",") if x.strip()]
+        except ValueError:
+            raise click.BadParameter(f"not a list of numbers: {rates}",
+                                     param_hint="--rates") from None
+        if not shares or any(not 0 < x <= 1 for x in shares):
+            raise click.BadParameter("shares must be in (0, 1]", param_hint="--rates")
+        names = [p for p in names if p != "ncmoe"]  # ncmoe places by budget, not by share
+        rep = run_rates(model, shares, names, prompt_len=prompt_len, n_gen=n_gen,
+                        n_prompts=n_prompts, n_threads=threads, progress=progress)
+        click.echo(json.dumps(rep) if as_json else format_rates(rep))
+        return
     if gpu_budget is None and cache_fraction is None:
         raise click.UsageError("give --gpu-budget or --cache-fraction")
     if prompt_len < 1 or n_gen < 2 or n_prompts < 1:
         raise click.UsageError("--prompt-len and --prompts must be >= 1 and --gen >= 2")
-    report = run_bench(model, names, gpu_budget=parse_size(gpu_budget) if gpu_budget else None,
+    budget = parse_size(gpu_budget) if gpu_budget else None
+    if ablation:
+        rep = run_ablation(model, gpu_budget=budget, cache_fraction=cache_fraction,
+                           prompt_len=prompt_len, n_gen=n_gen, n_prompts=n_prompts,
+                           n_threads=threads, progress=progress)
+        click.echo(json.dumps(rep) if as_json else format_ablation(rep))
+        return
+    report = run_bench(model, names, gpu_budget=budget,
                        cache_fraction=cache_fraction, prompt_len=prompt_len, n_gen=n_gen,
-                       n_prompts=n_prompts, n_threads=threads,
-                       progress=lambda s: click.echo(s, err=True))
+                       n_prompts=n_prompts, n_threads=threads, progress=progress)
     click.echo(json.dumps(report) if as_json else format_table(report))
 
 

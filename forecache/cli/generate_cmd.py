@@ -24,9 +24,10 @@ def cache_options(fn):  # type: ignore[no-untyped-def]
                        ("prefetch", "predicted prefetch")):
         fn = click.option(f"--no-{name}", f"no_{name}", is_flag=True,
                           help=f"promoe without {what} (for ablations).")(fn)
-    fn = click.option("--machine", default=DEFAULT_MACHINE, show_default=True,
+    fn = click.option("--machine", default=None,
                       help="promoe: machine profile (shipped name or JSON) the CPU/device split "
-                           "starts from; the measured rates correct it during the run.")(fn)
+                           f"starts from (default {DEFAULT_MACHINE}; no split on a CPU build); "
+                           "the measured rates correct it during the run.")(fn)
     fn = click.option("--window", type=click.IntRange(1, 64), default=None,
                       help="promoe: predict this many layers ahead (default: the window the "
                            "model's learned predictors were trained for).")(fn)
@@ -48,7 +49,7 @@ def cache_config(policy: str | None, gpu_budget: str | None, cache_fraction: flo
                  predictor: str = "auto", window: int | None = None, no_prefetch: bool = False,
                  no_chunk: bool = False, no_preempt: bool = False,
                  no_reorder: bool = False, no_split: bool = False,
-                 machine: str = DEFAULT_MACHINE) -> CacheConfig | None:
+                 machine: str | None = None) -> CacheConfig | None:
     """The CacheConfig the cache options ask for, or None for llama.cpp's own placement."""
     if policy is None and gpu_budget is None and cache_fraction is None:
         return None

@@ -1,0 +1,269 @@
+"""Checking the simulator against measured runs on this machine.
+
+The routing of a workload is recorded once (it is the same under every policy: they are lossless),
+a profile of this machine is fitted to measured runs of calibration policies, and the simulator,
+with that profile, predicts the TTFT and TPOT of other policies, which are then measured.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from forecache.cache.budget import moe_layers
+from forecache.cache.prefetcher import Features
+from forecache.cache.setup import CacheConfig, attach_observer
+from forecache.engine import Engine, SamplingParams
+from forecache.gguf_inspect import ModelFile, is_expert_tensor
+from forecache.predictor.base import Request
+from forecache.predictor.history import HistoryPredictor
+from forecache.sim_profile import Profile, SimShape
+from forecache.simulator import SimConfig, Simulator
+from forecache.tracing import _all_rows_computed, _Recorder
+
+# Profile fields fitted to the calibration runs: on a CPU build the "device" is the same CPU, so
+# device and host share their rates.
+FITTED = ("launch_s", "mem_gbps", "gflops", "hook_s", "prefetch_hook_s", "token_s",
+          "chunk_latency_s", "group_s")
+
+
+def model_shape(model: ModelFile) -> SimShape:
+    """The simulator's view of a GGUF file: its own sizes, tensor by tensor."""
+    layer = moe_layers(model)[0]
+    blk = [t for t in model.tensors if t.name.startswith(f"blk.{layer}.")]
+    experts = [t for t in blk if is_expert_tensor(t.name)]
+    up = next(t for t in experts if "_up_" in t.name)
+    head = sum(t.nbytes for t in model.tensors if t.name.startswith("output"))
+    return SimShape(name=model.path.stem, layers=model.n_layer, experts=model.n_expert,
+                    top_k=model.n_expert_used, d_model=int(up.shape[0]),
+                    expert_ff=int(up.shape[1]),
+                    proj_bytes=tuple(t.nbytes // t.shape[2] for t in experts),  # type: ignore[arg-type]
+                    layer_bytes=sum(t.nbytes for t in blk if not is_expert_tensor(t.name)),
+                    head_bytes=head, qtype=experts[0].type.name.lower())
+
+
+def record_routing(engine: Engine, prompts: Sequence[list[int]], n_gen: int) -> list[Request]:
+    """The routing of every row of each prompt and its greedy continuation (one Request each)."""
+    model = engine.model_file
+    layers = moe_layers(model)
+    rec = _Recorder({il: i for i, il in enumerate(layers)}, False)
+    assert engine.placement is not None
+    hook = attach_observer(engine.llm.ctx, model, engine.placement.device.index, rec)
+    out = []
+    try:
+        for tokens in prompts:
+            rec.reset()
+            engine.llm.reset()
+            with _all_rows_computed(engine):
+                res = engine.generate(tokens, n_gen, SamplingParams(greedy=True),
+                                      ignore_eos=True)
+            experts, _, _ = rec.request_arrays()
+            full = np.full((experts.shape[0], model.n_layer, experts.shape[2]), -1, np.int16)
+            full[:, layers] = experts
+            phase = (np.arange(experts.shape[0]) >= len(tokens)).astype(np.int8)
+            fed = np.asarray((tokens + res.tokens)[:experts.shape[0]], dtype=np.int32)
+            out.append(Request(experts=full, token_ids=fed, phase=phase))
+    finally:
+        hook.close()
+    return out
+
+
+@dataclass
+class Measured:
+    """One policy measured on the workload, and what the simulator makes of it."""
+
+    label: str
+    policy: str
+    fraction: float
+    ttft_s: float
+    tpot_s: float
+    sim_ttft_s: float = 0.0
+    sim_tpot_s: float = 0.0
+    stats: dict = field(default_factory=dict, repr=False)  # the expert cache's counters
+
+    def errors(self) -> tuple[float, float]:
+        """Relative errors of the simulated TTFT and TPOT."""
+        return (self.sim_ttft_s / self.ttft_s - 1.0, self.sim_tpot_s / self.tpot_s - 1.0)
+
+
+def cpu_profile(base: Profile, x: dict[str, float], name: str, device: str) -> Profile:
+    """``base`` with the fitted CPU-build values ``x`` (device and host rates shared)."""
+    return replace(base, name=name, device=device, gpu_launch_s=x["launch_s"],
+                   cpu_launch_s=x["launch_s"], gpu_mem_gbps=x["mem_gbps"],
+                   cpu_mem_gbps=x["mem_gbps"], gpu_tflops=x["gflops"] / 1e3,
+                   cpu_gflops=x["gflops"], hook_s=x["hook_s"],
+                   prefetch_hook_s=x["prefetch_hook_s"], token_s=x["token_s"],
+                   chunk_latency_s=x["chunk_latency_s"], group_s=x["group_s"])
+
+
+def simulate_measured(m: Measured, shape: SimShape, profile: Profile,
+                      warmup: Request, requests: Sequence[Request]) -> tuple[float, float]:
+    """TTFT and TPOT the simulator gives run ``m`` (after the same warm-up request), as the CPU
+    build runs it: promoe predicts with history at window 1 and does not split (device and host
+    are the same cores)."""
+    n_slots = max(1, math.ceil(m.fraction * shape.experts - 1e-9))
+    cfg = SimConfig(policy=m.policy, n_slots=n_slots, window=1, n_ubatch=512,
+                    features=Features(split=False))
+    layers = [il for il in range(shape.layers) if (requests[0].experts[:, il] >= 0).any()]
+    pred = HistoryPredictor(shape.layers, shape.experts, shape.top_k) \
+        if m.policy == "promoe" else None
+    sim = Simulator(shape, profile, cfg, layers, pred)
+    sim.run_request(warmup)
+    ttft, tpot = [], []
+    for r in requests:
+        p, d = sim.run_request(r)
+        ttft.append(p)
+        tpot.append(float(np.mean(d)) if d else 0.0)
+    return float(np.median(ttft)), float(np.median(tpot))
+
+
+def nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, *, step: float = 0.5,
+                iters: int = 120, tol: float = 1e-3) -> np.ndarray:
+    """Minimise ``f`` from ``x0`` (a small, dependency-free Nelder-Mead)."""
+    n = len(x0)
+    pts = [x0] + [x0 + step * np.eye(n)[i] for i in range(n)]
+    vals = [f(p) for p in pts]
+    for _ in range(iters):
+        order = np.argsort(vals)
+        pts, vals = [pts[i] for i in order], [vals[i] for i in order]
+        if vals[-1] - vals[0] < tol:
+            break
+        c = np.mean(pts[:-1], axis=0)
+        xr = c + (c - pts[-1])
+        fr = f(xr)
+        if fr < vals[0]:
+            xe = c + 2 * (c - pts[-1])
+            fe = f(xe)
+            pts[-1], vals[-1] = (xe, fe) if fe < fr else (xr, fr)
+        elif fr < vals[-2]:
+            pts[-1], vals[-1] = xr, fr
+        else:
+            xc = c + 0.5 * (pts[-1] - c)
+            fc = f(xc)
+            if fc < vals[-1]:
+                pts[-1], vals[-1] = xc, fc
+            else:
+                pts = [pts[0]] + [pts[0] + 0.5 * (p - pts[0]) for p in pts[1:]]
+                vals = [vals[0]] + [f(p) for p in pts[1:]]
+    return pts[int(np.argmin(vals))]
+
+
+def fit_profile(base: Profile, shape: SimShape, runs: Sequence[Measured], warmup: Request,
+                requests: Sequence[Request], fixed: dict[str, float], name: str,
+                device: str, iters: int = 120) -> Profile:
+    """The CPU-build profile whose simulation best matches ``runs`` (least squares of the log
+    ratios of TTFT and TPOT); ``fixed`` holds the values measured directly (copy rate)."""
+    start = {"launch_s": 2e-5, "mem_gbps": 10.0, "gflops": 50.0, "hook_s": 5e-5,
+             "prefetch_hook_s": 1e-4, "token_s": 2e-4, "chunk_latency_s": 1e-5,
+             "group_s": 5e-5}
+    x0 = np.log([start[k] for k in FITTED])
+
+    def profile_of(v: np.ndarray) -> Profile:
+        p = cpu_profile(base, dict(zip(FITTED, np.exp(v).tolist(), strict=True)), name, device)
+        return replace(p, **fixed)
+
+    def loss(v: np.ndarray) -> float:
+        p = profile_of(v)
+        err = 0.0
+        for m in runs:
+            t1, t2 = simulate_measured(m, shape, p, warmup, requests)
+            err += math.log(t1 / m.ttft_s) ** 2 + math.log(t2 / m.tpot_s) ** 2
+        return err
+
+    return profile_of(nelder_mead(loss, x0, iters=iters))
+
+
+def profile_json(p: Profile, source: str) -> dict:
+    """A profile as the JSON ``Profile.load`` reads."""
+    return dict(asdict(p), source=source)
+
+
+@dataclass
+class Validation:
+    """Calibration and validation runs with the fitted profile."""
+
+    shape: SimShape
+    profile: Profile
+    calibration: list[Measured]
+    validation: list[Measured]
+    prompt_len: int
+    n_gen: int
+    n_prompts: int
+
+    def worst_error(self) -> float:
+        """Largest relative TTFT or TPOT error of the validation runs."""
+        return max(abs(e) for m in self.validation for e in m.errors())
+
+    def to_json(self) -> dict:
+        def runs(ms: list[Measured]) -> list[dict]:
+            return [{**{k: v for k, v in asdict(m).items() if k != "stats"},
+                     "ttft_err": m.errors()[0], "tpot_err": m.errors()[1]} for m in ms]
+
+        return {"shape": asdict(self.shape), "profile": asdict(self.profile),
+                "prompt_len": self.prompt_len, "gen": self.n_gen, "prompts": self.n_prompts,
+                "calibration": runs(self.calibration), "validation": runs(self.validation),
+                "worst_error": self.worst_error()}
+
+
+def validate(model_path: Path, *, prompt_len: int = 128, n_gen: int = 32, n_prompts: int = 3,
+             fraction: float = 0.5, calib_fraction: float = 0.25, repeats: int = 1,
+             fit_iters: int = 120,
+             n_threads: int | None = None, name: str = "cpu",
+             device: str = "this machine (CPU build)",
+             progress: Callable[[str], None] = lambda s: None) -> Validation:
+    """Fit a profile of this machine (CPU build) to ``offload``, to ``lru`` and ``promoe`` with
+    every expert cached, and to both at ``calib_fraction`` (the costs of a miss and of streamed
+    expert groups), on one workload; then measure and simulate ``lru`` and ``promoe`` at
+    ``fraction``. The copy rate is this machine's memcpy rate (a CPU build's copies are
+    memcpy). Every run is measured ``repeats`` times, the runs taking turns, and the medians
+    over all prompts and repeats are kept: a machine whose speed drifts affects every run alike.
+    """
+    from forecache.bench import bench_prompts, run_policy
+    from forecache.doctor import host_memory_bandwidth_gbps
+
+    n_ctx = max(512, prompt_len + n_gen + 16)
+    with Engine(model_path, n_ctx=n_ctx, n_threads=n_threads,
+                cache=CacheConfig(policy="offload")) as eng:
+        prompts = bench_prompts(eng, n_prompts, prompt_len)
+        progress("recording the workload's routing ...")
+        warmup = record_routing(eng, [prompts[0][:8]], 2)[0]
+        requests = record_routing(eng, prompts, n_gen)
+        shape = model_shape(eng.model_file)
+
+    runs = [("offload", "offload", 1.0), ("lru, all cached", "lru", 1.0),
+            ("promoe, all cached", "promoe", 1.0),
+            (f"lru, {calib_fraction:g}", "lru", calib_fraction),
+            (f"promoe, {calib_fraction:g}", "promoe", calib_fraction),
+            (f"lru, {fraction:g}", "lru", fraction), (f"promoe, {fraction:g}", "promoe", fraction)]
+    samples: dict[str, list[tuple[float, float]]] = {label: [] for label, _, _ in runs}
+    stats: dict[str, dict] = {}
+    for rep in range(repeats):  # every run is measured before the fit, the runs taking turns
+        for label, policy, frac in runs:
+            progress(f"measuring {label} ({rep + 1}/{repeats}) ...")
+            cfg = CacheConfig(policy=policy,
+                              cache_fraction=None if policy == "offload" else frac,
+                              predictor="history")
+            r = run_policy(model_path, cfg, prompts, n_gen, n_ctx=n_ctx, n_threads=n_threads)
+            samples[label] += r["per_prompt"]
+            stats[label] = r["stats"]
+    measured = []
+    for label, policy, frac in runs:
+        # medians: a prompt disturbed by another process moves a mean
+        ttft, tpot = np.median(np.asarray(samples[label]), axis=0).tolist()
+        measured.append(Measured(label, policy, frac, ttft, tpot, stats=stats[label]))
+    calib, checks = measured[:5], measured[5:]
+    fixed = {"h2d_gbps": host_memory_bandwidth_gbps() / 2}
+    progress("fitting the profile ...")
+    prof = fit_profile(Profile.load("rtx4090"), shape, calib, warmup, requests, fixed, name,
+                       device, fit_iters)
+    prof = replace(prof, source=f"fitted by forecache.sim_calibrate to offload, lru and promoe "
+                                f"(every expert cached, and at {calib_fraction:g}) on "
+                                f"{model_path.name}, {n_prompts} prompts of {prompt_len} "
+                                f"tokens, {n_gen} generated; copies at the memcpy rate")
+    for m in calib + checks:
+        m.sim_ttft_s, m.sim_tpot_s = simulate_measured(m, shape, prof, warmup, requests)
+    return Validation(shape, prof, calib, checks, prompt_len, n_gen, n_prompts)
