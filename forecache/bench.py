@@ -45,6 +45,22 @@ def bench_prompts(engine: Engine, n_prompts: int, prompt_len: int,
     return prompts
 
 
+def workload(model: Path, n_prompts: int, prompt_len: int, n_gen: int,
+             n_ctx: int | None = None) -> tuple[int, list[list[int]]]:
+    """The context size and the prompts every run of a benchmark shares."""
+    n_ctx = n_ctx or max(512, prompt_len + n_gen + 16)
+    with Engine(model, n_ctx=n_ctx) as eng:
+        return n_ctx, bench_prompts(eng, n_prompts, prompt_len)
+
+
+def _sized(policy: str, gpu_budget: int | None, fraction: float | None, **kw: object
+           ) -> CacheConfig:
+    """``policy`` sized by the budget, else by the cache fraction (offload has no slots)."""
+    return CacheConfig(policy=policy, gpu_budget=gpu_budget,
+                       cache_fraction=fraction if policy != "offload" and gpu_budget is None
+                       else None, **kw)  # type: ignore[arg-type]
+
+
 def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n_gen: int, *,
                n_ctx: int, n_threads: int | None) -> dict:
     """Load the model under ``cfg``, warm up, then generate ``n_gen`` tokens for every prompt."""
@@ -81,18 +97,14 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
               n_ctx: int | None = None, n_threads: int | None = None,
               progress: Callable[[str], None] = lambda s: None) -> dict:
     """Every policy on the same prompts; returns results, ratios and whether tokens agreed."""
-    n_ctx = n_ctx or max(512, prompt_len + n_gen + 16)
-    with Engine(model, n_ctx=n_ctx) as eng:
-        prompts = bench_prompts(eng, n_prompts, prompt_len)
+    n_ctx, prompts = workload(model, n_prompts, prompt_len, n_gen, n_ctx)
     raw: dict[str, dict] = {}
     for pol in policies:
         if pol == "ncmoe" and gpu_budget is None:
             progress("ncmoe skipped: it needs --gpu-budget")
             continue
         progress(f"running {pol} ...")
-        sized = pol != "offload"
-        cfg = CacheConfig(policy=pol, gpu_budget=gpu_budget,
-                          cache_fraction=cache_fraction if sized and gpu_budget is None else None)
+        cfg = _sized(pol, gpu_budget, cache_fraction)
         raw[pol] = run_policy(model, cfg, prompts, n_gen, n_ctx=n_ctx, n_threads=n_threads)
     results = []
     for pol, r in raw.items():
@@ -133,13 +145,6 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _sized(policy: str, gpu_budget: int | None, fraction: float | None, **kw: object
-           ) -> CacheConfig:
-    return CacheConfig(policy=policy, gpu_budget=gpu_budget,
-                       cache_fraction=fraction if policy != "offload" and gpu_budget is None
-                       else None, **kw)  # type: ignore[arg-type]
-
-
 def run_ablation(model: Path, *, gpu_budget: int | None, cache_fraction: float | None,
                  prompt_len: int, n_gen: int, n_prompts: int = 3, n_threads: int | None = None,
                  progress: Callable[[str], None] = lambda s: None) -> dict:
@@ -147,9 +152,7 @@ def run_ablation(model: Path, *, gpu_budget: int | None, cache_fraction: float |
     (the rows of ``sim_run.ABLATION``), on the same prompts; ratios to lru."""
     from forecache.sim_run import ABLATION
 
-    n_ctx = max(512, prompt_len + n_gen + 16)
-    with Engine(model, n_ctx=n_ctx) as eng:
-        prompts = bench_prompts(eng, n_prompts, prompt_len)
+    n_ctx, prompts = workload(model, n_prompts, prompt_len, n_gen)
     rows = []
     for label, policy, feats in ABLATION:
         progress(f"running {label} ...")
@@ -189,9 +192,7 @@ def run_rates(model: Path, rates: list[float], policies: list[str], *, prompt_le
               progress: Callable[[str], None] = lambda s: None) -> dict:
     """ProMoE's cache-rate sweep (Fig. 17) measured: TTFT and TPOT of each policy at each share
     of experts in slots (offload, which has no slots, once)."""
-    n_ctx = max(512, prompt_len + n_gen + 16)
-    with Engine(model, n_ctx=n_ctx) as eng:
-        prompts = bench_prompts(eng, n_prompts, prompt_len)
+    n_ctx, prompts = workload(model, n_prompts, prompt_len, n_gen)
     table: dict[str, dict[str, tuple[float, float]]] = {}
     fixed = None
     for rate in rates:

@@ -16,7 +16,7 @@ import numpy as np
 
 from forecache.cache.budget import moe_layers
 from forecache.cache.prefetcher import Features
-from forecache.cache.setup import CacheConfig, attach_observer
+from forecache.cache.setup import CacheConfig, attach_observer, expert_shape
 from forecache.engine import Engine, SamplingParams
 from forecache.gguf_inspect import ModelFile, is_expert_tensor
 from forecache.predictor.base import Request
@@ -35,15 +35,14 @@ def model_shape(model: ModelFile) -> SimShape:
     """The simulator's view of a GGUF file: its own sizes, tensor by tensor."""
     layer = moe_layers(model)[0]
     blk = [t for t in model.tensors if t.name.startswith(f"blk.{layer}.")]
-    experts = [t for t in blk if is_expert_tensor(t.name)]
-    up = next(t for t in experts if "_up_" in t.name)
+    ex = expert_shape(model)
+    qtype = next(t for t in blk if is_expert_tensor(t.name)).type.name.lower()
     head = sum(t.nbytes for t in model.tensors if t.name.startswith("output"))
     return SimShape(name=model.path.stem, layers=model.n_layer, experts=model.n_expert,
-                    top_k=model.n_expert_used, d_model=int(up.shape[0]),
-                    expert_ff=int(up.shape[1]),
-                    proj_bytes=tuple(t.nbytes // t.shape[2] for t in experts),  # type: ignore[arg-type]
+                    top_k=model.n_expert_used, d_model=ex.d_model, expert_ff=ex.expert_ff,
+                    proj_bytes=ex.proj_bytes,
                     layer_bytes=sum(t.nbytes for t in blk if not is_expert_tensor(t.name)),
-                    head_bytes=head, qtype=experts[0].type.name.lower())
+                    head_bytes=head, qtype=qtype)
 
 
 def record_routing(engine: Engine, prompts: Sequence[list[int]], n_gen: int) -> list[Request]:

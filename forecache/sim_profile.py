@@ -75,6 +75,24 @@ def shipped_profiles() -> list[str]:
 
 
 @dataclass(frozen=True)
+class ExpertShape:
+    """One routed expert: model width, expert width, bytes of each projection."""
+
+    d_model: int
+    expert_ff: int
+    proj_bytes: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.proj_bytes)
+
+    @property
+    def proj_flops(self) -> float:
+        """Multiply-adds x2 of one token through one projection."""
+        return 2.0 * self.d_model * self.expert_ff
+
+
+@dataclass(frozen=True)
 class SimShape:
     """What the timing model needs of a model: expert and per-layer sizes at a quantization."""
 
@@ -90,13 +108,17 @@ class SimShape:
     qtype: str
 
     @property
+    def expert(self) -> ExpertShape:
+        return ExpertShape(self.d_model, self.expert_ff, self.proj_bytes)
+
+    @property
     def expert_bytes(self) -> int:
-        return sum(self.proj_bytes)
+        return self.expert.nbytes
 
     @property
     def proj_flops(self) -> float:
         """Multiply-adds x2 of one projection for one token."""
-        return 2.0 * self.d_model * self.expert_ff
+        return self.expert.proj_flops
 
     @property
     def layer_flops(self) -> float:

@@ -30,7 +30,7 @@ from forecache.cache.prefetcher import (
     Features,
     Prefetcher,
 )
-from forecache.cache.split import CostModel, ExpertShape
+from forecache.cache.split import CostModel
 from forecache.predictor.base import Predictor, Request
 from forecache.sim_profile import Profile, SimShape
 
@@ -438,9 +438,7 @@ class Simulator:
                 raise ValueError("the static policy needs a routing profile")
             self.policy = StaticPolicy(self.n_slots, cfg.static_profile)
         elif cfg.policy == "promoe":
-            cost = CostModel.from_profile(profile, ExpertShape(
-                shape.d_model, shape.expert_ff, shape.proj_bytes))
-            self.policy = Prefetcher(self.n_slots, f, cost)
+            self.policy = Prefetcher(self.n_slots, f, CostModel.from_profile(profile, shape.expert))
         elif cfg.policy == "offload":
             self.policy = None
         else:
@@ -456,6 +454,7 @@ class Simulator:
                                    not any(self.engine.queue))
             self.engine.stats.update(h2d_bytes=0, n_chunks=0)
         self.t = self.engine.now
+        self._merge = CostModel.from_profile(profile, shape.expert)  # host entries' merge time
         self._hook_s = profile.prefetch_hook_s if cfg.policy == "promoe" and \
             profile.prefetch_hook_s > 0 else profile.hook_s
         self.hits = self.misses = self.host_layers = 0
@@ -472,12 +471,6 @@ class Simulator:
     def _host(self, nbytes: float, flops: float) -> float:
         p = self.profile
         return p.cpu_launch_s + max(nbytes / (p.cpu_mem_gbps * 1e9), flops / (p.cpu_gflops * 1e9))
-
-    def _scatter(self, rows: int) -> float:
-        """Host entries' results into the device's output: a copy and a set_rows launch."""
-        p = self.profile
-        nbytes = 4.0 * rows * (self.shape.d_model + self.shape.expert_ff)  # inputs back, results
-        return p.gpu_launch_s + p.chunk_latency_s + nbytes / (p.h2d_gbps * 1e9)
 
     def _node(self, experts: Sequence[int], rows: int, p: int) -> float:
         sh = self.shape
@@ -576,8 +569,8 @@ class Simulator:
             for p in range(L.n_proj):
                 dev = self._node(L.sch_e[:n], sum(rows_of[e] for e in L.sch_e[:n]), p)
                 if on_host:  # computed meanwhile on the CPU, then written into the result
-                    dev = max(dev, self._host(len(on_host) * sh.proj_bytes[p],
-                                              host_rows * sh.proj_flops)) + self._scatter(host_rows)
+                    host = self._host(len(on_host) * sh.proj_bytes[p], host_rows * sh.proj_flops)
+                    dev = max(dev, host) + self._merge.merge_proj_s(host_rows)
                 self.t += dev
             eng.advance_to(self.t)
             for p in range(L.n_proj):
@@ -599,7 +592,7 @@ class Simulator:
                 eng.consume(il, range(i, j), p)
                 i = j
             if on_host:
-                self.t = max(self.t, host_end) + self._scatter(host_rows)
+                self.t = max(self.t, host_end) + self._merge.merge_proj_s(host_rows)
                 eng.advance_to(self.t)
 
     def _forecast(self, il: int, ids: np.ndarray, req: Request, rows: np.ndarray) -> None:

@@ -85,8 +85,6 @@ class Prefetcher(Policy):
         self.prefetch_loads = 0
         self.prefetch_refreshed = 0
         self.stale_predictions = 0
-        self.host_experts = 0  # missing experts computed on the host instead of copied
-        self.host_layers = 0  # layers the split computed entirely on the host
 
     # -- gate: the layer being computed --------------------------------------------------------
     def gate(self, layer: int, experts: np.ndarray, engine: CopyEngine,
@@ -117,13 +115,11 @@ class Prefetcher(Policy):
                 in_flight = sum(1 for e in need if e in where and state[where[e]] != SLOT_READY)
                 plan = self.cost.plan(rows, in_flight)
                 if plan.whole_layer:
-                    self.host_layers += 1
                     return False  # all on the CPU: cheaper than any use of the slots
                 host = plan.host
                 if host:
                     on_host = set(host)
                     order = [e for e in order if e not in on_host]
-                    self.host_experts += len(host)
             if len(order) > n and not f.reorder:
                 return False  # cannot stream without reordered compute: from host memory
             needed = set(need)
@@ -147,10 +143,7 @@ class Prefetcher(Policy):
             for e in host:
                 if not victims or engine.load(layer, e, victims[0], LOW) != 0:
                     break
-                s = victims.pop(0)
-                for old in [o for o, slot in lru.items() if slot == s]:
-                    del lru[old]
-                lru[e] = s
+                _put(lru, e, victims.pop(0))
             # the slot table at the end of the layer: the last expert scheduled into each slot
             final = {s: e for e, s in zip(order, slots, strict=True)}
             for s, e in final.items():
@@ -192,10 +185,7 @@ class Prefetcher(Policy):
                 s = victims.pop(0)
                 if engine.load(layer, e, s, LOW) != 0:
                     break  # the layer is being computed: too late for the rest
-                for old, slot in list(lru.items()):
-                    if slot == s:
-                        del lru[old]
-                lru[e] = s
+                _put(lru, e, s)
                 queued += 1
             self.prefetch_loads += queued
             return queued
@@ -211,3 +201,10 @@ class Prefetcher(Policy):
                 lru[e] = s
                 lru.move_to_end(e, last=False)  # unknown to the mirror: oldest
         return lru
+
+
+def _put(lru: OrderedDict[int, int], expert: int, slot: int) -> None:
+    """``expert`` now holds ``slot`` (most recent); whoever held the slot is gone."""
+    for old in [e for e, s in lru.items() if s == slot]:
+        del lru[old]
+    lru[expert] = slot

@@ -17,9 +17,9 @@ from forecache.cache.forecast import Forecaster
 from forecache.cache.policies import POLICIES, HostOnlyPolicy, LRUPolicy, Policy, StaticPolicy
 from forecache.cache.prefetcher import Features, Prefetcher
 from forecache.cache.runtime import DEFAULT_CHUNK_BYTES, ExpertCache, RouteCallback
-from forecache.cache.split import CostModel, ExpertShape
+from forecache.cache.split import CostModel
 from forecache.gguf_inspect import ModelFile, is_expert_tensor
-from forecache.sim_profile import Profile
+from forecache.sim_profile import ExpertShape, Profile
 
 EXPERT_PATTERN = r"_exps\."
 # the machine profile promoe's host/device split starts from until it has measured the rates

@@ -12,28 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from forecache.sim_profile import Profile
+from forecache.sim_profile import ExpertShape, Profile
 
 # measurements below these are too small to correct the profile with
 MIN_CALIBRATION_S = 0.02
-
-
-@dataclass(frozen=True)
-class ExpertShape:
-    """One routed expert as the costs see it: model width, expert width, bytes per projection."""
-
-    d_model: int
-    expert_ff: int
-    proj_bytes: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(self.proj_bytes)
-
-    @property
-    def proj_flops(self) -> float:
-        """Multiply-adds x2 of one token through one projection."""
-        return 2.0 * self.d_model * self.expert_ff
 
 
 @dataclass(frozen=True)
@@ -90,11 +72,15 @@ class CostModel:
                 for nb in self.expert.proj_bytes)
         return t * self.host_scale
 
+    def merge_proj_s(self, pairs: int) -> float:
+        """Host rows of one projection of a split layer: inputs read back, results written into
+        the device's (a copy each way and a scatter launch)."""
+        nbytes = 4.0 * pairs * (self.expert.d_model + self.expert.expert_ff)
+        return self.gpu_launch_s + self.chunk_latency_s + nbytes / (self.copy_gbps * 1e9)
+
     def merge_s(self, pairs: int) -> float:
-        """Host rows of a split layer: inputs read back, results written into the device's."""
-        nbytes = 4.0 * pairs * (self.expert.d_model + self.expert.expert_ff)  # per projection
-        return len(self.expert.proj_bytes) * (self.gpu_launch_s + self.chunk_latency_s +
-                                              nbytes / (self.copy_gbps * 1e9))
+        """Host rows of a split layer, every projection."""
+        return len(self.expert.proj_bytes) * self.merge_proj_s(pairs)
 
     def plan(self, rows: Sequence[tuple[int, int, bool]], in_flight: int) -> Split:
         """The cheapest way to compute a layer whose experts are ``rows`` (expert, token rows,
