@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from forecache.cache.setup import CacheConfig
-from forecache.engine import CALIBRATION_TEXT, Engine, SamplingParams
+from forecache.engine import Engine, SamplingParams
+from forecache.llama import CALIBRATION_TEXT
 
 BASELINES = ("offload", "ncmoe", "lru")
 

@@ -3,38 +3,19 @@
 from __future__ import annotations
 
 import codecs
-import contextlib
 import os
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from forecache.bindings import llama_cpp_module, patch_version
+from forecache.bindings import llama_cpp_module
 from forecache.cache.runtime import ExpertCache
-from forecache.cache.setup import (
-    CacheConfig,
-    Placement,
-    attach,
-    attach_observer,
-    expert_overrides,
-    make_policy,
-    place,
-)
-from forecache.gguf_inspect import ModelFile, require_moe
-
-# Text routed once to build the static policy's profile when none is given.
-CALIBRATION_TEXT = (
-    "The history of science is the study of how people came to understand the natural world: "
-    "measuring the stars, mixing metals, growing crops, curing illness and writing it all down. "
-)
-
-
-class ModelLoadError(RuntimeError):
-    """llama.cpp refused the model; the message says what to try."""
+from forecache.cache.setup import CacheConfig, Placement
+from forecache.gguf_inspect import ModelFile
+from forecache.llama import Llama, ModelLoadError  # noqa: F401  (ModelLoadError re-exported)
 
 
 @dataclass
@@ -82,23 +63,6 @@ class GenerationResult:
         }
 
 
-@contextlib.contextmanager
-def _quiet_stderr(enabled: bool) -> Iterator[None]:
-    """Silence llama.cpp's C-level log output (it writes to fd 2 directly)."""
-    if not enabled:
-        yield
-        return
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "w") as null:
-        os.dup2(null.fileno(), 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
 class Engine:
     """A loaded model: llama.cpp context plus the model file's header facts."""
 
@@ -106,75 +70,29 @@ class Engine:
                  n_threads: int | None = None, n_gpu_layers: int = -1, seed: int = 0,
                  n_batch: int = 512, verbose: bool = False,
                  cache: CacheConfig | None = None) -> None:
-        self.model_file: ModelFile = require_moe(model_path)
-        self.cache_config = cache
-        self.expert_cache: ExpertCache | None = None
-        self.placement: Placement | None = None
-        patch_version()  # refuses a stock llama-cpp-python before llama.cpp touches the file
-        from llama_cpp import Llama
-
-        ctx_train = int(self.model_file.arch_kv("context_length", n_ctx) or n_ctx)
-        self.n_ctx = min(n_ctx, ctx_train)
         threads = n_threads or os.cpu_count() or 1
-        if cache is not None:
-            self.placement = place(self.model_file, cache, n_ctx=self.n_ctx, n_ubatch=n_batch)
-        try:
-            with _quiet_stderr(not verbose), (expert_overrides(self.placement) if self.placement
-                                              else contextlib.nullcontext()):
-                self.llm = Llama(model_path=str(model_path), n_ctx=self.n_ctx, n_batch=n_batch,
-                                 n_threads=threads, n_threads_batch=threads,
-                                 n_gpu_layers=n_gpu_layers, seed=seed, verbose=verbose)
-        except (ValueError, RuntimeError) as e:
-            raise ModelLoadError(f"llama.cpp could not load {model_path}: {e} (run with "
-                                 "--verbose for llama.cpp's log; check free memory)") from e
-        low = llama_cpp_module()
-        self._vocab = low.llama_model_get_vocab(self.llm.model)
-        self._is_eog = low.llama_vocab_is_eog
-        if cache is not None and cache.policy in ("lru", "static", "promoe"):
-            self._attach_cache(cache)
+        from forecache.gguf_inspect import require_moe
 
-    def _attach_cache(self, cfg: CacheConfig) -> None:
-        assert self.placement is not None
-        if cfg.policy == "static" and cfg.profile is None:
-            cfg.profile = self.routing_profile(self.tokenize(CALIBRATION_TEXT * 2), 16)
-        self.expert_cache = attach(self.llm.ctx, self.placement, cfg,
-                                   make_policy(cfg, self.placement.n_slots, self.model_file,
-                                               self.placement.device),
-                                   self.model_file,
-                                   say=lambda msg: print(msg, file=sys.stderr))
-        if self.expert_cache.worker is not None:
-            self._watch_batches(self.expert_cache)
-        self.expert_cache.wait_idle()  # the static policy's pinned experts
-        self.expert_cache.reset_stats()
+        mf = require_moe(model_path)
+        ctx_train = int(mf.arch_kv("context_length", n_ctx) or n_ctx)
+        self.n_ctx = min(n_ctx, ctx_train)
+        self.llm = Llama(model_path, cache=cache, n_ctx=self.n_ctx, n_batch=n_batch,
+                         n_threads=threads, n_threads_batch=threads, n_gpu_layers=n_gpu_layers,
+                         seed=seed, verbose=verbose)
+        self.model_file: ModelFile = self.llm.model_file
+        self.cache_config = cache
 
-    def _watch_batches(self, cache: ExpertCache) -> None:
-        """Give the cache the token ids of each batch llama-cpp-python decodes (for predictors
-        that use them); llama-cpp-python has no hook for it, so its batch setter is wrapped."""
-        batch = self.llm._batch
-        original = batch.set_batch
+    @property
+    def expert_cache(self) -> ExpertCache | None:
+        return self.llm.expert_cache if self.llm is not None else None
 
-        def set_batch(batch, n_past, logits_all):  # type: ignore[no-untyped-def]
-            cache.batch_tokens = np.asarray(batch, dtype=np.int32)
-            return original(batch=batch, n_past=n_past, logits_all=logits_all)
-
-        batch.set_batch = set_batch  # type: ignore[method-assign]
+    @property
+    def placement(self) -> Placement | None:
+        return self.llm.placement
 
     def routing_profile(self, tokens: list[int], n_gen: int) -> np.ndarray:
-        """Routed-expert counts [n_layer, n_expert] of a greedy run over ``tokens``, computed from
-        host memory with an observing hook."""
-        assert self.placement is not None
-        counts = np.zeros((self.model_file.n_layer, self.model_file.n_expert), dtype=np.int64)
-
-        def count(layer: int, ids: np.ndarray, _w: object, _x: object) -> None:
-            np.add.at(counts[layer], ids.ravel(), 1)
-
-        observer = attach_observer(self.llm.ctx, self.model_file, self.placement.device.index,
-                                   count)
-        try:
-            self.generate(tokens, n_gen, SamplingParams(greedy=True), ignore_eos=True)
-        finally:
-            observer.close()
-        return counts
+        """Routed-expert counts [n_layer, n_expert] of a greedy run over ``tokens``."""
+        return self.llm.routing_profile(tokens, n_gen)
 
     @property
     def path(self) -> Path:
@@ -186,16 +104,7 @@ class Engine:
 
     def format_chat(self, messages: list[dict[str, str]]) -> str:
         """Render messages with the model's own chat template (tokenizer.chat_template)."""
-        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-        template = self.llm.metadata.get("tokenizer.chat_template")
-        if not template:
-            raise ValueError(f"{self.path.name} has no chat template (tokenizer.chat_template)")
-        model = self.llm._model
-        eos, bos = self.llm.token_eos(), self.llm.token_bos()
-        fmt = Jinja2ChatFormatter(template, model.token_get_text(eos) if eos >= 0 else "",
-                                  model.token_get_text(bos) if bos >= 0 else "")
-        return fmt(messages=messages).prompt
+        return self.llm.format_chat(messages)
 
     def generate(self, prompt: str | list[int], max_tokens: int, sampling: SamplingParams,
                  on_text: Callable[[str], None] | None = None, ignore_eos: bool = False,
@@ -224,7 +133,7 @@ class Engine:
                     self.expert_cache.check_interrupt()
                 if not out:
                     t_first = time.perf_counter()
-                if not ignore_eos and self._is_eog(self._vocab, tok):
+                if not ignore_eos and self.llm.is_eog(tok):
                     finish = "stop"
                     break
                 out.append(tok)
@@ -252,28 +161,16 @@ class Engine:
     def last_logits(self) -> np.ndarray:
         """A copy of the logits of the last token evaluated (n_vocab floats)."""
         low = llama_cpp_module()
-        n_vocab = low.llama_vocab_n_tokens(self._vocab)
+        n_vocab = low.llama_vocab_n_tokens(self.llm._vocab)
         ptr = low.llama_get_logits_ith(self.llm.ctx, -1)
         return np.ctypeslib.as_array(ptr, shape=(n_vocab,)).copy()
 
     def cache_stats(self) -> dict:
         """Expert-cache counters since the last reset (zeros without a cache)."""
-        policy = self.cache_config.policy if self.cache_config else "none"
-        out = {"policy": policy, "hits": 0, "misses": 0, "h2d_bytes": 0, "stall_s": 0.0,
-               "cache_slots": 0, "host_layers": 0, "copy_s": 0.0, "hook_s": 0.0}
-        if self.expert_cache is not None:
-            s = self.expert_cache.stats()
-            out.update({k: s[k] for k in ("hits", "misses", "h2d_bytes", "stall_s", "host_layers",
-                                          "copy_s", "hook_s")})
-            out["cache_slots"] = self.expert_cache.n_slots_total
-        return out
+        return self.llm.expert_stats()
 
     def close(self) -> None:
         """Free the llama.cpp model and context now rather than at garbage collection."""
-        cache = getattr(self, "expert_cache", None)
-        if cache is not None:
-            cache.close()
-            self.expert_cache = None
         llm = getattr(self, "llm", None)
         if llm is not None:
             llm.close()

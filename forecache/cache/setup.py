@@ -12,7 +12,13 @@ import numpy as np
 from forecache.bindings import llama_cpp_module
 from forecache.bindings.cache_api import CHUNK_EXPERT, TensorBuftOverride
 from forecache.bindings.ggml_devices import Device, cache_device, host_buffer_type
-from forecache.cache.budget import MemoryPlan, moe_layers, plan_memory, slots_for_fraction
+from forecache.cache.budget import (
+    MemoryPlan,
+    moe_layers,
+    parse_size,
+    plan_memory,
+    slots_for_fraction,
+)
 from forecache.cache.forecast import Forecaster
 from forecache.cache.policies import POLICIES, HostOnlyPolicy, LRUPolicy, Policy, StaticPolicy
 from forecache.cache.prefetcher import Features, Prefetcher
@@ -57,6 +63,32 @@ class CacheConfig:
             raise ValueError(f"policy {self.policy} needs --gpu-budget or --cache-fraction")
         if self.policy == "ncmoe" and self.gpu_budget is None:
             raise ValueError("policy ncmoe places whole layers and needs --gpu-budget")
+
+
+# Device memory left free when the budget is taken from the GPU's free memory: other processes,
+# the driver's own allocations and fragmentation.
+AUTO_BUDGET_RESERVE = 0.05
+AUTO_BUDGET_MIN_RESERVE = 512 << 20
+
+
+def resolve_cache_config(policy: str | None, gpu_budget: int | str | None,
+                         cache_fraction: float | None, *, predictor: str = "auto",
+                         window: int | None = None, machine: str | None = None,
+                         features: Features | None = None) -> CacheConfig | None:
+    """The configuration users get from what they gave: promoe unless a policy is named; sized by
+    the budget or fraction given, else by the GPU's free memory. With nothing given on a
+    CPU-only build, None: llama.cpp's own placement, since device and host are the same memory."""
+    budget = parse_size(gpu_budget) if isinstance(gpu_budget, str) else gpu_budget
+    if budget is None and cache_fraction is None and policy != "offload":
+        dev = cache_device()
+        if dev.type != "cpu":
+            reserve = max(int(dev.memory_free * AUTO_BUDGET_RESERVE), AUTO_BUDGET_MIN_RESERVE)
+            budget = max(dev.memory_free - reserve, 0)
+        elif policy is None:
+            return None
+    return CacheConfig(policy=policy or "promoe", gpu_budget=budget,
+                       cache_fraction=cache_fraction, predictor=predictor, window=window,
+                       machine=machine, features=features or Features())
 
 
 @dataclass

@@ -16,18 +16,21 @@ def cli() -> None:
 
 def _register() -> None:
     from forecache.cli import (
+        batch_cmd,
         bench_cmd,
         build_cmd,
+        chat_cmd,
         doctor_cmd,
         generate_cmd,
         model_cmds,
         predictor_cmds,
+        serve_cmd,
         simulate_cmd,
         stats_cmd,
     )
 
-    for mod in (bench_cmd, build_cmd, doctor_cmd, generate_cmd, model_cmds, predictor_cmds,
-                simulate_cmd, stats_cmd):
+    for mod in (batch_cmd, bench_cmd, build_cmd, chat_cmd, doctor_cmd, generate_cmd, model_cmds,
+                predictor_cmds, serve_cmd, simulate_cmd, stats_cmd):
         for cmd in mod.COMMANDS:
             cli.add_command(cmd)
 

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import click
 
-from forecache.cache.budget import parse_size
 from forecache.cache.policies import POLICIES
 from forecache.cache.prefetcher import Features
-from forecache.cache.setup import DEFAULT_MACHINE, CacheConfig
+from forecache.cache.setup import DEFAULT_MACHINE, CacheConfig, resolve_cache_config
 from forecache.engine import Engine, GenerationResult, SamplingParams
 
 
@@ -40,8 +39,9 @@ def cache_options(fn):  # type: ignore[no-untyped-def]
                       help="All device memory the run may use: weights, KV cache, buffers, "
                            "expert slots (e.g. 24GiB).")(fn)
     fn = click.option("--policy", type=click.Choice(POLICIES), default=None,
-                      help="Expert placement (default: lru when a size is given, else llama.cpp's "
-                           "own placement).")(fn)
+                      help="Expert placement (default: promoe, within the GPU's free memory "
+                           "unless a size is given; a CPU-only build given no option keeps "
+                           "llama.cpp's own placement).")(fn)
     return fn
 
 
@@ -50,16 +50,14 @@ def cache_config(policy: str | None, gpu_budget: str | None, cache_fraction: flo
                  no_chunk: bool = False, no_preempt: bool = False,
                  no_reorder: bool = False, no_split: bool = False,
                  machine: str | None = None) -> CacheConfig | None:
-    """The CacheConfig the cache options ask for, or None for llama.cpp's own placement."""
-    if policy is None and gpu_budget is None and cache_fraction is None:
-        return None
-    return CacheConfig(policy=policy or "lru",
-                       gpu_budget=parse_size(gpu_budget) if gpu_budget is not None else None,
-                       cache_fraction=cache_fraction, predictor=predictor, window=window,
-                       machine=machine,
-                       features=Features(prefetch=not no_prefetch, chunk=not no_chunk,
-                                         preempt=not no_preempt, reorder=not no_reorder,
-                                         split=not no_split))
+    """The CacheConfig the cache options ask for: promoe unless a policy is named, sized by the
+    GPU's free memory unless a size is given; None (llama.cpp's own placement) on a CPU-only build
+    given no option."""
+    return resolve_cache_config(policy, gpu_budget, cache_fraction, predictor=predictor,
+                                window=window, machine=machine,
+                                features=Features(prefetch=not no_prefetch, chunk=not no_chunk,
+                                                  preempt=not no_preempt,
+                                                  reorder=not no_reorder, split=not no_split))
 
 
 def _print_stats(res: GenerationResult) -> None:
@@ -117,13 +115,16 @@ def generate(model: Path, prompt: str, n_predict: int, greedy: bool, seed: int, 
 @click.option("-p", "--prompt", default=None, help="Prompt (default: a short built-in question).")
 @click.option("-n", "--n-predict", "n_predict", default=64, show_default=True,
               help="Tokens to generate.")
-def run(model: Path | None, prompt: str | None, n_predict: int) -> None:
-    """Answer a prompt with the default model (or -m MODEL) and print the speed."""
+@cache_options
+def run(model: Path | None, prompt: str | None, n_predict: int, **cache_opts: object) -> None:
+    """Answer a prompt with the default model (or -m MODEL) and print the speed and the expert
+    cache's statistics."""
+    from forecache.chat import expert_summary
     from forecache.default_model import DEFAULT_PROMPT, ensure_default_model
 
     path = model if model is not None else ensure_default_model()
     question = prompt or DEFAULT_PROMPT
-    with Engine(path) as eng:
+    with Engine(path, cache=cache_config(**cache_opts)) as eng:  # type: ignore[arg-type]
         text = eng.format_chat([{"role": "user", "content": question}])
         mf = eng.model_file
         click.echo(f"model: {path.name} ({mf.arch}, {mf.n_layer} layers, {mf.n_expert} experts, "
@@ -134,6 +135,7 @@ def run(model: Path | None, prompt: str | None, n_predict: int) -> None:
         click.echo(f"> {question}", err=True)
         res = eng.generate(text, n_predict, SamplingParams(greedy=True), on_text=_stream)
     _print_stats(res)
+    click.echo(f"[{expert_summary(res.stats)}]", err=True)
 
 
 COMMANDS = [generate, run]

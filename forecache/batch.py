@@ -1,0 +1,356 @@
+"""Batch jobs: JSONL requests in, JSONL results appended as they finish, several sequences
+decoded together in one llama.cpp batch.
+
+A killed job loses nothing: every finished record is one ``write`` to a file opened for
+appending, and a rerun skips the ids already in the output.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from forecache.interrupt import StopFlag
+from forecache.llama import Llama
+
+DEFAULT_MAX_TOKENS = 128
+_FIELDS = {"id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+           "seed", "stop"}
+
+
+class BatchInputError(ValueError):
+    """The input file cannot be read at all."""
+
+
+class BatchOutputError(ValueError):
+    """The output file is not one this job can append to."""
+
+
+@dataclass
+class Request:
+    """One line of the input."""
+
+    id: str
+    line: int
+    prompt: str | None = None
+    messages: list[dict] | None = None
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 0.8
+    top_p: float = 0.95
+    top_k: int = 40
+    min_p: float = 0.05
+    seed: int = 0
+    stop: list[str] = field(default_factory=list)
+
+
+def _number(obj: dict, key: str, kind: type, default: float | int, lo: float,
+            hi: float) -> float | int:
+    value = obj.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (kind is int and not float(value).is_integer()):
+        raise ValueError(f'"{key}" must be {"an integer" if kind is int else "a number"}')
+    if not lo <= value <= hi:
+        raise ValueError(f'"{key}" must be between {lo} and {hi}, not {value}')
+    return kind(value)
+
+
+def parse_request(text: str, line: int, default_max_tokens: int) -> Request:
+    """A Request from one JSON line; ValueError says what is wrong with it."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise ValueError("not a JSON object")
+    unknown = sorted(set(obj) - _FIELDS)
+    if unknown:
+        raise ValueError(f"unknown field(s) {', '.join(unknown)}; "
+                         f"known: {', '.join(sorted(_FIELDS))}")
+    rid = obj.get("id", f"line-{line}")
+    if not isinstance(rid, (str, int)) or isinstance(rid, bool):
+        raise ValueError('"id" must be a string or an integer')
+    req = Request(id=str(rid), line=line)
+    if ("prompt" in obj) == ("messages" in obj):
+        raise ValueError('give one of "prompt" and "messages"')
+    if "prompt" in obj:
+        if not isinstance(obj["prompt"], str) or not obj["prompt"]:
+            raise ValueError('"prompt" must be a non-empty string')
+        req.prompt = obj["prompt"]
+    else:
+        msgs = obj["messages"]
+        if not isinstance(msgs, list) or not msgs or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and
+                isinstance(m.get("content"), str) for m in msgs):
+            raise ValueError('"messages" must be a non-empty list of {"role", "content"} strings')
+        req.messages = msgs
+    req.max_tokens = int(_number(obj, "max_tokens", int, default_max_tokens, 1, 1 << 20))
+    req.temperature = float(_number(obj, "temperature", float, req.temperature, 0, 100))
+    req.top_p = float(_number(obj, "top_p", float, req.top_p, 0, 1))
+    req.top_k = int(_number(obj, "top_k", int, req.top_k, 0, 1 << 30))
+    req.min_p = float(_number(obj, "min_p", float, req.min_p, 0, 1))
+    req.seed = int(_number(obj, "seed", int, req.seed, 0, 2**63 - 1))
+    stop = obj.get("stop", [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise ValueError('"stop" must be a string or a list of non-empty strings')
+    req.stop = stop
+    return req
+
+
+def read_requests(path: Path, default_max_tokens: int = DEFAULT_MAX_TOKENS,
+                  ) -> tuple[list[Request], list[dict]]:
+    """The requests of an input file and error records for its malformed lines (with their
+    ``line``). A file that cannot be read at all raises BatchInputError."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise BatchInputError(f"input file not found: {path}") from None
+    except IsADirectoryError:
+        raise BatchInputError(f"{path} is a directory, not a JSONL file") from None
+    except OSError as e:
+        raise BatchInputError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BatchInputError(f"{path} is not UTF-8 text (byte {e.start}); the input must be "
+                              "JSON lines") from None
+    lines = text.split("\n")
+    complete = text.endswith("\n")
+    requests: list[Request] = []
+    errors: list[dict] = []
+    seen: set[str] = set()
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            req = parse_request(line, i, default_max_tokens)
+            if req.id in seen:
+                raise ValueError(f"duplicate id {req.id!r}")
+        except ValueError as e:
+            msg = str(e)
+            if i == len(lines) and not complete:
+                msg += " (the last line has no newline: was the file still being written?)"
+            errors.append({"id": _id_of(line, i), "line": i, "error": msg})
+            continue
+        seen.add(req.id)
+        requests.append(req)
+    return requests, errors
+
+
+def _id_of(line: str, n: int) -> str:
+    """The id a malformed line names, when it can be read, else ``line-N``."""
+    try:
+        rid = json.loads(line).get("id")
+        if isinstance(rid, (str, int)) and not isinstance(rid, bool):
+            return str(rid)
+    except (ValueError, AttributeError):
+        pass
+    return f"line-{n}"
+
+
+def done_ids(path: Path) -> tuple[set[str], bool]:
+    """Ids already in an output file, and whether a half-written last record was cut off. A
+    complete line that is not a JSON record is refused (the file is not touched)."""
+    if not path.exists():
+        return set(), False
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    tail = lines.pop()  # after the last newline: empty, or a record cut short
+    ids: set[str] = set()
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            ids.add(str(rec["id"]))
+        except (ValueError, KeyError, TypeError):
+            raise BatchOutputError(f"{path} line {i} is not a forecache batch record; fix or "
+                                   "remove it, or write to another --output") from None
+    if tail:
+        with open(path, "r+b") as f:
+            f.truncate(len(data) - len(tail))
+    return ids, bool(tail)
+
+
+class OutputWriter:
+    """Appends one record per line: a single write of the whole line, then fsync."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def write(self, record: dict) -> None:
+        line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+        view = memoryview(line)
+        while view:  # a regular file takes it in one write; a short write is finished here
+            view = view[os.write(self._fd, view):]
+        os.fsync(self._fd)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+@dataclass
+class _Sequence:
+    """A request being decoded in sequence ``seq``."""
+
+    req: Request
+    seq: int
+    prompt: list[int]
+    rng: np.random.Generator
+    fed: int = 0  # prompt tokens already in the batch
+    out: list[int] = field(default_factory=list)
+    next_token: int | None = None
+    pieces: list[str] = field(default_factory=list)
+    decoder: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
+    t0: float = field(default_factory=time.perf_counter)
+    t_first: float = 0.0
+
+
+def sample(logits: np.ndarray, req: Request, rng: np.random.Generator) -> int:
+    """The next token: argmax at temperature 0, else temperature, top-k, top-p and min-p."""
+    if req.temperature <= 0:
+        return int(np.argmax(logits))
+    x = logits.astype(np.float64) / req.temperature
+    order = np.argsort(-x, kind="stable")
+    if req.top_k > 0:
+        order = order[:req.top_k]
+    p = np.exp(x[order] - x[order[0]])
+    p /= p.sum()
+    keep = int(np.searchsorted(np.cumsum(p), req.top_p) + 1) if req.top_p < 1 else len(p)
+    keep = max(1, min(keep, int(np.count_nonzero(p >= req.min_p * p[0]))))
+    p = p[:keep] / p[:keep].sum()
+    return int(order[rng.choice(keep, p=p)])
+
+
+def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
+                on_done: Callable[[dict], None], stop: StopFlag | None = None,
+                on_token: Callable[[int], None] | None = None) -> None:
+    """Decode ``requests`` with up to ``n_parallel`` sequences in each llama.cpp batch
+    (continuous batching: a finished sequence's cells are freed and the next request takes its
+    sequence id; new prompts are prefilled in the same batches as the others' next tokens).
+    ``on_done`` gets each record as it finishes; ``stop`` ends the loop at the next step."""
+    from llama_cpp import llama_cpp as low
+
+    ctx = llm.ctx
+    n_batch = llm.n_batch
+    n_vocab = llm.n_vocab()
+    per_seq = llm.n_ctx() // max(llm.n_seq_max, 1)
+    if n_parallel > llm.n_seq_max:
+        raise ValueError(f"--parallel {n_parallel} needs a model loaded with n_seq_max >= "
+                         f"{n_parallel}")
+    mem = low.llama_get_memory(ctx)
+    batch = low.llama_batch_init(n_batch, 0, 1)
+    cache = llm.expert_cache
+    pending = deque(requests)
+    free = list(range(n_parallel))
+    active: list[_Sequence] = []
+    worker = cache.worker if cache is not None else None
+    if worker is not None:
+        worker.begin_request()
+
+    def finish(s: _Sequence, reason: str, error: str | None = None) -> None:
+        active.remove(s)
+        low.llama_memory_seq_rm(mem, s.seq, -1, -1)
+        free.append(s.seq)
+        if error is not None:
+            on_done({"id": s.req.id, "line": s.req.line, "error": error})
+            return
+        tail = s.decoder.decode(b"", final=True)
+        text = "".join(s.pieces) + tail
+        if reason == "stop" and s.req.stop:
+            cut = [text.find(x) for x in s.req.stop if x in text]
+            text = text[:min(cut)] if cut else text
+        t_end = time.perf_counter()
+        decode_s = t_end - s.t_first
+        on_done({"id": s.req.id, "text": text, "tokens": len(s.out),
+                 "prompt_tokens": len(s.prompt), "finish_reason": reason,
+                 "timings": {"ttft_s": round(s.t_first - s.t0, 6),
+                             "total_s": round(t_end - s.t0, 6),
+                             "tokens_per_s": round((len(s.out) - 1) / decode_s, 3)
+                             if len(s.out) > 1 and decode_s > 0 else None}})
+
+    tokens: list[int] = []  # of the batch being built
+
+    def add(tok: int, pos: int, seq: int, logits: bool) -> None:
+        i = len(tokens)
+        batch.token[i] = tok
+        batch.pos[i] = pos
+        batch.n_seq_id[i] = 1
+        batch.seq_id[i][0] = seq
+        batch.logits[i] = logits
+        tokens.append(tok)
+
+    try:
+        while (pending or active) and not stop:
+            while free and pending:  # admit the next requests
+                req = pending.popleft()
+                text = llm.format_chat(req.messages) if req.messages is not None else req.prompt
+                prompt = llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+                if len(prompt) + req.max_tokens > per_seq:
+                    on_done({"id": req.id, "line": req.line,
+                             "error": f"prompt ({len(prompt)} tokens) + max_tokens "
+                                      f"({req.max_tokens}) exceed the context of {per_seq} per "
+                                      "sequence; raise --ctx-per-seq or lower max_tokens"})
+                    continue
+                active.append(_Sequence(req, free.pop(0), prompt,
+                                        np.random.default_rng(req.seed)))
+            if not active:
+                continue
+            tokens.clear()
+            rows: list[tuple[_Sequence, int]] = []  # sequences sampled from this batch's rows
+            for s in active:  # each decoding sequence's next token first
+                if s.next_token is not None:
+                    rows.append((s, len(tokens)))
+                    add(s.next_token, len(s.prompt) + len(s.out) - 1, s.seq, True)
+            for s in active:  # then prompt chunks, while the batch has room
+                if s.fed < len(s.prompt) and len(tokens) < n_batch:
+                    take = min(len(s.prompt) - s.fed, n_batch - len(tokens))
+                    for j in range(s.fed, s.fed + take):
+                        last = j == len(s.prompt) - 1
+                        if last:
+                            rows.append((s, len(tokens)))
+                        add(s.prompt[j], j, s.seq, last)
+                    s.fed += take
+            batch.n_tokens = len(tokens)
+            if cache is not None:
+                cache.batch_tokens = np.asarray(tokens, dtype=np.int32)
+            rc = low.llama_decode(ctx, batch)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed ({rc}) with {len(active)} sequences; "
+                                   "lower --parallel or raise --ctx-per-seq")
+            if on_token is not None:
+                on_token(len(rows))
+            for s, row in rows:
+                ptr = low.llama_get_logits_ith(ctx, row)
+                logits = np.ctypeslib.as_array(ptr, shape=(n_vocab,))
+                tok = sample(logits, s.req, s.rng)
+                if not s.out:
+                    s.t_first = time.perf_counter()
+                if llm.is_eog(tok):
+                    finish(s, "stop")
+                    continue
+                s.out.append(tok)
+                piece = s.decoder.decode(llm.detokenize([tok], prev_tokens=s.prompt + s.out[:-1]))
+                s.pieces.append(piece)
+                if s.req.stop and any(x in "".join(s.pieces) for x in s.req.stop):
+                    finish(s, "stop")
+                elif len(s.out) >= s.req.max_tokens:
+                    finish(s, "length")
+                else:
+                    s.next_token = tok
+    finally:
+        for s in list(active):  # interrupted: free their cells; nothing is written for them
+            low.llama_memory_seq_rm(mem, s.seq, -1, -1)
+        low.llama_batch_free(batch)
+        if worker is not None:
+            worker.end_request()

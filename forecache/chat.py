@@ -1,0 +1,191 @@
+"""A multi-turn chat with a model, reusing the KV cache across turns."""
+
+from __future__ import annotations
+
+import codecs
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from forecache.atomic_file import write_atomic
+from forecache.cache.budget import format_size
+from forecache.engine import SamplingParams
+from forecache.interrupt import deferred_signals
+from forecache.llama import Llama
+
+
+@dataclass
+class Turn:
+    """What one answer cost."""
+
+    text: str
+    tokens: int
+    prompt_tokens: int  # the whole conversation, as rendered by the template
+    reused_tokens: int  # of those, already in the KV cache from earlier turns
+    ttft_s: float
+    decode_s: float
+    stopped: bool  # interrupted by the user
+    signum: int | None  # the signal that stopped it (SIGINT or SIGTERM)
+    dropped_turns: int  # earliest turns left out to fit the context
+    stats: dict
+
+    @property
+    def tokens_per_s(self) -> float:
+        return (self.tokens - 1) / self.decode_s if self.tokens > 1 and self.decode_s > 0 else 0.0
+
+
+class ChatSession:
+    """The conversation with ``llm`` and its rendering through the model's chat template.
+
+    Each answer renders the whole conversation, and llama-cpp-python's prefix match keeps the KV
+    cache of the tokens that did not change, so only the new turn is prefilled.
+    """
+
+    def __init__(self, llm: Llama, system: str | None = None, max_tokens: int = 512,
+                 sampling: SamplingParams | None = None) -> None:
+        self.llm = llm
+        self.system = system
+        self.max_tokens = max_tokens
+        self.sampling = sampling or SamplingParams()
+        self.history: list[dict[str, str]] = []
+        self.turns: list[Turn] = []
+
+    def messages(self) -> list[dict[str, str]]:
+        """The conversation so far, the system message first."""
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + self.history
+
+    def reset(self) -> None:
+        """Forget the conversation (the system message stays) and the statistics."""
+        self.history.clear()
+        self.turns.clear()
+        self.llm.reset()
+        self.llm.reset_stats()
+
+    def _prompt(self, user: str) -> tuple[list[int], int]:
+        """Tokens of the conversation plus ``user``'s message, leaving out the earliest turns
+        until the answer fits in the context; and how many turns were left out."""
+        n_ctx = self.llm.n_ctx()
+        dropped = 0
+        while True:
+            head = [{"role": "system", "content": self.system}] if self.system else []
+            msgs = head + self.history[dropped:] + [{"role": "user", "content": user}]
+            tokens = self.llm.tokenize(self.llm.format_chat(msgs).encode("utf-8"), add_bos=True,
+                                       special=True)
+            if len(tokens) + self.max_tokens <= n_ctx:
+                return tokens, dropped // 2
+            if dropped >= len(self.history):
+                raise ValueError(f"the message ({len(tokens)} tokens) and an answer of "
+                                 f"{self.max_tokens} tokens exceed the context of {n_ctx}; "
+                                 "shorten it or start with a larger --ctx")
+            dropped += 2  # a user message and its answer
+
+    def ask(self, user: str, on_text: Callable[[str], None] | None = None) -> Turn:
+        """Answer ``user``, streaming text to ``on_text``. Ctrl-C stops the answer: what was
+        generated so far is kept in the conversation and returned with ``stopped``. SIGTERM
+        stops it the same way (``signum`` tells them apart)."""
+        tokens, dropped = self._prompt(user)
+        if dropped:
+            self.history = self.history[2 * dropped:]
+        llm = self.llm
+        reused = 0
+        for a, b in zip(llm._input_ids[:llm.n_tokens], tokens[:-1], strict=False):
+            if a != b:
+                break
+            reused += 1
+        llm.reset_stats()
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        out: list[int] = []
+        pieces: list[str] = []
+        t0 = time.perf_counter()
+        t_first = t0
+        gen = llm.generate(tokens, reset=True, **self.sampling.llama_kwargs())
+        worker = llm.expert_cache.worker if llm.expert_cache is not None else None
+        if worker is not None:
+            worker.begin_request()
+        with deferred_signals() as stop:
+            try:
+                for tok in gen:
+                    if stop:
+                        break
+                    if not out:
+                        t_first = time.perf_counter()
+                    if llm.is_eog(tok):
+                        break
+                    out.append(tok)
+                    piece = decoder.decode(llm.detokenize([tok], prev_tokens=tokens + out[:-1]))
+                    if piece:
+                        pieces.append(piece)
+                        if on_text:
+                            on_text(piece)
+                    if len(out) >= self.max_tokens:
+                        break
+            finally:
+                gen.close()
+                if worker is not None:
+                    worker.end_request()
+        tail = decoder.decode(b"", final=True)
+        if tail:
+            pieces.append(tail)
+            if on_text:
+                on_text(tail)
+        t_end = time.perf_counter()
+        text = "".join(pieces)
+        self.history += [{"role": "user", "content": user},
+                         {"role": "assistant", "content": text}]
+        turn = Turn(text, len(out), len(tokens), reused, t_first - t0 if out else t_end - t0,
+                    t_end - t_first if out else 0.0, bool(stop), stop.signum, dropped,
+                    llm.expert_stats())
+        self.turns.append(turn)
+        return turn
+
+    def save(self, path: Path) -> None:
+        """Write the conversation as JSON (``{"model", "messages"}``), atomically."""
+        doc = {"model": self.llm.model_file.path.name, "messages": self.messages()}
+        write_atomic(path, json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+
+
+def status_line(turn: Turn) -> str:
+    """One line after each answer: speed, TTFT, expert hit rate and GPU cache use."""
+    parts = [f"{turn.tokens_per_s:.1f} tokens/s", f"TTFT {turn.ttft_s * 1000:.0f} ms",
+             f"{turn.tokens} tokens",
+             f"prompt {turn.prompt_tokens - turn.reused_tokens} new + {turn.reused_tokens} cached"]
+    parts.append(expert_summary(turn.stats))
+    if turn.stopped:
+        parts.insert(0, "stopped")
+    if turn.dropped_turns:
+        parts.append(f"{turn.dropped_turns} earliest turn(s) left out to fit the context")
+    return "[" + " | ".join(parts) + "]"
+
+
+def expert_summary(stats: dict) -> str:
+    """Expert hit rate and GPU cache use in a few words."""
+    if stats["policy"] == "none":
+        return "experts: llama.cpp placement, no expert cache"
+    if not stats["cache_slots"]:
+        return f"experts: {stats['policy']}, computed from host memory"
+    rate = stats["hit_rate"]
+    hit = f"hit {rate * 100:.0f}%" if rate is not None else "hit -"
+    return (f"experts: {stats['policy']} {hit}, cache {stats['slots_filled']}/"
+            f"{stats['cache_slots']} slots ({format_size(stats['slot_bytes'])} on "
+            f"{stats['device']})")
+
+
+def stats_report(session: ChatSession) -> str:
+    """The /stats text: the session's totals and the expert cache's counters of the last turn."""
+    turns = session.turns
+    lines = [f"turns: {len(turns)}, generated tokens: {sum(t.tokens for t in turns)}, "
+             f"context: {session.llm.n_tokens}/{session.llm.n_ctx()} tokens"]
+    if turns:
+        t = turns[-1]
+        s = t.stats
+        lines.append(f"last answer: {t.tokens} tokens, {t.tokens_per_s:.1f} tokens/s, TTFT "
+                     f"{t.ttft_s * 1000:.0f} ms, prompt {t.prompt_tokens} tokens of which "
+                     f"{t.reused_tokens} reused from the KV cache")
+        lines.append(f"expert cache ({s['policy']}): hits {s['hits']}, misses {s['misses']}, "
+                     f"copied {format_size(s['h2d_bytes'])}, stalled {s['stall_s'] * 1000:.1f} ms, "
+                     f"slots {s['slots_filled']}/{s['cache_slots']}, "
+                     f"layers on host {s['host_layers']}")
+    return "\n".join(lines)

@@ -1,0 +1,138 @@
+"""``forecache batch``: JSONL requests in, JSONL results out, resumable."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from forecache.cli.generate_cmd import cache_config, cache_options
+
+
+class BatchFailed(click.ClickException):
+    """Some requests ended as error records; the job itself ran to the end."""
+
+    def show(self, file: object = None) -> None:
+        click.echo(f"forecache: error: {self.message}", err=True)
+
+
+@click.command("batch")
+@click.option("-m", "--model", "model", type=click.Path(path_type=Path), required=True,
+              help="GGUF model file.")
+@click.option("--input", "input_path", type=click.Path(path_type=Path), required=True,
+              help='JSONL requests: {"id", "prompt" | "messages", "max_tokens", "temperature", '
+                   '"top_p", "top_k", "min_p", "seed", "stop"} a line.')
+@click.option("--output", "output_path", type=click.Path(path_type=Path), required=True,
+              help="JSONL results, appended as requests finish; ids already there are skipped.")
+@click.option("--parallel", default=4, show_default=True, type=click.IntRange(1, 64),
+              help="Sequences decoded together in one llama.cpp batch.")
+@click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(1),
+              help="max_tokens of requests that do not give one.")
+@click.option("--ctx-per-seq", default=2048, show_default=True, type=click.IntRange(16),
+              help="Context of each sequence (prompt + answer); capped by the model's.")
+@click.option("--threads", type=int, default=None, help="CPU threads (default: all cores).")
+@click.option("--progress/--no-progress", default=None,
+              help="Progress bar on stderr (default: when stderr is a terminal).")
+@click.option("--verbose", is_flag=True, help="Show llama.cpp's own log.")
+@cache_options
+def batch(model: Path, input_path: Path, output_path: Path, parallel: int, max_tokens: int,
+          ctx_per_seq: int, threads: int | None, progress: bool | None, verbose: bool,
+          **cache_opts: object) -> None:
+    """Run every request of a JSONL file, appending one JSON result a line to OUTPUT.
+
+    Temperature 0 is greedy; sampled requests are reproducible for a given "seed". A malformed
+    line becomes an error record and the job goes on; a killed job is resumed by running the
+    same command again.
+    """
+    from tqdm import tqdm
+
+    from forecache.batch import OutputWriter, decode_many, done_ids, read_requests
+    from forecache.gguf_inspect import require_moe
+    from forecache.interrupt import deferred_signals
+    from forecache.llama import Llama
+
+    if output_path.resolve() == input_path.resolve():
+        raise click.UsageError("--output must not be the --input file")
+    requests, bad = read_requests(input_path, max_tokens)
+    mf = require_moe(model)
+    done, cut = done_ids(output_path)
+    total = len(requests) + len(bad)
+    if cut:
+        click.echo(f"forecache: dropped a half-written last record of {output_path}; it will be "
+                   "redone", err=True)
+    todo = [r for r in requests if r.id not in done]
+    bad = [b for b in bad if b["id"] not in done]
+    skipped = total - len(todo) - len(bad)
+    if skipped:
+        click.echo(f"forecache: {skipped} of {total} requests are already in {output_path}; "
+                   "skipping them", err=True)
+    writer = OutputWriter(output_path)
+    failed = 0
+    try:
+        for record in bad:
+            writer.write(record)
+            failed += 1
+        if not todo:
+            click.echo(f"forecache: nothing to do ({total} requests, {skipped} done, "
+                       f"{failed} malformed)", err=True)
+            if failed:
+                raise BatchFailed(f"{failed} of {total} requests failed (see {output_path})")
+            return
+        per_seq = min(ctx_per_seq, int(mf.arch_kv("context_length", ctx_per_seq) or
+                                       ctx_per_seq))
+        n_seq = min(parallel, len(todo))
+        threads = threads or os.cpu_count() or 1
+        llm = Llama(model, cache=cache_config(**cache_opts),  # type: ignore[arg-type]
+                    n_seq_max=n_seq, n_ctx=per_seq * n_seq, n_batch=512, n_threads=threads,
+                    n_threads_batch=threads, verbose=verbose)
+        show = progress if progress is not None else sys.stderr.isatty()
+        bar = tqdm(total=len(todo), unit="req", disable=not show, file=sys.stderr,
+                   dynamic_ncols=True)
+        generated = 0
+        ok = 0
+        t0 = time.perf_counter()
+
+        def on_token(n: int) -> None:
+            nonlocal generated
+            generated += n
+            elapsed = time.perf_counter() - t0
+            bar.set_postfix_str(f"{generated / elapsed:.1f} tokens/s" if elapsed else "",
+                                refresh=False)
+
+        def on_done(record: dict) -> None:
+            nonlocal ok, failed
+            writer.write(record)
+            if "error" in record:
+                failed += 1
+            else:
+                ok += 1
+            bar.update(1)
+
+        try:
+            with deferred_signals() as stop:
+                decode_many(llm, todo, n_seq, on_done, stop, on_token)
+            stats = llm.expert_stats()
+        finally:
+            bar.close()
+            llm.close()
+        wall = time.perf_counter() - t0
+        rate = stats["hit_rate"]
+        click.echo(f"forecache: {ok} done, {skipped} skipped, {failed} failed of {total}; "
+                   f"{generated} tokens in {wall:.1f} s ({generated / wall:.1f} tokens/s); "
+                   f"experts: {stats['policy']}"
+                   + (f", hit rate {rate * 100:.0f}%" if rate is not None else ""), err=True)
+        if stop:
+            click.echo(f"forecache: interrupted: {ok + skipped} of {total} done; rerun the same "
+                       "command to resume", err=True)
+            sys.exit(128 + (stop.signum or signal.SIGINT))
+        if failed:
+            raise BatchFailed(f"{failed} of {total} requests failed (see {output_path})")
+    finally:
+        writer.close()
+
+
+COMMANDS = [batch]

@@ -1,0 +1,290 @@
+"""``forecache.Llama``: llama-cpp-python's ``Llama`` with forecache's expert placement and cache.
+
+A script written for ``llama_cpp.Llama`` switches by changing its import: every method
+(``create_completion``, ``create_chat_completion``, ``__call__``, ``tokenize``, ...) is
+llama-cpp-python's own, so return shapes and streaming are the same. What differs is how the
+model is loaded: routed experts stay in host memory and a policy (``promoe`` by default on a GPU)
+keeps the ones the coming layers need in device slots, within ``gpu_budget``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import llama_cpp
+import numpy as np
+
+from forecache.bindings import llama_cpp_module, patch_version
+from forecache.bindings.cache_api import SLOT_EMPTY
+from forecache.cache.budget import format_size
+from forecache.cache.runtime import ExpertCache
+from forecache.cache.setup import (
+    CacheConfig,
+    Placement,
+    attach,
+    attach_observer,
+    expert_overrides,
+    make_policy,
+    place,
+    resolve_cache_config,
+)
+from forecache.gguf_inspect import ModelFile, require_moe
+
+# Text routed once to build the static policy's profile when none is given.
+CALIBRATION_TEXT = (
+    "The history of science is the study of how people came to understand the natural world: "
+    "measuring the stars, mixing metals, growing crops, curing illness and writing it all down. "
+)
+LOG_WARN, LOG_ERROR = 3, 4  # enum ggml_log_level (ggml.h)
+# llama.cpp log lines that mean an allocation failed during load
+_OOM = re.compile(r"out of memory|insufficient memory|failed to allocate|unable to allocate|"
+                  r"cudaMalloc failed|cannot allocate|ErrorOutOfDeviceMemory", re.IGNORECASE)
+
+
+class ModelLoadError(RuntimeError):
+    """llama.cpp refused the model; the message says what to try."""
+
+
+class _Auto:
+    """Marker: choose the cache configuration from the keyword arguments and the device."""
+
+
+AUTO: Any = _Auto()
+
+
+@contextlib.contextmanager
+def _load_log(enabled: bool) -> Iterator[list[tuple[int, str]]]:
+    """While active, llama.cpp's warnings and errors go to the yielded list instead of the
+    terminal (llama-cpp-python discards them when not verbose), so a failed load can be
+    explained."""
+    lines: list[tuple[int, str]] = []
+    if not enabled:
+        yield lines
+        return
+    low = llama_cpp_module()
+
+    @low.llama_log_callback
+    def collect(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
+        if level in (LOG_WARN, LOG_ERROR):
+            lines.append((level, text.decode("utf-8", "replace").strip()))
+
+    low.llama_log_set(collect, ctypes.c_void_p(0))
+    try:
+        yield lines
+    finally:
+        from llama_cpp import _logger
+
+        low.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
+
+
+@contextlib.contextmanager
+def _sequences(n_seq_max: int) -> Iterator[None]:
+    """While active, contexts are created for ``n_seq_max`` sequences, each with an equal share
+    of n_ctx (llama-cpp-python does not expose n_seq_max; it starts from the default
+    parameters)."""
+    if n_seq_max <= 1:
+        yield
+        return
+    low = llama_cpp_module()
+    original = low.llama_context_default_params
+
+    def params():  # type: ignore[no-untyped-def]
+        p = original()
+        p.n_seq_max = n_seq_max
+        # a KV stream per sequence: each sees its cells where it would alone, which keeps its
+        # attention sums in the same order as a single-sequence run
+        p.kv_unified = False
+        return p
+
+    low.llama_context_default_params = params
+    try:
+        yield
+    finally:
+        low.llama_context_default_params = original
+
+
+class Llama(llama_cpp.Llama):
+    """A drop-in for ``llama_cpp.Llama`` that runs MoE GGUF models with forecache's expert cache.
+
+    ``policy`` (promoe, lru, static, ncmoe, offload), ``gpu_budget`` (bytes or a size such as
+    ``"24GiB"``: all device memory the run may use) and ``cache_fraction`` (share of each layer's
+    experts in slots) choose the placement; with none of them, promoe uses the GPU's free memory,
+    and a CPU-only build keeps llama.cpp's own placement (device and host are the same memory).
+    ``predictor``, ``window`` and ``machine`` tune promoe; ``n_seq_max`` sizes the context for
+    that many sequences decoded together, each with n_ctx / n_seq_max of the context
+    (``forecache batch``). ``cache`` passes a ready
+    ``CacheConfig`` (or None for no cache). Every other keyword goes to ``llama_cpp.Llama``;
+    ``n_gpu_layers`` defaults to all layers when a cache is used.
+    """
+
+    def __init__(self, model_path: str | os.PathLike[str], *, gpu_budget: int | str | None = None,
+                 policy: str | None = None, cache_fraction: float | None = None,
+                 predictor: str = "auto", window: int | None = None, machine: str | None = None,
+                 n_seq_max: int = 1, cache: CacheConfig | None = AUTO, **kwargs: Any) -> None:
+        self.expert_cache: ExpertCache | None = None
+        self.model_file: ModelFile = require_moe(model_path)
+        patch_version()  # refuses a stock llama-cpp-python before llama.cpp touches the file
+        if cache is AUTO:
+            cache = resolve_cache_config(policy, gpu_budget, cache_fraction, predictor=predictor,
+                                         window=window, machine=machine)
+        self.cache_config: CacheConfig | None = cache
+        self.placement: Placement | None = None
+        n_ctx = int(kwargs.get("n_ctx", 512)) or int(self.model_file.arch_kv("context_length",
+                                                                            4096))
+        n_batch = int(kwargs.get("n_batch", 512))
+        if cache is not None:
+            kwargs.setdefault("n_gpu_layers", -1)
+            self.placement = place(self.model_file, cache, n_ctx=n_ctx,
+                                   n_ubatch=min(n_batch, int(kwargs.get("n_ubatch", 512))))
+        verbose = bool(kwargs.get("verbose", True))
+        with _load_log(not verbose) as log:
+            try:
+                with (expert_overrides(self.placement) if self.placement
+                      else contextlib.nullcontext()), _sequences(n_seq_max):
+                    super().__init__(str(model_path), **kwargs)
+            except (ValueError, RuntimeError) as e:
+                failure = e
+            else:
+                failure = None
+        if failure is not None:
+            raise ModelLoadError(self._load_failure(failure, log)) from failure
+        self.n_seq_max = n_seq_max
+        low = llama_cpp_module()
+        self._vocab = low.llama_model_get_vocab(self.model)
+        if cache is not None and cache.policy in ("lru", "static", "promoe"):
+            self._attach_cache(cache)
+
+    def _load_failure(self, err: Exception, log: list[tuple[int, str]]) -> str:
+        """One line for a failed load: out of memory (with a budget to try) or llama.cpp's own
+        reason."""
+        name = self.model_file.path.name
+        oom = [text for _, text in log if _OOM.search(text)]
+        if oom:
+            cfg = self.cache_config
+            dev = self.placement.device if self.placement else None
+            if dev is not None and dev.type != "cpu":
+                budget = cfg.gpu_budget if cfg and cfg.gpu_budget else dev.memory_free
+                return (f"out of memory while loading {name} ({oom[0]}): try a smaller "
+                        f"--gpu-budget, e.g. {format_size(int(budget * 0.8))}, or a shorter "
+                        "--ctx")
+            return (f"out of memory while loading {name} ({oom[0]}): lower --ctx or free host "
+                    "memory")
+        errors = [text for level, text in log if level == LOG_ERROR and text]
+        detail = f" ({errors[-1]})" if errors else ""
+        return (f"llama.cpp could not load {name}: {err}{detail}; run with --verbose for "
+                "llama.cpp's log")
+
+    def _attach_cache(self, cfg: CacheConfig) -> None:
+        assert self.placement is not None
+        if cfg.policy == "static" and cfg.profile is None:
+            cfg.profile = self.routing_profile(self.tokenize(CALIBRATION_TEXT.encode() * 2), 16)
+        self.expert_cache = attach(self.ctx, self.placement, cfg,
+                                   make_policy(cfg, self.placement.n_slots, self.model_file,
+                                               self.placement.device),
+                                   self.model_file,
+                                   say=lambda msg: print(msg, file=sys.stderr))
+        if self.expert_cache.worker is not None:
+            self._watch_batches(self.expert_cache)
+        self.expert_cache.wait_idle()  # the static policy's pinned experts
+        self.expert_cache.reset_stats()
+
+    def _watch_batches(self, cache: ExpertCache) -> None:
+        """Give the cache the token ids of each batch llama-cpp-python decodes (for predictors
+        that use them); llama-cpp-python has no hook for it, so its batch setter is wrapped."""
+        original = self._batch.set_batch
+
+        def set_batch(batch, n_past, logits_all):  # type: ignore[no-untyped-def]
+            cache.batch_tokens = np.asarray(batch, dtype=np.int32)
+            return original(batch=batch, n_past=n_past, logits_all=logits_all)
+
+        self._batch.set_batch = set_batch  # type: ignore[method-assign]
+
+    def routing_profile(self, tokens: list[int], n_gen: int) -> np.ndarray:
+        """Routed-expert counts [n_layer, n_expert] of a greedy run over ``tokens``, computed from
+        host memory with an observing hook."""
+        assert self.placement is not None
+        mf = self.model_file
+        counts = np.zeros((mf.n_layer, mf.n_expert), dtype=np.int64)
+
+        def count(layer: int, ids: np.ndarray, _w: object, _x: object) -> None:
+            np.add.at(counts[layer], ids.ravel(), 1)
+
+        observer = attach_observer(self.ctx, mf, self.placement.device.index, count)
+        try:
+            for i, _ in enumerate(self.generate(tokens, temp=0.0, reset=True)):
+                if i + 1 >= n_gen:
+                    break
+        finally:
+            observer.close()
+            self.reset()
+        return counts
+
+    def format_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
+                    ) -> str:
+        """Render chat messages with the model's own template (tokenizer.chat_template in the
+        GGUF), ending with the assistant's turn opened when ``add_generation_prompt``."""
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        template = self.metadata.get("tokenizer.chat_template")
+        if not template:
+            raise ValueError(f"{self.model_file.path.name} has no chat template "
+                             "(tokenizer.chat_template); use a plain prompt instead")
+        eos, bos = self.token_eos(), self.token_bos()
+        fmt = Jinja2ChatFormatter(template, self._model.token_get_text(eos) if eos >= 0 else "",
+                                  self._model.token_get_text(bos) if bos >= 0 else "",
+                                  add_generation_prompt=add_generation_prompt)
+        return fmt(messages=messages).prompt
+
+    def is_eog(self, token: int) -> bool:
+        """Whether ``token`` ends a generation (EOS, EOT, <|im_end|>, ...)."""
+        return bool(llama_cpp_module().llama_vocab_is_eog(self._vocab, token))
+
+    def expert_stats(self) -> dict:
+        """Expert-cache counters since the last ``reset_stats()``: policy, hits, misses,
+        hit_rate, bytes copied host-to-device, stall time, and the device slots (total, filled,
+        bytes). Zeros, with policy ``none``, when the model runs without a cache."""
+        cfg = self.cache_config
+        out: dict = {"policy": cfg.policy if cfg else "none", "hits": 0, "misses": 0,
+                     "hit_rate": None, "h2d_bytes": 0, "stall_s": 0.0, "copy_s": 0.0,
+                     "hook_s": 0.0, "host_layers": 0, "cache_slots": 0, "slots_filled": 0,
+                     "slot_bytes": 0, "device": self.placement.device.name if self.placement
+                     else None}
+        cache = self.expert_cache
+        if cache is None:
+            return out
+        s = cache.stats()
+        out.update({k: s[k] for k in ("hits", "misses", "h2d_bytes", "stall_s", "host_layers",
+                                      "copy_s", "hook_s")})
+        looked_up = s["hits"] + s["misses"]
+        out["hit_rate"] = s["hits"] / looked_up if looked_up else None
+        out["cache_slots"] = cache.n_slots_total
+        out["slots_filled"] = sum(int(np.count_nonzero(cache.layer_state(il)[1] != SLOT_EMPTY))
+                                  for il, info in cache.layers.items() if info.n_slots)
+        out["slot_bytes"] = sum(info.n_slots * info.expert_bytes for info in cache.layers.values())
+        return out
+
+    def reset_stats(self) -> None:
+        """Zero the expert-cache counters (the cached experts stay)."""
+        if self.expert_cache is not None:
+            self.expert_cache.reset_stats()
+
+    def close(self) -> None:
+        """Free the expert cache, then llama.cpp's context and model."""
+        cache = getattr(self, "expert_cache", None)
+        if cache is not None:
+            cache.close()
+            self.expert_cache = None
+        if hasattr(self, "_stack"):
+            super().close()
+
+    def __enter__(self) -> Llama:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

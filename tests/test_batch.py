@@ -1,0 +1,161 @@
+"""forecache batch through the real command line: results, errors, kill and resume."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from forecache.default_model import REFERENCE_MODEL
+from tests.cli_helpers import run_cli
+
+GREEDY = [("a", "And it came to pass"), ("b", "The LORD said"), ("c", "def main():"),
+          ("d", "In the beginning"), ("e", "import os")]
+
+
+def _write(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines))
+    return path
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.skipif(not REFERENCE_MODEL.is_file(), reason="reference model not in this checkout")
+def test_batch_results_equal_single_sequence_greedy_and_errors_do_not_stop_it(
+        tmp_path: Path) -> None:
+    from forecache.engine import Engine, SamplingParams
+
+    lines = [json.dumps({"id": i, "prompt": p, "max_tokens": 16, "temperature": 0})
+             for i, p in GREEDY]
+    lines.insert(2, '{"id": "broken", "prompt": ')  # malformed: the job goes on
+    lines.append(json.dumps({"id": "chat", "messages": [{"role": "user", "content": "Who?"}],
+                             "max_tokens": 12, "temperature": 0}))
+    lines.append(json.dumps({"id": "stop", "prompt": "And it came to pass", "max_tokens": 40,
+                             "temperature": 0, "stop": "LORD"}))
+    lines.append(json.dumps({"id": "sampled", "prompt": "And", "max_tokens": 8, "seed": 7}))
+    src = _write(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    res = run_cli("batch", "-m", str(REFERENCE_MODEL), "--input", str(src), "--output", str(out),
+                  "--parallel", "3", "--policy", "promoe", "--cache-fraction", "0.5")
+    assert res.returncode == 1, res.stderr
+    assert res.stderr.strip().splitlines()[-1] == \
+        f"forecache: error: 1 of 9 requests failed (see {out})"
+    recs = {r["id"]: r for r in _records(out)}
+    assert len(recs) == 9
+    assert "not JSON" in recs["line-3"]["error"] and recs["line-3"]["line"] == 3
+    with Engine(REFERENCE_MODEL, n_ctx=2048) as eng:
+        for rid, prompt in GREEDY:
+            want = eng.generate(prompt, 16, SamplingParams(greedy=True))
+            assert recs[rid]["text"] == want.text, rid
+            assert recs[rid]["tokens"] == len(want.tokens)
+            assert recs[rid]["finish_reason"] == want.finish_reason
+        chat = eng.generate(eng.format_chat([{"role": "user", "content": "Who?"}]), 12,
+                            SamplingParams(greedy=True))
+        assert recs["chat"]["text"] == chat.text
+        full = eng.generate("And it came to pass", 40, SamplingParams(greedy=True)).text
+    assert recs["stop"]["finish_reason"] == "stop"
+    assert recs["stop"]["text"] == full[:full.index("LORD")]
+    assert recs["sampled"]["tokens"] == 8 and recs["sampled"]["prompt_tokens"] > 0
+    assert set(recs["a"]["timings"]) == {"ttft_s", "total_s", "tokens_per_s"}
+
+
+def _job(tmp_path: Path, model: Path, n: int) -> Path:
+    return _write(tmp_path / "in.jsonl",
+                  [json.dumps({"id": f"r{i}", "prompt": f"request {i} says", "max_tokens": 120,
+                               "temperature": 0}) for i in range(n)])
+
+
+def test_a_killed_job_resumes_and_loses_nothing(tmp_path: Path, tiny_model) -> None:
+    # --parallel 1 in every run: which sequences share a llama.cpp batch changes the order of
+    # some floating-point sums, and this random-weight model's near-flat logits turn that into
+    # other tokens; decoded alone, a greedy answer is the same whenever it is computed.
+    model = tiny_model("q8_0")
+    src = _job(tmp_path, model, 24)
+    ref = tmp_path / "ref.jsonl"
+    run_cli("batch", "-m", str(model), "--input", str(src), "--output", str(ref),
+            "--parallel", "1", check=True)
+    want = {r["id"]: r["text"] for r in _records(ref)}
+    assert len(want) == 24
+
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "forecache", "batch", "-m", str(model),
+                             "--input", str(src), "--output", str(out), "--parallel", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (out.exists() and out.read_bytes().count(b"\n") >= 2):
+        assert proc.poll() is None, "the job finished before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    first = _records(out)
+    assert 2 <= len(first) < 24
+    with open(out, "ab") as f:  # a crash in the middle of writing a record
+        f.write(b'{"id": "r23", "text": "half')
+    res = run_cli("batch", "-m", str(model), "--input", str(src), "--output", str(out),
+                  "--parallel", "1")
+    assert res.returncode == 0, res.stderr
+    assert "half-written" in res.stderr and f"{len(first)} of 24" in res.stderr
+    got = _records(out)
+    assert sorted(r["id"] for r in got) == sorted(want)  # each id exactly once
+    assert got[:len(first)] == first  # what was written stays as it was
+    assert {r["id"]: r["text"] for r in got} == want
+
+
+def test_sigterm_keeps_finished_records(tmp_path: Path, tiny_model) -> None:
+    model = tiny_model("q8_0")
+    src = _job(tmp_path, model, 24)
+    out = tmp_path / "out.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "forecache", "batch", "-m", str(model),
+                             "--input", str(src), "--output", str(out), "--parallel", "2"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not (out.exists() and out.read_bytes().count(b"\n") >= 1):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "rerun the same command to resume" in err
+    recs = _records(out)
+    assert 1 <= len(recs) < 24 and all("text" in r for r in recs)
+
+
+def test_unreadable_input_and_corrupt_output_are_refused_untouched(tmp_path: Path,
+                                                                   tiny_model) -> None:
+    model = str(tiny_model("q8_0"))
+    out = tmp_path / "out.jsonl"
+    res = run_cli("batch", "-m", model, "--input", str(tmp_path / "none.jsonl"),
+                  "--output", str(out))
+    assert res.returncode == 1 and not out.exists()
+    assert res.stderr.strip().splitlines() == [
+        f"forecache: error: input file not found: {tmp_path / 'none.jsonl'}"]
+
+    binary = tmp_path / "bin.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    res = run_cli("batch", "-m", model, "--input", str(binary), "--output", str(out))
+    assert res.returncode == 1 and not out.exists() and "not UTF-8" in res.stderr
+
+    src = _write(tmp_path / "in.jsonl", ['{"id": "x", "prompt": "hi", "max_tokens": 2}'])
+    corrupt = b'{"id": "y", "text": "ok"}\nthis is not a record\n'
+    out.write_bytes(corrupt)
+    res = run_cli("batch", "-m", model, "--input", str(src), "--output", str(out))
+    assert res.returncode == 1
+    assert f"{out} line 2 is not a forecache batch record" in res.stderr
+    assert out.read_bytes() == corrupt
+
+    half = _write(tmp_path / "half.jsonl", ['{"id": "x", "prompt": "hi", "max_tokens": 2}'])
+    with open(half, "a") as f:
+        f.write('{"id": "z", "prom')
+    out2 = tmp_path / "out2.jsonl"
+    res = run_cli("batch", "-m", model, "--input", str(half), "--output", str(out2))
+    assert res.returncode == 1
+    recs = {r["id"]: r for r in _records(out2)}
+    assert "text" in recs["x"] and "still being written" in recs["line-2"]["error"]

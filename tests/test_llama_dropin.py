@@ -1,0 +1,142 @@
+"""forecache.Llama against llama_cpp.Llama: same signatures, same return shapes, same tokens."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import llama_cpp
+import pytest
+
+import forecache
+from forecache.llama import Llama, ModelLoadError
+
+PROMPT = "And it came to pass"
+CHAT = [{"role": "user", "content": "Who was the king?"}]
+PUBLIC = ["create_completion", "create_chat_completion", "__call__", "tokenize", "detokenize",
+          "generate", "eval", "reset", "n_ctx", "token_eos", "token_bos", "embed",
+          "create_chat_completion_openai_v1", "save_state", "load_state", "set_cache"]
+
+
+def _shape(obj: object) -> object:
+    """The structure of a response with its values blanked (ids and timestamps differ)."""
+    if isinstance(obj, dict):
+        return {k: _shape(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_shape(v) for v in obj]
+    return type(obj).__name__
+
+
+def _strip_ids(obj: dict) -> dict:
+    out = dict(obj)
+    out.pop("id", None)
+    out.pop("created", None)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model) -> tuple[llama_cpp.Llama, Llama]:
+    path = str(tiny_model("q8_0"))
+    stock = llama_cpp.Llama(path, n_ctx=512, seed=1, verbose=False)
+    ours = Llama(path, n_ctx=512, seed=1, verbose=False, policy="lru", cache_fraction=0.5)
+    yield stock, ours
+    ours.close()
+    stock.close()
+
+
+def test_public_methods_keep_llama_cpp_signatures() -> None:
+    assert issubclass(Llama, llama_cpp.Llama)
+    assert forecache.Llama is Llama
+    for name in PUBLIC:
+        assert inspect.signature(getattr(Llama, name)) == \
+            inspect.signature(getattr(llama_cpp.Llama, name)), name
+    # every llama_cpp.Llama constructor argument is still accepted, by keyword
+    ours = inspect.signature(Llama.__init__).parameters
+    assert any(p.kind is inspect.Parameter.VAR_KEYWORD for p in ours.values())
+    assert "model_path" in ours
+
+
+def test_same_completions_and_shapes(pair) -> None:
+    stock, ours = pair
+    assert ours.n_ctx() == stock.n_ctx() == 512
+    assert ours.tokenize(PROMPT.encode()) == stock.tokenize(PROMPT.encode())
+    toks = stock.tokenize(PROMPT.encode())
+    assert ours.detokenize(toks) == stock.detokenize(toks)
+
+    a = stock.create_completion(PROMPT, max_tokens=12, temperature=0)
+    b = ours.create_completion(PROMPT, max_tokens=12, temperature=0)
+    assert _shape(a) == _shape(b)
+    assert _strip_ids(b)["choices"] == _strip_ids(a)["choices"]
+    assert b["usage"] == a["usage"]
+    assert ours(PROMPT, max_tokens=12, temperature=0)["choices"][0]["text"] == \
+        a["choices"][0]["text"]
+
+    sa = list(stock.create_completion(PROMPT, max_tokens=12, temperature=0, stream=True))
+    sb = list(ours.create_completion(PROMPT, max_tokens=12, temperature=0, stream=True))
+    assert [_shape(c) for c in sa] == [_shape(c) for c in sb]
+    assert "".join(c["choices"][0]["text"] for c in sb) == a["choices"][0]["text"]
+
+    ca = stock.create_chat_completion(messages=CHAT, max_tokens=12, temperature=0)
+    cb = ours.create_chat_completion(messages=CHAT, max_tokens=12, temperature=0)
+    assert _shape(ca) == _shape(cb)
+    assert cb["choices"] == ca["choices"]
+    chunks = list(ours.create_chat_completion(messages=CHAT, max_tokens=12, temperature=0,
+                                              stream=True))
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert text == ca["choices"][0]["message"]["content"]
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_expert_stats_and_reset(pair) -> None:
+    _, ours = pair
+    ours.reset_stats()
+    ours.create_completion(PROMPT, max_tokens=8, temperature=0)
+    s = ours.expert_stats()
+    assert s["policy"] == "lru"
+    assert s["hits"] + s["misses"] > 0
+    assert 0 <= s["hit_rate"] <= 1
+    assert 0 < s["slots_filled"] <= s["cache_slots"]
+    assert s["slot_bytes"] > 0
+    ours.reset_stats()
+    s = ours.expert_stats()
+    assert s["hits"] == s["misses"] == 0 and s["hit_rate"] is None
+
+
+SCRIPT = """
+import json, sys
+from {module} import Llama
+llm = Llama(sys.argv[1], n_ctx=256, verbose=False{extra})
+out = llm("In the beginning", max_tokens=10, temperature=0)
+chat = llm.create_chat_completion(messages=[{{"role": "user", "content": "hi"}}],
+                                  max_tokens=10, temperature=0)
+print(json.dumps([out["choices"][0]["text"], chat["choices"][0]["message"]["content"],
+                  llm.tokenize(b"hello world")]))
+"""
+
+
+def test_a_llama_cpp_script_switches_by_its_import(tiny_model, tmp_path: Path) -> None:
+    model = str(tiny_model("q8_0"))
+    outs = []
+    for module, extra in (("llama_cpp", ""), ("forecache", ", cache_fraction=0.25")):
+        script = tmp_path / f"script_{module}.py"
+        script.write_text(SCRIPT.format(module=module, extra=extra))
+        res = subprocess.run([sys.executable, str(script), model], capture_output=True,
+                             text=True, timeout=120, check=True)
+        outs.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    assert outs[0] == outs[1]
+
+
+def test_out_of_memory_at_load_is_one_clear_error(tiny_model) -> None:
+    # a KV cache of 2^27 cells cannot be allocated: llama.cpp fails and says why
+    with pytest.raises(ModelLoadError, match=r"out of memory while loading .*lower --ctx"):
+        Llama(str(tiny_model("q8_0")), n_ctx=1 << 27, verbose=False, cache=None)
+
+
+def test_not_moe_and_missing_files_are_refused(tmp_path: Path) -> None:
+    from forecache.gguf_inspect import GGUFError
+
+    with pytest.raises(GGUFError, match="not found|does not exist|no such"):
+        Llama(str(tmp_path / "missing.gguf"))

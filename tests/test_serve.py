@@ -1,0 +1,106 @@
+"""forecache serve through real HTTP clients on loopback."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+PROMPT = "And it came to pass"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model) -> Iterator[tuple[str, Path]]:
+    model = tiny_model("q8_0")
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "forecache", "serve", "-m", str(model),
+                             "--port", str(port), "--policy", "lru", "--cache-fraction", "0.5",
+                             "--ctx", "1024", "--threads", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            try:
+                if httpx.get(base + "/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not start within 60 s"
+            time.sleep(0.2)
+        yield base, model
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        if proc.stdout:
+            proc.stdout.close()
+        if proc.stderr:
+            proc.stderr.close()
+
+
+def test_openai_client_models_completion_and_streaming_chat(server) -> None:
+    base, model = server
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x", timeout=60, max_retries=0)
+    assert [m.id for m in client.models.list().data] == [model.stem]
+
+    # (the server's default repeat_penalty is 1.1, create_completion's 1.0)
+    done = client.completions.create(model=model.stem, prompt=PROMPT, max_tokens=12,
+                                     temperature=0, extra_body={"repeat_penalty": 1.0})
+    assert done.choices[0].finish_reason in ("length", "stop")
+    assert done.usage.completion_tokens == 12 or done.choices[0].finish_reason == "stop"
+    # lossless through the server: the text stock llama.cpp computes for the same prompt
+    from forecache.llama import Llama
+
+    with Llama(str(model), cache=None, n_ctx=1024, verbose=False) as stock:
+        want = stock.create_completion(PROMPT, max_tokens=12, temperature=0)
+    assert done.choices[0].text == want["choices"][0]["text"]
+
+    stream = client.chat.completions.create(
+        model=model.stem, messages=[{"role": "user", "content": "hello"}], max_tokens=16,
+        temperature=0, stream=True)
+    deltas, finish = [], None
+    for chunk in stream:
+        if chunk.choices:
+            deltas.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+    assert "".join(deltas)
+    assert finish in ("length", "stop")
+
+
+def test_stats_endpoint_and_reset(server) -> None:
+    base, model = server
+    httpx.post(base + "/v1/completions", json={"prompt": PROMPT, "max_tokens": 4},
+               timeout=60).raise_for_status()
+    stats = httpx.get(base + "/v1/forecache/stats", timeout=30).json()
+    assert stats["model"] == model.stem and stats["policy"] == "lru"
+    assert stats["hits"] + stats["misses"] > 0 and stats["cache_slots"] > 0
+    reset = httpx.post(base + "/v1/forecache/stats/reset", timeout=30).json()
+    assert reset["hits"] == reset["misses"] == 0
+
+
+def test_a_port_in_use_is_one_clear_error(server) -> None:
+    base, model = server
+    port = base.rsplit(":", 1)[1]
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "forecache", "serve", "-m", str(model),
+                          "--port", port], capture_output=True, text=True, timeout=60,
+                         env=dict(os.environ))
+    assert res.returncode == 1
+    assert res.stderr.strip() == (f"forecache: error: port {port} on 127.0.0.1 is in use: "
+                                  "pick another with --port")
+    assert time.monotonic() - t0 < 30
