@@ -23,6 +23,7 @@ def _register() -> None:
         doctor_cmd,
         generate_cmd,
         model_cmds,
+        models_cmd,
         predictor_cmds,
         serve_cmd,
         simulate_cmd,
@@ -30,7 +31,7 @@ def _register() -> None:
     )
 
     for mod in (batch_cmd, bench_cmd, build_cmd, chat_cmd, doctor_cmd, generate_cmd, model_cmds,
-                predictor_cmds, serve_cmd, simulate_cmd, stats_cmd):
+                models_cmd, predictor_cmds, serve_cmd, simulate_cmd, stats_cmd):
         for cmd in mod.COMMANDS:
             cli.add_command(cmd)
 

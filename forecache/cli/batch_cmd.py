@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from forecache.cli.generate_cmd import cache_config, cache_options
+from forecache.cli.model_arg import model_option
 
 
 class BatchFailed(click.ClickException):
@@ -21,8 +22,7 @@ class BatchFailed(click.ClickException):
 
 
 @click.command("batch")
-@click.option("-m", "--model", "model", type=click.Path(path_type=Path), required=True,
-              help="GGUF model file.")
+@model_option(required=True)
 @click.option("--input", "input_path", type=click.Path(path_type=Path), required=True,
               help='JSONL requests: {"id", "prompt" | "messages", "max_tokens", "temperature", '
                    '"top_p", "top_k", "min_p", "seed", "stop"} a line.')

@@ -17,11 +17,11 @@ from forecache.bench import (
 )
 from forecache.cache.budget import parse_size
 from forecache.cache.policies import POLICIES
+from forecache.cli.model_arg import model_option
 
 
 @click.command("bench")
-@click.option("-m", "--model", "model", required=True, type=click.Path(path_type=Path),
-              help="GGUF model file.")
+@model_option(required=True)
 @click.option("--policies", default=",".join(POLICIES), show_default=True,
               help="Comma-separated policies to run.")
 @click.option("--gpu-budget", default=None, help="Device memory for each run (e.g. 24GiB).")

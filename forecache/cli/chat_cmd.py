@@ -11,6 +11,7 @@ import click
 
 from forecache.chat import ChatSession, stats_report, status_line
 from forecache.cli.generate_cmd import cache_config, cache_options
+from forecache.cli.model_arg import model_option
 from forecache.engine import SamplingParams
 from forecache.llama import Llama
 
@@ -96,8 +97,7 @@ def _command(session: ChatSession, line: str) -> bool:
 
 
 @click.command("chat")
-@click.option("-m", "--model", "model", type=click.Path(path_type=Path), default=None,
-              help="GGUF model file (default: the built-in default model).")
+@model_option()
 @click.option("--system", default=None, help="System message.")
 @click.option("--max-tokens", default=512, show_default=True, help="Longest answer, in tokens.")
 @click.option("--temp", default=0.7, show_default=True, help="Sampling temperature (0: greedy).")

@@ -11,6 +11,7 @@ import click
 from forecache.cache.policies import POLICIES
 from forecache.cache.prefetcher import Features
 from forecache.cache.setup import DEFAULT_MACHINE, CacheConfig, resolve_cache_config
+from forecache.cli.model_arg import model_option
 from forecache.engine import Engine, GenerationResult, SamplingParams
 
 
@@ -74,8 +75,7 @@ def _stream(text: str) -> None:
 
 
 @click.command("generate")
-@click.option("-m", "--model", "model", required=True, type=click.Path(path_type=Path),
-              help="GGUF model file.")
+@model_option(required=True)
 @click.option("-p", "--prompt", required=True, help="Prompt text (special tokens are parsed).")
 @click.option("-n", "--n-predict", "n_predict", default=128, show_default=True,
               help="Tokens to generate.")
@@ -110,8 +110,7 @@ def generate(model: Path, prompt: str, n_predict: int, greedy: bool, seed: int, 
 
 
 @click.command("run")
-@click.option("-m", "--model", "model", type=click.Path(path_type=Path), default=None,
-              help="GGUF model file (default: the built-in default model, made on first run).")
+@model_option()
 @click.option("-p", "--prompt", default=None, help="Prompt (default: a short built-in question).")
 @click.option("-n", "--n-predict", "n_predict", default=64, show_default=True,
               help="Tokens to generate.")

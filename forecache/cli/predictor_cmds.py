@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from forecache.cli.model_arg import model_option
 from forecache.gguf_inspect import read_model_file, require_moe
 from forecache.trace_file import TraceError, TraceFile
 
@@ -17,8 +18,7 @@ def _say(msg: str) -> None:
 
 
 @click.command("trace")
-@click.option("-m", "--model", "model", required=True, type=click.Path(path_type=Path),
-              help="GGUF model file.")
+@model_option(required=True)
 @click.option("--prompts", type=click.Path(path_type=Path), default=None,
               help='JSONL file: one {"prompt": ...} or {"messages": [...]} per line.')
 @click.option("--builtin", type=click.Choice(["default"]), default=None,
@@ -73,8 +73,7 @@ def trace_cmd(model: Path, prompts: Path | None, builtin: str | None, out: Path,
 
 
 @click.command("train")
-@click.option("-m", "--model", "model", required=True, type=click.Path(path_type=Path),
-              help="GGUF model file the trace was recorded with.")
+@model_option(required=True)
 @click.option("--trace", "trace_path", required=True, type=click.Path(path_type=Path),
               help="Trace recorded with --gate-input.")
 @click.option("--window", required=True, type=click.IntRange(1, 64),
@@ -124,8 +123,7 @@ def train_cmd(model: Path, trace_path: Path, window: int, out: Path | None, epoc
               help="Comma-separated: learned, skip, token, eam, history (or all).")
 @click.option("--window", "windows", default="1,2,4,8", show_default=True,
               help="Comma-separated windows k.")
-@click.option("-m", "--model", "model", type=click.Path(path_type=Path), default=None,
-              help="GGUF model (the skip predictor reads its routers).")
+@model_option()
 @click.option("--folds", default=4, show_default=True, help="Folds of the split by request.")
 @click.option("--epochs", default=None, type=int, help="Learned predictor epochs.")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None,

@@ -9,11 +9,11 @@ from typing import Any
 import click
 
 from forecache.cli.generate_cmd import cache_config, cache_options
+from forecache.cli.model_arg import model_option
 
 
 @click.command("serve")
-@click.option("-m", "--model", "model", type=click.Path(path_type=Path), default=None,
-              help="GGUF model file (default: the built-in default model).")
+@model_option()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535),
               help="Port to listen on.")

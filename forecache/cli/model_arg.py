@@ -1,0 +1,37 @@
+"""The ``-m/--model`` option: a GGUF path or a model name from models.yaml."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+
+class ModelArg(click.ParamType):
+    """Resolves names to files (forecache.model_names); a missing file is reported by the
+    command when it opens it, with the reason."""
+
+    name = "MODEL"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> Path:
+        if isinstance(value, Path):
+            return value
+        from forecache.model_names import resolve_model
+
+        return resolve_model(value)  # ModelNotFoundError: one line through the error guard
+
+
+MODEL = ModelArg()
+
+
+def model_option(required: bool = False,
+                 help_default: str = "the built-in default model") -> Callable[[Any], Any]:
+    """``-m/--model``: a GGUF file or a name (`forecache models` lists them)."""
+    what = "GGUF file or model name (`forecache models` lists them)"
+    if required:
+        return click.option("-m", "--model", "model", type=MODEL, required=True, help=what + ".")
+    return click.option("-m", "--model", "model", type=MODEL, default=None,
+                        help=f"{what}; default: {help_default}.")

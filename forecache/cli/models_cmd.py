@@ -1,0 +1,44 @@
+"""``forecache models``: the names ``-m`` accepts and where their files are."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+
+@click.command("models")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def models(as_json: bool) -> None:
+    """List the model names -m accepts, whether their files are found, and where to put them."""
+    from forecache.default_model import ensure_default_model
+    from forecache.model_names import catalog, find_in_model_dir, model_dir
+    from forecache.model_specs import load_specs
+
+    directory = model_dir()
+    rows = [{"name": "default", "kind": "built-in", "path": str(ensure_default_model()),
+             "found": True, "description": "forecache's trained reference model"}]
+    for entry in catalog().values():
+        found = find_in_model_dir(entry, directory)
+        rows.append({"name": entry.name, "kind": "published", "found": found is not None,
+                     "path": str(found or directory / entry.file), "hf_repo": entry.hf_repo,
+                     "description": entry.description})
+    for spec in load_specs().values():
+        rows.append({"name": spec.name, "kind": "random-weight shape", "found": None,
+                     "path": None, "description": spec.description})
+    if as_json:
+        click.echo(json.dumps({"model_dir": str(directory), "models": rows}))
+        return
+    click.echo(f"model directory: {directory} (FORECACHE_MODEL_DIR overrides it)")
+    for r in rows:
+        if r["kind"] == "published":
+            where = (f"found: {r['path']}" if r["found"] else
+                     f"missing: put {r['path']} there (from huggingface.co/{r['hf_repo']})")
+        elif r["kind"] == "built-in":
+            where = r["path"]
+        else:
+            where = "shape for `forecache make-model --preset " + r["name"] + "`"
+        click.echo(f"  {r['name']:<26} {where}")
+
+
+COMMANDS = [models]

@@ -1,0 +1,124 @@
+"""What ``-m`` accepts: a GGUF path, a published model's name from models.yaml's ``catalog``
+(found in the user's model directory), ``default``, or a preset made with random weights."""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from forecache.default_model import ensure_default_model
+from forecache.model_specs import _find_yaml, load_specs
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model name whose file is not where forecache looks; the message says where to put it."""
+
+
+@dataclass(frozen=True)
+class CatalogEntry:
+    """A published GGUF that ``-m NAME`` finds in the model directory."""
+
+    name: str
+    file: str
+    hf_repo: str | None
+    preset: str | None
+    description: str
+
+
+def model_dir() -> Path:
+    """Where named models are looked for: $FORECACHE_MODEL_DIR, else the user data directory."""
+    env = os.environ.get("FORECACHE_MODEL_DIR")
+    if env:
+        return Path(env).expanduser()
+    from platformdirs import user_data_dir
+
+    return Path(user_data_dir("forecache")) / "models"
+
+
+@functools.lru_cache(maxsize=4)
+def _catalog(path: Path) -> dict[str, CatalogEntry]:
+    raw = yaml.safe_load(path.read_text()).get("catalog") or {}
+    out = {}
+    for name, entry in raw.items():
+        fields = {"file", "hf_repo", "preset", "description"}
+        if not isinstance(entry, dict) or set(entry) - fields or not entry.get("file"):
+            raise ValueError(f"catalog entry {name!r} in {path}: needs `file` and may have "
+                             f"{', '.join(sorted(fields - {'file'}))}")
+        out[str(name)] = CatalogEntry(str(name), str(entry["file"]), entry.get("hf_repo"),
+                                      entry.get("preset"), entry.get("description") or "")
+    return out
+
+
+def catalog(path: str | Path | None = None) -> dict[str, CatalogEntry]:
+    """The named published models of models.yaml, in file order."""
+    return dict(_catalog(_find_yaml(path).resolve()))
+
+
+def find_in_model_dir(entry: CatalogEntry, directory: Path | None = None) -> Path | None:
+    """The file of ``entry`` in the model directory: its ``file``, else a ``<name>*.gguf``
+    (another quantization, or a split file's first part), case-insensitively."""
+    directory = directory or model_dir()
+    try:
+        files = sorted(p for p in directory.iterdir() if p.is_file())
+    except OSError:
+        return None
+    by_name = {p.name.lower(): p for p in files}
+    if entry.file.lower() in by_name:
+        return by_name[entry.file.lower()]
+    prefix = entry.name.lower()
+    for p in files:
+        low = p.name.lower()
+        if low.startswith(prefix) and low.endswith(".gguf") and \
+                ("-of-" not in low or "-00001-of-" in low):
+            return p
+    return None
+
+
+def known_names() -> list[str]:
+    """Every name ``-m`` accepts besides a path."""
+    return ["default", *catalog(), *load_specs()]
+
+
+def resolve_model(arg: str | os.PathLike[str] | None) -> Path:
+    """The GGUF file ``arg`` means. None or ``default``: the default model. A path (anything
+    with a separator or ending in .gguf, or an existing file): itself. A catalog name: its file
+    in the model directory. ``tiny``: made on first use; the other presets say how to make one."""
+    if arg is None or str(arg) == "default":
+        return ensure_default_model()
+    text = str(arg)
+    path = Path(text).expanduser()
+    if path.exists() or os.sep in text or text.lower().endswith(".gguf"):
+        return path
+    entries = catalog()
+    entry = entries.get(text) or entries.get(text.lower())
+    if entry is not None:
+        found = find_in_model_dir(entry)
+        if found is not None:
+            return found
+        source = f" from huggingface.co/{entry.hf_repo}" if entry.hf_repo else ""
+        raise ModelNotFoundError(
+            f"model {entry.name!r} is not in {model_dir()}: download {entry.file}{source} into "
+            "that directory (or set FORECACHE_MODEL_DIR to where it is), or pass -m PATH")
+    specs = load_specs()
+    if text in specs:
+        if text == "tiny":
+            from forecache.default_model import default_model_path
+
+            made = default_model_path()
+            if not made.exists():
+                from forecache.model_maker import make_model
+
+                made.parent.mkdir(parents=True, exist_ok=True)
+                make_model(made, "tiny", "q8_0", seed=0)
+            return made
+        dest = model_dir() / f"{text}-random-q4_k.gguf"
+        raise ModelNotFoundError(
+            f"{text!r} is a shape, not a published model: make a random-weight stand-in with "
+            f"`forecache make-model {dest} --preset {text} --type q4_k` and pass -m {dest}")
+    raise ModelNotFoundError(f"no model file or name {text!r}; give a GGUF path or one of: "
+                             f"{', '.join(known_names())} (`forecache models` lists them)")
+
