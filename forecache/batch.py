@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from forecache.engine import SamplingParams
 from forecache.interrupt import StopFlag
 from forecache.llama import Llama
 
@@ -43,10 +44,7 @@ class Request:
     prompt: str | None = None
     messages: list[dict] | None = None
     max_tokens: int = DEFAULT_MAX_TOKENS
-    temperature: float = 0.8
-    top_p: float = 0.95
-    top_k: int = 40
-    min_p: float = 0.05
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # temperature 0: greedy
     seed: int = 0
     stop: list[str] = field(default_factory=list)
 
@@ -92,10 +90,12 @@ def parse_request(text: str, line: int, default_max_tokens: int) -> Request:
             raise ValueError('"messages" must be a non-empty list of {"role", "content"} strings')
         req.messages = msgs
     req.max_tokens = int(_number(obj, "max_tokens", int, default_max_tokens, 1, 1 << 20))
-    req.temperature = float(_number(obj, "temperature", float, req.temperature, 0, 100))
-    req.top_p = float(_number(obj, "top_p", float, req.top_p, 0, 1))
-    req.top_k = int(_number(obj, "top_k", int, req.top_k, 0, 1 << 30))
-    req.min_p = float(_number(obj, "min_p", float, req.min_p, 0, 1))
+    sp = req.sampling
+    sp.temperature = float(_number(obj, "temperature", float, sp.temperature, 0, 100))
+    sp.greedy = sp.temperature == 0
+    sp.top_p = float(_number(obj, "top_p", float, sp.top_p, 0, 1))
+    sp.top_k = int(_number(obj, "top_k", int, sp.top_k, 0, 1 << 30))
+    sp.min_p = float(_number(obj, "min_p", float, sp.min_p, 0, 1))
     req.seed = int(_number(obj, "seed", int, req.seed, 0, 2**63 - 1))
     stop = obj.get("stop", [])
     stop = [stop] if isinstance(stop, str) else stop
@@ -216,18 +216,18 @@ class _Sequence:
     t_first: float = 0.0
 
 
-def sample(logits: np.ndarray, req: Request, rng: np.random.Generator) -> int:
-    """The next token: argmax at temperature 0, else temperature, top-k, top-p and min-p."""
-    if req.temperature <= 0:
+def sample(logits: np.ndarray, sp: SamplingParams, rng: np.random.Generator) -> int:
+    """The next token: argmax when greedy, else temperature, top-k, top-p and min-p."""
+    if sp.greedy or sp.temperature <= 0:
         return int(np.argmax(logits))
-    x = logits.astype(np.float64) / req.temperature
+    x = logits.astype(np.float64) / sp.temperature
     order = np.argsort(-x, kind="stable")
-    if req.top_k > 0:
-        order = order[:req.top_k]
+    if sp.top_k > 0:
+        order = order[:sp.top_k]
     p = np.exp(x[order] - x[order[0]])
     p /= p.sum()
-    keep = int(np.searchsorted(np.cumsum(p), req.top_p) + 1) if req.top_p < 1 else len(p)
-    keep = max(1, min(keep, int(np.count_nonzero(p >= req.min_p * p[0]))))
+    keep = int(np.searchsorted(np.cumsum(p), sp.top_p) + 1) if sp.top_p < 1 else len(p)
+    keep = max(1, min(keep, int(np.count_nonzero(p >= sp.min_p * p[0]))))
     p = p[:keep] / p[:keep].sum()
     return int(order[rng.choice(keep, p=p)])
 
@@ -333,7 +333,7 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
             for s, row in rows:
                 ptr = low.llama_get_logits_ith(ctx, row)
                 logits = np.ctypeslib.as_array(ptr, shape=(n_vocab,))
-                tok = sample(logits, s.req, s.rng)
+                tok = sample(logits, s.req.sampling, s.rng)
                 if not s.out:
                     s.t_first = time.perf_counter()
                 if llm.is_eog(tok):

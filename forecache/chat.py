@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import codecs
 import json
 import time
 from collections.abc import Callable
@@ -13,7 +12,7 @@ from forecache.atomic_file import write_atomic
 from forecache.cache.budget import format_size
 from forecache.engine import SamplingParams
 from forecache.interrupt import deferred_signals
-from forecache.llama import Llama
+from forecache.llama import Llama, Streamed
 
 
 @dataclass
@@ -96,46 +95,22 @@ class ChatSession:
                 break
             reused += 1
         llm.reset_stats()
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        out: list[int] = []
         pieces: list[str] = []
+        done = Streamed()
         t0 = time.perf_counter()
-        t_first = t0
-        gen = llm.generate(tokens, reset=True, **self.sampling.llama_kwargs())
-        worker = llm.expert_cache.worker if llm.expert_cache is not None else None
-        if worker is not None:
-            worker.begin_request()
         with deferred_signals() as stop:
-            try:
-                for tok in gen:
-                    if stop:
-                        break
-                    if not out:
-                        t_first = time.perf_counter()
-                    if llm.is_eog(tok):
-                        break
-                    out.append(tok)
-                    piece = decoder.decode(llm.detokenize([tok], prev_tokens=tokens + out[:-1]))
-                    if piece:
-                        pieces.append(piece)
-                        if on_text:
-                            on_text(piece)
-                    if len(out) >= self.max_tokens:
-                        break
-            finally:
-                gen.close()
-                if worker is not None:
-                    worker.end_request()
-        tail = decoder.decode(b"", final=True)
-        if tail:
-            pieces.append(tail)
-            if on_text:
-                on_text(tail)
+            for piece in llm.stream(tokens, self.max_tokens, done, stop=stop,
+                                    **self.sampling.llama_kwargs()):
+                pieces.append(piece)
+                if on_text:
+                    on_text(piece)
         t_end = time.perf_counter()
+        t_first = done.t_first if done.t_first is not None else t_end
+        out = done.tokens
         text = "".join(pieces)
         self.history += [{"role": "user", "content": user},
                          {"role": "assistant", "content": text}]
-        turn = Turn(text, len(out), len(tokens), reused, t_first - t0 if out else t_end - t0,
+        turn = Turn(text, len(out), len(tokens), reused, t_first - t0,
                     t_end - t_first if out else 0.0, bool(stop), stop.signum, dropped,
                     llm.expert_stats())
         self.turns.append(turn)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import codecs
 import os
 import time
 from collections.abc import Callable
@@ -15,7 +14,7 @@ from forecache.bindings import llama_cpp_module
 from forecache.cache.runtime import ExpertCache
 from forecache.cache.setup import CacheConfig, Placement
 from forecache.gguf_inspect import ModelFile
-from forecache.llama import Llama, ModelLoadError  # noqa: F401  (ModelLoadError re-exported)
+from forecache.llama import Llama, ModelLoadError, Streamed  # noqa: F401  (re-exported)
 
 
 @dataclass
@@ -117,45 +116,21 @@ class Engine:
             raise ValueError(f"prompt ({len(tokens)} tokens) + {max_tokens} generated tokens "
                              f"exceed the context of {self.n_ctx}; use a shorter prompt, fewer "
                              "tokens or a larger --ctx")
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        out: list[int] = []
         pieces: list[str] = []
-        finish = "length"
+        done = Streamed()
         t0 = time.perf_counter()
-        t_first = t0
-        worker = self.expert_cache.worker if self.expert_cache is not None else None
-        if worker is not None:
-            worker.begin_request()
         if max_tokens > 0:
-            gen = self.llm.generate(tokens, reset=True, **sampling.llama_kwargs())
-            for tok in gen:
-                if self.expert_cache is not None:
-                    self.expert_cache.check_interrupt()
-                if not out:
-                    t_first = time.perf_counter()
-                if not ignore_eos and self.llm.is_eog(tok):
-                    finish = "stop"
-                    break
-                out.append(tok)
-                piece = decoder.decode(self.llm.detokenize([tok], prev_tokens=tokens + out[:-1]))
-                if piece:
-                    pieces.append(piece)
-                    if on_text:
-                        on_text(piece)
-                if len(out) >= max_tokens:
-                    break
-            gen.close()
-        if worker is not None:
-            worker.end_request()
-        tail = decoder.decode(b"", final=True)
-        if tail:
-            pieces.append(tail)
-            if on_text:
-                on_text(tail)
+            for piece in self.llm.stream(tokens, max_tokens, done, ignore_eos=ignore_eos,
+                                         **sampling.llama_kwargs()):
+                pieces.append(piece)
+                if on_text:
+                    on_text(piece)
         t_end = time.perf_counter()
+        t_first = done.t_first if done.t_first is not None else t0
+        out = done.tokens
         ttft = t_first - t0
         tpot = (t_end - t_first) / (len(out) - 1) if len(out) > 1 else 0.0
-        return GenerationResult(out, "".join(pieces), len(tokens), finish, ttft, tpot,
+        return GenerationResult(out, "".join(pieces), len(tokens), done.finish, ttft, tpot,
                                 self.cache_stats())
 
     def last_logits(self) -> np.ndarray:

@@ -9,12 +9,15 @@ keeps the ones the coming layers need in device slots, within ``gpu_budget``.
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import ctypes
 import os
 import re
 import sys
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import llama_cpp
@@ -45,6 +48,15 @@ LOG_WARN, LOG_ERROR = 3, 4  # enum ggml_log_level (ggml.h)
 # llama.cpp log lines that mean an allocation failed during load
 _OOM = re.compile(r"out of memory|insufficient memory|failed to allocate|unable to allocate|"
                   r"cudaMalloc failed|cannot allocate|ErrorOutOfDeviceMemory", re.IGNORECASE)
+
+
+@dataclass
+class Streamed:
+    """What ``Llama.stream`` generated: the tokens, why it ended and when the first came."""
+
+    tokens: list[int] = field(default_factory=list)
+    finish: str = "length"  # "length", "stop" (end of generation) or "interrupted"
+    t_first: float | None = None
 
 
 class ModelLoadError(RuntimeError):
@@ -240,6 +252,44 @@ class Llama(llama_cpp.Llama):
                                   self._model.token_get_text(bos) if bos >= 0 else "",
                                   add_generation_prompt=add_generation_prompt)
         return fmt(messages=messages).prompt
+
+    def stream(self, tokens: list[int], max_tokens: int, out: Streamed, *,
+               ignore_eos: bool = False, stop: object = None, **sampling: Any) -> Iterator[str]:
+        """Generate up to ``max_tokens`` after ``tokens`` (reusing the KV cache of a common
+        prefix), yielding text as it completes UTF-8 characters; ``out`` receives the tokens and
+        the finish reason. A true ``stop`` (checked before each token) ends it early."""
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        cache = self.expert_cache
+        worker = cache.worker if cache is not None else None
+        if worker is not None:
+            worker.begin_request()
+        gen = self.generate(tokens, reset=True, **sampling)
+        try:
+            for tok in gen:
+                if stop:
+                    out.finish = "interrupted"
+                    break
+                if cache is not None:
+                    cache.check_interrupt()
+                if out.t_first is None:
+                    out.t_first = time.perf_counter()
+                if not ignore_eos and self.is_eog(tok):
+                    out.finish = "stop"
+                    break
+                out.tokens.append(tok)
+                piece = decoder.decode(self.detokenize([tok],
+                                                       prev_tokens=tokens + out.tokens[:-1]))
+                if piece:
+                    yield piece
+                if len(out.tokens) >= max_tokens:
+                    break
+        finally:
+            gen.close()
+            if worker is not None:
+                worker.end_request()
+        tail = decoder.decode(b"", final=True)
+        if tail:
+            yield tail
 
     def is_eog(self, token: int) -> bool:
         """Whether ``token`` ends a generation (EOS, EOT, <|im_end|>, ...)."""

@@ -43,8 +43,11 @@ def test_batch_results_equal_single_sequence_greedy_and_errors_do_not_stop_it(
     src = _write(tmp_path / "in.jsonl", lines)
     out = tmp_path / "out.jsonl"
     res = run_cli("batch", "-m", str(REFERENCE_MODEL), "--input", str(src), "--output", str(out),
-                  "--parallel", "3", "--policy", "promoe", "--cache-fraction", "0.5")
+                  "--parallel", "3", "--policy", "promoe", "--cache-fraction", "0.5",
+                  "--progress")
     assert res.returncode == 1, res.stderr
+    assert "8/8" in res.stderr and "tokens/s" in res.stderr  # the progress bar
+    assert "experts: promoe, hit rate" in res.stderr  # the summary
     assert res.stderr.strip().splitlines()[-1] == \
         f"forecache: error: 1 of 9 requests failed (see {out})"
     recs = {r["id"]: r for r in _records(out)}

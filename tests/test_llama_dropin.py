@@ -140,3 +140,20 @@ def test_not_moe_and_missing_files_are_refused(tmp_path: Path) -> None:
 
     with pytest.raises(GGUFError, match="not found|does not exist|no such"):
         Llama(str(tmp_path / "missing.gguf"))
+
+
+def test_promoe_is_the_default_policy() -> None:
+    from forecache.bindings.ggml_devices import cache_device
+    from forecache.cache.setup import resolve_cache_config
+
+    dev = cache_device()
+    auto = resolve_cache_config(None, None, None)
+    if dev.type == "cpu":  # device and host are the same memory: llama.cpp's own placement
+        assert auto is None
+    else:  # the GPU's free memory, less a reserve
+        assert auto is not None and auto.policy == "promoe"
+        assert 0 < auto.gpu_budget < dev.memory_free
+    assert resolve_cache_config(None, None, 0.5).policy == "promoe"
+    sized = resolve_cache_config(None, "1GiB", None)
+    assert sized.policy == "promoe" and sized.gpu_budget == 1 << 30
+    assert resolve_cache_config("lru", None, 0.5).policy == "lru"
