@@ -12,6 +12,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import ctypes
+import functools
 import os
 import re
 import sys
@@ -253,6 +254,18 @@ class Llama(llama_cpp.Llama):
                                   add_generation_prompt=add_generation_prompt)
         return fmt(messages=messages).prompt
 
+    @functools.wraps(llama_cpp.Llama.generate)
+    def generate(self, tokens: Any, *args: Any, **kwargs: Any) -> Iterator[int]:
+        # every completion, chat and stream passes here: the predictor sees request boundaries
+        worker = self.expert_cache.worker if self.expert_cache is not None else None
+        if worker is not None:
+            worker.begin_request()
+        try:
+            return (yield from super().generate(tokens, *args, **kwargs))
+        finally:
+            if worker is not None:
+                worker.end_request()
+
     def stream(self, tokens: list[int], max_tokens: int, out: Streamed, *,
                ignore_eos: bool = False, stop: object = None, **sampling: Any) -> Iterator[str]:
         """Generate up to ``max_tokens`` after ``tokens`` (reusing the KV cache of a common
@@ -260,9 +273,6 @@ class Llama(llama_cpp.Llama):
         the finish reason. A true ``stop`` (checked before each token) ends it early."""
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         cache = self.expert_cache
-        worker = cache.worker if cache is not None else None
-        if worker is not None:
-            worker.begin_request()
         gen = self.generate(tokens, reset=True, **sampling)
         try:
             for tok in gen:
@@ -285,8 +295,6 @@ class Llama(llama_cpp.Llama):
                     break
         finally:
             gen.close()
-            if worker is not None:
-                worker.end_request()
         tail = decoder.decode(b"", final=True)
         if tail:
             yield tail
