@@ -161,7 +161,10 @@ def done_ids(path: Path) -> tuple[set[str], bool]:
     complete line that is not a JSON record is refused (the file is not touched)."""
     if not path.exists():
         return set(), False
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise BatchOutputError(f"cannot read {path} to resume: {e.strerror or e}") from None
     lines = data.split(b"\n")
     tail = lines.pop()  # after the last newline: empty, or a record cut short
     ids: set[str] = set()
@@ -185,7 +188,10 @@ class OutputWriter:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise BatchOutputError(f"cannot write {path}: {e.strerror or e}") from None
 
     def write(self, record: dict) -> None:
         line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")

@@ -76,9 +76,10 @@ def _job(tmp_path: Path, model: Path, n: int) -> Path:
 
 
 def test_a_killed_job_resumes_and_loses_nothing(tmp_path: Path, tiny_model) -> None:
-    # --parallel 1 in every run: which sequences share a llama.cpp batch changes the order of
-    # some floating-point sums, and this random-weight model's near-flat logits turn that into
-    # other tokens; decoded alone, a greedy answer is the same whenever it is computed.
+    # --parallel 1 in every run: a sequence decoded beside others goes through other llama.cpp
+    # kernels (several token rows instead of one), which round differently, and this
+    # random-weight model's near-flat logits turn that into other tokens; decoded alone, a greedy
+    # answer is the same whenever it is computed.
     model = tiny_model("q8_0")
     src = _job(tmp_path, model, 24)
     ref = tmp_path / "ref.jsonl"
