@@ -213,9 +213,8 @@ class _Sequence:
     prompt: list[int]
     rng: np.random.Generator
     fed: int = 0  # prompt tokens already in the batch
-    out: list[int] = field(default_factory=list)
-    next_token: int | None = None
-    pieces: list[str] = field(default_factory=list)
+    out: list[int] = field(default_factory=list)  # the last one is decoded in the next batch
+    text: str = ""
     decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
     t0: float = field(default_factory=time.perf_counter)
@@ -264,15 +263,11 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
     if worker is not None:
         worker.begin_request()
 
-    def finish(s: _Sequence, reason: str, error: str | None = None) -> None:
+    def finish(s: _Sequence, reason: str) -> None:
         active.remove(s)
         low.llama_memory_seq_rm(mem, s.seq, -1, -1)
         free.append(s.seq)
-        if error is not None:
-            on_done({"id": s.req.id, "line": s.req.line, "error": error})
-            return
-        tail = s.decoder.decode(b"", final=True)
-        text = "".join(s.pieces) + tail
+        text = s.text + s.decoder.decode(b"", final=True)
         if reason == "stop" and s.req.stop:
             cut = [text.find(x) for x in s.req.stop if x in text]
             text = text[:min(cut)] if cut else text
@@ -314,10 +309,10 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
                 continue
             tokens.clear()
             rows: list[tuple[_Sequence, int]] = []  # sequences sampled from this batch's rows
-            for s in active:  # each decoding sequence's next token first
-                if s.next_token is not None:
+            for s in active:  # each decoding sequence's last sampled token first
+                if s.out:
                     rows.append((s, len(tokens)))
-                    add(s.next_token, len(s.prompt) + len(s.out) - 1, s.seq, True)
+                    add(s.out[-1], len(s.prompt) + len(s.out) - 1, s.seq, True)
             for s in active:  # then prompt chunks, while the batch has room
                 if s.fed < len(s.prompt) and len(tokens) < n_batch:
                     take = min(len(s.prompt) - s.fed, n_batch - len(tokens))
@@ -346,14 +341,12 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
                     finish(s, "stop")
                     continue
                 s.out.append(tok)
-                piece = s.decoder.decode(llm.detokenize([tok], prev_tokens=s.prompt + s.out[:-1]))
-                s.pieces.append(piece)
-                if s.req.stop and any(x in "".join(s.pieces) for x in s.req.stop):
+                s.text += s.decoder.decode(llm.detokenize([tok],
+                                                          prev_tokens=s.prompt + s.out[:-1]))
+                if s.req.stop and any(x in s.text for x in s.req.stop):
                     finish(s, "stop")
                 elif len(s.out) >= s.req.max_tokens:
                     finish(s, "length")
-                else:
-                    s.next_token = tok
     finally:
         for s in list(active):  # interrupted: free their cells; nothing is written for them
             low.llama_memory_seq_rm(mem, s.seq, -1, -1)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +11,7 @@ from forecache.atomic_file import write_atomic
 from forecache.cache.budget import format_size
 from forecache.engine import SamplingParams
 from forecache.interrupt import deferred_signals
-from forecache.llama import Llama, Streamed
+from forecache.llama import Llama
 
 
 @dataclass
@@ -51,10 +50,12 @@ class ChatSession:
         self.history: list[dict[str, str]] = []
         self.turns: list[Turn] = []
 
+    def _head(self) -> list[dict[str, str]]:
+        return [{"role": "system", "content": self.system}] if self.system else []
+
     def messages(self) -> list[dict[str, str]]:
         """The conversation so far, the system message first."""
-        head = [{"role": "system", "content": self.system}] if self.system else []
-        return head + self.history
+        return self._head() + self.history
 
     def reset(self) -> None:
         """Forget the conversation (the system message stays) and the statistics."""
@@ -69,17 +70,16 @@ class ChatSession:
         n_ctx = self.llm.n_ctx()
         dropped = 0
         while True:
-            head = [{"role": "system", "content": self.system}] if self.system else []
-            msgs = head + self.history[dropped:] + [{"role": "user", "content": user}]
+            msgs = self._head() + self.history[2 * dropped:] + [{"role": "user", "content": user}]
             tokens = self.llm.tokenize(self.llm.format_chat(msgs).encode("utf-8"), add_bos=True,
                                        special=True)
             if len(tokens) + self.max_tokens <= n_ctx:
-                return tokens, dropped // 2
-            if dropped >= len(self.history):
+                return tokens, dropped
+            if 2 * dropped >= len(self.history):
                 raise ValueError(f"the message ({len(tokens)} tokens) and an answer of "
                                  f"{self.max_tokens} tokens exceed the context of {n_ctx}; "
                                  "shorten it or start with a larger --ctx")
-            dropped += 2  # a user message and its answer
+            dropped += 1  # a user message and its answer
 
     def ask(self, user: str, on_text: Callable[[str], None] | None = None) -> Turn:
         """Answer ``user``, streaming text to ``on_text``. Ctrl-C stops the answer: what was
@@ -95,23 +95,15 @@ class ChatSession:
                 break
             reused += 1
         llm.reset_stats()
-        pieces: list[str] = []
-        done = Streamed()
-        t0 = time.perf_counter()
         with deferred_signals() as stop:
-            for piece in llm.stream(tokens, self.max_tokens, done, stop=stop,
-                                    **self.sampling.llama_kwargs()):
-                pieces.append(piece)
-                if on_text:
-                    on_text(piece)
-        t_end = time.perf_counter()
-        t_first = done.t_first if done.t_first is not None else t_end
-        out = done.tokens
-        text = "".join(pieces)
+            done = llm.complete(tokens, self.max_tokens, on_text, stop=stop,
+                                **self.sampling.llama_kwargs())
+        t_first = done.t_first if done.t_first is not None else done.t_end
+        out, text = done.tokens, done.text
         self.history += [{"role": "user", "content": user},
                          {"role": "assistant", "content": text}]
-        turn = Turn(text, len(out), len(tokens), reused, t_first - t0,
-                    t_end - t_first if out else 0.0, bool(stop), stop.signum, dropped,
+        turn = Turn(text, len(out), len(tokens), reused, t_first - done.t_start,
+                    done.t_end - t_first if out else 0.0, bool(stop), stop.signum, dropped,
                     llm.expert_stats())
         self.turns.append(turn)
         return turn

@@ -23,8 +23,11 @@ def default_model_path() -> Path:
 
 def ensure_default_model() -> Path:
     """The default model's path: the shipped reference model, else a `tiny` made on first use."""
-    if REFERENCE_MODEL.is_file():
-        return REFERENCE_MODEL
+    return REFERENCE_MODEL if REFERENCE_MODEL.is_file() else ensure_tiny_model()
+
+
+def ensure_tiny_model() -> Path:
+    """The random-weight `tiny` model, made in the cache on first use."""
     path = default_model_path()
     if not path.exists():
         from forecache.model_maker import make_model

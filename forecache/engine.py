@@ -69,17 +69,15 @@ class Engine:
                  n_threads: int | None = None, n_gpu_layers: int = -1, seed: int = 0,
                  n_batch: int = 512, verbose: bool = False,
                  cache: CacheConfig | None = None) -> None:
-        threads = n_threads or os.cpu_count() or 1
-        from forecache.gguf_inspect import require_moe
-
-        mf = require_moe(model_path)
-        ctx_train = int(mf.arch_kv("context_length", n_ctx) or n_ctx)
-        self.n_ctx = min(n_ctx, ctx_train)
-        self.llm = Llama(model_path, cache=cache, n_ctx=self.n_ctx, n_batch=n_batch,
-                         n_threads=threads, n_threads_batch=threads, n_gpu_layers=n_gpu_layers,
-                         seed=seed, verbose=verbose)
+        self.llm = Llama.open(model_path, cache=cache, n_ctx=n_ctx, n_threads=n_threads,
+                              n_batch=n_batch, n_gpu_layers=n_gpu_layers, seed=seed,
+                              verbose=verbose)
+        self.n_ctx = self.llm.n_ctx()
         self.model_file: ModelFile = self.llm.model_file
-        self.cache_config = cache
+
+    @property
+    def cache_config(self) -> CacheConfig | None:
+        return self.llm.cache_config
 
     @property
     def expert_cache(self) -> ExpertCache | None:
@@ -116,21 +114,17 @@ class Engine:
             raise ValueError(f"prompt ({len(tokens)} tokens) + {max_tokens} generated tokens "
                              f"exceed the context of {self.n_ctx}; use a shorter prompt, fewer "
                              "tokens or a larger --ctx")
-        pieces: list[str] = []
-        done = Streamed()
-        t0 = time.perf_counter()
         if max_tokens > 0:
-            for piece in self.llm.stream(tokens, max_tokens, done, ignore_eos=ignore_eos,
-                                         **sampling.llama_kwargs()):
-                pieces.append(piece)
-                if on_text:
-                    on_text(piece)
-        t_end = time.perf_counter()
-        t_first = done.t_first if done.t_first is not None else t0
+            done = self.llm.complete(tokens, max_tokens, on_text, ignore_eos=ignore_eos,
+                                     **sampling.llama_kwargs())
+        else:
+            now = time.perf_counter()
+            done = Streamed(t_start=now, t_end=now)
+        t_first = done.t_first if done.t_first is not None else done.t_start
         out = done.tokens
-        ttft = t_first - t0
-        tpot = (t_end - t_first) / (len(out) - 1) if len(out) > 1 else 0.0
-        return GenerationResult(out, "".join(pieces), len(tokens), done.finish, ttft, tpot,
+        ttft = t_first - done.t_start
+        tpot = (done.t_end - t_first) / (len(out) - 1) if len(out) > 1 else 0.0
+        return GenerationResult(out, done.text, len(tokens), done.finish, ttft, tpot,
                                 self.cache_stats())
 
     def last_logits(self) -> np.ndarray:

@@ -63,6 +63,10 @@ class ModelFile:
         """An architecture-scoped key, e.g. ``arch_kv("expert_count")``."""
         return self.kv.get(f"{self.arch}.{key}", default)
 
+    def fit_context(self, n_ctx: int) -> int:
+        """``n_ctx`` capped by the context the model was trained for."""
+        return min(n_ctx, int(self.arch_kv("context_length", n_ctx) or n_ctx))
+
     @property
     def n_layer(self) -> int:
         return int(self.arch_kv("block_count", 0))

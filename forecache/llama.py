@@ -17,7 +17,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,11 +53,15 @@ _OOM = re.compile(r"out of memory|insufficient memory|failed to allocate|unable 
 
 @dataclass
 class Streamed:
-    """What ``Llama.stream`` generated: the tokens, why it ended and when the first came."""
+    """What ``Llama.stream`` generated: the tokens, why it ended and when the first came;
+    ``Llama.complete`` adds the text and the start and end times."""
 
     tokens: list[int] = field(default_factory=list)
     finish: str = "length"  # "length", "stop" (end of generation) or "interrupted"
     t_first: float | None = None
+    text: str = ""
+    t_start: float = 0.0
+    t_end: float = 0.0
 
 
 class ModelLoadError(RuntimeError):
@@ -172,6 +176,17 @@ class Llama(llama_cpp.Llama):
         self._vocab = low.llama_model_get_vocab(self.model)
         if cache is not None and cache.policy in ("lru", "static", "promoe"):
             self._attach_cache(cache)
+
+    @classmethod
+    def open(cls, model_path: str | os.PathLike[str], *, cache: CacheConfig | None,
+             n_ctx: int = 4096, n_threads: int | None = None, n_seq_max: int = 1,
+             verbose: bool = False, **kwargs: Any) -> Llama:
+        """Load as forecache's commands do: ``n_ctx`` tokens per sequence, capped by the model's
+        training context, and every core for prompt and generation threads."""
+        threads = n_threads or os.cpu_count() or 1
+        per_seq = require_moe(model_path).fit_context(n_ctx)
+        return cls(model_path, cache=cache, n_ctx=per_seq * n_seq_max, n_seq_max=n_seq_max,
+                   n_threads=threads, n_threads_batch=threads, verbose=verbose, **kwargs)
 
     def _load_failure(self, err: Exception, log: list[tuple[int, str]]) -> str:
         """One line for a failed load: out of memory (with a budget to try) or llama.cpp's own
@@ -298,6 +313,20 @@ class Llama(llama_cpp.Llama):
         tail = decoder.decode(b"", final=True)
         if tail:
             yield tail
+
+    def complete(self, tokens: list[int], max_tokens: int,
+                 on_text: Callable[[str], None] | None = None, **kwargs: Any) -> Streamed:
+        """``stream`` to the end, handing each piece of text to ``on_text``; the result has the
+        whole text and the start and end times."""
+        out = Streamed(t_start=time.perf_counter())
+        pieces: list[str] = []
+        for piece in self.stream(tokens, max_tokens, out, **kwargs):
+            pieces.append(piece)
+            if on_text:
+                on_text(piece)
+        out.text = "".join(pieces)
+        out.t_end = time.perf_counter()
+        return out
 
     def is_eog(self, token: int) -> bool:
         """Whether ``token`` ends a generation (EOS, EOT, <|im_end|>, ...)."""

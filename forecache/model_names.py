@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from forecache.default_model import ensure_default_model
+from forecache.default_model import DEFAULT_PRESET, ensure_default_model, ensure_tiny_model
 from forecache.model_specs import _find_yaml, load_specs
 
 
@@ -105,16 +105,8 @@ def resolve_model(arg: str | os.PathLike[str] | None) -> Path:
             "that directory (or set FORECACHE_MODEL_DIR to where it is), or pass -m PATH")
     specs = load_specs()
     if text in specs:
-        if text == "tiny":
-            from forecache.default_model import default_model_path
-
-            made = default_model_path()
-            if not made.exists():
-                from forecache.model_maker import make_model
-
-                made.parent.mkdir(parents=True, exist_ok=True)
-                make_model(made, "tiny", "q8_0", seed=0)
-            return made
+        if text == DEFAULT_PRESET:
+            return ensure_tiny_model()
         dest = model_dir() / f"{text}-random-q4_k.gguf"
         raise ModelNotFoundError(
             f"{text!r} is a shape, not a published model: make a random-weight stand-in with "

@@ -92,7 +92,6 @@ def bind(host: str, port: int) -> socket.socket:
                 from None
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     sock.listen(128)
-    sock.set_inheritable(True)
     return sock
 
 

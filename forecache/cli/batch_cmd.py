@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import time
@@ -58,7 +57,7 @@ def batch(model: Path, input_path: Path, output_path: Path, parallel: int, max_t
     if output_path.resolve() == input_path.resolve():
         raise click.UsageError("--output must not be the --input file")
     requests, bad = read_requests(input_path, max_tokens)
-    mf = require_moe(model)
+    require_moe(model)  # before OUT is touched
     done, cut = done_ids(output_path)
     total = len(requests) + len(bad)
     if cut:
@@ -82,13 +81,10 @@ def batch(model: Path, input_path: Path, output_path: Path, parallel: int, max_t
             if failed:
                 raise BatchFailed(f"{failed} of {total} requests failed (see {output_path})")
             return
-        per_seq = min(ctx_per_seq, int(mf.arch_kv("context_length", ctx_per_seq) or
-                                       ctx_per_seq))
         n_seq = min(parallel, len(todo))
-        threads = threads or os.cpu_count() or 1
-        llm = Llama(model, cache=cache_config(**cache_opts),  # type: ignore[arg-type]
-                    n_seq_max=n_seq, n_ctx=per_seq * n_seq, n_batch=512, n_threads=threads,
-                    n_threads_batch=threads, verbose=verbose)
+        llm = Llama.open(model, cache=cache_config(**cache_opts),  # type: ignore[arg-type]
+                         n_ctx=ctx_per_seq, n_seq_max=n_seq, n_threads=threads,
+                         verbose=verbose)
         show = progress if progress is not None else sys.stderr.isatty()
         bar = tqdm(total=len(todo), unit="req", disable=not show, file=sys.stderr,
                    dynamic_ncols=True)

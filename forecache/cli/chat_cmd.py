@@ -97,7 +97,7 @@ def _command(session: ChatSession, line: str) -> bool:
 
 
 @click.command("chat")
-@model_option()
+@model_option(default="default")
 @click.option("--system", default=None, help="System message.")
 @click.option("--max-tokens", default=512, show_default=True, help="Longest answer, in tokens.")
 @click.option("--temp", default=0.7, show_default=True, help="Sampling temperature (0: greedy).")
@@ -107,7 +107,7 @@ def _command(session: ChatSession, line: str) -> bool:
 @click.option("--threads", type=int, default=None, help="CPU threads (default: all cores).")
 @click.option("--verbose", is_flag=True, help="Show llama.cpp's own log.")
 @cache_options
-def chat(model: Path | None, system: str | None, max_tokens: int, temp: float, seed: int,
+def chat(model: Path, system: str | None, max_tokens: int, temp: float, seed: int,
          n_ctx: int, threads: int | None, verbose: bool, **cache_opts: object) -> None:
     """Chat with a model in the terminal, using the model's own chat template.
 
@@ -115,24 +115,17 @@ def chat(model: Path | None, system: str | None, max_tokens: int, temp: float, s
     message is prefilled. After each answer a status line gives tokens/s, TTFT, the expert
     cache's hit rate and its use of GPU memory.
     """
-    from forecache.default_model import ensure_default_model
-    from forecache.gguf_inspect import require_moe
-
-    path = model if model is not None else ensure_default_model()
-    mf = require_moe(path)
-    n_ctx = min(n_ctx, int(mf.arch_kv("context_length", n_ctx) or n_ctx))
-    threads = threads or os.cpu_count() or 1
     sampling = SamplingParams(greedy=temp <= 0, temperature=temp)
-    llm = Llama(path, cache=cache_config(**cache_opts),  # type: ignore[arg-type]
-                n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, seed=seed,
-                verbose=verbose)
+    llm = Llama.open(model, cache=cache_config(**cache_opts),  # type: ignore[arg-type]
+                     n_ctx=n_ctx, n_threads=threads, seed=seed, verbose=verbose)
+    mf = llm.model_file
     try:
         llm.format_chat([{"role": "user", "content": "hi"}])  # refuse a model without template
         session = ChatSession(llm, system=system, max_tokens=max_tokens, sampling=sampling)
         stats = llm.expert_stats()
-        click.echo(f"forecache chat: {path.name} ({mf.arch}, {mf.n_layer} layers, "
+        click.echo(f"forecache chat: {model.name} ({mf.arch}, {mf.n_layer} layers, "
                    f"{mf.n_expert} experts, top-{mf.n_expert_used}), policy {stats['policy']}, "
-                   f"context {n_ctx}", err=True)
+                   f"context {llm.n_ctx()}", err=True)
         click.echo("/help lists commands; Ctrl-C stops an answer; Ctrl-D or /exit quits.",
                    err=True)
         _loop(session)

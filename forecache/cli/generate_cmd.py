@@ -110,18 +110,18 @@ def generate(model: Path, prompt: str, n_predict: int, greedy: bool, seed: int, 
 
 
 @click.command("run")
-@model_option()
+@model_option(default="default")
 @click.option("-p", "--prompt", default=None, help="Prompt (default: a short built-in question).")
 @click.option("-n", "--n-predict", "n_predict", default=64, show_default=True,
               help="Tokens to generate.")
 @cache_options
-def run(model: Path | None, prompt: str | None, n_predict: int, **cache_opts: object) -> None:
+def run(model: Path, prompt: str | None, n_predict: int, **cache_opts: object) -> None:
     """Answer a prompt with the default model (or -m MODEL) and print the speed and the expert
     cache's statistics."""
     from forecache.chat import expert_summary
-    from forecache.default_model import DEFAULT_PROMPT, ensure_default_model
+    from forecache.default_model import DEFAULT_PROMPT
 
-    path = model if model is not None else ensure_default_model()
+    path = model
     question = prompt or DEFAULT_PROMPT
     with Engine(path, cache=cache_config(**cache_opts)) as eng:  # type: ignore[arg-type]
         text = eng.format_chat([{"role": "user", "content": question}])

@@ -27,11 +27,15 @@ class ModelArg(click.ParamType):
 MODEL = ModelArg()
 
 
-def model_option(required: bool = False,
-                 help_default: str = "the built-in default model") -> Callable[[Any], Any]:
-    """``-m/--model``: a GGUF file or a name (`forecache models` lists them)."""
-    what = "GGUF file or model name (`forecache models` lists them)"
-    if required:
-        return click.option("-m", "--model", "model", type=MODEL, required=True, help=what + ".")
-    return click.option("-m", "--model", "model", type=MODEL, default=None,
-                        help=f"{what}; default: {help_default}.")
+def model_option(required: bool = False, default: str | None = None,
+                 purpose: str = "") -> Callable[[Any], Any]:
+    """``-m/--model``: a GGUF file or a name (`forecache models` lists them). ``default="default"``
+    makes the built-in default model the default (made on first use, when the option is
+    omitted)."""
+    text = "GGUF file or model name (`forecache models` lists them)"
+    if purpose:
+        text += f"; {purpose}"
+    if default == "default":
+        text += "; default: the built-in default model"
+    return click.option("-m", "--model", "model", type=MODEL, required=required,
+                        default=None if required else default, help=text + ".")

@@ -123,7 +123,7 @@ def train_cmd(model: Path, trace_path: Path, window: int, out: Path | None, epoc
               help="Comma-separated: learned, skip, token, eam, history (or all).")
 @click.option("--window", "windows", default="1,2,4,8", show_default=True,
               help="Comma-separated windows k.")
-@model_option()
+@model_option(purpose="the skip predictor reads its routers")
 @click.option("--folds", default=4, show_default=True, help="Folds of the split by request.")
 @click.option("--epochs", default=None, type=int, help="Learned predictor epochs.")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), default=None,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,7 @@ from forecache.cli.model_arg import model_option
 
 
 @click.command("serve")
-@model_option()
+@model_option(default="default")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", default=8080, show_default=True, type=click.IntRange(0, 65535),
               help="Port to listen on.")
@@ -22,34 +21,29 @@ from forecache.cli.model_arg import model_option
 @click.option("--threads", type=int, default=None, help="CPU threads (default: all cores).")
 @click.option("--verbose", is_flag=True, help="Show llama.cpp's own log.")
 @cache_options
-def serve(model: Path | None, host: str, port: int, n_ctx: int, threads: int | None,
+def serve(model: Path, host: str, port: int, n_ctx: int, threads: int | None,
           verbose: bool, **cache_opts: object) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (llama-cpp-python's server).
 
     /v1/completions, /v1/chat/completions (streaming too) and /v1/models, plus
     GET /v1/forecache/stats (the expert cache's counters) and POST /v1/forecache/stats/reset.
     """
-    from forecache.default_model import ensure_default_model
     from forecache.gguf_inspect import require_moe
     from forecache.llama import Llama
     from forecache.serve import bind, create_app
     from forecache.serve import serve as run_server
 
-    path = model if model is not None else ensure_default_model()
-    mf = require_moe(path)
-    n_ctx = min(n_ctx, int(mf.arch_kv("context_length", n_ctx) or n_ctx))
+    require_moe(model)  # a bad model fails before the port is taken
     cfg = cache_config(**cache_opts)  # type: ignore[arg-type]
-    threads = threads or os.cpu_count() or 1
     sock = bind(host, port)  # before the model loads: a busy port fails at once
     try:
         def load(settings: Any) -> Llama:
-            return Llama(settings.model, cache=cfg, n_ctx=n_ctx, n_threads=threads,
-                         n_threads_batch=threads, chat_format=settings.chat_format,
-                         verbose=verbose)
+            return Llama.open(settings.model, cache=cfg, n_ctx=n_ctx, n_threads=threads,
+                              chat_format=settings.chat_format, verbose=verbose)
 
-        app = create_app(str(path), path.stem, load, n_ctx=n_ctx, verbose=verbose)
+        app = create_app(str(model), model.stem, load, n_ctx=n_ctx, verbose=verbose)
         port = sock.getsockname()[1]
-        click.echo(f"forecache: serving {path.stem} on http://{host}:{port}/v1 (policy "
+        click.echo(f"forecache: serving {model.stem} on http://{host}:{port}/v1 (policy "
                    f"{cfg.policy if cfg else 'none'}); Ctrl-C stops", err=True)
         run_server(app, sock)
     finally:
