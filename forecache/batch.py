@@ -237,6 +237,17 @@ def sample(logits: np.ndarray, sp: SamplingParams, rng: np.random.Generator) -> 
     return int(order[rng.choice(keep, p=p)])
 
 
+def decode_failure(rc: int, n_active: int) -> str:
+    """What a non-zero llama_decode status means, and what to do about it."""
+    if rc == 1:
+        return (f"no room in the KV cache for {n_active} sequences; lower --parallel or raise "
+                "--ctx-per-seq")
+    if rc == 2:
+        return "llama.cpp aborted the computation (its reason is above; --verbose shows more)"
+    return (f"llama_decode failed ({rc}) with {n_active} sequences; rerun with --verbose for "
+            "llama.cpp's reason")
+
+
 def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
                 on_done: Callable[[dict], None], stop: StopFlag | None = None,
                 on_token: Callable[[int], None] | None = None) -> None:
@@ -327,8 +338,7 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
                 cache.batch_tokens = np.asarray(tokens, dtype=np.int32)
             rc = low.llama_decode(ctx, batch)
             if rc != 0:
-                raise RuntimeError(f"llama_decode failed ({rc}) with {len(active)} sequences; "
-                                   "lower --parallel or raise --ctx-per-seq")
+                raise RuntimeError(decode_failure(rc, len(active)))
             if on_token is not None:
                 on_token(len(rows))
             for s, row in rows:

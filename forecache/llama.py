@@ -21,11 +21,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import llama_cpp
 import numpy as np
 
-from forecache.bindings import llama_cpp_module, patch_version
+from forecache.bindings import llama_cpp_module, llama_cpp_package, patch_version
 from forecache.bindings.cache_api import SLOT_EMPTY
+from forecache.bindings.libs import ModelLoadError
 from forecache.cache.budget import format_size
 from forecache.cache.runtime import ExpertCache
 from forecache.cache.setup import (
@@ -39,6 +39,8 @@ from forecache.cache.setup import (
     resolve_cache_config,
 )
 from forecache.gguf_inspect import ModelFile, require_moe
+
+llama_cpp = llama_cpp_package()  # after checking that the build fits this CPU
 
 # Text routed once to build the static policy's profile when none is given.
 CALIBRATION_TEXT = (
@@ -62,10 +64,6 @@ class Streamed:
     text: str = ""
     t_start: float = 0.0
     t_end: float = 0.0
-
-
-class ModelLoadError(RuntimeError):
-    """llama.cpp refused the model; the message says what to try."""
 
 
 class _Auto:
@@ -251,6 +249,7 @@ class Llama(llama_cpp.Llama):
         finally:
             observer.close()
             self.reset()
+            self._ctx.kv_cache_clear()  # reset() only rewinds: low-level decoding needs no cells
         return counts
 
     def format_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,

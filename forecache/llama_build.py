@@ -1,10 +1,12 @@
 """Build and install the patched llama-cpp-python that forecache runs on.
 
 The pinned llama-cpp-python sdist is fetched from the package index (or taken from a local sdist
-or unpacked tree), checked against its sha256, patched with ``patches/*.patch`` in order, trimmed
-to the libraries we load, built into a wheel and installed into the running environment. Wheels are
-cached under the user's cache directory keyed by (version, patch-series hash, backend flags), so a
-second setup on the same machine installs in seconds.
+or unpacked tree), checked against its sha256, patched with ``forecache/data/patches/*.patch`` in
+order, trimmed to the libraries we load, built into a wheel and installed into the running
+environment. Wheels are cached under the user's cache directory keyed by (version, patch-series
+hash, backend flags, the CPU's instruction sets), so a second setup on the same machine installs
+in seconds and a cache carried to another CPU is never used there. The same sdist built without
+the series is the unpatched reference the lossless tests compare with (``--reference``).
 
 This module uses only the standard library: it runs before the project's dependencies exist.
 """
@@ -33,8 +35,8 @@ SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 BUILD_INFO_NAME = "forecache_build.json"
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-PATCH_DIR = REPO_ROOT / "patches"
+# The series ships inside the package, so an installed wheel can build too.
+PATCH_DIR = Path(__file__).resolve().parent / "data" / "patches"
 
 # What the Python package loads is libllama + libggml*; everything else in the tree is skipped.
 TRIM_CMAKE_ARGS = [
@@ -64,18 +66,57 @@ class BuildError(RuntimeError):
 
 @dataclass
 class BuildConfig:
-    """What a build is keyed by: the pinned version, the patch series and the backend flags."""
+    """What a build is keyed by: the pinned version, the patch series, the backend flags and the
+    instruction sets of the CPU it was compiled for (ggml is built with -march=native)."""
 
     backend: str  # "cpu" or "cuda"
-    patch_hash: str
+    patch_hash: str  # STOCK for the unpatched reference build
     patches: list[str]
     cmake_args: list[str] = field(default_factory=list)
     version: str = LLAMA_CPP_PYTHON_VERSION
+    cpu_features: list[str] = field(default_factory=list)
 
     @property
     def key(self) -> str:
-        blob = json.dumps([self.version, self.patch_hash, self.backend, self.cmake_args])
+        blob = json.dumps([self.version, self.patch_hash, self.backend, self.cmake_args,
+                           self.cpu_features])
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+STOCK = "stock"  # patch_hash of the unpatched reference build
+
+# CPU flags (/proc/cpuinfo names) that name instruction sets a -march=native build may use. Two
+# machines that differ in any of them get different cached builds: a wheel compiled for AVX-512
+# or AMX dies with SIGILL on a CPU without them.
+_ISA_FLAG = re.compile(r"^(sse\w*|ssse3|pni|avx\w*|amx\w*|fma\w*|f16c|bmi\w*|vnni\w*|gfni|vaes|"
+                       r"vpclmulqdq|sha_ni|popcnt|movbe|adx|abm|lzcnt|xop|asimd\w*|sve\w*|i8mm|"
+                       r"dotprod|fphp|bf16|sme\d*)$")
+
+
+def cpu_features(cpuinfo: str | None = None, isa_only: bool = True) -> list[str]:
+    """The instruction-set flags of this CPU, sorted (from /proc/cpuinfo; elsewhere the machine
+    name, since the build cannot tell more); ``isa_only=False``: every flag."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            import platform
+
+            return [platform.machine() or "unknown"]
+    flags: set[str] = set()
+    for line in cpuinfo.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in ("flags", "Features"):
+            flags.update(f for f in value.split() if not isa_only or _ISA_FLAG.match(f))
+    return sorted(flags)
+
+
+def missing_cpu_features(info: dict) -> list[str]:
+    """The instruction sets a build (its build info) was compiled for that this CPU lacks."""
+    built = info.get("cpu_features")
+    if not built:
+        return []
+    return sorted(set(built) - set(cpu_features(isa_only=False)))
 
 
 def log(msg: str) -> None:
@@ -341,8 +382,9 @@ def stamp_tree(tree: Path, cfg: BuildConfig) -> dict:
     """Mark the package as ours: a local version label and a build-info file inside the wheel."""
     init = tree / "llama_cpp" / "__init__.py"
     text = init.read_text()
+    label = "stock" if cfg.patch_hash == STOCK else "forecache"
     text = re.sub(r'__version__\s*=\s*"[^"]*"',
-                  f'__version__ = "{cfg.version}+forecache.{cfg.key}"', text, count=1)
+                  f'__version__ = "{cfg.version}+{label}.{cfg.key}"', text, count=1)
     init.write_text(text)
     info = {
         **asdict(cfg),
@@ -451,53 +493,95 @@ def export_source(source: Path | None, out: Path) -> Path:
     return out
 
 
-def build(source: Path | None = None, backend: str = "auto", force: bool = False,
-          install: bool = True) -> dict:
-    """Build (or take from the cache) the patched wheel and install it; returns its build info."""
-    backend = choose_backend(backend)
-    patches = patch_files()
-    if not patches:
+def build_config(backend: str, stock: bool = False) -> BuildConfig:
+    """The configuration of the patched build (or, with ``stock``, of the unpatched reference)
+    for ``backend`` on this machine."""
+    patches = [] if stock else patch_files()
+    if not stock and not patches:
         raise BuildError(f"no patches found in {PATCH_DIR}")
-    cfg = BuildConfig(backend=backend, patch_hash=patch_series_hash(),
-                      cmake_args=backend_cmake_args(backend), patches=[p.name for p in patches])
-    current = installed_build_info()
-    if install and not force and current and current.get("key") == cfg.key:
-        log(f"patched llama-cpp-python {cfg.key} ({backend}) already installed")
-        return current
+    # A CUDA build is compiled for this machine's CPU too (its ggml-cpu backend).
+    return BuildConfig(backend=backend, patch_hash=STOCK if stock else patch_series_hash(),
+                       cmake_args=backend_cmake_args(backend), patches=[p.name for p in patches],
+                       cpu_features=cpu_features())
 
+
+def cached_wheel(cfg: BuildConfig, source: Path | None = None, force: bool = False,
+                 ) -> tuple[Path, dict]:
+    """The wheel of ``cfg`` and its build info: from the cache, else built (and cached)."""
     root = cache_dir() / "llama-build"
     wheel_dir = root / "wheels" / cfg.key
     with build_lock(root):
         wheels = sorted(wheel_dir.glob("llama_cpp_python-*.whl"))
         if wheels and not force:
             log(f"using cached wheel {wheels[-1]}")
-            wheel = wheels[-1]
-            info = json.loads((wheel_dir / BUILD_INFO_NAME).read_text())
-        else:
-            check_toolchain(backend)
-            work_root = root / "work"
-            work_root.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=work_root) as tmp:
-                tree = unpack_source(source, Path(tmp))
-                trim_tree(tree)
-                apply_patches(tree, patches)
-                info = stamp_tree(tree, cfg)
-                staging = Path(tmp) / "wheel"
-                staging.mkdir()
-                wheel_built = build_wheel(tree, cfg, staging, root / f"build-{cfg.key}.log")
-                # Publish atomically: a half-copied wheel must never look like a cache hit.
-                tmp_dir = root / "wheels" / f".{cfg.key}.tmp"
-                shutil.rmtree(tmp_dir, ignore_errors=True)
-                tmp_dir.mkdir(parents=True)
-                shutil.copy2(wheel_built, tmp_dir / wheel_built.name)
-                (tmp_dir / BUILD_INFO_NAME).write_text(json.dumps(info, indent=2) + "\n")
-                shutil.rmtree(wheel_dir, ignore_errors=True)
-                os.replace(tmp_dir, wheel_dir)
-                wheel = wheel_dir / wheel_built.name
-        if install:
-            log(f"installing {wheel.name}")
-            install_wheel(wheel)
+            return wheels[-1], json.loads((wheel_dir / BUILD_INFO_NAME).read_text())
+        check_toolchain(cfg.backend)
+        work_root = root / "work"
+        work_root.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=work_root) as tmp:
+            tree = unpack_source(source, Path(tmp))
+            trim_tree(tree)
+            apply_patches(tree, [PATCH_DIR / name for name in cfg.patches])
+            info = stamp_tree(tree, cfg)
+            staging = Path(tmp) / "wheel"
+            staging.mkdir()
+            wheel_built = build_wheel(tree, cfg, staging, root / f"build-{cfg.key}.log")
+            # Publish atomically: a half-copied wheel must never look like a cache hit.
+            tmp_dir = root / "wheels" / f".{cfg.key}.tmp"
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+            tmp_dir.mkdir(parents=True)
+            shutil.copy2(wheel_built, tmp_dir / wheel_built.name)
+            (tmp_dir / BUILD_INFO_NAME).write_text(json.dumps(info, indent=2) + "\n")
+            shutil.rmtree(wheel_dir, ignore_errors=True)
+            os.replace(tmp_dir, wheel_dir)
+            return wheel_dir / wheel_built.name, info
+
+
+def build(source: Path | None = None, backend: str = "auto", force: bool = False,
+          install: bool = True) -> dict:
+    """Build (or take from the cache) the patched wheel and install it; returns its build info."""
+    backend = choose_backend(backend)
+    cfg = build_config(backend)
+    current = installed_build_info()
+    if install and not force and current and current.get("key") == cfg.key:
+        log(f"patched llama-cpp-python {cfg.key} ({backend}) already installed")
+        return current
+    wheel, info = cached_wheel(cfg, source, force)
+    if install:
+        log(f"installing {wheel.name}")
+        install_wheel(wheel)
     return info
+
+
+def reference_dir(backend: str = "cpu") -> Path:
+    """Where the unpatched reference build for ``backend`` is (or would be) installed: a
+    directory to put first on PYTHONPATH, in a process of its own."""
+    return cache_dir() / "llama-build" / "reference" / build_config(backend, stock=True).key
+
+
+def build_reference(source: Path | None = None, backend: str = "cpu", force: bool = False,
+                    ) -> Path:
+    """Build (or take from the cache) llama-cpp-python from the same sdist without the patch
+    series, installed into :func:`reference_dir` (not into the environment): the reference that
+    forecache's lossless tests compare with. Returns that directory."""
+    cfg = build_config(backend, stock=True)
+    dest = reference_dir(backend)
+    if (dest / "llama_cpp" / BUILD_INFO_NAME).exists() and not force:
+        log(f"unpatched reference llama-cpp-python {cfg.key} ({backend}) ready in {dest}")
+        return dest
+    wheel, _ = cached_wheel(cfg, source, force)
+    log(f"installing the unpatched reference into {dest}")
+    tmp = dest.with_name(f".{dest.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    res = subprocess.run([sys.executable, "-m", "pip", "install", "--disable-pip-version-check",
+                          "-q", "--no-deps", "--target", str(tmp), str(wheel)],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        raise BuildError(f"pip could not install {wheel.name} into {tmp}:\n"
+                         f"{res.stderr.strip()[-2000:]}")
+    shutil.rmtree(dest, ignore_errors=True)
+    os.replace(tmp, dest)
+    return dest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -509,11 +593,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--force", action="store_true", help="rebuild even when a cached wheel exists")
     ap.add_argument("--export-source", type=Path, metavar="DIR",
                     help="only write a trimmed source tree to DIR (for offline machines)")
+    ap.add_argument("--reference", action="store_true",
+                    help="build the unpatched reference the tests compare with, into the "
+                    "cache, not into the environment")
     args = ap.parse_args(argv)
     try:
         if args.export_source:
             out = export_source(args.source, args.export_source)
             log(f"wrote trimmed source tree to {out}")
+            return 0
+        if args.reference:
+            build_reference(args.source, choose_backend(args.backend), force=args.force)
             return 0
         info = build(args.source, args.backend, args.force)
     except BuildError as e:

@@ -137,6 +137,11 @@ def random_blocks(
         _set_f16(blocks, 0, std / _Q8_0_RMS, random_sign=True)
     elif ggml_type == Q.Q4_0:
         _set_f16(blocks, 0, std / _Q4_0_RMS, random_sign=True)
+    elif ggml_type == Q.Q4_1:
+        # value = d*q + m with q in 0..15: m = -7.5*d centres it
+        d = float(np.float16(std / _Q4_K_Q_STD))
+        _set_f16(blocks, 0, d)
+        _set_f16(blocks, 2, -7.5 * d)
     elif ggml_type == Q.Q5_0:
         _set_f16(blocks, 0, std / _Q5_0_RMS, random_sign=True)
     elif ggml_type == Q.Q4_K:
@@ -342,7 +347,7 @@ def make_model(
 ) -> ModelInfo:
     """Write a random-weight GGUF of model `preset` (a models.yaml name) to `out_path`.
 
-    qtype is one of f16, q8_0, q4_0, q4_k; `seed` fixes the weights; `n_layers` overrides
+    qtype is one of f16, q8_0, q4_0, q4_1, q4_k; `seed` fixes the weights; `n_layers` overrides
     the preset's layer count; `workers` is the number of writer processes (default: all
     CPUs, or in-process for small models); `progress(bytes_done, bytes_total)` is called as
     tensor data is written. The file is written next to `out_path` under a temporary name

@@ -28,17 +28,15 @@ from gguf import (
 
 from forecache.gguf_inspect import tensor_nbytes
 
-#: models.yaml is looked up inside the package first (when installed), then at the repo root.
-_YAML_CANDIDATES = (
-    Path(__file__).resolve().parent / "models.yaml",
-    Path(__file__).resolve().parent.parent / "models.yaml",
-)
+#: models.yaml ships inside the package (forecache/data), so every install has it.
+_YAML_CANDIDATES = (Path(__file__).resolve().parent / "data" / "models.yaml",)
 
 #: The weight types `make-model --type` accepts: ggml type of the matrices and file type label.
 QTYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
     "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
     "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
     "q4_0": (GGMLQuantizationType.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+    "q4_1": (GGMLQuantizationType.Q4_1, LlamaFileType.MOSTLY_Q4_1),
     # Every matrix is Q4_K (except the Q5_0 fallbacks), which llama.cpp labels Q4_K_S.
     "q4_k": (GGMLQuantizationType.Q4_K, LlamaFileType.MOSTLY_Q4_K_S),
 }

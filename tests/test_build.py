@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
+import os
 import shutil
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
@@ -131,3 +135,43 @@ def test_exported_tree_is_a_valid_offline_source(tmp_path: Path,
     assert tree.parent == tmp_path / "work"
     assert llama_build.llama_cpp_commit(tree) == llama_build.llama_cpp_commit(exported)
     llama_build.apply_patches(tree, llama_build.patch_files())
+
+
+def test_cpu_features_key_the_cache_and_guard_the_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpuinfo = ("processor\t: 0\nflags\t\t: fpu sse sse2 pni ssse3 fma avx avx2 avx512f avx512bw "
+               "amx_tile amx_int8 hypervisor smep\nprocessor\t: 1\n")
+    feats = llama_build.cpu_features(cpuinfo)
+    assert feats == ["amx_int8", "amx_tile", "avx", "avx2", "avx512bw", "avx512f", "fma", "pni",
+                     "sse", "sse2", "ssse3"]
+    a = llama_build.BuildConfig("cpu", "h", ["p"], ["-DA=1"], cpu_features=feats)
+    b = llama_build.BuildConfig("cpu", "h", ["p"], ["-DA=1"], cpu_features=feats[2:])
+    assert a.key != b.key  # a cache carried to a CPU without AMX is not used there
+    # the installed build records what it was compiled for; a CPU that lacks some is refused
+    assert llama_build.installed_build_info()["cpu_features"] == llama_build.cpu_features()
+    from forecache.bindings import libs
+
+    monkeypatch.setattr(llama_build, "installed_build_info",
+                        lambda: {"cpu_features": ["avx2", "isa_this_cpu_lacks"]})
+    monkeypatch.setattr(llama_build, "cpu_features",
+                        lambda cpuinfo=None, isa_only=True: ["avx2", "fma"])
+    libs.check_build_cpu.cache_clear()
+    try:
+        with pytest.raises(libs.PatchedBuildError, match="isa_this_cpu_lacks, which this CPU"):
+            libs.check_build_cpu()
+    finally:
+        libs.check_build_cpu.cache_clear()
+
+
+def test_reference_build_is_unpatched_and_apart() -> None:
+    """The lossless tests' reference: the same sdist without the series, outside the venv."""
+    site = llama_build.reference_dir()
+    info = json.loads((site / "llama_cpp" / llama_build.BUILD_INFO_NAME).read_text())
+    assert info["patches"] == [] and info["patch_hash"] == llama_build.STOCK
+    assert info["cmake_args"] == llama_build.backend_cmake_args("cpu")
+    code = ("import llama_cpp, llama_cpp.llama_cpp as l; "
+            "print(llama_cpp.__version__, hasattr(l._lib, 'forecache_patch_version'))")
+    res = subprocess.run([sys.executable, "-c", code],
+                         env=dict(os.environ, PYTHONPATH=str(site)), capture_output=True,
+                         text=True, check=True)
+    version, patched = res.stdout.split()
+    assert version.startswith("0.3.36+stock.") and patched == "False"

@@ -39,3 +39,9 @@ def test_doctor_json_reports_build_and_devices() -> None:
 def test_doctor_text() -> None:
     res = run_cli("doctor", "--no-measure", check=True)
     assert "patch series" in res.stdout and "devices:" in res.stdout
+
+
+@pytest.mark.parametrize("cmd", ["batch", "generate", "bench", "trace", "train"])
+def test_model_is_required_where_there_is_no_default(cmd: str) -> None:
+    res = run_cli(cmd)
+    assert res.returncode == 2 and "Missing option '-m' / '--model'" in res.stderr, res.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -13,6 +14,9 @@ from forecache.cache.budget import plan_memory
 from forecache.cache.setup import CacheConfig
 from forecache.engine import Engine, SamplingParams
 from forecache.gguf_inspect import read_model_file
+
+if TYPE_CHECKING:
+    from conftest import StockReference
 
 N_GEN = 64
 N_BATCH = 128  # the 300-token prompt spans three ubatches
@@ -34,9 +38,14 @@ def _run(model: Path, cfg: CacheConfig | None) -> list[tuple[list[int], np.ndarr
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model: Callable[[str], Path]) -> list[tuple[list[int], np.ndarray, dict]]:
-    """Stock llama.cpp: plain llama-cpp-python placement, no hook."""
-    return _run(tiny_model("q8_0"), None)
+def reference(tiny_model: Callable[[str], Path], stock: StockReference,
+              ) -> list[tuple[list[int], np.ndarray, dict]]:
+    """The unpatched llama-cpp-python, loaded as the policies load (no weight repacking)."""
+    model = tiny_model("q8_0")
+    with Engine(model, n_ctx=512, n_threads=2, cache=CacheConfig("offload")) as eng:
+        prompts = _prompts(eng)
+    runs = stock.run(model, prompts, N_GEN, n_ctx=512, n_batch=N_BATCH, n_threads=2)
+    return [(tokens, logits[-1], {}) for tokens, logits in runs]
 
 
 def _ncmoe_budget(model: Path, host_layers: int) -> int:

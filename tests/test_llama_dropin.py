@@ -10,6 +10,7 @@ from pathlib import Path
 
 import llama_cpp
 import pytest
+from stock_runner import load
 
 import forecache
 from forecache.llama import Llama, ModelLoadError
@@ -40,7 +41,8 @@ def _strip_ids(obj: dict) -> dict:
 @pytest.fixture(scope="module")
 def pair(tiny_model) -> tuple[llama_cpp.Llama, Llama]:
     path = str(tiny_model("q8_0"))
-    stock = llama_cpp.Llama(path, n_ctx=512, seed=1, verbose=False)
+    # the same build, loaded as forecache's policies load (no CPU weight repacking)
+    stock = load(path, {"n_ctx": 512, "seed": 1}, repack=False)
     ours = Llama(path, n_ctx=512, seed=1, verbose=False, policy="lru", cache_fraction=0.5)
     yield stock, ours
     ours.close()

@@ -53,7 +53,7 @@ def server(tiny_model) -> Iterator[tuple[str, Path]]:
             proc.stderr.close()
 
 
-def test_openai_client_models_completion_and_streaming_chat(server) -> None:
+def test_openai_client_models_completion_and_streaming_chat(server, stock) -> None:
     base, model = server
     client = openai.OpenAI(base_url=base + "/v1", api_key="x", timeout=60, max_retries=0)
     assert [m.id for m in client.models.list().data] == [model.stem]
@@ -63,12 +63,14 @@ def test_openai_client_models_completion_and_streaming_chat(server) -> None:
                                      temperature=0, extra_body={"repeat_penalty": 1.0})
     assert done.choices[0].finish_reason in ("length", "stop")
     assert done.usage.completion_tokens == 12 or done.choices[0].finish_reason == "stop"
-    # lossless through the server: the text stock llama.cpp computes for the same prompt
+    # lossless through the server: the text the unpatched llama.cpp computes for the prompt
     from forecache.llama import Llama
 
-    with Llama(str(model), cache=None, n_ctx=1024, verbose=False) as stock:
-        want = stock.create_completion(PROMPT, max_tokens=12, temperature=0)
-    assert done.choices[0].text == want["choices"][0]["text"]
+    with Llama(str(model), cache=None, n_ctx=1024, verbose=False) as llm:
+        prompt = llm.tokenize(PROMPT.encode(), special=True)
+        [(tokens, _)] = stock.run(model, [prompt], 12, n_ctx=1024, n_threads=2)
+        want = llm.detokenize(tokens, prev_tokens=prompt).decode(errors="ignore")
+    assert done.choices[0].text == want
 
     stream = client.chat.completions.create(
         model=model.stem, messages=[{"role": "user", "content": "hello"}], max_tokens=16,

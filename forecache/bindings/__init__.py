@@ -11,6 +11,7 @@ from forecache.bindings.libs import (
     libggml,
     libllama,
     llama_cpp_module,
+    llama_cpp_package,
     patch_version,
 )
 
@@ -21,5 +22,6 @@ __all__ = [
     "libggml",
     "libllama",
     "llama_cpp_module",
+    "llama_cpp_package",
     "patch_version",
 ]

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from types import ModuleType
 
-# Must equal FORECACHE_PATCH_VERSION in include/forecache.h (patches/0004).
+# Must equal FORECACHE_PATCH_VERSION in include/forecache.h (forecache/data/patches/0004).
 EXPECTED_PATCH_VERSION = 4
 
 _FIX = "run `forecache build` (or `make setup`) to install forecache's patched llama-cpp-python"
@@ -18,9 +18,35 @@ class PatchedBuildError(RuntimeError):
     """llama-cpp-python is missing, stock, or built from another patch series."""
 
 
+class ModelLoadError(RuntimeError):
+    """llama.cpp refused the model; the message says what to try."""
+
+
+@functools.cache
+def check_build_cpu() -> None:
+    """Refuse a llama.cpp build compiled for instruction sets this CPU lacks (a wheel or cache
+    carried from another machine), before its libraries load and die with SIGILL."""
+    from forecache.llama_build import installed_build_info, missing_cpu_features
+
+    info = installed_build_info()
+    missing = missing_cpu_features(info) if info else []
+    if missing:
+        raise PatchedBuildError(f"the installed llama.cpp was compiled for a CPU with "
+                                f"{', '.join(missing)}, which this CPU lacks: {_FIX}")
+
+
+def llama_cpp_package() -> ModuleType:
+    """The ``llama_cpp`` package, imported once the build is known to fit this CPU."""
+    check_build_cpu()
+    import llama_cpp
+
+    return llama_cpp
+
+
 @functools.cache
 def llama_cpp_module() -> ModuleType:
     """The imported ``llama_cpp.llama_cpp`` low-level module (loads libllama)."""
+    check_build_cpu()
     try:
         import llama_cpp.llama_cpp as low
     except ImportError as e:

@@ -7,14 +7,6 @@ from pathlib import Path
 
 import click
 
-from forecache.bench import (
-    format_ablation,
-    format_rates,
-    format_table,
-    run_ablation,
-    run_bench,
-    run_rates,
-)
 from forecache.cache.budget import parse_size
 from forecache.cache.policies import POLICIES
 from forecache.cli.model_arg import model_option
@@ -41,6 +33,15 @@ def bench(model: Path, policies: str, gpu_budget: str | None, cache_fraction: fl
           prompt_len: int, n_gen: int, n_prompts: int, threads: int | None, ablation: bool,
           rates: str | None, as_json: bool) -> None:
     """Run each policy on the same prompts; report TTFT, TPOT, hit rate, H2D and ratios."""
+    from forecache.bench import (
+        format_ablation,
+        format_rates,
+        format_table,
+        run_ablation,
+        run_bench,
+        run_rates,
+    )
+
     names = [p.strip() for p in policies.split(",") if p.strip()]
     bad = [p for p in names if p not in POLICIES]
     if bad or not names:

@@ -19,11 +19,19 @@ from forecache import llama_build
 @click.option("--force", is_flag=True, help="Rebuild even when a cached wheel exists.")
 @click.option("--export-source", type=click.Path(path_type=Path), metavar="DIR",
               help="Only write a trimmed, unpatched source tree to DIR (to carry offline).")
-def build(source: Path | None, backend: str, force: bool, export_source: Path | None) -> None:
+@click.option("--reference", is_flag=True,
+              help="Build the unpatched llama-cpp-python the tests compare with, into the cache "
+              "(not into this environment).")
+def build(source: Path | None, backend: str, force: bool, export_source: Path | None,
+          reference: bool) -> None:
     """Build and install forecache's patched llama-cpp-python (cached after the first time)."""
     if export_source:
         out = llama_build.export_source(source, export_source)
         click.echo(f"wrote trimmed source tree to {out}")
+        return
+    if reference:
+        site = llama_build.build_reference(source, llama_build.choose_backend(backend), force)
+        click.echo(f"unpatched reference ready in {site}")
         return
     info = llama_build.build(source, backend, force)
     click.echo(f"ready: llama-cpp-python {info['version']}+forecache.{info['key']} "

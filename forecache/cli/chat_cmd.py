@@ -6,14 +6,15 @@ import os
 import signal
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from forecache.chat import ChatSession, stats_report, status_line
 from forecache.cli.generate_cmd import cache_config, cache_options
 from forecache.cli.model_arg import model_option
-from forecache.engine import SamplingParams
-from forecache.llama import Llama
+
+if TYPE_CHECKING:
+    from forecache.chat import ChatSession
 
 HELP = """commands:
   /reset          forget the conversation (the system message stays)
@@ -72,6 +73,8 @@ def _command(session: ChatSession, line: str) -> bool:
         session.reset()
         click.echo("(conversation cleared)", err=True)
     elif name == "/stats":
+        from forecache.chat import stats_report
+
         click.echo(stats_report(session), err=True)
     elif name == "/system":
         if arg:
@@ -115,6 +118,10 @@ def chat(model: Path, system: str | None, max_tokens: int, temp: float, seed: in
     message is prefilled. After each answer a status line gives tokens/s, TTFT, the expert
     cache's hit rate and its use of GPU memory.
     """
+    from forecache.chat import ChatSession
+    from forecache.engine import SamplingParams
+    from forecache.llama import Llama
+
     sampling = SamplingParams(greedy=temp <= 0, temperature=temp)
     llm = Llama.open(model, cache=cache_config(**cache_opts),  # type: ignore[arg-type]
                      n_ctx=n_ctx, n_threads=threads, seed=seed, verbose=verbose)
@@ -134,6 +141,8 @@ def chat(model: Path, system: str | None, max_tokens: int, temp: float, seed: in
 
 
 def _loop(session: ChatSession) -> None:
+    from forecache.chat import status_line
+
     history = _line_editing() if sys.stdin.isatty() else None
     try:
         while True:

@@ -8,8 +8,8 @@ import sys
 import click
 
 from forecache.bindings import PatchedBuildError
+from forecache.bindings.libs import ModelLoadError
 from forecache.cache.runtime import CacheError
-from forecache.engine import ModelLoadError
 from forecache.gguf_inspect import GGUFError
 from forecache.llama_build import BuildError
 

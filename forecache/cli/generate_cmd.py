@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
@@ -12,7 +13,9 @@ from forecache.cache.policies import POLICIES
 from forecache.cache.prefetcher import Features
 from forecache.cache.setup import DEFAULT_MACHINE, CacheConfig, resolve_cache_config
 from forecache.cli.model_arg import model_option
-from forecache.engine import Engine, GenerationResult, SamplingParams
+
+if TYPE_CHECKING:
+    from forecache.engine import GenerationResult
 
 
 def cache_options(fn):  # type: ignore[no-untyped-def]
@@ -97,6 +100,8 @@ def generate(model: Path, prompt: str, n_predict: int, greedy: bool, seed: int, 
     """Generate text from a prompt with a GGUF MoE model."""
     if n_predict < 0:
         raise click.BadParameter("must be >= 0", param_hint="-n")
+    from forecache.engine import Engine, SamplingParams
+
     sampling = SamplingParams(greedy=greedy, temperature=temp)
     cfg = cache_config(**cache_opts)  # type: ignore[arg-type]
     with Engine(model, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers, seed=seed,
@@ -120,6 +125,7 @@ def run(model: Path, prompt: str | None, n_predict: int, **cache_opts: object) -
     cache's statistics."""
     from forecache.chat import expert_summary
     from forecache.default_model import DEFAULT_PROMPT
+    from forecache.engine import Engine, SamplingParams
 
     path = model
     question = prompt or DEFAULT_PROMPT

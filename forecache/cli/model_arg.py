@@ -37,5 +37,6 @@ def model_option(required: bool = False, default: str | None = None,
         text += f"; {purpose}"
     if default == "default":
         text += "; default: the built-in default model"
-    return click.option("-m", "--model", "model", type=MODEL, required=required,
-                        default=None if required else default, help=text + ".")
+    if required:  # no default at all: click 8.3+ takes an explicit default=None as given
+        return click.option("-m", "--model", "model", type=MODEL, required=True, help=text + ".")
+    return click.option("-m", "--model", "model", type=MODEL, default=default, help=text + ".")

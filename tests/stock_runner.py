@@ -1,0 +1,87 @@
+"""Greedy runs on a plain llama-cpp-python, in a process of its own.
+
+The lossless tests compare forecache with the unpatched llama-cpp-python built from the same sdist
+(``forecache build --reference``). That build cannot share a process with the patched one, so the
+tests run this file with the reference first on PYTHONPATH:
+
+    python stock_runner.py JOB.json OUT.npz
+
+JOB.json: {"model": PATH, "params": {llama_cpp.Llama keywords}, "repack": false,
+"runs": [{"prompt": [token ids], "n_gen": N}, ...]}; with "loader": "forecache" the model is
+loaded by ``forecache.Llama`` instead (its own default placement), so a crash of either build
+is seen as this process's exit status. OUT.npz holds, for run i, ``tokens_i``
+(the greedy tokens) and ``logits_i`` ([n_gen, n_vocab]: the logits each token was picked from).
+``repack`` false loads as forecache's policies do (use_extra_bufts = false: no CPU weight
+repacking); true keeps llama.cpp's default.
+
+Apart from that loader, this file imports nothing of forecache: only llama_cpp and numpy.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import numpy as np
+
+
+def load(path: str, params: dict[str, Any], repack: bool) -> Any:
+    """A llama_cpp.Llama of ``path``; without ``repack``, CPU weight repacking is off."""
+    import llama_cpp
+    import llama_cpp.llama_cpp as low
+
+    original = low.llama_model_default_params
+
+    def no_repack():  # type: ignore[no-untyped-def]
+        p = original()
+        p.use_extra_bufts = False
+        return p
+
+    if not repack:
+        low.llama_model_default_params = no_repack
+    try:
+        return llama_cpp.Llama(path, verbose=False, **params)
+    finally:
+        low.llama_model_default_params = original
+
+
+def greedy(llm: Any, prompt: list[int], n_gen: int) -> tuple[list[int], np.ndarray]:
+    """``n_gen`` greedy tokens after ``prompt`` from a fresh context, and the logits of each
+    step (argmax; the first of equal maxima, as llama.cpp's greedy sampler picks)."""
+    import llama_cpp.llama_cpp as low
+
+    llm.reset()
+    llm._ctx.kv_cache_clear()
+    n_vocab = llm.n_vocab()
+    tokens: list[int] = []
+    steps = np.empty((n_gen, n_vocab), dtype=np.float32)
+    llm.eval(prompt)
+    for i in range(n_gen):
+        logits = np.ctypeslib.as_array(low.llama_get_logits_ith(llm.ctx, -1), shape=(n_vocab,))
+        steps[i] = logits
+        tokens.append(int(np.argmax(logits)))
+        if i + 1 < n_gen:
+            llm.eval([tokens[-1]])
+    return tokens, steps
+
+
+def main(argv: list[str]) -> int:
+    job = json.loads(open(argv[1]).read())
+    if job.get("loader") == "forecache":
+        from forecache import Llama
+
+        llm = Llama(job["model"], verbose=False, **job.get("params", {}))
+    else:
+        llm = load(job["model"], job.get("params", {}), job.get("repack", False))
+    out: dict[str, np.ndarray] = {}
+    for i, run in enumerate(job["runs"]):
+        tokens, logits = greedy(llm, run["prompt"], run["n_gen"])
+        out[f"tokens_{i}"] = np.asarray(tokens, dtype=np.int32)
+        out[f"logits_{i}"] = logits
+    np.savez(argv[2], **out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,108 @@
+"""Lossless against the unpatched llama-cpp-python of the same sdist (``forecache build
+--reference``), not against forecache's own build with its hooks off: every policy, four weight
+types, n_batch > n_ubatch, prompts longer than 512 tokens, and batch jobs.
+
+The reference loads as forecache's policies do, with CPU weight repacking off (use_extra_bufts =
+false); test_default_placement covers llama.cpp's default (repacking) placement. On a CPU build
+tokens and logits are bit-identical; on a GPU build (the GPU check runs these tests there), where
+the reference computes every expert on the GPU and offload on the CPU, equal up to rounding.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pytest
+from cli_helpers import run_cli
+from conftest import assert_same_greedy
+from stock_runner import greedy
+
+from forecache.cache.budget import plan_memory
+from forecache.cache.setup import CacheConfig
+from forecache.gguf_inspect import read_model_file
+from forecache.llama import Llama
+
+if TYPE_CHECKING:
+    from conftest import StockReference
+
+N_GEN = 12
+# n_batch > n_ubatch: a 700-token prompt is one 700-token batch of three ubatches, the first two
+# of which ask for no output (llama.cpp then routes no tokens through the last layer).
+PARAMS = {"n_ctx": 2048, "n_batch": 1024, "n_ubatch": 256, "n_threads": 2}
+PROMPT_LENS = (1, 300, 700)
+TEXT = "The quick brown fox jumps over the lazy dog, again and again. "
+
+
+def _prompts(llm: Llama) -> list[list[int]]:
+    text = llm.tokenize((TEXT * 120).encode())
+    assert len(text) >= max(PROMPT_LENS)
+    return [text[:n] for n in PROMPT_LENS]
+
+
+def _ncmoe(model: Path, host_layers: int, n_ubatch: int = PARAMS["n_ubatch"]) -> CacheConfig:
+    """ncmoe with a budget that leaves ``host_layers`` MoE layers' experts on the host."""
+    mf = read_model_file(model)
+    plan = plan_memory(mf, 1 << 40, n_ctx=PARAMS["n_ctx"], n_ubatch=n_ubatch,
+                       device_name="x", device_total=1 << 50)
+    on_dev = len(plan.moe_layers) - host_layers
+    return CacheConfig("ncmoe", gpu_budget=plan.fixed_bytes +
+                       on_dev * plan.n_expert * plan.expert_bytes)
+
+
+def _configs(model: Path) -> list[CacheConfig]:
+    return [CacheConfig("offload"), _ncmoe(model, 2)] + [
+        CacheConfig(pol, cache_fraction=0.5) for pol in ("lru", "static", "promoe")]
+
+
+@pytest.mark.parametrize("qtype", ["f16", "q4_0", "q4_k", "q8_0"])
+def test_every_policy_equals_unpatched(qtype: str, tiny_model: Callable[[str], Path],
+                                       stock: StockReference) -> None:
+    model = tiny_model(qtype)
+    ref: list[tuple[list[int], np.ndarray]] | None = None
+    for cfg in _configs(model):
+        with Llama(str(model), cache=cfg, verbose=False, **PARAMS) as llm:
+            prompts = _prompts(llm)
+            if ref is None:
+                ref = stock.run(model, prompts, N_GEN, **PARAMS)
+            for n, p, (ref_tokens, ref_logits) in zip(PROMPT_LENS, prompts, ref, strict=True):
+                tokens, logits = greedy(llm, p, N_GEN)
+                assert_same_greedy(tokens, logits, ref_tokens, ref_logits,
+                                   f"{qtype} {cfg.policy} prompt={n}", stock.backend == "cpu")
+            stats = llm.expert_stats()
+        if cfg.cache_fraction is not None:
+            assert stats["cache_slots"] > 0 and stats["hits"] > 0, (qtype, cfg.policy)
+
+
+def test_batch_jobs_equal_unpatched(tiny_model: Callable[[str], Path], stock: StockReference,
+                                    tmp_path: Path) -> None:
+    """`forecache batch --parallel 1` under every policy, static included, with a prompt longer
+    than 512 tokens: the texts are the unpatched build's greedy texts."""
+    model = tiny_model("q8_0")
+    with Llama(str(model), cache=None, n_ctx=2048, verbose=False) as llm:
+        long_prompt = llm.detokenize(llm.tokenize((TEXT * 120).encode())[:600]).decode()
+        requests = [{"id": "short", "prompt": "The capital of France is"},
+                    {"id": "long", "prompt": long_prompt}]
+        prompts = [llm.tokenize(r["prompt"].encode(), add_bos=True, special=True)
+                   for r in requests]
+        assert len(prompts[1]) > 512
+        # forecache batch loads with n_batch = n_ubatch = 512 and one sequence at --parallel 1
+        ref = stock.run(model, prompts, 8, n_ctx=2048, n_batch=512, n_threads=2)
+        want = {r["id"]: llm.detokenize(tokens).decode(errors="replace")
+                for r, (tokens, _) in zip(requests, ref, strict=True)}
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({**r, "max_tokens": 8, "temperature": 0}) + "\n"
+                           for r in requests))
+    for policy in ("offload", "ncmoe", "lru", "static", "promoe"):
+        out = tmp_path / f"out-{policy}.jsonl"
+        budget = str(_ncmoe(model, 2, n_ubatch=512).gpu_budget)
+        size = ["--gpu-budget", budget] if policy == "ncmoe" else ["--cache-fraction", "0.5"]
+        res = run_cli("batch", "-m", str(model), "--input", str(inp), "--output", str(out),
+                      "--parallel", "1", "--threads", "2", "--policy", policy,
+                      *([] if policy == "offload" else size))
+        assert res.returncode == 0, f"{policy}: {res.stderr[-2000:]}"
+        got = {r["id"]: r["text"] for r in map(json.loads, out.read_text().splitlines())}
+        assert got == want, policy
