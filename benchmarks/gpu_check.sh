@@ -67,7 +67,9 @@ print((i() or {}).get('backend', 'none'))")
         exit 1
     fi
 else
-    PY=.venv-gpu/bin/python
+    # The machine's own Python (PyTorch's environment there: numpy, onnxruntime, pytest, cmake,
+    # scikit-build-core); the machine is a throwaway, so the builds install into it.
+    PY=${PYTHON:-python3}
     export FORECACHE_CUDA=1 FORECACHE_CUDA_ARCHS=${FORECACHE_CUDA_ARCHS:-native}
     export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
     BACKEND=cuda
@@ -75,10 +77,9 @@ fi
 
 environment() {
     [ "$CPU" = 1 ] && return 0
-    if [ ! -x "$PY" ]; then
-        [ -f "$BUNDLE/llama-src.tar.xz" ] || { log "no $BUNDLE: run '$0 bundle' where there is network, and carry it"; exit 1; }
-        log "creating .venv-gpu (sees the machine's numpy, onnxruntime, torch)"
-        python3 -m venv --system-site-packages .venv-gpu
+    [ -f "$BUNDLE/llama-src.tar.xz" ] || { log "no $BUNDLE: run '$0 bundle' where there is network, and carry it"; exit 1; }
+    if ! "$PY" -c "import gguf, platformdirs, diskcache" 2>/dev/null; then
+        log "installing $(ls "$BUNDLE"/wheels | tr '\n' ' ')into $("$PY" -c 'import sys; print(sys.prefix)')"
         "$PY" -m pip install -q --no-index --no-deps "$BUNDLE"/wheels/*.whl
     fi
     # forecache itself runs from this checkout; pip never reaches for an index there

@@ -60,6 +60,16 @@ def _number(obj: dict, key: str, kind: type, default: float | int, lo: float,
     return kind(value)
 
 
+def _unicode(value: str, what: str) -> str:
+    """``value``, refused when it holds a lone surrogate (valid JSON, but no UTF-8 text)."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode: a lone surrogate "
+                         f"U+{ord(value[e.start]):04X} at character {e.start}") from None
+    return value
+
+
 def parse_request(text: str, line: int, default_max_tokens: int) -> Request:
     """A Request from one JSON line; ValueError says what is wrong with it."""
     try:
@@ -75,19 +85,22 @@ def parse_request(text: str, line: int, default_max_tokens: int) -> Request:
     rid = obj.get("id", f"line-{line}")
     if not isinstance(rid, (str, int)) or isinstance(rid, bool):
         raise ValueError('"id" must be a string or an integer')
-    req = Request(id=str(rid), line=line)
+    req = Request(id=_unicode(str(rid), '"id"'), line=line)
     if ("prompt" in obj) == ("messages" in obj):
         raise ValueError('give one of "prompt" and "messages"')
     if "prompt" in obj:
         if not isinstance(obj["prompt"], str) or not obj["prompt"]:
             raise ValueError('"prompt" must be a non-empty string')
-        req.prompt = obj["prompt"]
+        req.prompt = _unicode(obj["prompt"], '"prompt"')
     else:
         msgs = obj["messages"]
         if not isinstance(msgs, list) or not msgs or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and
                 isinstance(m.get("content"), str) for m in msgs):
             raise ValueError('"messages" must be a non-empty list of {"role", "content"} strings')
+        for i, m in enumerate(msgs):
+            _unicode(m["role"], f'"messages"[{i}].role')
+            _unicode(m["content"], f'"messages"[{i}].content')
         req.messages = msgs
     req.max_tokens = int(_number(obj, "max_tokens", int, default_max_tokens, 1, 1 << 20))
     sp = req.sampling
@@ -101,7 +114,7 @@ def parse_request(text: str, line: int, default_max_tokens: int) -> Request:
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise ValueError('"stop" must be a string or a list of non-empty strings')
-    req.stop = stop
+    req.stop = [_unicode(x, '"stop"') for x in stop]
     return req
 
 
@@ -138,29 +151,36 @@ def read_requests(path: Path, default_max_tokens: int = DEFAULT_MAX_TOKENS,
             msg = str(e)
             if i == len(lines) and not complete:
                 msg += " (the last line has no newline: was the file still being written?)"
-            errors.append({"id": _id_of(line, i), "line": i, "error": msg})
+            # keyed by its line, never by the id it names: that id may be a valid request's,
+            # which a rerun would then take as done
+            record = {"id": f"line-{i}", "line": i, "error": msg}
+            named = _id_of(line)
+            if named is not None:
+                record["request_id"] = named
+            errors.append(record)
             continue
         seen.add(req.id)
         requests.append(req)
     return requests, errors
 
 
-def _id_of(line: str, n: int) -> str:
-    """The id a malformed line names, when it can be read, else ``line-N``."""
+def _id_of(line: str) -> str | None:
+    """The id a malformed line names, when it can be read and written as UTF-8."""
     try:
         rid = json.loads(line).get("id")
         if isinstance(rid, (str, int)) and not isinstance(rid, bool):
-            return str(rid)
+            return _unicode(str(rid), "id")
     except (ValueError, AttributeError):
         pass
-    return f"line-{n}"
+    return None
 
 
-def done_ids(path: Path) -> tuple[set[str], bool]:
-    """Ids already in an output file, and whether a half-written last record was cut off. A
-    complete line that is not a JSON record is refused (the file is not touched)."""
+def done_ids(path: Path) -> tuple[set[str], set[str], bool]:
+    """Ids already in an output file, those of them that are error records, and whether a
+    half-written last record was cut off. A complete line that is not a JSON record is refused
+    (the file is not touched)."""
     if not path.exists():
-        return set(), False
+        return set(), set(), False
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -168,19 +188,22 @@ def done_ids(path: Path) -> tuple[set[str], bool]:
     lines = data.split(b"\n")
     tail = lines.pop()  # after the last newline: empty, or a record cut short
     ids: set[str] = set()
+    failed: set[str] = set()
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
             ids.add(str(rec["id"]))
+            if "error" in rec:
+                failed.add(str(rec["id"]))
         except (ValueError, KeyError, TypeError):
             raise BatchOutputError(f"{path} line {i} is not a forecache batch record; fix or "
                                    "remove it, or write to another --output") from None
     if tail:
         with open(path, "r+b") as f:
             f.truncate(len(data) - len(tail))
-    return ids, bool(tail)
+    return ids, failed, bool(tail)
 
 
 class OutputWriter:
@@ -194,7 +217,10 @@ class OutputWriter:
             raise BatchOutputError(f"cannot write {path}: {e.strerror or e}") from None
 
     def write(self, record: dict) -> None:
-        line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+        try:
+            line = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate: JSON's \u escapes carry it
+            line = (json.dumps(record) + "\n").encode("ascii")
         view = memoryview(line)
         while view:  # a regular file takes it in one write; a short write is finished here
             view = view[os.write(self._fd, view):]

@@ -105,8 +105,9 @@ class Engine:
 
     def generate(self, prompt: str | list[int], max_tokens: int, sampling: SamplingParams,
                  on_text: Callable[[str], None] | None = None, ignore_eos: bool = False,
-                 ) -> GenerationResult:
-        """Prefill the prompt, then decode up to max_tokens, streaming text to on_text."""
+                 stop: object = None) -> GenerationResult:
+        """Prefill the prompt, then decode up to max_tokens, streaming text to on_text; a true
+        ``stop`` (a flag checked before each token) ends it early, finish reason "interrupted"."""
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
         if not tokens:
             raise ValueError("the prompt is empty")
@@ -116,7 +117,7 @@ class Engine:
                              "tokens or a larger --ctx")
         if max_tokens > 0:
             done = self.llm.complete(tokens, max_tokens, on_text, ignore_eos=ignore_eos,
-                                     **sampling.llama_kwargs())
+                                     stop=stop, **sampling.llama_kwargs())
         else:
             now = time.perf_counter()
             done = Streamed(t_start=now, t_end=now)

@@ -13,6 +13,15 @@ import threading
 from collections.abc import Iterator
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C would be so the same cleanup runs; the CLI exits 143."""
+
+
+def raise_terminated(signum: int, frame: object) -> None:
+    """A SIGTERM handler: raise :class:`Terminated`."""
+    raise Terminated
+
+
 class StopFlag:
     """Set by the first SIGINT or SIGTERM while active; ``signum`` says which."""
 

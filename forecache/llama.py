@@ -25,7 +25,7 @@ import numpy as np
 
 from forecache.bindings import llama_cpp_module, llama_cpp_package, patch_version
 from forecache.bindings.cache_api import SLOT_EMPTY
-from forecache.bindings.libs import ModelLoadError
+from forecache.bindings.libs import MAX_THREADS, ModelLoadError
 from forecache.cache.budget import format_size
 from forecache.cache.runtime import ExpertCache
 from forecache.cache.setup import (
@@ -143,6 +143,10 @@ class Llama(llama_cpp.Llama):
                  predictor: str = "auto", window: int | None = None, machine: str | None = None,
                  n_seq_max: int = 1, cache: CacheConfig | None = AUTO, **kwargs: Any) -> None:
         self.expert_cache: ExpertCache | None = None
+        for key in ("n_threads", "n_threads_batch"):
+            n = kwargs.get(key)
+            if n is not None and not 1 <= int(n) <= MAX_THREADS:
+                raise ValueError(f"{key}={n}: use 1 to {MAX_THREADS} (or None: every core)")
         self.model_file: ModelFile = require_moe(model_path)
         patch_version()  # refuses a stock llama-cpp-python before llama.cpp touches the file
         if cache is AUTO:

@@ -58,8 +58,11 @@ def create_app(model_path: str, alias: str, load: Callable[[Any], Llama], *, n_c
     from llama_cpp.server.settings import ModelSettings, ServerSettings
 
     model = ModelSettings(model=model_path, model_alias=alias, n_ctx=n_ctx, verbose=verbose)
+    # interrupt_requests (llama-cpp-python's default) ends a stream as soon as another request
+    # waits for the model, which leaves concurrent clients with empty answers: requests queue
+    server = ServerSettings(interrupt_requests=False)
     with _serving_proxy(load):
-        app = llama_create_app(server_settings=ServerSettings(), model_settings=[model])
+        app = llama_create_app(server_settings=server, model_settings=[model])
 
     model_lock = Depends(get_llama_proxy)  # the lock every llama-cpp-python route takes
 

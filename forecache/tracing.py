@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import numpy as np
 from forecache.cache.budget import moe_layers
 from forecache.cache.setup import CacheConfig, attach_observer
 from forecache.engine import Engine, SamplingParams
+from forecache.interrupt import Terminated, deferred_signals
 from forecache.model_identity import identity
 from forecache.trace_file import TraceError, TraceWriter
 
@@ -92,6 +94,7 @@ class TraceSummary:
     seconds: float
     interrupted: bool
     outputs: list[list[int]]
+    signum: int | None = None  # the signal that interrupted it
 
 
 class _Recorder:
@@ -160,8 +163,11 @@ def record_trace(model_path: str | os.PathLike[str], prompts: list[PromptItem],
         outputs: list[list[int]] = []
         prefill = decode = 0
         interrupted = False
+        signum: int | None = None
         try:
-            with writer:
+            # Ctrl-C/SIGTERM set a flag checked between tokens: raised inside the gate hook they
+            # would be lost in the C frame
+            with writer, deferred_signals() as stop:
                 for i, item in enumerate(prompts):
                     text = _render(engine, item, chat and has_template)
                     tokens = engine.tokenize(text)
@@ -172,7 +178,11 @@ def record_trace(model_path: str | os.PathLike[str], prompts: list[PromptItem],
                     rec.reset()
                     engine.llm.reset()  # no KV prefix reuse: every prompt token is routed
                     with _all_rows_computed(engine):
-                        res = engine.generate(tokens, budget, SamplingParams(greedy=True))
+                        res = engine.generate(tokens, budget, SamplingParams(greedy=True),
+                                              stop=stop)
+                    if stop:  # the request cut short is not recorded
+                        interrupted, signum = True, stop.signum
+                        break
                     experts, weights, x = rec.request_arrays()
                     fed = (tokens + res.tokens)[:experts.shape[0]]
                     if experts.shape[0] not in (len(tokens) + len(res.tokens) - 1,
@@ -198,9 +208,10 @@ def record_trace(model_path: str | os.PathLike[str], prompts: list[PromptItem],
     finally:
         engine.close()
     if interrupted and not outputs:
-        raise KeyboardInterrupt
+        raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
     return TraceSummary(Path(out), len(outputs), prefill + decode, prefill, decode,
-                        time.perf_counter() - t0, interrupted, outputs)
+                        time.perf_counter() - t0, interrupted, outputs,
+                        signum or (signal.SIGINT if interrupted else None))
 
 
 @contextlib.contextmanager

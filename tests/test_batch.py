@@ -163,3 +163,43 @@ def test_unreadable_input_and_corrupt_output_are_refused_untouched(tmp_path: Pat
     assert res.returncode == 1
     recs = {r["id"]: r for r in _records(out2)}
     assert "text" in recs["x"] and "still being written" in recs["line-2"]["error"]
+
+
+def test_duplicate_ids_and_surrogates_never_hide_a_request(tmp_path: Path, tiny_model) -> None:
+    """Error records are keyed by their line: a duplicate id, or a malformed line naming a valid
+    line's id, never makes a rerun skip the valid request; a lone surrogate fails one request, not
+    the job; a resumed job still reports the failures it wrote before."""
+    model = str(tiny_model("q8_0"))
+    inp = _write(tmp_path / "in.jsonl", [
+        '{"id": "a", "prompt": "first", "max_tokens": 2}',
+        '{"id": "a", "prompt": "again", "max_tokens": 2}',   # duplicate of line 1
+        '{"id": "c", "prompt": 5}',                           # malformed, names line 4's id
+        '{"id": "c", "prompt": "valid c", "max_tokens": 2}',
+        '{"id": "d", "prompt": "x\\ud800y", "max_tokens": 2}',  # valid JSON, not Unicode text
+        '{"id": "e\\ud800", "prompt": "hi", "max_tokens": 2}',
+    ])
+    out = tmp_path / "out.jsonl"
+    args = ("batch", "-m", model, "--input", str(inp), "--output", str(out), "--parallel", "1")
+    res = run_cli(*args)
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res.stderr
+    assert res.stderr.strip().endswith(f"4 of 6 requests failed (see {out})")
+    recs = {r["id"]: r for r in _records(out)}
+    assert set(recs) == {"a", "c", "line-2", "line-3", "line-5", "line-6"}
+    assert "text" in recs["a"] and "text" in recs["c"]
+    assert "duplicate id 'a'" in recs["line-2"]["error"] and recs["line-2"]["request_id"] == "a"
+    assert recs["line-3"]["request_id"] == "c" and '"prompt"' in recs["line-3"]["error"]
+    assert "lone surrogate U+D800" in recs["line-5"]["error"]
+    assert "lone surrogate" in recs["line-6"]["error"] and "request_id" not in recs["line-6"]
+    before = out.read_bytes()
+    again = run_cli(*args)  # resumed: nothing left to run, the failures still count
+    assert again.returncode == 1 and "4 of 6 requests failed" in again.stderr, again.stderr
+    assert out.read_bytes() == before
+
+    # killed after the error records but before "c" ran: the rerun still runs "c"
+    out2 = tmp_path / "out2.jsonl"
+    out2.write_text("".join(json.dumps(recs[k]) + "\n"
+                            for k in ("line-2", "line-3", "line-5", "line-6", "a")))
+    res = run_cli("batch", "-m", model, "--input", str(inp), "--output", str(out2),
+                  "--parallel", "1")
+    assert res.returncode == 1, res.stderr
+    assert {r["id"] for r in _records(out2)} == set(recs)

@@ -45,3 +45,16 @@ def test_doctor_text() -> None:
 def test_model_is_required_where_there_is_no_default(cmd: str) -> None:
     res = run_cli(cmd)
     assert res.returncode == 2 and "Missing option '-m' / '--model'" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("threads", ["-1", "0", "100000"])
+def test_threads_out_of_range_is_refused(threads: str, tiny_model) -> None:
+    model = str(tiny_model("q8_0"))
+    for cmd in (["generate", "-p", "x", "-n", "1", "--policy", "lru", "--cache-fraction", "0.5"],
+                ["batch", "--input", "in", "--output", "out"], ["chat"], ["serve"]):
+        res = run_cli(cmd[0], "-m", model, "--threads", threads, *cmd[1:])
+        assert res.returncode == 2 and "Invalid value for '--threads'" in res.stderr, res.stderr
+    from forecache.llama import Llama
+
+    with pytest.raises(ValueError, match="n_threads=.*use 1 to 512"):
+        Llama(model, n_threads=int(threads), policy="lru", cache_fraction=0.5, verbose=False)

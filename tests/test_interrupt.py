@@ -23,8 +23,8 @@ def test_sigterm_during_make_model_leaves_nothing(tmp_path: Path) -> None:
     proc.send_signal(signal.SIGTERM)
     rc = proc.wait(60)
     err = proc.stderr.read() if proc.stderr else ""
-    assert rc == 130, err
-    assert "Traceback" not in err and err.strip().endswith("forecache: interrupted")
+    assert rc == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err and err.strip().endswith("forecache: terminated")
     assert list(tmp_path.iterdir()) == []
 
 

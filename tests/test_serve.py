@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -46,7 +48,10 @@ def server(tiny_model) -> Iterator[tuple[str, Path]]:
         yield base, model
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        rc = proc.wait(timeout=30)
+        err = proc.stderr.read() if proc.stderr else ""
+        # SIGTERM: a clean stop, exit 143
+        assert rc == 128 + signal.SIGTERM and "Traceback" not in err, (rc, err[-2000:])
         if proc.stdout:
             proc.stdout.close()
         if proc.stderr:
@@ -106,3 +111,26 @@ def test_a_port_in_use_is_one_clear_error(server) -> None:
     assert res.stderr.strip() == (f"forecache: error: port {port} on 127.0.0.1 is in use: "
                                   "pick another with --port")
     assert time.monotonic() - t0 < 30
+
+
+def test_concurrent_streams_are_queued_not_emptied(server) -> None:
+    """32 streaming chats at once: every answer is complete and equals its answer alone."""
+    base, model = server
+    client = openai.OpenAI(base_url=base + "/v1", api_key="x", timeout=300, max_retries=0)
+
+    def ask(i: int) -> tuple[str, str | None]:
+        stream = client.chat.completions.create(
+            model=model.stem, messages=[{"role": "user", "content": f"question {i}"}],
+            max_tokens=8, temperature=0, stream=True, extra_body={"repeat_penalty": 1.0})
+        text, finish = "", None
+        for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+        return text, finish
+
+    alone = [ask(i) for i in range(32)]
+    with ThreadPoolExecutor(32) as pool:
+        together = list(pool.map(ask, range(32)))
+    assert all(finish in ("length", "stop") for _, finish in together), together
+    assert together == alone

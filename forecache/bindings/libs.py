@@ -11,6 +11,8 @@ from types import ModuleType
 # Must equal FORECACHE_PATCH_VERSION in include/forecache.h (forecache/data/patches/0004).
 EXPECTED_PATCH_VERSION = 4
 
+MAX_THREADS = 512  # GGML_MAX_N_THREADS (ggml.h): more would overrun ggml's thread arrays
+
 _FIX = "run `forecache build` (or `make setup`) to install forecache's patched llama-cpp-python"
 
 

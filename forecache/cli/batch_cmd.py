@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from forecache.cli.generate_cmd import cache_config, cache_options
+from forecache.cli.generate_cmd import cache_config, cache_options, threads_option
 from forecache.cli.model_arg import model_option
 
 
@@ -33,7 +33,7 @@ class BatchFailed(click.ClickException):
               help="max_tokens of requests that do not give one.")
 @click.option("--ctx-per-seq", default=2048, show_default=True, type=click.IntRange(16),
               help="Context of each sequence (prompt + answer); capped by the model's.")
-@click.option("--threads", type=int, default=None, help="CPU threads (default: all cores).")
+@threads_option
 @click.option("--progress/--no-progress", default=None,
               help="Progress bar on stderr (default: when stderr is a terminal).")
 @click.option("--verbose", is_flag=True, help="Show llama.cpp's own log.")
@@ -58,26 +58,27 @@ def batch(model: Path, input_path: Path, output_path: Path, parallel: int, max_t
         raise click.UsageError("--output must not be the --input file")
     requests, bad = read_requests(input_path, max_tokens)
     require_moe(model)  # before OUT is touched
-    done, cut = done_ids(output_path)
+    done, done_failed, cut = done_ids(output_path)
     total = len(requests) + len(bad)
     if cut:
         click.echo(f"forecache: dropped a half-written last record of {output_path}; it will be "
                    "redone", err=True)
     todo = [r for r in requests if r.id not in done]
+    ids = {r.id for r in requests} | {b["id"] for b in bad}
     bad = [b for b in bad if b["id"] not in done]
-    skipped = total - len(todo) - len(bad)
-    if skipped:
-        click.echo(f"forecache: {skipped} of {total} requests are already in {output_path}; "
-                   "skipping them", err=True)
+    failed = len(done_failed & ids)  # a resumed job still reports the failures it wrote before
+    if total - len(todo) - len(bad):
+        click.echo(f"forecache: {total - len(todo) - len(bad)} of {total} requests are already "
+                   f"in {output_path}; skipping them", err=True)
+    skipped = total - len(todo) - len(bad) - failed  # done before, not failed
     writer = OutputWriter(output_path)
-    failed = 0
     try:
         for record in bad:
             writer.write(record)
             failed += 1
         if not todo:
             click.echo(f"forecache: nothing to do ({total} requests, {skipped} done, "
-                       f"{failed} malformed)", err=True)
+                       f"{failed} failed)", err=True)
             if failed:
                 raise BatchFailed(f"{failed} of {total} requests failed (see {output_path})")
             return

@@ -9,6 +9,7 @@ import click
 
 from forecache.cache.budget import parse_size
 from forecache.cache.policies import POLICIES
+from forecache.cli.generate_cmd import threads_option
 from forecache.cli.model_arg import model_option
 
 
@@ -22,7 +23,7 @@ from forecache.cli.model_arg import model_option
 @click.option("--prompt-len", default=512, show_default=True, help="Prompt tokens.")
 @click.option("--gen", "n_gen", default=128, show_default=True, help="Generated tokens.")
 @click.option("--prompts", "n_prompts", default=3, show_default=True, help="Prompts per policy.")
-@click.option("--threads", type=int, default=None, help="CPU threads (default: all cores).")
+@threads_option
 @click.option("--ablation", is_flag=True,
               help="ProMoE's ablation instead: lru, then promoe's techniques added one by one.")
 @click.option("--rates", default=None,

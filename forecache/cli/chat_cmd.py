@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 
 import click
 
-from forecache.cli.generate_cmd import cache_config, cache_options
+from forecache.cli.generate_cmd import cache_config, cache_options, threads_option
 from forecache.cli.model_arg import model_option
+from forecache.interrupt import Terminated
 
 if TYPE_CHECKING:
     from forecache.chat import ChatSession
@@ -107,7 +108,7 @@ def _command(session: ChatSession, line: str) -> bool:
 @click.option("--seed", default=0, show_default=True, help="Sampling seed.")
 @click.option("--ctx", "n_ctx", default=4096, show_default=True,
               help="Context length (capped by the model's).")
-@click.option("--threads", type=int, default=None, help="CPU threads (default: all cores).")
+@threads_option
 @click.option("--verbose", is_flag=True, help="Show llama.cpp's own log.")
 @cache_options
 def chat(model: Path, system: str | None, max_tokens: int, temp: float, seed: int,
@@ -151,6 +152,8 @@ def _loop(session: ChatSession) -> None:
             except EOFError:
                 click.echo("", err=True)
                 break
+            except Terminated:
+                raise  # SIGTERM quits (exit 143); Ctrl-C only clears the line
             except KeyboardInterrupt:
                 click.echo("\n(Ctrl-D or /exit quits)", err=True)
                 continue
@@ -170,7 +173,7 @@ def _loop(session: ChatSession) -> None:
             sys.stdout.flush()
             click.echo(status_line(turn), err=True)
             if turn.signum == signal.SIGTERM:
-                break
+                raise Terminated
     finally:
         _save_history(history)
 

@@ -11,6 +11,7 @@ from forecache.bindings import PatchedBuildError
 from forecache.bindings.libs import ModelLoadError
 from forecache.cache.runtime import CacheError
 from forecache.gguf_inspect import GGUFError
+from forecache.interrupt import Terminated, raise_terminated
 from forecache.llama_build import BuildError
 
 # OSError covers the file-system problems users meet: disk full, permissions, existing output.
@@ -21,24 +22,27 @@ USER_ERRORS = (GGUFError, PatchedBuildError, ModelLoadError, BuildError, CacheEr
 def main_guard(cli: click.Group) -> None:
     """Run the CLI; known errors print ``forecache: error: ...`` and exit 1, Ctrl-C exits 130."""
     # SIGTERM unwinds like Ctrl-C, so partial outputs are removed by their writers' cleanup.
-    signal.signal(signal.SIGTERM, _terminate)
+    signal.signal(signal.SIGTERM, raise_terminated)
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
-    except click.exceptions.Abort:
+    except click.exceptions.Abort as e:  # click's wrapping of KeyboardInterrupt
+        if isinstance(e.__cause__, Terminated):
+            click.echo("forecache: terminated", err=True)
+            sys.exit(128 + signal.SIGTERM)
         click.echo("forecache: interrupted", err=True)
-        sys.exit(130)
+        sys.exit(128 + signal.SIGINT)
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
+    except Terminated:
+        click.echo("\nforecache: terminated", err=True)
+        sys.exit(128 + signal.SIGTERM)
     except KeyboardInterrupt:
         click.echo("\nforecache: interrupted", err=True)
-        sys.exit(130)
+        sys.exit(128 + signal.SIGINT)
     except USER_ERRORS as e:
         click.echo(f"forecache: error: {e}", err=True)
         sys.exit(1)
 
-
-def _terminate(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt

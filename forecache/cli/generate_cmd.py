@@ -3,19 +3,28 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 
+from forecache.bindings.libs import MAX_THREADS
 from forecache.cache.policies import POLICIES
 from forecache.cache.prefetcher import Features
 from forecache.cache.setup import DEFAULT_MACHINE, CacheConfig, resolve_cache_config
 from forecache.cli.model_arg import model_option
+from forecache.interrupt import StopFlag, deferred_signals
 
 if TYPE_CHECKING:
     from forecache.engine import GenerationResult
+
+
+def threads_option(fn):  # type: ignore[no-untyped-def]
+    """--threads: 1 to MAX_THREADS CPU threads (ggml's limit); default every core."""
+    return click.option("--threads", type=click.IntRange(1, MAX_THREADS), default=None,
+                        help=f"CPU threads, 1 to {MAX_THREADS} (default: all cores).")(fn)
 
 
 def cache_options(fn):  # type: ignore[no-untyped-def]
@@ -86,7 +95,7 @@ def _stream(text: str) -> None:
 @click.option("--seed", default=0, show_default=True, help="Sampling seed.")
 @click.option("--temp", default=0.8, show_default=True, help="Sampling temperature.")
 @click.option("--ctx", "n_ctx", default=4096, show_default=True, help="Context length.")
-@click.option("--threads", type=int, default=None, help="CPU threads (default: all cores).")
+@threads_option
 @click.option("--n-gpu-layers", default=-1, show_default=True,
               help="Layers on the GPU on a CUDA build (-1 = all).")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-generation tokens.")
@@ -105,13 +114,22 @@ def generate(model: Path, prompt: str, n_predict: int, greedy: bool, seed: int, 
     sampling = SamplingParams(greedy=greedy, temperature=temp)
     cfg = cache_config(**cache_opts)  # type: ignore[arg-type]
     with Engine(model, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers, seed=seed,
-                verbose=verbose, cache=cfg) as eng:
+                verbose=verbose, cache=cfg) as eng, deferred_signals() as stop:
         res = eng.generate(prompt, n_predict, sampling, on_text=None if as_json else _stream,
-                           ignore_eos=ignore_eos)
+                           ignore_eos=ignore_eos, stop=stop)
+    _exit_if_stopped(stop)
     if as_json:
         click.echo(json.dumps(res.to_json()))
     else:
         _print_stats(res)
+
+
+def _exit_if_stopped(stop: StopFlag) -> None:
+    """After Ctrl-C or SIGTERM stopped a generation between tokens: exit 130 or 143."""
+    if stop.signum is not None:
+        what = "terminated" if stop.signum == signal.SIGTERM else "interrupted"
+        click.echo(f"\nforecache: {what}", err=True)
+        sys.exit(128 + stop.signum)
 
 
 @click.command("run")
@@ -138,7 +156,10 @@ def run(model: Path, prompt: str | None, n_predict: int, **cache_opts: object) -
             click.echo("note: this model has random weights (made by `forecache make-model`), "
                        "so its text is noise; the timings are real", err=True)
         click.echo(f"> {question}", err=True)
-        res = eng.generate(text, n_predict, SamplingParams(greedy=True), on_text=_stream)
+        with deferred_signals() as stop:
+            res = eng.generate(text, n_predict, SamplingParams(greedy=True), on_text=_stream,
+                               stop=stop)
+    _exit_if_stopped(stop)
     _print_stats(res)
     click.echo(f"[{expert_summary(res.stats)}]", err=True)
 

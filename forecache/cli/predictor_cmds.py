@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 from pathlib import Path
@@ -69,7 +70,7 @@ def trace_cmd(model: Path, prompts: Path | None, builtin: str | None, out: Path,
     _say(f"[trace] wrote {s.path}: {s.requests} requests, {s.tokens} tokens "
          f"({s.prefill_tokens} prefill, {s.decode_tokens} decode) in {s.seconds:.1f} s")
     if s.interrupted:
-        sys.exit(130)
+        sys.exit(128 + (s.signum or signal.SIGINT))
 
 
 @click.command("train")

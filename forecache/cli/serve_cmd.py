@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from forecache.cli.generate_cmd import cache_config, cache_options
+from forecache.cli.generate_cmd import cache_config, cache_options, threads_option
 from forecache.cli.model_arg import model_option
 
 
@@ -18,7 +18,7 @@ from forecache.cli.model_arg import model_option
               help="Port to listen on.")
 @click.option("--ctx", "n_ctx", default=4096, show_default=True,
               help="Context length (capped by the model's).")
-@click.option("--threads", type=int, default=None, help="CPU threads (default: all cores).")
+@threads_option
 @click.option("--verbose", is_flag=True, help="Show llama.cpp's own log.")
 @cache_options
 def serve(model: Path, host: str, port: int, n_ctx: int, threads: int | None,
