@@ -159,3 +159,27 @@ def test_promoe_is_the_default_policy() -> None:
     sized = resolve_cache_config(None, "1GiB", None)
     assert sized.policy == "promoe" and sized.gpu_budget == 1 << 30
     assert resolve_cache_config("lru", None, 0.5).policy == "lru"
+
+
+def test_each_generation_frees_the_last_sampler(tiny_model) -> None:
+    """llama-cpp-python drops one sampler chain (an n_vocab buffer) per generation into a
+    reference cycle; forecache frees it at once, so native memory does not grow per request."""
+    import gc
+
+    from llama_cpp._internals import LlamaSampler
+
+    def live() -> int:
+        return sum(1 for o in gc.get_objects()
+                   if isinstance(o, LlamaSampler) and o.sampler is not None)
+
+    with Llama(str(tiny_model("q8_0")), n_ctx=256, verbose=False, policy="lru",
+               cache_fraction=0.5) as llm:
+        gc.collect()
+        base = live()
+        gc.disable()
+        try:
+            for i in range(12):
+                llm.create_completion(f"request {i}", max_tokens=2, temperature=0)
+            assert live() - base <= 1
+        finally:
+            gc.enable()

@@ -134,3 +134,30 @@ def test_concurrent_streams_are_queued_not_emptied(server) -> None:
         together = list(pool.map(ask, range(32)))
     assert all(finish in ("length", "stop") for _, finish in together), together
     assert together == alone
+
+
+@pytest.mark.parametrize(("body", "status", "words"), [
+    (b"not json", 400, "not JSON"),
+    (b"[1, 2]", 400, "JSON object"),
+    (b'{"messages": "hi"}', 400, "messages: Input should be a valid list"),
+    (b'{"messages": [{"role": "wizard", "content": "hi"}], "max_tokens": 2}', 400, "messages.0"),
+    (b'{"messages": [{"role": "user", "content": "x\\ud800y"}], "max_tokens": 2}', 400,
+     "lone surrogate"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": true}',
+     400, "logprobs are not available"),
+    (b'{"model": "nope", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}', 404,
+     "model 'nope' is not served here"),
+    (b'{"prompt": "hi", "max_tokens": -1}', 400, "max_tokens: Input should be greater"),
+], ids=["not-json", "array", "wrong-type", "bad-role", "surrogate", "logprobs", "unknown-model",
+        "negative-max-tokens"])
+def test_client_errors_are_4xx_with_one_short_line(server, body: bytes, status: int,
+                                                   words: str) -> None:
+    base, _ = server
+    path = "/v1/completions" if b'"prompt"' in body else "/v1/chat/completions"
+    r = httpx.post(base + path, content=body, headers={"content-type": "application/json"},
+                   timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert words in err["message"] and err["type"] == "invalid_request_error", err
+    assert "\n" not in err["message"] and "File " not in err["message"] and len(
+        err["message"]) < 300, err["message"]
