@@ -9,16 +9,19 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from forecache.gguf_checks import check_header
+
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 # Arrays longer than this (token lists, merges) are not materialised; only their length is kept.
 MAX_ARRAY_KEEP = 64
+MAX_ARRAY_DEPTH = 2  # GGUF writers nest arrays one level at most
 
 # value types of the GGUF key-value section
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
@@ -54,6 +57,8 @@ class ModelFile:
     tensors: list[TensorInfo]
     data_offset: int
     file_size: int
+    kv_types: dict[str, int] = field(default_factory=dict)  # GGUF value type of each key
+    duplicate_token: str | None = None  # a token that tokenizer.ggml.tokens lists twice
 
     @property
     def arch(self) -> str:
@@ -114,6 +119,7 @@ def tensor_nbytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:
 class _Reader:
     def __init__(self, buf: mmap.mmap | bytes, path: Path) -> None:
         self.buf, self.pos, self.path = buf, 0, path
+        self.duplicate_token: str | None = None
 
     def take(self, fmt: str) -> Any:
         size = struct.calcsize(fmt)
@@ -137,17 +143,38 @@ class _Reader:
         n = self.take("<Q")
         self.pos += n
 
-    def value(self, vtype: int, key: str, lengths: dict[str, int]) -> Any:
+    def _tokens(self, count: int) -> None:
+        """Read the vocabulary, keeping only the first token listed twice (llama.cpp asserts
+        that tokens are unique)."""
+        seen: set[bytes] = set()
+        for _ in range(count):
+            n = self.take("<Q")
+            tok = bytes(self.buf[self.pos:self.pos + n])
+            self.pos += n
+            if tok in seen and self.duplicate_token is None:
+                self.duplicate_token = tok.decode("utf-8", errors="replace")
+            seen.add(tok)
+
+    def value(self, vtype: int, key: str, lengths: dict[str, int], depth: int = 0) -> Any:
         if vtype in _SCALARS:
             return self.take(_SCALARS[vtype])
         if vtype == _STRING:
             return self.string()
         if vtype == _ARRAY:
+            if depth >= MAX_ARRAY_DEPTH:
+                raise GGUFError(f"{self.path}: key {key!r} nests arrays {depth + 1} deep "
+                                "(corrupt file?)")
             etype = self.take("<I")
             count = self.take("<Q")
+            if count > len(self.buf):
+                raise GGUFError(f"{self.path}: key {key!r} claims {count} entries, more than "
+                                "the file has bytes (corrupt file?)")
             lengths[key] = count
+            if key == "tokenizer.ggml.tokens" and etype == _STRING:
+                self._tokens(count)
+                return None
             if count <= MAX_ARRAY_KEEP:
-                return [self.value(etype, key, {}) for _ in range(count)]
+                return [self.value(etype, key, {}, depth + 1) for _ in range(count)]
             if etype == _STRING:
                 for _ in range(count):
                     self.skip_string()
@@ -155,7 +182,7 @@ class _Reader:
                 self.pos += struct.calcsize(_SCALARS[etype]) * count
             else:
                 for _ in range(count):
-                    self.value(etype, key, {})
+                    self.value(etype, key, {}, depth + 1)
             return None
         raise GGUFError(f"{self.path}: unknown GGUF value type {vtype} for key {key!r} "
                         "(corrupt file?)")
@@ -189,10 +216,12 @@ def _parse(mm: mmap.mmap, p: Path, size: int) -> ModelFile:
     if n_tensors > 1 << 24 or n_kv > 1 << 24:
         raise GGUFError(f"{p}: GGUF header is corrupt ({n_tensors} tensors, {n_kv} keys)")
     kv: dict[str, Any] = {}
+    kv_types: dict[str, int] = {}
     lengths: dict[str, int] = {}
     for _ in range(n_kv):
         key = r.string()
         vtype = r.take("<I")
+        kv_types[key] = vtype
         kv[key] = r.value(vtype, key, lengths)
     tensors = []
     for _ in range(n_tensors):
@@ -208,20 +237,26 @@ def _parse(mm: mmap.mmap, p: Path, size: int) -> ModelFile:
         except ValueError:
             raise GGUFError(f"{p}: tensor {name!r} has unknown type {raw_type}") from None
         tensors.append(TensorInfo(name, shape, qtype, offset, tensor_nbytes(shape, qtype)))
-    align = int(kv.get("general.alignment", DEFAULT_ALIGNMENT))
+    align = kv.get("general.alignment", DEFAULT_ALIGNMENT)
+    if isinstance(align, bool) or not isinstance(align, int) or align <= 0:
+        raise GGUFError(f"{p}: general.alignment is {align!r}, not a positive integer; the "
+                        "header is damaged: re-create or re-convert the model")
     data_offset = (r.pos + align - 1) // align * align
     end = max((data_offset + t.offset + t.nbytes for t in tensors), default=data_offset)
     if end > size:
         raise GGUFError(f"{p} is truncated: {size} bytes on disk, its tensors need {end}; "
                         "the download or copy did not finish, re-copy or re-create it")
-    return ModelFile(p, version, kv, lengths, tensors, data_offset, size)
+    return ModelFile(p, version, kv, lengths, tensors, data_offset, size, kv_types,
+                     r.duplicate_token)
 
 
 def require_moe(path: str | os.PathLike[str]) -> ModelFile:
     """read_model_file, and refuse models that have no routed experts."""
     mf = read_model_file(path)
-    if not mf.arch:
+    if not mf.arch or not isinstance(mf.arch, str):
         raise GGUFError(f"{mf.path}: GGUF has no general.architecture; it is not a model file")
+    if any(is_expert_tensor(t.name) for t in mf.tensors):
+        check_header(mf)  # before anything reads a hyperparameter
     if not mf.is_moe:
         raise GGUFError(f"{mf.path} is not a Mixture-of-Experts model (architecture {mf.arch!r} "
                         f"has no routed experts); forecache runs MoE GGUFs such as "

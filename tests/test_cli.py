@@ -58,3 +58,11 @@ def test_threads_out_of_range_is_refused(threads: str, tiny_model) -> None:
 
     with pytest.raises(ValueError, match="n_threads=.*use 1 to 512"):
         Llama(model, n_threads=int(threads), policy="lru", cache_fraction=0.5, verbose=False)
+
+
+def test_learned_predictor_without_training_says_how_to_make_one(tiny_model) -> None:
+    res = run_cli("generate", "-m", str(tiny_model("q8_0")), "-p", "hi", "-n", "2", "--policy",
+                  "promoe", "--cache-fraction", "0.5", "--predictor", "learned")
+    lines = res.stderr.strip().splitlines()
+    assert res.returncode == 1 and len(lines) == 1, res.stderr
+    assert "no learned predictors for tiny-q8_0.gguf" in lines[0] and "forecache train" in lines[0]

@@ -208,7 +208,12 @@ def make_forecaster(model: ModelFile, cfg: CacheConfig, n_slots: list[int],
                 f"{'' if cfg.window is None else f' (window {cfg.window})'}: prefetching with "
                 "the history predictor; `forecache trace` and `forecache train` make them")
     if name == "learned":
-        window = cfg.window if cfg.window is not None else (windows[0] if windows else None)
+        if not windows and cfg.window is None:
+            raise ValueError(f"--predictor learned: no learned predictors for {model.path.name}; "
+                             f"make them with `forecache trace -m {model.path} --builtin default "
+                             "--out TRACE.npz` and `forecache train -m MODEL --trace TRACE.npz "
+                             "--window 2`, or use --predictor history")
+        window = cfg.window if cfg.window is not None else windows[0]
         predictor = load_learned(model, window)
     elif name == "history":
         window = cfg.window or 1
