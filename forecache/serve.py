@@ -93,6 +93,10 @@ def client_error(path: str, body: bytes, names: set[str]) -> tuple[int, str, str
         where = ".".join(str(x) for x in first["loc"]) or "body"
         more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
         return 400, f"{where}: {first['msg']}{more}", "invalid_request"
+    for key in ("max_tokens", "max_completion_tokens"):
+        n = obj.get(key)
+        if isinstance(n, int) and not isinstance(n, bool) and n < 0:
+            return 400, f"{key} is {n}; it must be 0 or more", "invalid_request"
     model = obj.get("model")
     if model is not None and model not in names:
         return 404, f"model {model!r} is not served here; use {sorted(names)[0]!r}", \

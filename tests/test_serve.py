@@ -148,8 +148,10 @@ def test_concurrent_streams_are_queued_not_emptied(server) -> None:
     (b'{"model": "nope", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}', 404,
      "model 'nope' is not served here"),
     (b'{"prompt": "hi", "max_tokens": -1}', 400, "max_tokens: Input should be greater"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -1}', 400,
+     "max_tokens is -1"),
 ], ids=["not-json", "array", "wrong-type", "bad-role", "surrogate", "logprobs", "unknown-model",
-        "negative-max-tokens"])
+        "negative-max-tokens", "chat-negative-max-tokens"])
 def test_client_errors_are_4xx_with_one_short_line(server, body: bytes, status: int,
                                                    words: str) -> None:
     base, _ = server
