@@ -66,3 +66,15 @@ def test_learned_predictor_without_training_says_how_to_make_one(tiny_model) -> 
     lines = res.stderr.strip().splitlines()
     assert res.returncode == 1 and len(lines) == 1, res.stderr
     assert "no learned predictors for tiny-q8_0.gguf" in lines[0] and "forecache train" in lines[0]
+
+
+def test_cli_starts_without_loading_llama_cpp() -> None:
+    """`forecache --help` and the command table load no llama.cpp: a build made for another CPU
+    must still be refused in one line, and `forecache build` must still run to replace it."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from forecache.cli import cli; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'llama_cpp'))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "[]", res.stdout
