@@ -15,13 +15,14 @@
 #   benchmarks/gpu_check.sh all OUT       the three steps in one go (about 22 min)
 #
 # Each step does what an earlier one left undone (on a fresh machine `test` builds first), so
-# three calls of under 10 minutes each, back to back on one machine, finish the check.
+# three calls of under 10 minutes each, back to back on one machine, finish the check. OUT gets
+# seven files: build.json/.log, doctor.json, lossless.json/.log, policy_bench.json/.log.
 # --cpu runs every step on the CPU build with the tiny model instead: the dry run the test suite
 # does (tests/test_gpu_check.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,/^set -euo/p' "$0" | grep '^#' | sed 's/^# \{0,1\}//' >&2; exit 2; }
 [ $# -ge 1 ] || usage
 STEP=$1; shift
 OUT=""
@@ -101,7 +102,7 @@ print(json.dumps(dict(i(), step_s=$((SECONDS - t0))), indent=1))" > "$OUT/build.
 
 step_test() {
     step_build
-    "$PY" -m forecache.llama_build --reference --backend "$BACKEND" 2>&1 | tee "$OUT/reference.log" >&2
+    "$PY" -m forecache.llama_build --reference --backend "$BACKEND" 2>&1 | tee -a "$OUT/build.log" >&2
     "$PY" -m forecache doctor --json > "$OUT/doctor.json"
     local tests=(tests/test_lossless.py tests/test_default_placement.py
                  "tests/test_prefetch.py::test_promoe_is_lossless")
@@ -110,10 +111,10 @@ step_test() {
     [ "$CPU" = 1 ] && { tests=(tests/test_lossless.py); select=(-k "q8_0"); }
     set +e
     "$PY" -m pytest -q -p no:cacheprovider "${tests[@]}" "${select[@]}" \
-        --junitxml "$OUT/lossless.xml" 2>&1 | tee "$OUT/lossless.log" >&2
+        --junitxml "$OUT/.lossless.xml" 2>&1 | tee "$OUT/lossless.log" >&2
     local rc=${PIPESTATUS[0]}
     set -e
-    "$PY" - "$OUT/lossless.xml" "$rc" > "$OUT/lossless.json" <<'EOF'
+    "$PY" - "$OUT/.lossless.xml" "$rc" > "$OUT/lossless.json" <<'EOF'
 import json, sys
 import xml.etree.ElementTree as ET
 root = ET.parse(sys.argv[1]).getroot()
@@ -125,6 +126,7 @@ cases = [{"test": f"{c.get('classname')}::{c.get('name')}", "seconds": float(c.g
 print(json.dumps({"exit_code": int(sys.argv[2]), "passed": sum(c["outcome"] == "passed" for c in cases),
                   "failed": sum(c["outcome"] == "failed" for c in cases), "cases": cases}, indent=1))
 EOF
+    rm -f "$OUT/.lossless.xml"  # lossless.json has it; the device tool returns 8 files at most
     log "lossless tests: exit $rc (details in $OUT/lossless.log)"
 }
 

@@ -37,6 +37,10 @@ def test_cpu_dry_run_writes_every_result(tmp_path: Path) -> None:
     assert {r["policy"] for r in bench["results"]} == {"offload", "ncmoe", "lru", "static",
                                                     "promoe"}
     assert bench["same_tokens"] is True and bench["h2d_gbps"] is not None
+    # the device tool returns at most 8 files: these, plus the CPU mode's small model
+    assert sorted(p.name for p in out.iterdir()) == [
+        "build.json", "build.log", "doctor.json", "lossless.json", "lossless.log",
+        "policy_bench.json", "policy_bench.log", "tiny-q4_k.gguf"]
 
 
 def test_usage_errors(tmp_path: Path) -> None:
