@@ -6,6 +6,7 @@ one-line error instead of a crash inside llama.cpp.
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import struct
@@ -196,7 +197,15 @@ def read_model_file(path: str | os.PathLike[str]) -> ModelFile:
                         f"`forecache make-model {p} --preset tiny`)")
     if p.is_dir():
         raise GGUFError(f"{p} is a directory, not a GGUF model file")
-    size = p.stat().st_size
+    st = p.stat()
+    return _read(str(p), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+@functools.lru_cache(maxsize=16)
+def _read(path: str, size: int, mtime_ns: int, inode: int) -> ModelFile:
+    """The parsed header of ``path`` as it is on disk (a load checks its model in several places;
+    a changed or replaced file has another size, time or inode and is parsed again)."""
+    p = Path(path)
     with open(p, "rb") as f:
         head = f.read(4)
         if head != GGUF_MAGIC:

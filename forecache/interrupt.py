@@ -31,6 +31,11 @@ class StopFlag:
     def __bool__(self) -> bool:
         return self.signum is not None
 
+    def raise_if_set(self) -> None:
+        """Raise what the signal would have: Terminated for SIGTERM, else KeyboardInterrupt."""
+        if self.signum is not None:
+            raise Terminated if self.signum == signal.SIGTERM else KeyboardInterrupt
+
 
 @contextlib.contextmanager
 def deferred_signals() -> Iterator[StopFlag]:

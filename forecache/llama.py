@@ -282,9 +282,8 @@ class Llama(llama_cpp.Llama):
         # which a reference cycle (its free callback holds the object) keeps alive until a full
         # garbage collection, with an n_vocab-sized buffer (1.8 MB for a 151k vocabulary): free
         # it now.
-        old = getattr(self, "_sampler", None)
-        if old is not None:
-            old.close()
+        if self._sampler is not None:
+            self._sampler.close()
             self._sampler = None
         try:
             return (yield from super().generate(tokens, *args, **kwargs))

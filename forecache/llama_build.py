@@ -556,7 +556,11 @@ def build(source: Path | None = None, backend: str = "auto", force: bool = False
 def reference_dir(backend: str = "cpu") -> Path:
     """Where the unpatched reference build for ``backend`` is (or would be) installed: a
     directory to put first on PYTHONPATH, in a process of its own."""
-    return cache_dir() / "llama-build" / "reference" / build_config(backend, stock=True).key
+    return _reference_dir(build_config(backend, stock=True))
+
+
+def _reference_dir(cfg: BuildConfig) -> Path:
+    return cache_dir() / "llama-build" / "reference" / cfg.key
 
 
 def build_reference(source: Path | None = None, backend: str = "cpu", force: bool = False,
@@ -565,7 +569,7 @@ def build_reference(source: Path | None = None, backend: str = "cpu", force: boo
     series, installed into :func:`reference_dir` (not into the environment): the reference that
     forecache's lossless tests compare with. Returns that directory."""
     cfg = build_config(backend, stock=True)
-    dest = reference_dir(backend)
+    dest = _reference_dir(cfg)
     if (dest / "llama_cpp" / BUILD_INFO_NAME).exists() and not force:
         log(f"unpatched reference llama-cpp-python {cfg.key} ({backend}) ready in {dest}")
         return dest

@@ -29,7 +29,7 @@ from gguf import (
 from forecache.gguf_inspect import tensor_nbytes
 
 #: models.yaml ships inside the package (forecache/data), so every install has it.
-_YAML_CANDIDATES = (Path(__file__).resolve().parent / "data" / "models.yaml",)
+MODELS_YAML = Path(__file__).resolve().parent / "data" / "models.yaml"
 
 #: The weight types `make-model --type` accepts: ggml type of the matrices and file type label.
 QTYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
@@ -275,12 +275,7 @@ def size_report(spec: ModelSpec, qtype: str) -> SizeReport:
 
 
 def _find_yaml(path: str | Path | None) -> Path:
-    if path is not None:
-        return Path(path)
-    for candidate in _YAML_CANDIDATES:
-        if candidate.is_file():
-            return candidate
-    raise FileNotFoundError("models.yaml not found in " + ", ".join(map(str, _YAML_CANDIDATES)))
+    return Path(path) if path is not None else MODELS_YAML
 
 
 def _model_from_dict(name: str, raw: Mapping[str, Any]) -> ModelSpec:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import socket
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -72,8 +73,6 @@ def _lone_surrogate(value: Any) -> bool:
 def client_error(path: str, body: bytes, names: set[str]) -> tuple[int, str, str] | None:
     """(status, message, code) for a request body the client got wrong, else None. Checked
     before llama-cpp-python's routes, which answer these with 500 and internal tracebacks."""
-    import json
-
     import pydantic
     from llama_cpp.server import types
 
@@ -131,8 +130,6 @@ class ClientErrors:
         body = b"".join(chunks)
         problem = client_error(scope["path"], body, self.names)
         if problem is not None:
-            import json
-
             status, message, code = problem
             payload = json.dumps({"error": {"message": message, "type": "invalid_request_error",
                                             "param": None, "code": code}}).encode()

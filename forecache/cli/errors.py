@@ -28,21 +28,19 @@ def main_guard(cli: click.Group) -> None:
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
     except click.exceptions.Abort as e:  # click's wrapping of KeyboardInterrupt
-        if isinstance(e.__cause__, Terminated):
-            click.echo("forecache: terminated", err=True)
-            sys.exit(128 + signal.SIGTERM)
-        click.echo("forecache: interrupted", err=True)
-        sys.exit(128 + signal.SIGINT)
+        _exit_on_signal(e.__cause__, "")
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
-    except Terminated:
-        click.echo("\nforecache: terminated", err=True)
-        sys.exit(128 + signal.SIGTERM)
-    except KeyboardInterrupt:
-        click.echo("\nforecache: interrupted", err=True)
-        sys.exit(128 + signal.SIGINT)
+    except KeyboardInterrupt as e:
+        _exit_on_signal(e, "\n")
     except USER_ERRORS as e:
         click.echo(f"forecache: error: {e}", err=True)
         sys.exit(1)
 
+
+def _exit_on_signal(exc: BaseException | None, lead: str) -> None:
+    """Exit 143 for SIGTERM (Terminated), 130 for Ctrl-C, saying which."""
+    term = isinstance(exc, Terminated)
+    click.echo(f"{lead}forecache: {'terminated' if term else 'interrupted'}", err=True)
+    sys.exit(128 + (signal.SIGTERM if term else signal.SIGINT))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import signal
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -15,7 +14,7 @@ from forecache.cache.policies import POLICIES
 from forecache.cache.prefetcher import Features
 from forecache.cache.setup import DEFAULT_MACHINE, CacheConfig, resolve_cache_config
 from forecache.cli.model_arg import model_option
-from forecache.interrupt import StopFlag, deferred_signals
+from forecache.interrupt import deferred_signals
 
 if TYPE_CHECKING:
     from forecache.engine import GenerationResult
@@ -117,19 +116,11 @@ def generate(model: Path, prompt: str, n_predict: int, greedy: bool, seed: int, 
                 verbose=verbose, cache=cfg) as eng, deferred_signals() as stop:
         res = eng.generate(prompt, n_predict, sampling, on_text=None if as_json else _stream,
                            ignore_eos=ignore_eos, stop=stop)
-    _exit_if_stopped(stop)
+    stop.raise_if_set()
     if as_json:
         click.echo(json.dumps(res.to_json()))
     else:
         _print_stats(res)
-
-
-def _exit_if_stopped(stop: StopFlag) -> None:
-    """After Ctrl-C or SIGTERM stopped a generation between tokens: exit 130 or 143."""
-    if stop.signum is not None:
-        what = "terminated" if stop.signum == signal.SIGTERM else "interrupted"
-        click.echo(f"\nforecache: {what}", err=True)
-        sys.exit(128 + stop.signum)
 
 
 @click.command("run")
@@ -159,7 +150,7 @@ def run(model: Path, prompt: str | None, n_predict: int, **cache_opts: object) -
         with deferred_signals() as stop:
             res = eng.generate(text, n_predict, SamplingParams(greedy=True), on_text=_stream,
                                stop=stop)
-    _exit_if_stopped(stop)
+    stop.raise_if_set()
     _print_stats(res)
     click.echo(f"[{expert_summary(res.stats)}]", err=True)
 
