@@ -8,7 +8,7 @@ run: setup
 	.venv/bin/forecache run
 
 test: setup
-	.venv/bin/python -m forecache.llama_build --reference
+	.venv/bin/python -m forecache.build --reference
 	.venv/bin/python -m pytest -q
 
 lint: setup

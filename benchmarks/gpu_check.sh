@@ -42,12 +42,12 @@ bundle() {
     [ -x "$py" ] || { log "run make setup first (or set PYTHON)"; exit 1; }
     rm -rf "$BUNDLE" && mkdir -p "$BUNDLE/wheels"
     local tmp; tmp=$(mktemp -d)
-    "$py" -m forecache.llama_build --export-source "$tmp/llama-src"
+    "$py" -m forecache.build --export-source "$tmp/llama-src"
     tar -C "$tmp" -cJf "$BUNDLE/llama-src.tar.xz" llama-src
     rm -rf "$tmp"
     # What forecache needs that the GPU machine's Python 3.12 lacks (pure-Python wheels).
     "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-        -d "$BUNDLE/wheels" "gguf>=0.17" "platformdirs>=3.0" "diskcache>=5.6.1"
+        -d "$BUNDLE/wheels" "gguf>=0.17" "diskcache>=5.6.1"
     log "wrote $BUNDLE ($(du -sh "$BUNDLE" | cut -f1)); the repository and it travel together:"
     log "$(git ls-files -z | du -ch --files0-from=- | tail -1 | cut -f1) tracked + the bundle, under 64 MiB"
 }
@@ -61,7 +61,7 @@ if [ "$CPU" = 1 ]; then
     PY=${PYTHON:-.venv/bin/python}
     export FORECACHE_CUDA=0
     BACKEND=cpu
-    installed=$("$PY" -c "from forecache.llama_build import installed_build_info as i; \
+    installed=$("$PY" -c "from forecache.build import installed_build_info as i; \
 print((i() or {}).get('backend', 'none'))")
     if [ "$installed" != cpu ] && [ "$installed" != none ]; then
         log "--cpu is the dry run of a CPU build; this environment has a $installed build, which it would replace"
@@ -79,7 +79,7 @@ fi
 environment() {
     [ "$CPU" = 1 ] && return 0
     [ -f "$BUNDLE/llama-src.tar.xz" ] || { log "no $BUNDLE: run '$0 bundle' where there is network, and carry it"; exit 1; }
-    if ! "$PY" -c "import gguf, platformdirs, diskcache" 2>/dev/null; then
+    if ! "$PY" -c "import gguf, diskcache" 2>/dev/null; then
         log "installing $(ls "$BUNDLE"/wheels | tr '\n' ' ')into $("$PY" -c 'import sys; print(sys.prefix)')"
         "$PY" -m pip install -q --no-index --no-deps "$BUNDLE"/wheels/*.whl
     fi
@@ -94,15 +94,15 @@ environment() {
 step_build() {
     environment
     local t0=$SECONDS
-    "$PY" -m forecache.llama_build --backend "$BACKEND" 2>&1 | tee "$OUT/build.log" >&2
-    "$PY" -c "import json; from forecache.llama_build import installed_build_info as i; \
+    "$PY" -m forecache.build --backend "$BACKEND" 2>&1 | tee "$OUT/build.log" >&2
+    "$PY" -c "import json; from forecache.build import installed_build_info as i; \
 print(json.dumps(dict(i(), step_s=$((SECONDS - t0))), indent=1))" > "$OUT/build.json"
     log "build: $(cat "$OUT/build.json" | "$PY" -c 'import json,sys; d=json.load(sys.stdin); print(d["backend"], d["key"])')"
 }
 
 step_test() {
     step_build
-    "$PY" -m forecache.llama_build --reference --backend "$BACKEND" 2>&1 | tee -a "$OUT/build.log" >&2
+    "$PY" -m forecache.build --reference --backend "$BACKEND" 2>&1 | tee -a "$OUT/build.log" >&2
     "$PY" -m forecache doctor --json > "$OUT/doctor.json"
     local tests=(tests/test_lossless.py tests/test_default_placement.py
                  "tests/test_prefetch.py::test_promoe_is_lossless")
@@ -132,7 +132,7 @@ EOF
 
 step_bench() {
     environment
-    if ! "$PY" -c "from forecache.bindings import patch_version; patch_version()" 2>/dev/null; then
+    if ! "$PY" -c "from forecache.native import patch_version; patch_version()" 2>/dev/null; then
         step_build
     fi
     local model args

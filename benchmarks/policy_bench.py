@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 from forecache.bench import format_table, run_bench
-from forecache.bindings.ggml_devices import CopyProbeError, cache_device, measure_copy
 from forecache.cache.budget import parse_size
 from forecache.cache.policies import POLICIES
+from forecache.native.ggml_devices import CopyProbeError, cache_device, measure_copy
 
 
 def main() -> int:

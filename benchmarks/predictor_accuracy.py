@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from forecache.gguf_inspect import read_model_file
+from forecache.gguf.header import read_model_file
 from forecache.predictor.evaluate import evaluate
 from forecache.predictor.registry import PREDICTORS, parse_names
-from forecache.trace_file import TraceFile
+from forecache.trace.format import TraceFile
 
 
 def main() -> int:

@@ -15,9 +15,9 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from forecache.cache.cost import Profile
 from forecache.cache.prefetcher import Features
-from forecache.sim_profile import Profile, trace_model_names
-from forecache.sim_run import (
+from forecache.sim.run import (
     ablation,
     fit_predictor,
     run_one,
@@ -26,8 +26,9 @@ from forecache.sim_run import (
     static_profile,
     trace_shape,
 )
-from forecache.simulator import SimConfig
-from forecache.trace_file import TraceFile
+from forecache.sim.shapes import trace_model_names
+from forecache.sim.simulate import SimConfig
+from forecache.trace.format import TraceFile
 
 ROOT = Path(__file__).resolve().parents[1]
 

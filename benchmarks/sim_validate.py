@@ -19,7 +19,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from forecache.default_model import ensure_default_model
-from forecache.sim_calibrate import validate
+from forecache.sim.calibrate import validate
 
 TOLERANCE = 0.15
 

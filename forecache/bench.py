@@ -151,7 +151,7 @@ def run_ablation(model: Path, *, gpu_budget: int | None, cache_fraction: float |
                  progress: Callable[[str], None] = lambda s: None) -> dict:
     """ProMoE's ablation (Fig. 13/14) measured: lru, then promoe's techniques added one by one
     (the rows of ``sim_run.ABLATION``), on the same prompts; ratios to lru."""
-    from forecache.sim_run import ABLATION
+    from forecache.sim.run import ABLATION
 
     n_ctx, prompts = workload(model, n_prompts, prompt_len, n_gen)
     rows = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from forecache.llama_build import cache_dir
+from forecache.paths import cache_dir
 
 # The trained reference model shipped in the package (tools/reference_model); when a checkout
 # lacks it, a random-weight `tiny` is made instead so the main command still runs.
@@ -30,7 +30,7 @@ def ensure_tiny_model() -> Path:
     """The random-weight `tiny` model, made in the cache on first use."""
     path = default_model_path()
     if not path.exists():
-        from forecache.model_maker import make_model
+        from forecache.gguf.maker import make_model
 
         print(f"forecache: making the default model ({DEFAULT_PRESET}, {DEFAULT_TYPE}) at {path}",
               file=sys.stderr)

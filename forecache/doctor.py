@@ -7,8 +7,8 @@ import time
 
 import numpy as np
 
-from forecache.bindings import build_info, llama_cpp_module, patch_version
-from forecache.bindings.ggml_devices import CopyProbeError, backends, devices, measure_copy
+from forecache.native import build_info, llama_cpp_module, patch_version
+from forecache.native.ggml_devices import CopyProbeError, backends, devices, measure_copy
 
 
 def host_memory_bandwidth_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> float:

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import numpy as np
 
-from forecache.bindings import llama_cpp_module
 from forecache.cache.runtime import ExpertCache
 from forecache.cache.setup import CacheConfig, Placement
-from forecache.gguf_inspect import ModelFile
+from forecache.gguf.header import ModelFile
 from forecache.llama import Llama, ModelLoadError, Streamed  # noqa: F401  (re-exported)
+from forecache.native import llama_cpp_module
 
 
 @dataclass

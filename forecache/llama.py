@@ -23,9 +23,6 @@ from typing import Any
 
 import numpy as np
 
-from forecache.bindings import llama_cpp_module, llama_cpp_package, patch_version
-from forecache.bindings.cache_api import SLOT_EMPTY
-from forecache.bindings.libs import MAX_THREADS, ModelLoadError
 from forecache.cache.budget import format_size
 from forecache.cache.runtime import ExpertCache
 from forecache.cache.setup import (
@@ -38,7 +35,10 @@ from forecache.cache.setup import (
     place,
     resolve_cache_config,
 )
-from forecache.gguf_inspect import ModelFile, require_moe
+from forecache.gguf.header import ModelFile, require_moe
+from forecache.native import llama_cpp_module, llama_cpp_package, patch_version
+from forecache.native.cache_api import SLOT_EMPTY
+from forecache.native.libs import MAX_THREADS, ModelLoadError
 
 llama_cpp = llama_cpp_package()  # after checking that the build fits this CPU
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import yaml
 
 from forecache.default_model import DEFAULT_PRESET, ensure_default_model, ensure_tiny_model
-from forecache.model_specs import _find_yaml, load_specs
+from forecache.gguf.specs import _find_yaml, load_specs
+from forecache.paths import model_dir
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -27,16 +28,6 @@ class CatalogEntry:
     hf_repo: str | None
     preset: str | None
     description: str
-
-
-def model_dir() -> Path:
-    """Where named models are looked for: $FORECACHE_MODEL_DIR, else the user data directory."""
-    env = os.environ.get("FORECACHE_MODEL_DIR")
-    if env:
-        return Path(env).expanduser()
-    from platformdirs import user_data_dir
-
-    return Path(user_data_dir("forecache")) / "models"
 
 
 @functools.lru_cache(maxsize=4)

@@ -32,8 +32,8 @@ pip_install() {
 echo "[forecache setup] installing build requirements"
 pip_install "scikit-build-core>=0.9.2"
 # The patched build first: installing forecache would otherwise pull a stock llama-cpp-python.
-.venv/bin/python -m forecache.llama_build
+.venv/bin/python -m forecache.build
 echo "[forecache setup] installing forecache"
 pip_install -e ".[test]"
-.venv/bin/python -c "from forecache.bindings import patch_version; patch_version()"
+.venv/bin/python -c "from forecache.native import patch_version; patch_version()"
 echo "[forecache setup] done: .venv/bin/forecache is ready"

@@ -16,7 +16,7 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
     """tiny_model(qtype) -> path of the `tiny` preset in that type (seed 0), made on first use."""
-    from forecache.model_maker import make_model
+    from forecache.gguf.maker import make_model
 
     root = tmp_path_factory.mktemp("tiny")
     made: dict[str, Path] = {}
@@ -133,8 +133,8 @@ class StockReference:
 def stock(tmp_path_factory: pytest.TempPathFactory) -> StockReference:
     """The unpatched llama-cpp-python reference (built into the cache on first use; `make test`
     builds it before the tests)."""
-    from forecache import llama_build
+    from forecache import build
 
-    backend = (llama_build.installed_build_info() or {}).get("backend", "cpu")
-    site = llama_build.build_reference(backend=backend)
+    backend = (build.installed_build_info() or {}).get("backend", "cpu")
+    site = build.build_reference(backend=backend)
     return StockReference(site, tmp_path_factory.mktemp("stock"), backend)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from cli_helpers import run_cli
 
-from forecache.gguf_inspect import GGUFError, read_model_file, require_moe
+from forecache.gguf.header import GGUFError, read_model_file, require_moe
 
 
 def _dense_gguf(path: Path) -> Path:

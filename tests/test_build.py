@@ -14,36 +14,37 @@ from pathlib import Path
 
 import pytest
 
-from forecache import llama_build
-from forecache.llama_build import BuildError
+from forecache import build
+from forecache.build import BuildError
+from forecache.paths import cache_dir
 
 
 def test_installed_build_is_ours_and_current() -> None:
     import llama_cpp
 
-    info = llama_build.installed_build_info()
+    info = build.installed_build_info()
     assert info is not None, "llama_cpp in this environment was not built by forecache"
-    assert info["patch_hash"] == llama_build.patch_series_hash()
-    assert info["patches"] == [p.name for p in llama_build.patch_files()]
-    expected = f"{llama_build.LLAMA_CPP_PYTHON_VERSION}+forecache.{info['key']}"
+    assert info["patch_hash"] == build.patch_series_hash()
+    assert info["patches"] == [p.name for p in build.patch_files()]
+    expected = f"{build.LLAMA_CPP_PYTHON_VERSION}+forecache.{info['key']}"
     assert llama_cpp.__version__ == expected
 
 
 def test_patch_hash_changes_with_series(tmp_path: Path) -> None:
-    for p in llama_build.patch_files():
+    for p in build.patch_files():
         shutil.copy(p, tmp_path / p.name)
-    h0 = llama_build.patch_series_hash(tmp_path)
-    assert h0 == llama_build.patch_series_hash()
+    h0 = build.patch_series_hash(tmp_path)
+    assert h0 == build.patch_series_hash()
     (tmp_path / "0099-extra.patch").write_text("--- a/x\n+++ b/x\n")
-    assert llama_build.patch_series_hash(tmp_path) != h0
+    assert build.patch_series_hash(tmp_path) != h0
 
 
 def test_build_key_depends_on_flags() -> None:
-    a = llama_build.BuildConfig("cpu", "h", ["p"], ["-DA=1"])
-    b = llama_build.BuildConfig("cuda", "h", ["p"], ["-DA=1"])
-    c = llama_build.BuildConfig("cpu", "h", ["p"], ["-DA=2"])
+    a = build.BuildConfig("cpu", "h", ["p"], ["-DA=1"])
+    b = build.BuildConfig("cuda", "h", ["p"], ["-DA=1"])
+    c = build.BuildConfig("cpu", "h", ["p"], ["-DA=2"])
     assert len({a.key, b.key, c.key}) == 3
-    assert a.key == llama_build.BuildConfig("cpu", "h", ["p"], ["-DA=1"]).key
+    assert a.key == build.BuildConfig("cpu", "h", ["p"], ["-DA=1"]).key
 
 
 def _fake_tree(root: Path, text: str = "int x = 1;\n") -> Path:
@@ -58,7 +59,7 @@ def test_patch_that_does_not_apply_names_itself(tmp_path: Path) -> None:
     bad = tmp_path / "0002-broken.patch"
     bad.write_text("--- a/src/f.c\n+++ b/src/f.c\n@@ -1 +1 @@\n-int x = 1;\n+int x = 2;\n")
     with pytest.raises(BuildError, match="0002-broken.patch does not apply"):
-        llama_build.apply_patches(tree, [bad])
+        build.apply_patches(tree, [bad])
 
 
 def test_patch_applies_in_order(tmp_path: Path) -> None:
@@ -67,23 +68,23 @@ def test_patch_applies_in_order(tmp_path: Path) -> None:
     p1.write_text("--- a/src/f.c\n+++ b/src/f.c\n@@ -1 +1 @@\n-int x = 1;\n+int x = 2;\n")
     p2 = tmp_path / "0002-b.patch"
     p2.write_text("--- a/src/f.c\n+++ b/src/f.c\n@@ -1 +1 @@\n-int x = 2;\n+int x = 3;\n")
-    llama_build.apply_patches(tree, [p1, p2])
+    build.apply_patches(tree, [p1, p2])
     assert (tree / "vendor" / "llama.cpp" / "src" / "f.c").read_text() == "int x = 3;\n"
 
 
 def test_real_series_applies_to_pinned_sdist(tmp_path: Path) -> None:
-    sdist = llama_build.cache_dir() / "sdist" / llama_build.SDIST_NAME
+    sdist = cache_dir() / "sdist" / build.SDIST_NAME
     if not sdist.exists():
         pytest.skip("pinned sdist not in the cache (built from --source)")
-    tree = llama_build.unpack_source(sdist, tmp_path)
-    llama_build.trim_tree(tree)
-    llama_build.apply_patches(tree, llama_build.patch_files())
+    tree = build.unpack_source(sdist, tmp_path)
+    build.trim_tree(tree)
+    build.apply_patches(tree, build.patch_files())
     assert (tree / "vendor" / "llama.cpp" / "include" / "forecache.h").exists()
     assert not (tree / "vendor" / "llama.cpp" / "docs").exists()
 
 
 def test_wrong_sdist_is_refused(tmp_path: Path) -> None:
-    fake = tmp_path / llama_build.SDIST_NAME
+    fake = tmp_path / build.SDIST_NAME
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tf:
         data = b"not llama"
@@ -91,68 +92,68 @@ def test_wrong_sdist_is_refused(tmp_path: Path) -> None:
         info.size = len(data)
         tf.addfile(info, io.BytesIO(data))
     fake.write_bytes(buf.getvalue())
-    assert hashlib.sha256(fake.read_bytes()).hexdigest() != llama_build.SDIST_SHA256
-    with pytest.raises(BuildError, match="expected " + llama_build.SDIST_SHA256):
-        llama_build.unpack_source(fake, tmp_path / "work")
+    assert hashlib.sha256(fake.read_bytes()).hexdigest() != build.SDIST_SHA256
+    with pytest.raises(BuildError, match="expected " + build.SDIST_SHA256):
+        build.unpack_source(fake, tmp_path / "work")
 
 
 def test_source_tree_of_wrong_shape_is_refused(tmp_path: Path) -> None:
     (tmp_path / "src" / "nothing").mkdir(parents=True)
     (tmp_path / "work").mkdir()
     with pytest.raises(BuildError, match="not a llama-cpp-python source tree"):
-        llama_build.unpack_source(tmp_path / "src", tmp_path / "work")
+        build.unpack_source(tmp_path / "src", tmp_path / "work")
 
 
 def test_backend_choice_follows_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FORECACHE_CUDA", "0")
-    assert llama_build.choose_backend() == "cpu"
+    assert build.choose_backend() == "cpu"
     monkeypatch.setenv("FORECACHE_CUDA", "1")
-    monkeypatch.setattr(llama_build, "find_nvcc", lambda: None)
+    monkeypatch.setattr(build, "find_nvcc", lambda: None)
     with pytest.raises(BuildError, match="nvcc was not found"):
-        llama_build.choose_backend()
-    assert "-DGGML_CUDA=OFF" in llama_build.backend_cmake_args("cpu")
-    assert "-DLLAVA_BUILD=OFF" in llama_build.backend_cmake_args("cpu")
+        build.choose_backend()
+    assert "-DGGML_CUDA=OFF" in build.backend_cmake_args("cpu")
+    assert "-DLLAVA_BUILD=OFF" in build.backend_cmake_args("cpu")
 
 
 def test_missing_compiler_is_explained(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(llama_build.shutil, "which", lambda name: None)
+    monkeypatch.setattr(build.shutil, "which", lambda name: None)
     with pytest.raises(BuildError, match="no C/C.. compiler found"):
-        llama_build.check_toolchain("cpu")
+        build.check_toolchain("cpu")
 
 
 def test_exported_tree_is_a_valid_offline_source(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    sdist = llama_build.cache_dir() / "sdist" / llama_build.SDIST_NAME
+    sdist = cache_dir() / "sdist" / build.SDIST_NAME
     if not sdist.exists():
         pytest.skip("pinned sdist not in the cache (built from --source)")
-    exported = llama_build.export_source(sdist, tmp_path / "src")
+    exported = build.export_source(sdist, tmp_path / "src")
     assert not (exported / "vendor" / "llama.cpp" / "docs").exists()
     with pytest.raises(BuildError, match="exists"):
-        llama_build.export_source(sdist, exported)
+        build.export_source(sdist, exported)
     monkeypatch.setenv("FORECACHE_LLAMA_SOURCE", str(exported))
     (tmp_path / "work").mkdir()
-    tree = llama_build.unpack_source(None, tmp_path / "work")
+    tree = build.unpack_source(None, tmp_path / "work")
     assert tree.parent == tmp_path / "work"
-    assert llama_build.llama_cpp_commit(tree) == llama_build.llama_cpp_commit(exported)
-    llama_build.apply_patches(tree, llama_build.patch_files())
+    assert build.llama_cpp_commit(tree) == build.llama_cpp_commit(exported)
+    build.apply_patches(tree, build.patch_files())
 
 
 def test_cpu_features_key_the_cache_and_guard_the_load(monkeypatch: pytest.MonkeyPatch) -> None:
     cpuinfo = ("processor\t: 0\nflags\t\t: fpu sse sse2 pni ssse3 fma avx avx2 avx512f avx512bw "
                "amx_tile amx_int8 hypervisor smep\nprocessor\t: 1\n")
-    feats = llama_build.cpu_features(cpuinfo)
+    feats = build.cpu_features(cpuinfo)
     assert feats == ["amx_int8", "amx_tile", "avx", "avx2", "avx512bw", "avx512f", "fma", "pni",
                      "sse", "sse2", "ssse3"]
-    a = llama_build.BuildConfig("cpu", "h", ["p"], ["-DA=1"], cpu_features=feats)
-    b = llama_build.BuildConfig("cpu", "h", ["p"], ["-DA=1"], cpu_features=feats[2:])
+    a = build.BuildConfig("cpu", "h", ["p"], ["-DA=1"], cpu_features=feats)
+    b = build.BuildConfig("cpu", "h", ["p"], ["-DA=1"], cpu_features=feats[2:])
     assert a.key != b.key  # a cache carried to a CPU without AMX is not used there
     # the installed build records what it was compiled for; a CPU that lacks some is refused
-    assert llama_build.installed_build_info()["cpu_features"] == llama_build.cpu_features()
-    from forecache.bindings import libs
+    assert build.installed_build_info()["cpu_features"] == build.cpu_features()
+    from forecache.native import libs
 
-    monkeypatch.setattr(llama_build, "installed_build_info",
+    monkeypatch.setattr(build, "installed_build_info",
                         lambda: {"cpu_features": ["avx2", "isa_this_cpu_lacks"]})
-    monkeypatch.setattr(llama_build, "cpu_features",
+    monkeypatch.setattr(build, "cpu_features",
                         lambda cpuinfo=None, isa_only=True: ["avx2", "fma"])
     libs.check_build_cpu.cache_clear()
     try:
@@ -164,10 +165,10 @@ def test_cpu_features_key_the_cache_and_guard_the_load(monkeypatch: pytest.Monke
 
 def test_reference_build_is_unpatched_and_apart() -> None:
     """The lossless tests' reference: the same sdist without the series, outside the venv."""
-    site = llama_build.reference_dir()
-    info = json.loads((site / "llama_cpp" / llama_build.BUILD_INFO_NAME).read_text())
-    assert info["patches"] == [] and info["patch_hash"] == llama_build.STOCK
-    assert info["cmake_args"] == llama_build.backend_cmake_args("cpu")
+    site = build.reference_dir()
+    info = json.loads((site / "llama_cpp" / build.BUILD_INFO_NAME).read_text())
+    assert info["patches"] == [] and info["patch_hash"] == build.STOCK
+    assert info["cmake_args"] == build.backend_cmake_args("cpu")
     code = ("import llama_cpp, llama_cpp.llama_cpp as l; "
             "print(llama_cpp.__version__, hasattr(l._lib, 'forecache_patch_version'))")
     res = subprocess.run([sys.executable, "-c", code],

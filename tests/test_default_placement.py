@@ -29,7 +29,7 @@ PARAMS = {"n_ctx": 1024, "n_batch": 512, "n_threads": 2}
 PROMPTS = ([1, 2, 3, 4, 5], list(range(10, 310)))
 def _amx() -> bool:
     """Whether this build's CPU backend has AMX kernels (a native build on an AMX CPU)."""
-    from forecache.bindings import llama_cpp_module
+    from forecache.native import llama_cpp_module
 
     return "AMX_INT8 = 1" in llama_cpp_module().llama_print_system_info().decode()
 

@@ -13,7 +13,7 @@ import pytest
 from forecache.cache.budget import plan_memory
 from forecache.cache.setup import CacheConfig
 from forecache.engine import Engine, SamplingParams
-from forecache.gguf_inspect import read_model_file
+from forecache.gguf.header import read_model_file
 
 if TYPE_CHECKING:
     from conftest import StockReference

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from cli_helpers import run_cli, run_cli_json
 
-from forecache import model_specs
 from forecache.engine import Engine, SamplingParams
+from forecache.gguf import specs as model_specs
 
 QTYPES = list(model_specs.QTYPES)
 

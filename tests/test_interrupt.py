@@ -30,7 +30,7 @@ def test_sigterm_during_make_model_leaves_nothing(tmp_path: Path) -> None:
 
 def test_sigint_during_trace_keeps_finished_requests(tiny_model, tmp_path: Path) -> None:
     """Ctrl-C in the middle of a trace keeps every finished request as a valid trace."""
-    from forecache.trace_file import TraceFile
+    from forecache.trace.format import TraceFile
 
     out = tmp_path / "t.npz"
     proc = subprocess.Popen([sys.executable, "-m", "forecache", "trace", "-m",

@@ -138,15 +138,15 @@ def test_out_of_memory_at_load_is_one_clear_error(tiny_model) -> None:
 
 
 def test_not_moe_and_missing_files_are_refused(tmp_path: Path) -> None:
-    from forecache.gguf_inspect import GGUFError
+    from forecache.gguf.header import GGUFError
 
     with pytest.raises(GGUFError, match="not found|does not exist|no such"):
         Llama(str(tmp_path / "missing.gguf"))
 
 
 def test_promoe_is_the_default_policy() -> None:
-    from forecache.bindings.ggml_devices import cache_device
     from forecache.cache.setup import resolve_cache_config
+    from forecache.native.ggml_devices import cache_device
 
     dev = cache_device()
     auto = resolve_cache_config(None, None, None)

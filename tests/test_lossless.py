@@ -23,7 +23,7 @@ from stock_runner import greedy
 
 from forecache.cache.budget import plan_memory
 from forecache.cache.setup import CacheConfig
-from forecache.gguf_inspect import read_model_file
+from forecache.gguf.header import read_model_file
 from forecache.llama import Llama
 
 if TYPE_CHECKING:

@@ -14,10 +14,11 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFReader
 from gguf.quants import dequantize
 
-from forecache import model_maker, model_specs
-from forecache.model_maker import make_model, random_blocks
-from forecache.model_specs import get_spec, size_report, tensor_plan, tensor_type
-from forecache.vocab_maker import CHATML_TEMPLATE, SPECIAL_TOKENS, decode_token, make_vocab
+from forecache.gguf import maker as model_maker
+from forecache.gguf import specs as model_specs
+from forecache.gguf.maker import make_model, random_blocks
+from forecache.gguf.specs import get_spec, size_report, tensor_plan, tensor_type
+from forecache.gguf.vocab import CHATML_TEMPLATE, SPECIAL_TOKENS, decode_token, make_vocab
 
 QTYPES = list(model_specs.QTYPES)
 

@@ -11,7 +11,7 @@ import pytest
 from cli_helpers import run_cli
 
 from forecache.default_model import REFERENCE_MODEL
-from forecache.gguf_inspect import read_model_file
+from forecache.gguf.header import read_model_file
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +23,7 @@ def ref_trace(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_trace_command_writes_builtin_trace(ref_trace: Path) -> None:
-    from forecache.trace_file import TraceFile
+    from forecache.trace.format import TraceFile
 
     with TraceFile(ref_trace) as tr:
         info = tr.info()
@@ -72,8 +72,8 @@ def test_eval_predictor_json_and_plot(ref_trace: Path, tmp_path: Path) -> None:
 
 def test_train_stores_predictors_and_refuses_other_models(ref_trace: Path, tmp_path: Path,
                                                           monkeypatch) -> None:
-    from forecache.model_identity import ModelMismatchError
-    from forecache.model_maker import make_model
+    from forecache.gguf.identity import ModelMismatchError
+    from forecache.gguf.maker import make_model
     from forecache.predictor.store import learned_dir, load_learned
 
     monkeypatch.setenv("FORECACHE_CACHE_DIR", str(tmp_path / "cache"))

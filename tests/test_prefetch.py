@@ -13,14 +13,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 
-from forecache.bindings.cache_api import CHUNK_EXPERT, ChunkInfo
+from forecache.cache.cost import Profile
 from forecache.cache.prefetcher import HIGH, LOW, SLOT_EMPTY, SLOT_QUEUED, Features
 from forecache.cache.setup import CacheConfig
 from forecache.engine import Engine, SamplingParams
+from forecache.native.cache_api import CHUNK_EXPERT, ChunkInfo
 from forecache.predictor.base import Request
-from forecache.sim_profile import Profile, shape_of
-from forecache.simulator import SimConfig, SimEngine, simulate
-from forecache.trace_file import TraceWriter
+from forecache.sim.engine import SimEngine
+from forecache.sim.shapes import shape_of
+from forecache.sim.simulate import SimConfig, simulate
+from forecache.trace.format import TraceWriter
 from tests.cli_helpers import run_cli, run_cli_json
 from tests.conftest import assert_same_tokens
 
@@ -199,7 +201,7 @@ def test_simulator_is_deterministic_and_streams_prefill(tmp_path: Path) -> None:
 
 def test_sim_engine_follows_the_c_engine(tiny_model: Callable[[str], Path]) -> None:
     """The same loads, preemption and schedule give the same slot states and copy order."""
-    from forecache.gguf_inspect import read_model_file
+    from forecache.gguf.header import read_model_file
 
     model = tiny_model("q8_0")
     mf = read_model_file(model)
@@ -297,7 +299,7 @@ def test_gate_orders_cache_first_and_keeps_needed_experts() -> None:
 
 
 def test_split_plan_by_cost() -> None:
-    from forecache.cache.split import CostModel, ExpertShape
+    from forecache.cache.cost import CostModel, ExpertShape
 
     shape = ExpertShape(1024, 704, (405504, 405504, 765952))
     prof = Profile.load("rtx4090")

@@ -32,7 +32,7 @@ def _logits(ids: list[int]) -> np.ndarray:
 
 
 def test_shipped_and_default() -> None:
-    from forecache.gguf_inspect import require_moe
+    from forecache.gguf.header import require_moe
 
     assert REFERENCE_MODEL.stat().st_size <= 30 * 2**20
     mf = require_moe(REFERENCE_MODEL)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from cli_helpers import run_cli
 
-from forecache.routing_stats import routing_stats
-from forecache.trace_file import TraceFile, TraceWriter
+from forecache.trace.format import TraceFile, TraceWriter
+from forecache.trace.stats import routing_stats
 
 SHARED_QWEN = Path(__file__).resolve().parents[2] / "shared" / "traces" / \
     "qwen15_moe_a27b_chat_gsm8k25_5layers_batched.npz"

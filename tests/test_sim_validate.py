@@ -9,11 +9,12 @@ from dataclasses import replace
 
 import numpy as np
 
+from forecache.cache.cost import Profile
 from forecache.default_model import REFERENCE_MODEL
-from forecache.gguf_inspect import read_model_file
+from forecache.gguf.header import read_model_file
 from forecache.predictor.base import Request
-from forecache.sim_calibrate import Measured, fit_profile, model_shape, simulate_measured, validate
-from forecache.sim_profile import Profile, shape_of
+from forecache.sim.calibrate import Measured, fit_profile, model_shape, simulate_measured, validate
+from forecache.sim.shapes import shape_of
 
 
 def test_model_shape_matches_the_preset() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from forecache.trace_file import TraceError, TraceFile, TraceWriter
+from forecache.trace.format import TraceError, TraceFile, TraceWriter
 
 
 def _random_requests(rng: np.random.Generator, n: int, L: int = 3, k: int = 2, d: int = 5):
@@ -108,9 +108,9 @@ def test_tracing_keeps_tokens_and_records_true_routing(tiny_model, tmp_path: Pat
     """The recorded trace: same greedy tokens as a plain run, one row per token fed to the model,
     and gate inputs/weights that reproduce each layer's routing through its own router."""
     from forecache.engine import Engine, SamplingParams
-    from forecache.gguf_inspect import read_model_file
+    from forecache.gguf.header import read_model_file
     from forecache.predictor.skip import SkipPredictor
-    from forecache.tracing import PromptItem, _render, record_trace
+    from forecache.trace.record import PromptItem, _render, record_trace
 
     model = tiny_model("q8_0")
     prompts = [PromptItem("a", prompt="Tell me about rivers and the sea."),

@@ -56,8 +56,8 @@ def test_wheel_installs_with_its_data(tmp_path: Path) -> None:
     _run(fc + ["make-model", str(elsewhere / "t.gguf"), "--preset", "tiny"], cwd=elsewhere)
     assert (elsewhere / "t.gguf").stat().st_size > 0
     assert "--shape" in _run(fc + ["simulate", "--help"], cwd=elsewhere).stdout
-    n = _run([str(py), "-c", "from forecache import llama_build as b; "
+    n = _run([str(py), "-c", "from forecache import build as b; "
               "print(len(b.patch_files()), b.patch_series_hash())"], cwd=elsewhere).stdout.split()
-    from forecache import llama_build
+    from forecache import build
 
-    assert n == [str(len(llama_build.patch_files())), llama_build.patch_series_hash()]
+    assert n == [str(len(build.patch_files())), build.patch_series_hash()]

@@ -6,7 +6,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from forecache.gguf_inspect import ModelFile
+from forecache.gguf.header import ModelFile
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40,
           "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,

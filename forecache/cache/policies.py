@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from forecache.bindings.cache_api import HIGH
+from forecache.native.cache_api import HIGH
 
 if TYPE_CHECKING:
     from forecache.cache.prefetcher import CopyEngine

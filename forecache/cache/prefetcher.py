@@ -16,7 +16,9 @@ from typing import Protocol
 
 import numpy as np
 
-from forecache.bindings.cache_api import (  # noqa: F401  (re-exported for the simulator)
+from forecache.cache.cost import CostModel
+from forecache.cache.policies import Policy
+from forecache.native.cache_api import (  # noqa: F401  (re-exported for the simulator)
     HIGH,
     LOW,
     SLOT_COPYING,
@@ -24,8 +26,6 @@ from forecache.bindings.cache_api import (  # noqa: F401  (re-exported for the s
     SLOT_QUEUED,
     SLOT_READY,
 )
-from forecache.cache.policies import Policy
-from forecache.cache.split import CostModel
 
 
 class CopyEngine(Protocol):

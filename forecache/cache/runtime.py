@@ -8,16 +8,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from forecache.bindings import libllama
-from forecache.bindings.cache_api import (  # noqa: F401  (LOW re-exported)
+from forecache.cache.forecast import Forecaster, ForecastWorker
+from forecache.cache.policies import Policy
+from forecache.native import libllama
+from forecache.native.cache_api import (  # noqa: F401  (LOW re-exported)
     CHUNK_PROJECTION,
     GATE_HOOK,
     HIGH,
     LOW,
     CacheStats,
 )
-from forecache.cache.forecast import Forecaster, ForecastWorker
-from forecache.cache.policies import Policy
 
 # (layer, ids [n, k], router weights [n, k] | None, gate input [n, d] | None)
 RouteCallback = Callable[[int, np.ndarray, "np.ndarray | None", "np.ndarray | None"], None]

@@ -9,9 +9,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from forecache.bindings import llama_cpp_module
-from forecache.bindings.cache_api import CHUNK_EXPERT, TensorBuftOverride
-from forecache.bindings.ggml_devices import Device, cache_device, host_buffer_type
 from forecache.cache.budget import (
     MemoryPlan,
     moe_layers,
@@ -19,13 +16,15 @@ from forecache.cache.budget import (
     plan_memory,
     slots_for_fraction,
 )
+from forecache.cache.cost import CostModel, ExpertShape, Profile
 from forecache.cache.forecast import Forecaster
 from forecache.cache.policies import POLICIES, HostOnlyPolicy, LRUPolicy, Policy, StaticPolicy
 from forecache.cache.prefetcher import Features, Prefetcher
 from forecache.cache.runtime import DEFAULT_CHUNK_BYTES, ExpertCache, RouteCallback
-from forecache.cache.split import CostModel
-from forecache.gguf_inspect import ModelFile, is_expert_tensor
-from forecache.sim_profile import ExpertShape, Profile
+from forecache.gguf.header import ModelFile, is_expert_tensor
+from forecache.native import llama_cpp_module
+from forecache.native.cache_api import CHUNK_EXPERT, TensorBuftOverride
+from forecache.native.ggml_devices import Device, cache_device, host_buffer_type
 
 EXPERT_PATTERN = r"_exps\."
 # the machine profile promoe's host/device split starts from until it has measured the rates

@@ -50,7 +50,7 @@ def batch(model: Path, input_path: Path, output_path: Path, parallel: int, max_t
     from tqdm import tqdm
 
     from forecache.batch import OutputWriter, decode_many, done_ids, read_requests
-    from forecache.gguf_inspect import require_moe
+    from forecache.gguf.header import require_moe
     from forecache.interrupt import deferred_signals
     from forecache.llama import Llama
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from forecache import llama_build
+from forecache import build as builder
 
 
 @click.command("build")
@@ -26,14 +26,14 @@ def build(source: Path | None, backend: str, force: bool, export_source: Path | 
           reference: bool) -> None:
     """Build and install forecache's patched llama-cpp-python (cached after the first time)."""
     if export_source:
-        out = llama_build.export_source(source, export_source)
+        out = builder.export_source(source, export_source)
         click.echo(f"wrote trimmed source tree to {out}")
         return
     if reference:
-        site = llama_build.build_reference(source, llama_build.choose_backend(backend), force)
+        site = builder.build_reference(source, builder.choose_backend(backend), force)
         click.echo(f"unpatched reference ready in {site}")
         return
-    info = llama_build.build(source, backend, force)
+    info = builder.build(source, backend, force)
     click.echo(f"ready: llama-cpp-python {info['version']}+forecache.{info['key']} "
                f"({info['backend']})")
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import click
 from forecache.cli.generate_cmd import cache_config, cache_options, threads_option
 from forecache.cli.model_arg import model_option
 from forecache.interrupt import Terminated
+from forecache.paths import chat_history_file
 
 if TYPE_CHECKING:
     from forecache.chat import ChatSession
@@ -25,20 +25,13 @@ HELP = """commands:
   /exit           quit (Ctrl-D too); Ctrl-C stops an answer"""
 
 
-def _history_file() -> Path:
-    from platformdirs import user_state_dir
-
-    return Path(os.environ.get("FORECACHE_CHAT_HISTORY")
-                or Path(user_state_dir("forecache")) / "chat_history")
-
-
 def _line_editing() -> Path | None:
     """Turn on readline's line editing and history for input(); the history file, if any."""
     try:
         import readline
     except ImportError:  # no readline on this platform: plain input still works
         return None
-    path = _history_file()
+    path = chat_history_file()
     try:
         readline.read_history_file(path)
     except OSError:

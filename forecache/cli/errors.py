@@ -7,12 +7,12 @@ import sys
 
 import click
 
-from forecache.bindings import PatchedBuildError
-from forecache.bindings.libs import ModelLoadError
+from forecache.build import BuildError
 from forecache.cache.runtime import CacheError
-from forecache.gguf_inspect import GGUFError
+from forecache.gguf.header import GGUFError
 from forecache.interrupt import Terminated, raise_terminated
-from forecache.llama_build import BuildError
+from forecache.native import PatchedBuildError
+from forecache.native.libs import ModelLoadError
 
 # OSError covers the file-system problems users meet: disk full, permissions, existing output.
 USER_ERRORS = (GGUFError, PatchedBuildError, ModelLoadError, BuildError, CacheError, ValueError,

@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 
 import click
 
-from forecache.bindings.libs import MAX_THREADS
 from forecache.cache.policies import POLICIES
 from forecache.cache.prefetcher import Features
 from forecache.cache.setup import DEFAULT_MACHINE, CacheConfig, resolve_cache_config
 from forecache.cli.model_arg import model_option
 from forecache.interrupt import deferred_signals
+from forecache.native.libs import MAX_THREADS
 
 if TYPE_CHECKING:
     from forecache.engine import GenerationResult

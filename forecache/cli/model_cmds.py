@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from forecache.model_specs import QTYPES
+from forecache.gguf.specs import QTYPES
 
 
 @click.command("make-model")
@@ -24,7 +24,7 @@ from forecache.model_specs import QTYPES
 def make_model_cmd(out: Path, preset: str, qtype: str, seed: int, n_layers: int | None,
                    workers: int | None, force: bool) -> None:
     """Write OUT.gguf: a MoE model of a real architecture with random weights."""
-    from forecache.model_maker import make_model
+    from forecache.gguf.maker import make_model
 
     if out.exists() and not force:
         raise FileExistsError(f"{out} exists; pass --force to overwrite it")

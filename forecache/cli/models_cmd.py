@@ -12,8 +12,9 @@ import click
 def models(as_json: bool) -> None:
     """List the model names -m accepts, whether their files are found, and where to put them."""
     from forecache.default_model import ensure_default_model
-    from forecache.model_names import catalog, find_in_model_dir, model_dir
-    from forecache.model_specs import load_specs
+    from forecache.gguf.specs import load_specs
+    from forecache.model_names import catalog, find_in_model_dir
+    from forecache.paths import model_dir
 
     directory = model_dir()
     rows = [{"name": "default", "kind": "built-in", "path": str(ensure_default_model()),

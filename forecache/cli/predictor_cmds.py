@@ -10,8 +10,8 @@ from pathlib import Path
 import click
 
 from forecache.cli.model_arg import model_option
-from forecache.gguf_inspect import read_model_file, require_moe
-from forecache.trace_file import TraceError, TraceFile
+from forecache.gguf.header import read_model_file, require_moe
+from forecache.trace.format import TraceError, TraceFile
 
 
 def _say(msg: str) -> None:
@@ -40,7 +40,7 @@ def trace_cmd(model: Path, prompts: Path | None, builtin: str | None, out: Path,
               gate_input: bool, limit: int | None, raw: bool, n_ctx: int, n_batch: int,
               force: bool) -> None:
     """Record which experts every MoE layer routes each token to, for predictors and caches."""
-    from forecache.tracing import builtin_prompts_path, load_prompts, record_trace
+    from forecache.trace.record import builtin_prompts_path, load_prompts, record_trace
 
     if (prompts is None) == (builtin is None):
         raise click.UsageError("give exactly one of --prompts FILE and --builtin NAME")
@@ -85,7 +85,7 @@ def trace_cmd(model: Path, prompts: Path | None, builtin: str | None, out: Path,
 @click.option("--epochs", default=30, show_default=True, help="Training epochs per layer.")
 def train_cmd(model: Path, trace_path: Path, window: int, out: Path | None, epochs: int) -> None:
     """Train the learned (ProMoE) predictors of one model and store them with its identity."""
-    from forecache.model_identity import require_same_model
+    from forecache.gguf.identity import require_same_model
     from forecache.predictor.base import source_layer
     from forecache.predictor.learned import LearnedPredictor
     from forecache.predictor.store import learned_dir, write_identity
@@ -147,7 +147,7 @@ def eval_cmd(trace_path: Path, predictors: str, windows: str, model: Path | None
     mf = read_model_file(model) if model else None
     with TraceFile(trace_path) as tr:
         if mf is not None and tr.meta.get("fingerprint"):
-            from forecache.model_identity import require_same_model
+            from forecache.gguf.identity import require_same_model
 
             require_same_model(tr.meta, mf, f"trace {trace_path}", "pass the model it was "
                                "recorded with")

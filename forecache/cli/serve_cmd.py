@@ -28,7 +28,7 @@ def serve(model: Path, host: str, port: int, n_ctx: int, threads: int | None,
     /v1/completions, /v1/chat/completions (streaming too) and /v1/models, plus
     GET /v1/forecache/stats (the expert cache's counters) and POST /v1/forecache/stats/reset.
     """
-    from forecache.gguf_inspect import require_moe
+    from forecache.gguf.header import require_moe
     from forecache.llama import Llama
     from forecache.serve import bind, create_app
     from forecache.serve import serve as run_server

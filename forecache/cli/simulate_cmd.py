@@ -8,9 +8,9 @@ from pathlib import Path
 
 import click
 
+from forecache.cache.cost import Profile
 from forecache.cache.prefetcher import Features
-from forecache.sim_profile import Profile
-from forecache.sim_run import (
+from forecache.sim.run import (
     ablation,
     fit_predictor,
     run_one,
@@ -19,8 +19,8 @@ from forecache.sim_run import (
     static_profile,
     trace_shape,
 )
-from forecache.simulator import SIM_POLICIES, SimConfig, SimResult
-from forecache.trace_file import TraceFile
+from forecache.sim.simulate import SIM_POLICIES, SimConfig, SimResult
+from forecache.trace.format import TraceFile
 
 
 def _row(label: str, r: SimResult, base: SimResult | None) -> str:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from forecache.trace_file import TraceFile
+from forecache.trace.format import TraceFile
 
 
 @click.command("routing-stats")
@@ -20,7 +20,7 @@ def routing_stats_cmd(trace_path: Path, as_json: bool, per_layer: bool) -> None:
     over a workload (load entropy near 1) but skewed within a request (lower request entropy,
     reuse above the independent expectation, agreement well above 0).
     """
-    from forecache.routing_stats import dumps, routing_stats
+    from forecache.trace.stats import dumps, routing_stats
 
     with TraceFile(trace_path) as tr:
         stats = routing_stats(tr)

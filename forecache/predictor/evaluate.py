@@ -19,11 +19,11 @@ from typing import Any
 
 import numpy as np
 
-from forecache.gguf_inspect import ModelFile
+from forecache.gguf.header import ModelFile
 from forecache.predictor.base import Request, source_layer
 from forecache.predictor.metrics import topk_accuracy
 from forecache.predictor.registry import make_predictor, unavailable
-from forecache.trace_file import TraceFile
+from forecache.trace.format import TraceFile
 
 DEFAULT_WINDOWS = (1, 2, 4, 8)
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from forecache.gguf_inspect import ModelFile
+from forecache.gguf.header import ModelFile
 from forecache.predictor.base import Predictor
-from forecache.trace_file import TraceInfo
+from forecache.trace.format import TraceInfo
 
 PREDICTORS = ("learned", "skip", "token", "eam", "history")
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from forecache.gguf_inspect import ModelFile
+from forecache.gguf.header import ModelFile
 from forecache.predictor.base import Predictor, Request
 
 

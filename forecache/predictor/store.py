@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 
 from forecache.atomic_file import write_atomic
-from forecache.gguf_inspect import ModelFile
-from forecache.llama_build import cache_dir
-from forecache.model_identity import identity, require_same_model
+from forecache.gguf.header import ModelFile
+from forecache.gguf.identity import identity, require_same_model
+from forecache.paths import cache_dir
 
 MODEL_FILE = "model.json"
 

@@ -37,9 +37,9 @@ def write_gguf(model: Qwen2Moe, tok: Tokenizer, path: Path, qtype: str, valid_lo
     from gguf import GGMLQuantizationType, GGUFWriter, TokenType
     from gguf.quants import quantize
 
-    from forecache.model_maker import add_hparams
-    from forecache.model_specs import get_spec
-    from forecache.vocab_maker import Vocab
+    from forecache.gguf.maker import add_hparams
+    from forecache.gguf.specs import get_spec
+    from forecache.gguf.vocab import Vocab
 
     spec = get_spec("reference")
     mismatch = {k: (v, getattr(spec, k)) for k, v in model.c.to_dict().items()

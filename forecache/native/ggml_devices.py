@@ -6,7 +6,7 @@ import ctypes
 import functools
 from dataclasses import dataclass
 
-from forecache.bindings.libs import libggml, libllama
+from forecache.native.libs import libggml, libllama
 
 # enum ggml_backend_dev_type in ggml-backend.h
 DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
@@ -52,7 +52,7 @@ def _lib() -> ctypes.CDLL:
 
 def _ensure_backends_loaded() -> None:
     # llama_backend_init registers the backends compiled into libggml.
-    from forecache.bindings.libs import llama_cpp_module
+    from forecache.native.libs import llama_cpp_module
 
     llama_cpp_module().llama_backend_init()
 

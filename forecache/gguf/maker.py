@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter
 
-from .model_specs import (
+from forecache.gguf.specs import (
     QTYPES,
     ModelSpec,
     SizeReport,
@@ -34,7 +34,7 @@ from .model_specs import (
     size_report,
     tensor_plan,
 )
-from .vocab_maker import Vocab, make_vocab
+from forecache.gguf.vocab import Vocab, make_vocab
 
 Q = GGMLQuantizationType
 

@@ -4,7 +4,7 @@ Everything is loaded from the shared libraries that llama-cpp-python itself load
 copy of llama.cpp in the process. llama.h's own functions are used through ``llama_cpp.llama_cpp``.
 """
 
-from forecache.bindings.libs import (
+from forecache.native.libs import (
     EXPECTED_PATCH_VERSION,
     PatchedBuildError,
     build_info,

@@ -12,7 +12,7 @@ import math
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from forecache.gguf_inspect import ModelFile
+    from forecache.gguf.header import ModelFile
 
 LLAMA_MAX_LAYERS = 512  # llama-hparams.h
 LLAMA_MAX_EXPERTS = 1024  # llama-hparams.h
@@ -54,7 +54,7 @@ def _show(v: Any) -> str:
 
 
 def _error(mf: ModelFile, what: str, why: str) -> Exception:
-    from forecache.gguf_inspect import GGUFError
+    from forecache.gguf.header import GGUFError
 
     why = why or "the header is damaged or was edited by hand"
     return GGUFError(f"{mf.path}: {what}; {why}: re-create or re-convert the model")

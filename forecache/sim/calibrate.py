@@ -15,15 +15,16 @@ from pathlib import Path
 import numpy as np
 
 from forecache.cache.budget import moe_layers
+from forecache.cache.cost import Profile
 from forecache.cache.prefetcher import Features
 from forecache.cache.setup import CacheConfig, attach_observer, expert_shape
 from forecache.engine import Engine, SamplingParams
-from forecache.gguf_inspect import ModelFile, is_expert_tensor
+from forecache.gguf.header import ModelFile, is_expert_tensor
 from forecache.predictor.base import Request
 from forecache.predictor.history import HistoryPredictor
-from forecache.sim_profile import Profile, SimShape
-from forecache.simulator import SimConfig, Simulator
-from forecache.tracing import _all_rows_computed, _Recorder
+from forecache.sim.shapes import SimShape
+from forecache.sim.simulate import SimConfig, Simulator
+from forecache.trace.record import _all_rows_computed, _Recorder
 
 # Profile fields fitted to the calibration runs: on a CPU build the "device" is the same CPU, so
 # device and host share their rates.
@@ -259,7 +260,7 @@ def validate(model_path: Path, *, prompt_len: int = 128, n_gen: int = 32, n_prom
     progress("fitting the profile ...")
     prof = fit_profile(Profile.load("rtx4090"), shape, calib, warmup, requests, fixed, name,
                        device, fit_iters)
-    prof = replace(prof, source=f"fitted by forecache.sim_calibrate to offload, lru and promoe "
+    prof = replace(prof, source=f"fitted by forecache.sim.calibrate to offload, lru and promoe "
                                 f"(every expert cached, and at {calib_fraction:g}) on "
                                 f"{model_path.name}, {n_prompts} prompts of {prompt_len} "
                                 f"tokens, {n_gen} generated; copies at the memcpy rate")

@@ -26,10 +26,10 @@ from gguf import (
     LlamaFileType,
 )
 
-from forecache.gguf_inspect import tensor_nbytes
+from forecache.gguf.header import tensor_nbytes
 
 #: models.yaml ships inside the package (forecache/data), so every install has it.
-MODELS_YAML = Path(__file__).resolve().parent / "data" / "models.yaml"
+MODELS_YAML = Path(__file__).resolve().parent.parent / "data" / "models.yaml"
 
 #: The weight types `make-model --type` accepts: ggml type of the matrices and file type label.
 QTYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {

@@ -8,13 +8,13 @@ from types import SimpleNamespace
 
 import pytest
 
-from forecache import bindings
-from forecache.bindings import libs
-from forecache.bindings.ggml_devices import CopyProbeError, backends, devices, measure_copy
+from forecache import native
+from forecache.native import libs
+from forecache.native.ggml_devices import CopyProbeError, backends, devices, measure_copy
 
 
 def test_patch_version_matches() -> None:
-    assert bindings.patch_version() == bindings.EXPECTED_PATCH_VERSION
+    assert native.patch_version() == native.EXPECTED_PATCH_VERSION
 
 
 def test_stock_library_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -48,6 +48,6 @@ def test_copy_probe_on_cpu_device() -> None:
 
 
 def test_build_info_recorded() -> None:
-    info = bindings.build_info()
+    info = native.build_info()
     assert info["backend"] in ("cpu", "cuda")
     assert info["llama_cpp_commit"] and len(info["llama_cpp_commit"]) == 40

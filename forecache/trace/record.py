@@ -23,9 +23,9 @@ import numpy as np
 from forecache.cache.budget import moe_layers
 from forecache.cache.setup import CacheConfig, attach_observer
 from forecache.engine import Engine, SamplingParams
+from forecache.gguf.identity import identity
 from forecache.interrupt import Terminated, deferred_signals
-from forecache.model_identity import identity
-from forecache.trace_file import TraceError, TraceWriter
+from forecache.trace.format import TraceError, TraceWriter
 
 BUILTIN_PROMPTS = ("default",)
 

@@ -11,13 +11,14 @@ from pathlib import Path
 import numpy as np
 
 from forecache.cache.budget import parse_size
+from forecache.cache.cost import Profile
 from forecache.cache.prefetcher import Features
 from forecache.predictor.base import Predictor, Request, source_layer
 from forecache.predictor.metrics import topk_accuracy
 from forecache.predictor.registry import make_predictor, unavailable
-from forecache.sim_profile import Profile, SimShape, shape_of, trace_model_names
-from forecache.simulator import SimConfig, SimResult, simulate
-from forecache.trace_file import TraceFile, TraceInfo
+from forecache.sim.shapes import SimShape, shape_of, trace_model_names
+from forecache.sim.simulate import SimConfig, SimResult, simulate
+from forecache.trace.format import TraceFile, TraceInfo
 
 # Device memory a budget keeps for the KV cache and compute buffers (4096 context, 512 ubatch).
 BUDGET_RESERVE = 1536 << 20

@@ -28,7 +28,7 @@ class ModelLoadError(RuntimeError):
 def check_build_cpu() -> None:
     """Refuse a llama.cpp build compiled for instruction sets this CPU lacks (a wheel or cache
     carried from another machine), before its libraries load and die with SIGILL."""
-    from forecache.llama_build import installed_build_info, missing_cpu_features
+    from forecache.build import installed_build_info, missing_cpu_features
 
     info = installed_build_info()
     missing = missing_cpu_features(info) if info else []
@@ -84,7 +84,7 @@ def _declare_api(lib: ctypes.CDLL) -> None:
     ]
     lib.forecache_measure_copy.restype = ctypes.c_int32
     if getattr(lib, "forecache_cache_init", None) is not None:
-        from forecache.bindings.cache_api import declare
+        from forecache.native.cache_api import declare
 
         declare(lib)
 

@@ -1,18 +1,106 @@
-"""Which of a layer's missing experts to copy to the device and which to compute on the host CPU.
+"""What things cost: a machine profile, the roofline, and the per-layer split it decides.
+
+A profile is JSON (shipped ones in forecache/data/profiles/, or a file): host-to-device bandwidth,
+device and host compute rates, and the fixed costs of the runtime's own steps. Compute time is a
+roofline (`roofline_s`): a fixed launch cost plus the larger of bytes read at memory bandwidth and
+arithmetic at the compute rate. The runtime plans by it and the simulator keeps time by it.
 
 A missing expert either streams through a slot (its copy is on the critical path of the device
 side) or has its tokens computed by the CPU from host memory while the device computes the rest of
-the layer (patch 0005: schedule entries with slot -1). Per layer, the choice minimises the later of
-the two sides finishing, by the costs of a machine profile; at run time the measured copy rate and
-host compute time correct the profile as they come in.
+the layer (schedule entries with slot -1). Per layer, `CostModel.plan` minimises the later of the
+two sides finishing; at run time the measured copy rate and host compute time correct the profile
+as they come in.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
+from importlib import resources
+from pathlib import Path
 
-from forecache.sim_profile import ExpertShape, Profile
+PROFILE_DIR = "data/profiles"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A machine, as the simulator's timing model sees it."""
+
+    name: str
+    device: str
+    h2d_gbps: float  # achieved host-to-device copy bandwidth
+    chunk_latency_s: float  # fixed cost per copy
+    gpu_mem_gbps: float  # weight-streaming bandwidth of device matmuls
+    gpu_tflops: float  # effective device matmul rate
+    gpu_launch_s: float  # fixed cost of one device op group (kernel launches)
+    cpu_mem_gbps: float  # host expert compute: weight-streaming bandwidth
+    cpu_gflops: float  # host expert compute: effective rate
+    cpu_launch_s: float  # fixed cost of one host expert matmul
+    hook_s: float  # gate hook on the critical path
+    predictor_s: float  # one prediction on the predictor thread
+    token_s: float = 0.0  # per forward pass, outside the graph: sampling, the Python runtime
+    prefetch_hook_s: float = 0.0  # promoe's gate hook, when it costs more than hook_s (0: same)
+    group_s: float = 0.0  # an expert group computed as its own graph (gather, matmul, scatter)
+    source: str = ""
+
+    @classmethod
+    def load(cls, name_or_path: str) -> Profile:
+        """A shipped profile by name (``rtx4090``) or a JSON file."""
+        path = Path(name_or_path)
+        if path.suffix == ".json" or path.exists():
+            if not path.is_file():
+                raise ValueError(f"profile {path} does not exist; give a JSON file or one of "
+                                 f"{', '.join(shipped_profiles())}")
+            text = path.read_text()
+        else:
+            ref = resources.files("forecache").joinpath(f"{PROFILE_DIR}/{name_or_path}.json")
+            if not ref.is_file():
+                raise ValueError(f"unknown profile {name_or_path!r}; shipped: "
+                                 f"{', '.join(shipped_profiles())}, or give a JSON file")
+            text = ref.read_text()
+        try:
+            raw = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"profile {name_or_path}: not JSON ({e})") from e
+        names = {f.name for f in fields(cls)}
+        optional = {f.name for f in fields(cls) if f.default is not MISSING}
+        missing = sorted(n for n in names - set(raw) - optional)
+        if missing:
+            raise ValueError(f"profile {name_or_path}: missing {', '.join(missing)}")
+        return cls(**{k: v for k, v in raw.items() if k in names})
+
+
+def shipped_profiles() -> list[str]:
+    """Names of the profiles that come with forecache."""
+    d = resources.files("forecache").joinpath(PROFILE_DIR)
+    return sorted(p.name[:-5] for p in d.iterdir() if p.name.endswith(".json"))
+
+
+@dataclass(frozen=True)
+class ExpertShape:
+    """One routed expert: model width, expert width, bytes of each projection."""
+
+    d_model: int
+    expert_ff: int
+    proj_bytes: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.proj_bytes)
+
+    @property
+    def proj_flops(self) -> float:
+        """Multiply-adds x2 of one token through one projection."""
+        return 2.0 * self.d_model * self.expert_ff
+
+
+def roofline_s(launch_s: float, nbytes: float, mem_gbps: float, flops: float,
+               flops_per_s: float) -> float:
+    """Seconds of one op: its launch, then the larger of reading ``nbytes`` at ``mem_gbps`` and
+    ``flops`` at ``flops_per_s``."""
+    return launch_s + max(nbytes / (mem_gbps * 1e9), flops / flops_per_s)
+
 
 # measurements below these are too small to correct the profile with
 MIN_CALIBRATION_S = 0.02
@@ -59,17 +147,17 @@ class CostModel:
         """``pairs`` token-expert rows over ``n_experts`` experts in slots, every projection."""
         if n_experts == 0:
             return 0.0
-        fl = pairs * self.expert.proj_flops / (self.gpu_tflops * 1e12)
-        return sum(self.gpu_launch_s + max(n_experts * nb / (self.gpu_mem_gbps * 1e9), fl)
-                   for nb in self.expert.proj_bytes)
+        fl = pairs * self.expert.proj_flops
+        return sum(roofline_s(self.gpu_launch_s, n_experts * nb, self.gpu_mem_gbps, fl,
+                              self.gpu_tflops * 1e12) for nb in self.expert.proj_bytes)
 
     def host_s(self, n_experts: int, pairs: int) -> float:
         """``pairs`` token-expert rows over ``n_experts`` experts, every projection, on the host."""
         if n_experts == 0:
             return 0.0
-        fl = pairs * self.expert.proj_flops / (self.cpu_gflops * 1e9)
-        t = sum(self.cpu_launch_s + max(n_experts * nb / (self.cpu_mem_gbps * 1e9), fl)
-                for nb in self.expert.proj_bytes)
+        fl = pairs * self.expert.proj_flops
+        t = sum(roofline_s(self.cpu_launch_s, n_experts * nb, self.cpu_mem_gbps, fl,
+                           self.cpu_gflops * 1e9) for nb in self.expert.proj_bytes)
         return t * self.host_scale
 
     def merge_proj_s(self, pairs: int) -> float:

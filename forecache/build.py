@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from forecache.paths import cache_dir
+
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
@@ -122,15 +124,6 @@ def missing_cpu_features(info: dict) -> list[str]:
 def log(msg: str) -> None:
     """Print a progress line of the build to stderr."""
     print(f"[forecache build] {msg}", file=sys.stderr, flush=True)
-
-
-def cache_dir() -> Path:
-    """The forecache cache directory (FORECACHE_CACHE_DIR, else XDG_CACHE_HOME/forecache)."""
-    env = os.environ.get("FORECACHE_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(base) / "forecache"
 
 
 def patch_files(patch_dir: Path = PATCH_DIR) -> list[Path]:
@@ -589,7 +582,7 @@ def build_reference(source: Path | None = None, backend: str = "cpu", force: boo
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Command-line entry: ``python -m forecache.llama_build`` (also ``forecache build``)."""
+    """Command-line entry: ``python -m forecache.build`` (also ``forecache build``)."""
     ap = argparse.ArgumentParser(prog="forecache build", description=__doc__.splitlines()[0])
     ap.add_argument("--source", type=Path, help="local sdist (.tar.gz) or unpacked source tree "
                     "(default: $FORECACHE_LLAMA_SOURCE, else download)")

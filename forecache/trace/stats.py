@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from forecache.trace_file import TraceError, TraceFile
+from forecache.trace.format import TraceError, TraceFile
 
 DEFAULT_WINDOWS = (1, 4, 16)
 _SHUFFLES = 8

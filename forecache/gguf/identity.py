@@ -13,8 +13,8 @@ from typing import Any
 
 from forecache.atomic_file import write_atomic
 from forecache.cache.budget import moe_layers
-from forecache.gguf_inspect import ModelFile
-from forecache.llama_build import cache_dir
+from forecache.gguf.header import ModelFile
+from forecache.paths import cache_dir
 
 _SAMPLE = 4096
 FINGERPRINT_VERSION = 1

@@ -16,7 +16,7 @@ from typing import Any
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from forecache.gguf_checks import check_header
+from forecache.gguf.checks import check_header
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32

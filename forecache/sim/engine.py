@@ -1,0 +1,366 @@
+"""The C copy engine's contract in virtual time: what a policy drives in simulation.
+
+``SimEngine`` has the calls of ``cache.runtime.ExpertCache`` (load, preempt, schedule,
+layer_state and the slot states the node hook waits on) and keeps time by the profile: one
+worker copying chunks highest priority first, streamed copies that wait for their slot's previous
+expert, the in-use guard. A test holds it to the C engine's slot states and copy order.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from forecache.cache.cost import Profile
+from forecache.cache.prefetcher import HIGH, SLOT_COPYING, SLOT_EMPTY, SLOT_QUEUED, SLOT_READY
+from forecache.sim.shapes import SimShape
+
+N_PRIORITIES = 4
+
+
+@dataclass
+class _Chunk:
+    layer: int
+    slot: int
+    proj: int  # -1: the whole expert
+    expert: int
+    priority: int
+    entry: int  # streamed copy: schedule entry; -1 plain load
+    need: int
+    first: bool
+    size: int
+    queued_at: float
+
+
+@dataclass
+class _Layer:
+    n_slots: int
+    n_proj: int
+    expert_of: list[int]
+    slot_of: dict[int, int] = field(default_factory=dict)
+    pending: list[int] = field(default_factory=list)
+    pend_proj: list[list[int]] = field(default_factory=list)
+    started: list[bool] = field(default_factory=list)
+    in_use: list[bool] = field(default_factory=list)
+    last_entry: list[int] = field(default_factory=list)
+    sch_e: list[int] = field(default_factory=list)
+    sch_s: list[int] = field(default_factory=list)
+    sch_first: list[bool] = field(default_factory=list)
+    entry_pend: list[list[int]] = field(default_factory=list)
+    consumed: list[list[int]] = field(default_factory=list)
+    streams: bool = False
+    n_dev: int = 0  # entries [0, n_dev) from slots, the rest from host memory
+
+
+class SimEngine:
+    """The C copy engine's contract in virtual time (see include/forecache.h, patch 0004)."""
+
+    def __init__(self, shape: SimShape, n_slots: Sequence[int], profile: Profile, *,
+                 whole_expert_chunks: bool = False) -> None:
+        self.shape = shape
+        self.profile = profile
+        self.whole = whole_expert_chunks
+        n_proj = len(shape.proj_bytes)
+        self.layers = [_Layer(n, n_proj, [-1] * n, pending=[0] * n,
+                              pend_proj=[[0] * n_proj for _ in range(n)], started=[False] * n,
+                              in_use=[False] * n, last_entry=[-1] * n) for n in n_slots]
+        self.queue: list[deque[_Chunk]] = [deque() for _ in range(N_PRIORITIES)]
+        self.now = 0.0
+        self.busy_until = 0.0
+        self.running: _Chunk | None = None
+        self._events: list[tuple[float, int, str, object]] = []
+        self._seq = itertools.count()
+        self.in_use_layer = -1
+        self.paused = False  # as forecache_cache_pause: no copy starts
+        self.low_end = float("-inf")  # when the last lower-priority chunk finished
+        self.stats = {"h2d_bytes": 0, "n_chunks": 0, "hi_wait_s": 0.0, "hi_wait_max_s": 0.0,
+                      "hi_tasks": 0, "dropped_chunks": 0, "refused_loads": 0, "streamed": 0,
+                      "host_entries": 0, "hi_block_s": 0.0, "hi_block_max_s": 0.0}
+
+    # -- the copy engine a policy drives (called at self.now) ----------------------------------
+    def load(self, layer: int, expert: int, slot: int, priority: int) -> int:
+        L = self.layers[layer]
+        if L.expert_of[slot] == expert:
+            return 0
+        prev = L.slot_of.get(expert, -1)
+        if L.in_use[slot] or (prev >= 0 and L.in_use[prev]):
+            self.stats["refused_loads"] += 1
+            return 1
+        for s in (slot, prev):
+            if s >= 0:
+                self._drop(0, lambda c, s=s: c.layer == layer and c.slot == s)
+                self._empty(L, s)
+        self._map(L, expert, slot)
+        self._queue_copy(layer, expert, slot, -1, priority, -1, 0)
+        self._kick()
+        return 0
+
+    def preempt(self, layer: int, keep: Sequence[int]) -> int:
+        wanted = set(int(e) for e in keep)
+        for p in range(1, N_PRIORITIES):
+            moved = [c for c in self.queue[p]
+                     if c.layer == layer and c.entry < 0 and c.expert in wanted]
+            for c in moved:
+                self.queue[p].remove(c)
+                if c.first:
+                    c.queued_at = self.now
+                    self.stats["hi_tasks"] += 1
+                c.priority = 0
+                self.queue[0].append(c)
+        n = self._drop(1, lambda c: c.layer == layer and c.entry < 0)
+        self._kick()
+        return n
+
+    def schedule(self, layer: int, experts: Sequence[int], slots: Sequence[int],
+                 priority: int) -> int:
+        L = self.layers[layer]
+        n = len(experts)
+        n_dev = next((i for i, s in enumerate(slots) if s < 0), n)  # host entries from there on
+        if (n == 0 or len(set(experts)) != n or any(not 0 <= s < L.n_slots for s in slots[:n_dev])
+                or any(s != -1 for s in slots[n_dev:])):
+            return -1
+        self._clear_schedule(layer)
+        L.sch_e, L.sch_s = [int(e) for e in experts], [int(s) for s in slots]
+        L.sch_first = [False] * n
+        L.n_dev = n_dev
+        self.stats["host_entries"] += n - n_dev
+        n = n_dev
+        L.entry_pend = [[0] * L.n_proj for _ in range(n)]
+        L.consumed = [[0] * L.n_proj for _ in range(L.n_slots)]
+        L.in_use = [False] * L.n_slots
+        uses = [0] * L.n_slots
+        need = [0] * n
+        copy = [False] * n
+        for i, (e, s) in enumerate(zip(L.sch_e[:n], L.sch_s[:n], strict=True)):
+            need[i] = uses[s]
+            uses[s] += 1
+            if need[i] == 0:
+                L.sch_first[i] = True
+                copy[i] = L.expert_of[s] != e
+            else:
+                L.streams = True
+                copy[i] = True
+                self.stats["streamed"] += 1
+        for i in range(n):
+            if L.sch_first[i] and copy[i]:
+                e, s = L.sch_e[i], L.sch_s[i]
+                for t in (s, L.slot_of.get(e, -1)):
+                    if t >= 0:
+                        self._drop(0, lambda c, t=t: c.layer == layer and c.slot == t)
+                        self._empty(L, t)
+                self._map(L, e, s)
+        for p in range(1 if self.whole else L.n_proj):
+            for i in range(n):
+                if copy[i] and L.sch_first[i]:
+                    self._queue_copy(layer, L.sch_e[i], L.sch_s[i], -1 if self.whole else p,
+                                     priority, -1, 0)
+            for i in range(n):
+                if copy[i] and not L.sch_first[i]:
+                    for q in (range(L.n_proj) if self.whole else (p,)):
+                        self._queue_copy(layer, L.sch_e[i], L.sch_s[i], q, priority, i, need[i])
+        for i in range(n):
+            s = L.sch_s[i]
+            if not L.sch_first[i]:
+                old = L.expert_of[s]
+                if old >= 0 and L.slot_of.get(old) == s:
+                    del L.slot_of[old]
+                L.expert_of[s] = L.sch_e[i]
+                L.slot_of[L.sch_e[i]] = s
+                L.last_entry[s] = i
+            L.in_use[s] = True
+        self.in_use_layer = layer
+        self._kick()
+        return 0
+
+    def layer_state(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        L = self.layers[layer]
+        st = np.empty(L.n_slots, dtype=np.int32)
+        for s in range(L.n_slots):
+            if L.expert_of[s] < 0:
+                st[s] = SLOT_EMPTY
+            elif L.last_entry[s] >= 0:
+                st[s] = SLOT_QUEUED if sum(L.entry_pend[L.last_entry[s]]) else SLOT_READY
+            elif L.pending[s] == 0:
+                st[s] = SLOT_READY
+            else:
+                st[s] = SLOT_COPYING if L.started[s] else SLOT_QUEUED
+        return np.array(L.expert_of, dtype=np.int32), st
+
+    # -- what the C side does around the hook --------------------------------------------------
+    def begin_route(self, layer: int) -> None:
+        """fc_route before the hook: the previous layer is computed; forget this layer's plan."""
+        if self.in_use_layer >= 0:
+            L = self.layers[self.in_use_layer]
+            L.in_use = [False] * L.n_slots
+            self.in_use_layer = -1
+        self._clear_schedule(layer)
+
+    def default_schedule(self, layer: int, experts: Sequence[int]) -> bool:
+        """No schedule from the policy: routed experts in first-use order from their slots."""
+        L = self.layers[layer]
+        slots = [L.slot_of.get(int(e), -1) for e in experts]
+        return all(s >= 0 for s in slots) and self.schedule(layer, experts, slots, HIGH) == 0
+
+    def end_route_host(self, layer: int) -> None:
+        self._clear_schedule(layer)
+        L = self.layers[layer]
+        L.in_use = [False] * L.n_slots
+
+    def entry_ready(self, layer: int, i: int, p: int) -> bool:
+        L = self.layers[layer]
+        if L.sch_first[i]:
+            return L.pend_proj[L.sch_s[i]][p] == 0
+        return L.entry_pend[i][p] == 0
+
+    def all_ready(self, layer: int) -> bool:
+        L = self.layers[layer]
+        return all(self.entry_ready(layer, i, p) for i in range(L.n_dev)
+                   for p in range(L.n_proj))
+
+    def consume(self, layer: int, entries: Sequence[int], p: int) -> None:
+        L = self.layers[layer]
+        for i in entries:
+            L.consumed[L.sch_s[i]][p] += 1
+        self._kick()
+
+    # -- virtual time -------------------------------------------------------------------------
+    def at(self, t: float, fn: Callable[[], object]) -> None:
+        """Run ``fn`` at virtual time ``t`` (a prediction arriving from the predictor thread)."""
+        heapq.heappush(self._events, (t, next(self._seq), "call", fn))
+
+    def advance_to(self, t: float) -> None:
+        """Run every event up to time ``t``; the clock ends at ``t``."""
+        while self._events and self._events[0][0] <= t:
+            self._step()
+        self.now = max(self.now, t)
+        self._kick()
+
+    def wait_until(self, cond: Callable[[], bool]) -> float:
+        """Run events until ``cond`` holds; returns the time it first does."""
+        while not cond():
+            if not self._events:
+                raise RuntimeError("simulated compute waits for a copy that is never queued")
+            self._step()
+        return self.now
+
+    def _step(self) -> None:
+        t, _, kind, payload = heapq.heappop(self._events)
+        self.now = max(self.now, t)
+        if kind == "done":
+            self._finish(payload)  # type: ignore[arg-type]
+        else:
+            payload()  # type: ignore[operator]
+        self._kick()
+
+    def _kick(self) -> None:
+        if self.running is not None or self.paused:
+            return
+        ch = self._pop()
+        if ch is None:
+            return
+        L = self.layers[ch.layer]
+        if ch.entry < 0:
+            L.started[ch.slot] = True
+        if ch.first and ch.priority == 0:
+            w = self.now - ch.queued_at
+            self.stats["hi_wait_s"] += w
+            self.stats["hi_wait_max_s"] = max(self.stats["hi_wait_max_s"], w)
+            b = self.low_end - ch.queued_at  # behind a lower-priority chunk already copying
+            if b > 0:
+                self.stats["hi_block_s"] += b
+                self.stats["hi_block_max_s"] = max(self.stats["hi_block_max_s"], b)
+        self.running = ch
+        dur = self.profile.chunk_latency_s + ch.size / (self.profile.h2d_gbps * 1e9)
+        self.busy_until = self.now + dur
+        heapq.heappush(self._events, (self.busy_until, next(self._seq), "done", ch))
+
+    def _finish(self, ch: _Chunk) -> None:
+        self.running = None
+        if ch.priority > 0:
+            self.low_end = self.now
+        self._count(ch, -1)
+        self.stats["h2d_bytes"] += ch.size
+        self.stats["n_chunks"] += 1
+
+    def _eligible(self, c: _Chunk) -> bool:
+        return c.need <= 0 or self.layers[c.layer].consumed[c.slot][c.proj] >= c.need
+
+    def _pop(self) -> _Chunk | None:
+        for q in self.queue:
+            for c in q:
+                if self._eligible(c):
+                    q.remove(c)
+                    return c
+        return None
+
+    def _count(self, c: _Chunk, d: int) -> None:
+        L = self.layers[c.layer]
+        for p in (range(L.n_proj) if c.proj < 0 else (c.proj,)):
+            if c.entry < 0:
+                L.pend_proj[c.slot][p] += d
+            else:
+                L.entry_pend[c.entry][p] += d
+        if c.entry < 0:
+            L.pending[c.slot] += d
+
+    def _queue_copy(self, layer: int, expert: int, slot: int, proj: int, priority: int,
+                    entry: int, need: int) -> None:
+        sizes = self.shape.proj_bytes
+        if proj < 0 and self.whole:
+            chunks = [(-1, sum(sizes))]
+        else:
+            chunks = [(p, sizes[p]) for p in (range(len(sizes)) if proj < 0 else (proj,))]
+        for i, (p, size) in enumerate(chunks):
+            c = _Chunk(layer, slot, p, expert, priority, entry, need, i == 0, size, self.now)
+            self._count(c, +1)
+            self.queue[priority].append(c)
+        if priority == 0:
+            self.stats["hi_tasks"] += 1
+
+    def _drop(self, min_priority: int, match: Callable[[_Chunk], bool]) -> int:
+        emptied = set()
+        for p in range(max(min_priority, 0), N_PRIORITIES):
+            keep: deque[_Chunk] = deque()
+            for c in self.queue[p]:
+                if not match(c):
+                    keep.append(c)
+                    continue
+                L = self.layers[c.layer]
+                self._count(c, -1)
+                self.stats["dropped_chunks"] += 1
+                if c.entry < 0 or L.expert_of[c.slot] == c.expert:
+                    emptied.add((c.layer, c.slot))
+            self.queue[p] = keep
+        for il, s in emptied:
+            self._empty(self.layers[il], s)
+        return len(emptied)
+
+    def _clear_schedule(self, layer: int) -> None:
+        L = self.layers[layer]
+        if L.streams:
+            self._drop(0, lambda c: c.layer == layer and c.entry >= 0)
+        L.last_entry = [-1] * L.n_slots
+        L.sch_e, L.sch_s, L.sch_first = [], [], []
+        L.streams = False
+        L.n_dev = 0
+
+    @staticmethod
+    def _empty(L: _Layer, slot: int) -> None:
+        e = L.expert_of[slot]
+        if e >= 0 and L.slot_of.get(e) == slot:
+            del L.slot_of[e]
+        L.expert_of[slot] = -1
+        L.last_entry[slot] = -1
+
+    @staticmethod
+    def _map(L: _Layer, expert: int, slot: int) -> None:
+        L.expert_of[slot] = expert
+        L.slot_of[expert] = slot
+        L.started[slot] = False
+
+

@@ -1,0 +1,91 @@
+"""Model shapes at a quantization, as the simulator's timing model sees them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import yaml
+from gguf import GGML_QUANT_SIZES
+
+from forecache.cache.cost import ExpertShape
+from forecache.gguf.specs import _find_yaml, get_spec, parse_qtype
+
+
+@dataclass(frozen=True)
+class SimShape:
+    """What the timing model needs of a model: expert and per-layer sizes at a quantization."""
+
+    name: str
+    layers: int
+    experts: int
+    top_k: int
+    d_model: int
+    expert_ff: int
+    proj_bytes: tuple[int, int, int]  # one expert's gate, up, down
+    layer_bytes: int  # non-expert weights of one layer (attention, router, shared experts)
+    head_bytes: int  # output norm + lm head
+    qtype: str
+
+    @property
+    def expert(self) -> ExpertShape:
+        return ExpertShape(self.d_model, self.expert_ff, self.proj_bytes)
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.expert.nbytes
+
+    @property
+    def proj_flops(self) -> float:
+        """Multiply-adds x2 of one projection for one token."""
+        return self.expert.proj_flops
+
+    @property
+    def layer_flops(self) -> float:
+        return 2.0 * self.layer_bytes / self.bytes_per_weight
+
+    @property
+    def bytes_per_weight(self) -> float:
+        bs, ts = GGML_QUANT_SIZES[parse_qtype(self.qtype)]
+        return ts / bs
+
+
+def _nbytes(n_elements: int, row: int, qtype: str) -> int:
+    t = parse_qtype(qtype)
+    bs, ts = GGML_QUANT_SIZES[t]
+    if row % bs:  # llama.cpp's quantizers fall back for rows that do not fit the block
+        t = parse_qtype("q8_0") if row % 32 == 0 else parse_qtype("f16")
+        bs, ts = GGML_QUANT_SIZES[t]
+    return n_elements // bs * ts
+
+
+def shape_of(name: str, qtype: str = "q4_k") -> SimShape:
+    """The shape of a models.yaml model (``models`` or ``trace_models``) at ``qtype``."""
+    raw = yaml.safe_load(_find_yaml(None).read_text())
+    extra = (raw.get("trace_models") or {}).get(name)
+    if extra is not None and "preset" not in extra:
+        spec = dict(extra)
+    else:
+        s = get_spec(extra["preset"] if extra is not None else name)
+        spec = {"layers": s.layers, "experts": s.experts, "top_k": s.top_k,
+                "d_model": s.d_model, "expert_ff": s.expert_ff, "heads": s.heads,
+                "kv_heads": s.kv_heads, "vocab": s.vocab,
+                "shared_ff": s.shared_expert_ff * s.shared_experts}
+    d, ff, e = spec["d_model"], spec["expert_ff"], spec["experts"]
+    kv = d // spec["heads"] * spec["kv_heads"]
+    sh = spec.get("shared_ff", 0)
+    proj = (_nbytes(d * ff, d, qtype), _nbytes(d * ff, d, qtype), _nbytes(d * ff, ff, qtype))
+    attn = 2 * _nbytes(d * d, d, qtype) + 2 * _nbytes(d * kv, d, qtype)
+    layer = attn + d * e * 4 + 3 * _nbytes(d * sh, d, qtype) if sh else attn + d * e * 4
+    return SimShape(name=name, layers=spec["layers"], experts=e, top_k=spec["top_k"],
+                    d_model=d, expert_ff=ff, proj_bytes=proj, layer_bytes=layer,
+                    head_bytes=_nbytes(d * spec["vocab"], d, "q8_0"), qtype=qtype.lower())
+
+
+def trace_model_names() -> dict[str, str]:
+    """Trace-file stems -> the models.yaml model they were recorded on."""
+    raw = yaml.safe_load(_find_yaml(None).read_text())
+    out = {}
+    for name, spec in (raw.get("trace_models") or {}).items():
+        for stem in spec.get("traces", []):
+            out[stem] = name
+    return out

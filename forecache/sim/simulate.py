@@ -1,0 +1,320 @@
+"""Trace-driven simulation of an expert-cache policy on a modelled machine.
+
+A trace is replayed ubatch by ubatch (prefill rows in ubatches of ``n_ubatch``, decode rows one
+at a time) through the SAME policy (``cache.policies`` / ``cache.prefetcher``) and predictor
+(``cache.forecast``) code the runtime runs. What is modelled is what the runtime leaves to
+llama.cpp and the C expert cache: compute time (the ``cache.cost`` roofline) and the copy engine
+(``sim.engine.SimEngine``). Virtual time only:
+the result depends on the trace, shape, profile and options, never on this machine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from forecache.cache.cost import CostModel, Profile, roofline_s
+from forecache.cache.forecast import Forecaster
+from forecache.cache.policies import LRUPolicy, Policy, StaticPolicy
+from forecache.cache.prefetcher import (
+    SLOT_READY,
+    Features,
+    Prefetcher,
+)
+from forecache.predictor.base import Predictor, Request
+from forecache.sim.engine import SimEngine
+from forecache.sim.shapes import SimShape
+
+SIM_POLICIES = ("offload", "lru", "static", "promoe")
+
+
+@dataclass
+class SimConfig:
+    """One simulated run: policy, cache size, promoe's options and the ubatch size."""
+
+    policy: str
+    n_slots: int  # per MoE layer with data
+    features: Features = field(default_factory=Features)
+    window: int = 2
+    n_ubatch: int = 512
+    static_profile: np.ndarray | None = None  # static: routed counts [L, E]
+
+
+@dataclass
+class SimResult:
+    ttft_s: float
+    tpot_s: float
+    prefill_s: float
+    decode_s: float
+    n_prefill_tokens: int
+    n_decode_tokens: int
+    hits: int
+    misses: int
+    host_layers: int
+    h2d_bytes: int
+    stall_s: float  # compute waiting for copies: loading time on the critical path
+    hook_s: float
+    extra: dict
+    per_layer: list[dict]
+
+    def to_json(self) -> dict:
+        routed = self.hits + self.misses
+        out = {k: v for k, v in self.__dict__.items() if k not in ("extra", "per_layer")}
+        out.update(self.extra)
+        out["hit_rate"] = self.hits / routed if routed else 0.0
+        out["per_layer"] = self.per_layer
+        return out
+
+
+class Simulator:
+    """Replays requests of a trace through a policy on the modelled machine."""
+
+    def __init__(self, shape: SimShape, profile: Profile, cfg: SimConfig, layers: Sequence[int],
+                 predictor: Predictor | None = None) -> None:
+        self.shape, self.profile, self.cfg = shape, profile, cfg
+        self.layers = list(layers)  # trace layers with routing data, simulated as cached layers
+        n_layers = shape.layers
+        self.n_slots = [0] * n_layers
+        for il in self.layers:
+            self.n_slots[il] = min(cfg.n_slots, shape.experts)
+        f = cfg.features
+        self.engine = SimEngine(shape, self.n_slots, profile, whole_expert_chunks=not f.chunk)
+        self.policy: Policy | None
+        if cfg.policy == "lru":
+            self.policy = LRUPolicy(self.n_slots)
+        elif cfg.policy == "static":
+            if cfg.static_profile is None:
+                raise ValueError("the static policy needs a routing profile")
+            self.policy = StaticPolicy(self.n_slots, cfg.static_profile)
+        elif cfg.policy == "promoe":
+            self.policy = Prefetcher(self.n_slots, f, CostModel.from_profile(profile, shape.expert))
+        elif cfg.policy == "offload":
+            self.policy = None
+        else:
+            raise ValueError(f"unknown policy {cfg.policy!r}; simulate one of "
+                             f"{', '.join(SIM_POLICIES)}")
+        self.forecaster = None
+        if cfg.policy == "promoe" and f.prefetch and predictor is not None:
+            self.forecaster = Forecaster(predictor, cfg.window, self.layers, self.n_slots)
+        if self.policy is not None:
+            for il, e, s in self.policy.initial_loads():
+                self.engine.load(il, e, s, 1)
+            self.engine.wait_until(lambda: self.engine.running is None and
+                                   not any(self.engine.queue))
+            self.engine.stats.update(h2d_bytes=0, n_chunks=0)
+        self.t = self.engine.now
+        self._merge = CostModel.from_profile(profile, shape.expert)  # host entries' merge time
+        self._hook_s = profile.prefetch_hook_s if cfg.policy == "promoe" and \
+            profile.prefetch_hook_s > 0 else profile.hook_s
+        self.hits = self.misses = self.host_layers = 0
+        self.stall = self.hook = 0.0
+        L = n_layers
+        self.lay = {k: np.zeros(L) for k in ("predicted", "correct", "in_time", "good", "stall")}
+        self._pred: dict[int, tuple[int, np.ndarray]] = {}  # layer -> (pass, predicted)
+
+    # -- timing model -------------------------------------------------------------------------
+    def _dev(self, nbytes: float, flops: float) -> float:
+        p = self.profile
+        return roofline_s(p.gpu_launch_s, nbytes, p.gpu_mem_gbps, flops, p.gpu_tflops * 1e12)
+
+    def _host(self, nbytes: float, flops: float) -> float:
+        p = self.profile
+        return roofline_s(p.cpu_launch_s, nbytes, p.cpu_mem_gbps, flops, p.cpu_gflops * 1e9)
+
+    def _node(self, experts: Sequence[int], rows: int, p: int) -> float:
+        sh = self.shape
+        return self._dev(len(experts) * sh.proj_bytes[p], rows * sh.proj_flops)
+
+    # -- replay -------------------------------------------------------------------------------
+    def run_request(self, req: Request) -> tuple[float, list[float]]:
+        """Simulate one request; returns (prefill seconds, per-decode-token seconds)."""
+        phase = req.phase if req.phase is not None else np.ones(req.n_tokens, np.int8)
+        if self.forecaster is not None:
+            self.forecaster.begin_request()
+        prefill_rows = np.flatnonzero(phase == 0)
+        prefill = 0.0
+        for i in range(0, len(prefill_rows), self.cfg.n_ubatch):
+            prefill += self._ubatch(req, prefill_rows[i:i + self.cfg.n_ubatch])
+        decode = [self._ubatch(req, np.array([r])) for r in np.flatnonzero(phase != 0)]
+        if self.forecaster is not None:
+            self.forecaster.end_request()
+        return prefill, decode
+
+    def _ubatch(self, req: Request, rows: np.ndarray) -> float:
+        sh, eng, n = self.shape, self.engine, len(rows)
+        t0 = self.t
+        cached = set(self.layers)
+        for il in range(sh.layers):
+            self.t += self._dev(sh.layer_bytes, n * sh.layer_flops)
+            eng.advance_to(self.t)
+            if il not in cached:
+                self.t += self._dev(sh.top_k * sh.expert_bytes, n * sh.top_k * 3 * sh.proj_flops)
+                continue
+            ids = req.experts[rows, il].astype(np.int64)
+            known = ids[ids >= 0]
+            if known.size == 0:
+                continue
+            uniq, first, counts = np.unique(known, return_index=True, return_counts=True)
+            by_use = np.argsort(first, kind="stable")
+            experts, counts = uniq[by_use], counts[by_use]
+            self._account_prediction(il, experts)
+            if self.policy is None:
+                self.t += self._host_layer(experts, known.size)
+                continue
+            eng.begin_route(il)
+            L = eng.layers[il]
+            for e in experts.tolist():
+                if e in L.slot_of:
+                    self.hits += 1
+                else:
+                    self.misses += 1
+            self.t += self._hook_s
+            self.hook += self._hook_s
+            eng.advance_to(self.t)
+            on_slots = self.policy.gate(il, experts, eng, counts)
+            if on_slots and not L.sch_e:
+                on_slots = eng.default_schedule(il, experts.tolist())
+            if self.forecaster is not None:
+                self._forecast(il, ids, req, rows)
+            if on_slots and L.streams and not self.cfg.features.reorder:
+                on_slots = False
+            if not on_slots:
+                eng.end_route_host(il)
+                self.host_layers += 1
+                self.t += self._host_layer(experts, known.size)
+                eng.advance_to(self.t)
+                continue
+            self._slot_compute(il, ids)
+        self.t += self._dev(sh.head_bytes, 2.0 * sh.head_bytes / sh.bytes_per_weight)
+        self.t += self.profile.token_s
+        eng.advance_to(self.t)
+        return self.t - t0
+
+    def _host_layer(self, experts: np.ndarray, pairs: int) -> float:
+        sh = self.shape
+        return sum(self._host(len(experts) * sh.proj_bytes[p], pairs * sh.proj_flops)
+                   for p in range(len(sh.proj_bytes)))
+
+    def _wait(self, il: int, cond: Callable[[], bool]) -> None:
+        if cond():
+            return
+        t = self.engine.wait_until(cond)
+        if t > self.t:
+            self.stall += t - self.t
+            self.lay["stall"][il] += t - self.t
+            self.t = t
+
+    def _slot_compute(self, il: int, ids: np.ndarray) -> None:
+        eng = self.engine
+        L = eng.layers[il]
+        rows_of = {e: int((ids == e).sum()) for e in L.sch_e}
+        n = L.n_dev
+        on_host = L.sch_e[n:]
+        host_rows = sum(rows_of[e] for e in on_host)
+        sh = self.shape
+        if not self.cfg.features.reorder or self.cfg.policy != "promoe":
+            # as the C side without reordering: wait for every slot, then each projection once
+            self._wait(il, lambda: eng.all_ready(il))
+            for p in range(L.n_proj):
+                dev = self._node(L.sch_e[:n], sum(rows_of[e] for e in L.sch_e[:n]), p)
+                if on_host:  # computed meanwhile on the CPU, then written into the result
+                    host = self._host(len(on_host) * sh.proj_bytes[p], host_rows * sh.proj_flops)
+                    dev = max(dev, host) + self._merge.merge_proj_s(host_rows)
+                self.t += dev
+            eng.advance_to(self.t)
+            for p in range(L.n_proj):
+                eng.consume(il, range(n), p)
+            return
+        for p in range(L.n_proj):
+            host_end = self.t + self._host(len(on_host) * sh.proj_bytes[p],
+                                           host_rows * sh.proj_flops) if on_host else self.t
+            i = 0
+            while i < n:
+                self._wait(il, lambda i=i, p=p: eng.entry_ready(il, i, p))
+                j = i + 1
+                while j < n and eng.entry_ready(il, j, p):
+                    j += 1
+                group = L.sch_e[i:j]
+                self.t += self._node(group, sum(rows_of[e] for e in group), p) + \
+                    self.profile.group_s
+                eng.advance_to(self.t)
+                eng.consume(il, range(i, j), p)
+                i = j
+            if on_host:
+                self.t = max(self.t, host_end) + self._merge.merge_proj_s(host_rows)
+                eng.advance_to(self.t)
+
+    def _forecast(self, il: int, ids: np.ndarray, req: Request, rows: np.ndarray) -> None:
+        assert self.forecaster is not None and isinstance(self.policy, Prefetcher)
+        hidden = None
+        if self.forecaster.needs_hidden and req.gate_input is not None:
+            hidden = np.asarray(req.gate_input[rows, il], dtype=np.float32)
+        toks = None if req.token_ids is None else np.asarray(req.token_ids[rows])
+        pass_id = self.policy.pass_id
+        policy, eng = self.policy, self.engine
+        t = self.t
+        for target, experts in self.forecaster.on_gate(il, ids, hidden, toks):
+            t += self.profile.predictor_s
+            self._pred[target] = (pass_id, experts)
+            eng.at(t, lambda target=target, experts=experts:
+                   policy.prefetch(target, experts.tolist(), pass_id, eng))
+
+    def _account_prediction(self, il: int, routed: np.ndarray) -> None:
+        """ACCURACY, FETCHRATE and GOODPRED (ProMoE §4.1) of the prediction made for ``il``."""
+        got = self._pred.pop(il, None)
+        if got is None or not isinstance(self.policy, Prefetcher):
+            return
+        _, predicted = got
+        expert_of, state = self.engine.layer_state(il)
+        ready = {int(e) for e, s in zip(expert_of.tolist(), state.tolist(), strict=True)
+                 if s == SLOT_READY}
+        routed_set = set(routed.tolist())
+        for e in predicted.tolist():
+            self.lay["predicted"][il] += 1
+            self.lay["correct"][il] += e in routed_set
+            self.lay["in_time"][il] += e in ready
+            self.lay["good"][il] += e in routed_set and e in ready
+
+    def result(self, prefill: list[float], decode: list[float], n_prefill: int) -> SimResult:
+        eng = self.engine
+        per_layer = []
+        for il in self.layers:
+            p = self.lay["predicted"][il]
+            per_layer.append({
+                "layer": il, "stall_s": float(self.lay["stall"][il]),
+                "accuracy": float(self.lay["correct"][il] / p) if p else None,
+                "fetchrate": float(self.lay["in_time"][il] / p) if p else None,
+                "goodpred": float(self.lay["good"][il] / p) if p else None,
+            })
+        n_req = max(len(prefill), 1)
+        extra = {k: v for k, v in eng.stats.items() if k != "h2d_bytes"}
+        if isinstance(self.policy, Prefetcher):
+            extra.update(prefetch_loads=self.policy.prefetch_loads,
+                         stale_predictions=self.policy.stale_predictions)
+        return SimResult(
+            ttft_s=sum(prefill) / n_req, tpot_s=float(np.mean(decode)) if decode else 0.0,
+            prefill_s=sum(prefill), decode_s=float(sum(decode)), n_prefill_tokens=n_prefill,
+            n_decode_tokens=len(decode), hits=self.hits, misses=self.misses,
+            host_layers=self.host_layers, h2d_bytes=int(eng.stats["h2d_bytes"]),
+            stall_s=self.stall, hook_s=self.hook, extra=extra, per_layer=per_layer)
+
+
+def simulate(requests: Sequence[Request], shape: SimShape, profile: Profile, cfg: SimConfig,
+             predictor: Predictor | None = None) -> SimResult:
+    """Replay ``requests`` (in order, one at a time) and summarise."""
+    if not requests:
+        raise ValueError("no requests to simulate")
+    layers = [il for il in range(shape.layers)
+              if any((r.experts[:, il] >= 0).any() for r in requests)]
+    sim = Simulator(shape, profile, cfg, layers, predictor)
+    prefill, decode = [], []
+    n_prefill = 0
+    for req in requests:
+        p, d = sim.run_request(req)
+        if req.phase is not None and (req.phase == 0).any():
+            prefill.append(p)
+            n_prefill += int((req.phase == 0).sum())
+        decode.extend(d)
+    return sim.result(prefill, decode, n_prefill)
