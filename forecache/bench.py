@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from forecache.cache.policies import hit_rate
 from forecache.cache.setup import CacheConfig
 from forecache.engine import Engine, SamplingParams
 from forecache.llama import CALIBRATION_TEXT
@@ -76,13 +77,12 @@ def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n
         wall = time.perf_counter() - t0
         stats = eng.cache_stats()
     n = len(runs)
-    routed = stats["hits"] + stats["misses"]
     tpot = sum(r.tpot_s for r in runs) / n
     return {
         "ttft_s": sum(r.ttft_s for r in runs) / n,
         "tpot_s": tpot,
         "tokens_per_s": 1.0 / tpot if tpot > 0 else 0.0,
-        "hit_rate": stats["hits"] / routed if routed else 0.0,
+        "hit_rate": hit_rate(stats["hits"], stats["misses"]) or 0.0,
         "h2d_gb": stats["h2d_bytes"] / 1e9,
         "stall_share": stats["stall_s"] / wall if wall > 0 else 0.0,
         "cache_slots": stats["cache_slots"],
@@ -150,8 +150,8 @@ def run_ablation(model: Path, *, gpu_budget: int | None, cache_fraction: float |
                  prompt_len: int, n_gen: int, n_prompts: int = 3, n_threads: int | None = None,
                  progress: Callable[[str], None] = lambda s: None) -> dict:
     """ProMoE's ablation (Fig. 13/14) measured: lru, then promoe's techniques added one by one
-    (the rows of ``sim_run.ABLATION``), on the same prompts; ratios to lru."""
-    from forecache.sim.run import ABLATION
+    (the rows of ``cache.prefetcher.ABLATION``), on the same prompts; ratios to lru."""
+    from forecache.cache.prefetcher import ABLATION
 
     n_ctx, prompts = workload(model, n_prompts, prompt_len, n_gen)
     rows = []

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from forecache.cache.budget import format_size
+from forecache.cache.policies import hit_rate
 from forecache.cache.runtime import ExpertCache
 from forecache.cache.setup import (
     CacheConfig,
@@ -358,8 +359,7 @@ class Llama(llama_cpp.Llama):
         s = cache.stats()
         out.update({k: s[k] for k in ("hits", "misses", "h2d_bytes", "stall_s", "host_layers",
                                       "copy_s", "hook_s")})
-        looked_up = s["hits"] + s["misses"]
-        out["hit_rate"] = s["hits"] / looked_up if looked_up else None
+        out["hit_rate"] = hit_rate(s["hits"], s["misses"])
         out["cache_slots"] = cache.n_slots_total
         out["slots_filled"] = sum(int(np.count_nonzero(cache.layer_state(il)[1] != SLOT_EMPTY))
                                   for il, info in cache.layers.items() if info.n_slots)

@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from forecache.default_model import DEFAULT_PRESET, ensure_default_model, ensure_tiny_model
-from forecache.gguf.specs import _find_yaml, load_specs
+from forecache.gguf.specs import load_specs, models_yaml
 from forecache.paths import model_dir
 
 
@@ -46,7 +46,7 @@ def _catalog(path: Path) -> dict[str, CatalogEntry]:
 
 def catalog(path: str | Path | None = None) -> dict[str, CatalogEntry]:
     """The named published models of models.yaml, in file order."""
-    return dict(_catalog(_find_yaml(path).resolve()))
+    return dict(_catalog(models_yaml(path).resolve()))
 
 
 def find_in_model_dir(entry: CatalogEntry, directory: Path | None = None) -> Path | None:

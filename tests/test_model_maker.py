@@ -257,3 +257,13 @@ def test_llama_cpp_chat_template(tiny_models: dict[str, Path]) -> None:
     reply = llm.create_chat_completion([{"role": "user", "content": "Hi"}], max_tokens=4,
                                        temperature=0.0)
     assert reply["choices"][0]["message"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize("qtype", list(model_specs.QTYPES))
+def test_simulated_shapes_size_experts_as_the_written_file(qtype: str) -> None:
+    # the simulator and make-model agree on every expert's bytes, fallback types included
+    from forecache.sim.shapes import shape_of
+
+    for name in model_specs.model_names():
+        report = model_specs.size_report(model_specs.get_spec(name), qtype)
+        assert shape_of(name, qtype).expert_bytes == report.bytes_per_expert, name

@@ -69,12 +69,6 @@ class MemoryPlan:
         return max(0, len(self.moe_layers) - on_gpu)
 
 
-def moe_layers(model: ModelFile) -> list[int]:
-    """Indices of the layers that have routed-expert tensors."""
-    return sorted({int(t.name.split(".")[1]) for t in model.tensors
-                   if t.name.startswith("blk.") and "_exps." in t.name})
-
-
 def kv_cache_bytes(model: ModelFile, n_ctx: int) -> int:
     """f16 K and V for every layer (llama.cpp's default cache type)."""
     n_embd = int(model.arch_kv("embedding_length", 0))
@@ -90,9 +84,8 @@ def plan_memory(model: ModelFile, budget: int, *, n_ctx: int, n_ubatch: int,
     if budget > device_total:
         raise BudgetError(f"budget {format_size(budget)} is larger than {device_name}'s "
                           f"{format_size(device_total)}; lower --gpu-budget")
-    layers = moe_layers(model)
-    expert_bytes = sum(t.nbytes for t in model.tensors if "_exps." in t.name and
-                       t.name.startswith(f"blk.{layers[0]}.")) // model.n_expert
+    layers = model.moe_layers()
+    expert_bytes = model.bytes_per_expert()
     n_ff_exp = int(model.arch_kv("expert_feed_forward_length", 0))
     n_embd = int(model.arch_kv("embedding_length", 0))
     pairs = n_ubatch * model.n_expert_used
@@ -112,10 +105,15 @@ def plan_memory(model: ModelFile, budget: int, *, n_ctx: int, n_ubatch: int,
     return plan
 
 
-def slots_for_fraction(model: ModelFile, fraction: float) -> list[int]:
-    """Slots per layer caching ``fraction`` of each MoE layer's experts (at least one)."""
+def fraction_slots(n_expert: int, fraction: float) -> int:
+    """Slots of a layer caching ``fraction`` of its ``n_expert`` experts (at least one)."""
     if not 0 < fraction <= 1:
         raise ValueError(f"--cache-fraction must be in (0, 1], not {fraction}")
-    n = max(1, math.ceil(fraction * model.n_expert - 1e-9))
-    layers = set(moe_layers(model))
+    return max(1, math.ceil(fraction * n_expert - 1e-9))
+
+
+def slots_for_fraction(model: ModelFile, fraction: float) -> list[int]:
+    """Slots per layer caching ``fraction`` of each MoE layer's experts (at least one)."""
+    n = fraction_slots(model.n_expert, fraction)
+    layers = set(model.moe_layers())
     return [n if il in layers else 0 for il in range(model.n_layer)]

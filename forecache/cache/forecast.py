@@ -8,6 +8,7 @@ arrays and returns (onnxruntime releases the GIL while it predicts).
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 from collections.abc import Callable, Sequence
 
@@ -83,12 +84,18 @@ class Forecaster:
 
 class ForecastWorker:
     """A thread that runs a ``Forecaster`` on gate events and hands each forecast to ``apply``
-    (target layer, experts, pass id); ``submit`` never waits for a prediction."""
+    (target layer, experts, pass id); ``submit`` never waits for a prediction.
+
+    A predictor that raises stops forecasting for the rest of the run, said once through ``say``
+    (stderr by default) and kept in ``errors``: the cache then works reactively, and the output,
+    which never depends on predictions, stays the same."""
 
     def __init__(self, forecaster: Forecaster,
-                 apply: Callable[[int, np.ndarray, int], object]) -> None:
+                 apply: Callable[[int, np.ndarray, int], object],
+                 say: Callable[[str], None] | None = None) -> None:
         self.forecaster = forecaster
         self._apply = apply
+        self._say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self._q: queue.SimpleQueue = queue.SimpleQueue()
         self.errors: list[BaseException] = []
         self._thread = threading.Thread(target=self._run, name="forecache-forecast",
@@ -133,10 +140,14 @@ class ForecastWorker:
                     self.forecaster.begin_request()
                 elif kind == "end":
                     self.forecaster.end_request()
-                else:
+                elif not self.errors:
                     _, layer, ids, h, toks, pass_id = item
                     for target, experts in self.forecaster.on_gate(layer, ids, h, toks):
                         self._apply(target, experts, pass_id)
-            except Exception as e:  # a failing predictor must not stop generation
-                if len(self.errors) < 10:
-                    self.errors.append(e)
+            except Exception as e:  # an exception here must not stop generation
+                self.errors.append(e)
+                if len(self.errors) == 1:
+                    name = self.forecaster.predictor.name
+                    self._say(f"forecache: the {name} predictor failed ({type(e).__name__}: {e}); "
+                              "prefetching is off for the rest of this run (the output is "
+                              "unaffected)")

@@ -16,6 +16,7 @@ import numpy as np
 from forecache.native.cache_api import HIGH
 
 if TYPE_CHECKING:
+    from forecache.cache.cost import CostModel
     from forecache.cache.prefetcher import CopyEngine
 
 POLICIES = ("offload", "ncmoe", "lru", "static", "promoe")
@@ -23,10 +24,22 @@ POLICIES = ("offload", "ncmoe", "lru", "static", "promoe")
 STATIC_SPARE_SLOTS = 2
 
 
+def hit_rate(hits: int, misses: int) -> float | None:
+    """Share of routed experts found in a slot; None when nothing was routed."""
+    looked_up = hits + misses
+    return hits / looked_up if looked_up else None
+
+
 class Policy:
-    """Base class: per-layer slot counts and the hook decision."""
+    """What the expert cache asks of a policy: per-layer slot counts, copies before the first
+    token, the decision at each layer's gate, and forecasts to act on. Reactive policies implement
+    ``on_gate`` only; a proactive one (``Prefetcher``) overrides ``gate`` and ``prefetch``."""
 
     name = "base"
+    #: plans host/device splits by cost; the cache corrects it with measured rates (None: no split)
+    cost: CostModel | None = None
+    #: forward passes (ubatches) routed so far: a forecast made in an older pass is stale
+    pass_id: int = 0
 
     def __init__(self, n_slots: Sequence[int]) -> None:
         self.n_slots = list(n_slots)
@@ -48,6 +61,12 @@ class Policy:
         for e, s in loads:
             engine.load(layer, e, s, HIGH)
         return True
+
+    def prefetch(self, layer: int, experts: Sequence[int], pass_id: int,
+                 engine: CopyEngine) -> int:
+        """Act on a forecast that ``experts`` will be routed at ``layer`` (made in pass
+        ``pass_id``); returns the copies queued. Reactive policies ignore forecasts."""
+        return 0
 
 
 class HostOnlyPolicy(Policy):

@@ -65,6 +65,16 @@ class Features:
         return "promoe" + "".join(f" --no-{n}" for n in off)
 
 
+# ProMoE's ablation ladder: each row adds one mechanism to the one before.
+ABLATION = [("base (lru)", "lru", Features()),
+            ("+prefetch", "promoe", Features(chunk=False, preempt=False, reorder=False,
+                                             split=False)),
+            ("+chunked", "promoe", Features(preempt=False, reorder=False, split=False)),
+            ("+early preemption", "promoe", Features(reorder=False, split=False)),
+            ("+reordered", "promoe", Features(split=False)),
+            ("+host split", "promoe", Features())]
+
+
 class Prefetcher(Policy):
     """Slot assignment for ``promoe``: a mirror of each layer's slots with recency, refreshed from
     the engine at every gate, shared by the gate hook and the prediction worker (one lock)."""

@@ -107,7 +107,7 @@ class ExpertCache:
 
     def _prefetch(self, layer: int, experts: np.ndarray, pass_id: int) -> None:
         if self._handle is not None:
-            self.policy.prefetch(layer, experts.tolist(), pass_id, self)  # type: ignore[attr-defined]
+            self.policy.prefetch(layer, experts.tolist(), pass_id, self)
 
     def _on_gate(self, _ud: int, layer: int, n_tokens: int, n_used: int, ids_p: object,
                  w_p: object, x_p: object, n_embd: int) -> int:
@@ -128,7 +128,7 @@ class ExpertCache:
                 if toks is not None and len(toks) != n_tokens:
                     toks = None
                 self.worker.submit(layer, ids.reshape(n_tokens, n_used), x, toks,
-                                   self.policy.pass_id)  # type: ignore[attr-defined]
+                                   self.policy.pass_id)
             return 0 if on_slots else 1
         except KeyboardInterrupt:
             # Ctrl-C/SIGTERM cannot cross the C frame either: finish this layer from host memory
@@ -143,7 +143,7 @@ class ExpertCache:
 
     def _calibrate(self) -> None:
         """Every CALIBRATE_EVERY gates, give the policy's cost model the measured rates."""
-        cost = getattr(self.policy, "cost", None)
+        cost = self.policy.cost
         if cost is None:
             return
         self._gates += 1
@@ -173,7 +173,7 @@ class ExpertCache:
 
     def reset_stats(self) -> None:
         self._lib.forecache_cache_reset_stats(self._handle)
-        cost = getattr(self.policy, "cost", None)
+        cost = self.policy.cost
         if cost is not None:
             cost.predicted_host_s = 0.0  # what calibration compares the reset host time with
 

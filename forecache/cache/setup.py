@@ -11,7 +11,6 @@ import numpy as np
 
 from forecache.cache.budget import (
     MemoryPlan,
-    moe_layers,
     parse_size,
     plan_memory,
     slots_for_fraction,
@@ -21,12 +20,11 @@ from forecache.cache.forecast import Forecaster
 from forecache.cache.policies import POLICIES, HostOnlyPolicy, LRUPolicy, Policy, StaticPolicy
 from forecache.cache.prefetcher import Features, Prefetcher
 from forecache.cache.runtime import DEFAULT_CHUNK_BYTES, ExpertCache, RouteCallback
-from forecache.gguf.header import ModelFile, is_expert_tensor
+from forecache.gguf.header import EXPERT_TENSOR_PATTERN, ModelFile
 from forecache.native import llama_cpp_module
 from forecache.native.cache_api import CHUNK_EXPERT, TensorBuftOverride
 from forecache.native.ggml_devices import Device, cache_device, host_buffer_type
 
-EXPERT_PATTERN = r"_exps\."
 # the machine profile promoe's host/device split starts from until it has measured the rates
 DEFAULT_MACHINE = "rtx4090"
 
@@ -107,7 +105,7 @@ def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int) -> P
     if cfg.gpu_budget is not None:
         plan = plan_memory(model, cfg.gpu_budget, n_ctx=n_ctx, n_ubatch=n_ubatch,
                            device_name=dev.name, device_total=dev.memory_total)
-    layers = moe_layers(model)
+    layers = model.moe_layers()
     if cfg.policy == "ncmoe":
         assert plan is not None
         return Placement(dev, plan, [0] * model.n_layer, layers[:plan.ncmoe_cpu_layers()])
@@ -138,7 +136,7 @@ def expert_overrides(placement: Placement) -> Iterator[None]:
     low = llama_cpp_module()
     buft = host_buffer_type(placement.device.index)
     layers = "|".join(str(il) for il in placement.host_layers)
-    patterns = [f"^blk\\.({layers})\\..*{EXPERT_PATTERN}".encode()]
+    patterns = [f"^blk\\.({layers})\\..*{EXPERT_TENSOR_PATTERN}".encode()]
     arr = (TensorBuftOverride * (len(patterns) + 1))()
     for i, pat in enumerate(patterns):
         arr[i].pattern = pat
@@ -162,9 +160,7 @@ def expert_overrides(placement: Placement) -> Iterator[None]:
 
 def expert_shape(model: ModelFile) -> ExpertShape:
     """Bytes and per-token flops of one routed expert's projections (first MoE layer)."""
-    layer = moe_layers(model)[0]
-    projs = [t for t in model.tensors
-             if t.name.startswith(f"blk.{layer}.") and is_expert_tensor(t.name)]
+    projs = model.expert_tensors(model.moe_layers()[0])
     up = next(t for t in projs if "_up_" in t.name)  # ne: [d_model, expert_ff, n_expert]
     return ExpertShape(int(up.shape[0]), int(up.shape[1]),
                        tuple(t.nbytes // t.shape[2] for t in projs))
@@ -196,7 +192,7 @@ def make_forecaster(model: ModelFile, cfg: CacheConfig, n_slots: list[int],
     from forecache.predictor.history import HistoryPredictor
     from forecache.predictor.store import load_learned, trained_windows
 
-    layers = moe_layers(model)
+    layers = model.moe_layers()
     name = cfg.predictor
     windows = trained_windows(model)
     if name == "auto":
@@ -247,7 +243,7 @@ def attach_observer(ctx: int, model: ModelFile, device: int, on_route: RouteCall
     experts must be host-resident) and each routing decision goes to ``on_route``. Traces and
     routing profiles use it; one slot per MoE layer is allocated because the hook fires only on
     layers with slots."""
-    layers = set(moe_layers(model))
+    layers = set(model.moe_layers())
     n_slots = [1 if il in layers else 0 for il in range(model.n_layer)]
     return ExpertCache(ctx, n_slots, HostOnlyPolicy(n_slots), device=device, on_route=on_route,
                        gate_input=gate_input)

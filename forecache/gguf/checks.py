@@ -63,6 +63,8 @@ def _error(mf: ModelFile, what: str, why: str) -> Exception:
 def check_header(mf: ModelFile) -> None:
     """Refuse, in one line, a header whose values llama.cpp would assert on or forecache could
     not use."""
+    from forecache.gguf.header import is_expert_tensor
+
     align = mf.kv.get("general.alignment")
     if align is not None:
         if mf.kv_types.get("general.alignment") != UINT32 or isinstance(align, bool) or \
@@ -101,7 +103,7 @@ def check_header(mf: ModelFile) -> None:
         raise _error(mf, f"{mf.arch}.block_count is {n_layer} but it has tensors of layer "
                      f"{max(layers)}", "")
     for t in mf.tensors:
-        if "_exps." in t.name and (len(t.shape) != 3 or t.shape[2] != n_expert):
+        if is_expert_tensor(t.name) and (len(t.shape) != 3 or t.shape[2] != n_expert):
             raise _error(mf, f"tensor {t.name} has shape {list(t.shape)} but "
                          f"{mf.arch}.expert_count is {n_expert}", "")
     _check_tokenizer(mf)

@@ -97,13 +97,34 @@ class ModelFile:
         """Bytes of routed-expert tensors (those the expert cache manages)."""
         return sum(t.nbytes for t in self.tensors if is_expert_tensor(t.name))
 
+    def moe_layers(self) -> list[int]:
+        """Indices of the layers that have routed-expert tensors."""
+        return sorted({int(t.name.split(".")[1]) for t in self.tensors
+                       if is_expert_tensor(t.name)})
+
+    def expert_tensors(self, layer: int) -> list[TensorInfo]:
+        """The routed-expert tensors of ``layer`` (gate, up, down; experts stacked last)."""
+        return [t for t in self.tensors
+                if t.name.startswith(f"blk.{layer}.") and is_expert_tensor(t.name)]
+
+    def bytes_per_expert(self) -> int:
+        """Bytes of one routed expert (all its projections) in the first MoE layer."""
+        return sum(t.nbytes for t in self.expert_tensors(self.moe_layers()[0])) // self.n_expert
+
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
 
+#: llama.cpp's name ending for a layer's routed-expert weights (all experts stacked): the tensors
+#: the C expert cache serves from slots, and the ones placed in host memory.
+EXPERT_TENSOR_SUFFIX = "_exps.weight"
+#: The same test as a tensor buffer-type override pattern (llama.cpp matches it with regex_search).
+EXPERT_TENSOR_PATTERN = r"_exps\.weight$"
+
+
 def is_expert_tensor(name: str) -> bool:
-    """Routed-expert weight tensors (all experts of a layer stacked), as llama.cpp names them."""
-    return "_exps." in name
+    """Whether ``name`` is a layer's routed-expert weights, as llama.cpp names them."""
+    return name.startswith("blk.") and name.endswith(EXPERT_TENSOR_SUFFIX)
 
 
 def tensor_nbytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:

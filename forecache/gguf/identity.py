@@ -8,11 +8,9 @@ retrained or requantized one included) differ there. It is cached by (path, size
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any
 
 from forecache.atomic_file import write_atomic
-from forecache.cache.budget import moe_layers
 from forecache.gguf.header import ModelFile
 from forecache.paths import cache_dir
 
@@ -58,7 +56,7 @@ def identity(model: ModelFile) -> dict[str, Any]:
         "fingerprint": fingerprint(model),
         "arch": model.arch,
         "n_layer": model.n_layer,
-        "moe_layers": moe_layers(model),
+        "moe_layers": model.moe_layers(),
         "n_expert": model.n_expert,
         "top_k": model.n_expert_used,
         "n_embd": int(model.arch_kv("embedding_length", 0) or 0),
@@ -83,7 +81,3 @@ def require_same_model(recorded: dict[str, Any], model: ModelFile, what: str, fi
             f"(fingerprint {current['fingerprint'][:12]}"
             f"{', same shape but other weights' if same_shape else ', another shape'}); {fix}")
 
-
-def describe(recorded: dict[str, Any]) -> str:
-    """One line naming the model of an identity."""
-    return json.dumps({k: recorded.get(k) for k in ("model_name", "arch", "n_expert", "top_k")})

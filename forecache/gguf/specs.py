@@ -274,7 +274,8 @@ def size_report(spec: ModelSpec, qtype: str) -> SizeReport:
     )
 
 
-def _find_yaml(path: str | Path | None) -> Path:
+def models_yaml(path: str | Path | None = None) -> Path:
+    """``path``, else the models.yaml that ships with forecache."""
     return Path(path) if path is not None else MODELS_YAML
 
 
@@ -311,12 +312,9 @@ def _load(path: Path) -> tuple[dict[str, ArchSpec], dict[str, ModelSpec]]:
 
 def load_specs(path: str | Path | None = None) -> dict[str, ModelSpec]:
     """All models of models.yaml by name, in file order."""
-    return dict(_load(_find_yaml(path).resolve())[1])
+    return dict(_load(models_yaml(path).resolve())[1])
 
 
-def load_architectures(path: str | Path | None = None) -> dict[str, ArchSpec]:
-    """All architectures of models.yaml by name."""
-    return dict(_load(_find_yaml(path).resolve())[0])
 
 
 def model_names(path: str | Path | None = None) -> list[str]:

@@ -87,10 +87,6 @@ def bytes_to_unicode() -> dict[int, str]:
     return {b: mapping[b] for b in printable + [b for b in range(256) if b not in printable]}
 
 
-def encode_text(text: str) -> str:
-    """UTF-8 text in the byte-level token alphabet (space -> 'Ġ', newline -> 'Ċ', ...)."""
-    table = bytes_to_unicode()
-    return "".join(table[b] for b in text.encode("utf-8"))
 
 
 @functools.cache

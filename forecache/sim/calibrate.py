@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 
-from forecache.cache.budget import moe_layers
 from forecache.cache.cost import Profile
 from forecache.cache.prefetcher import Features
 from forecache.cache.setup import CacheConfig, attach_observer, expert_shape
@@ -34,7 +33,7 @@ FITTED = ("launch_s", "mem_gbps", "gflops", "hook_s", "prefetch_hook_s", "token_
 
 def model_shape(model: ModelFile) -> SimShape:
     """The simulator's view of a GGUF file: its own sizes, tensor by tensor."""
-    layer = moe_layers(model)[0]
+    layer = model.moe_layers()[0]
     blk = [t for t in model.tensors if t.name.startswith(f"blk.{layer}.")]
     ex = expert_shape(model)
     qtype = next(t for t in blk if is_expert_tensor(t.name)).type.name.lower()
@@ -49,7 +48,7 @@ def model_shape(model: ModelFile) -> SimShape:
 def record_routing(engine: Engine, prompts: Sequence[list[int]], n_gen: int) -> list[Request]:
     """The routing of every row of each prompt and its greedy continuation (one Request each)."""
     model = engine.model_file
-    layers = moe_layers(model)
+    layers = model.moe_layers()
     rec = _Recorder({il: i for i, il in enumerate(layers)}, False)
     assert engine.placement is not None
     hook = attach_observer(engine.llm.ctx, model, engine.placement.device.index, rec)
@@ -177,9 +176,6 @@ def fit_profile(base: Profile, shape: SimShape, runs: Sequence[Measured], warmup
     return profile_of(nelder_mead(loss, x0, iters=iters))
 
 
-def profile_json(p: Profile, source: str) -> dict:
-    """A profile as the JSON ``Profile.load`` reads."""
-    return dict(asdict(p), source=source)
 
 
 @dataclass

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import copy
-import math
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from forecache.cache.budget import parse_size
+from forecache.cache.budget import fraction_slots, parse_size
 from forecache.cache.cost import Profile
-from forecache.cache.prefetcher import Features
+from forecache.cache.prefetcher import ABLATION
 from forecache.predictor.base import Predictor, Request, source_layer
 from forecache.predictor.metrics import topk_accuracy
 from forecache.predictor.registry import make_predictor, unavailable
@@ -22,13 +21,6 @@ from forecache.trace.format import TraceFile, TraceInfo
 
 # Device memory a budget keeps for the KV cache and compute buffers (4096 context, 512 ubatch).
 BUDGET_RESERVE = 1536 << 20
-ABLATION = [("base (lru)", "lru", Features()),
-            ("+prefetch", "promoe", Features(chunk=False, preempt=False, reorder=False,
-                                             split=False)),
-            ("+chunked", "promoe", Features(preempt=False, reorder=False, split=False)),
-            ("+early preemption", "promoe", Features(reorder=False, split=False)),
-            ("+reordered", "promoe", Features(split=False)),
-            ("+host split", "promoe", Features())]
 
 
 def trace_shape(path: Path, info: TraceInfo, name: str | None, qtype: str) -> SimShape:
@@ -52,9 +44,7 @@ def slots_for(shape: SimShape, n_layers_cached: int, budget: str | None,
     if (budget is None) == (fraction is None):
         raise ValueError("give exactly one of --budget and --cache-fraction")
     if fraction is not None:
-        if not 0 < fraction <= 1:
-            raise ValueError(f"--cache-fraction must be in (0, 1], not {fraction}")
-        return max(1, math.ceil(fraction * shape.experts - 1e-9))
+        return fraction_slots(shape.experts, fraction)
     assert budget is not None
     fixed = shape.layers * shape.layer_bytes + 2 * shape.head_bytes + BUDGET_RESERVE
     left = parse_size(budget) - fixed

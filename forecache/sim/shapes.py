@@ -8,7 +8,8 @@ import yaml
 from gguf import GGML_QUANT_SIZES
 
 from forecache.cache.cost import ExpertShape
-from forecache.gguf.specs import _find_yaml, get_spec, parse_qtype
+from forecache.gguf.header import tensor_nbytes
+from forecache.gguf.specs import get_spec, models_yaml, parse_qtype, tensor_type
 
 
 @dataclass(frozen=True)
@@ -50,17 +51,15 @@ class SimShape:
 
 
 def _nbytes(n_elements: int, row: int, qtype: str) -> int:
-    t = parse_qtype(qtype)
-    bs, ts = GGML_QUANT_SIZES[t]
-    if row % bs:  # llama.cpp's quantizers fall back for rows that do not fit the block
-        t = parse_qtype("q8_0") if row % 32 == 0 else parse_qtype("f16")
-        bs, ts = GGML_QUANT_SIZES[t]
-    return n_elements // bs * ts
+    """Bytes of a matrix of ``row``-long rows written as ``qtype``, with the type llama.cpp's
+    quantizer falls back to where a row does not fit the block (as ``make-model`` writes it)."""
+    ne = (row, n_elements // row)
+    return tensor_nbytes(ne, tensor_type("", ne, qtype))
 
 
 def shape_of(name: str, qtype: str = "q4_k") -> SimShape:
     """The shape of a models.yaml model (``models`` or ``trace_models``) at ``qtype``."""
-    raw = yaml.safe_load(_find_yaml(None).read_text())
+    raw = yaml.safe_load(models_yaml(None).read_text())
     extra = (raw.get("trace_models") or {}).get(name)
     if extra is not None and "preset" not in extra:
         spec = dict(extra)
@@ -83,7 +82,7 @@ def shape_of(name: str, qtype: str = "q4_k") -> SimShape:
 
 def trace_model_names() -> dict[str, str]:
     """Trace-file stems -> the models.yaml model they were recorded on."""
-    raw = yaml.safe_load(_find_yaml(None).read_text())
+    raw = yaml.safe_load(models_yaml(None).read_text())
     out = {}
     for name, spec in (raw.get("trace_models") or {}).items():
         for stem in spec.get("traces", []):

@@ -17,7 +17,7 @@ import numpy as np
 
 from forecache.cache.cost import CostModel, Profile, roofline_s
 from forecache.cache.forecast import Forecaster
-from forecache.cache.policies import LRUPolicy, Policy, StaticPolicy
+from forecache.cache.policies import LRUPolicy, Policy, StaticPolicy, hit_rate
 from forecache.cache.prefetcher import (
     SLOT_READY,
     Features,
@@ -60,10 +60,9 @@ class SimResult:
     per_layer: list[dict]
 
     def to_json(self) -> dict:
-        routed = self.hits + self.misses
         out = {k: v for k, v in self.__dict__.items() if k not in ("extra", "per_layer")}
         out.update(self.extra)
-        out["hit_rate"] = self.hits / routed if routed else 0.0
+        out["hit_rate"] = hit_rate(self.hits, self.misses) or 0.0
         out["per_layer"] = self.per_layer
         return out
 

@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from forecache.cache.budget import moe_layers
 from forecache.cache.setup import CacheConfig, attach_observer
 from forecache.engine import Engine, SamplingParams
 from forecache.gguf.identity import identity
@@ -148,7 +147,7 @@ def record_trace(model_path: str | os.PathLike[str], prompts: list[PromptItem],
                     cache=CacheConfig(policy="offload"))
     try:
         model = engine.model_file
-        layers = moe_layers(model)
+        layers = model.moe_layers()
         rec = _Recorder({il: i for i, il in enumerate(layers)}, gate_input)
         assert engine.placement is not None
         hook = attach_observer(engine.llm.ctx, model, engine.placement.device.index, rec,
