@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from forecache.predictor.base import Predictor, Request, source_layer, top_experts
+from forecache.predictor.base import Predictor, source_layer, top_experts
 from forecache.predictor.learned import LearnedPredictor, onnx_file
 from forecache.predictor.mlp import (
     HIDDEN_MAX,
@@ -17,6 +17,7 @@ from forecache.predictor.mlp import (
     hidden_size,
     train_mlp,
 )
+from forecache.trace.format import Request
 
 N_LAYERS, N_EXPERT, TOP_K, D_MODEL, WINDOW = 4, 16, 4, 32, 2
 PAIRS = [(source_layer(i, WINDOW), i) for i in range(1, N_LAYERS)]

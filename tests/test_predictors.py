@@ -10,11 +10,12 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from forecache.predictor.base import Predictor, Request, top_experts
+from forecache.predictor.base import Predictor, top_experts
 from forecache.predictor.eam import EAMPredictor, request_eam, top_matches
 from forecache.predictor.history import HistoryPredictor
 from forecache.predictor.metrics import topk_accuracy
 from forecache.predictor.token import TokenPredictor
+from forecache.trace.format import Request
 
 L, E, K = 6, 16, 2
 ALL_PAIRS = [(lf, lt) for lt in range(1, L) for lf in range(lt)]

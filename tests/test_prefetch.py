@@ -18,11 +18,10 @@ from forecache.cache.prefetcher import HIGH, LOW, SLOT_EMPTY, SLOT_QUEUED, Featu
 from forecache.cache.setup import CacheConfig
 from forecache.engine import Engine, SamplingParams
 from forecache.native.cache_api import CHUNK_EXPERT, ChunkInfo
-from forecache.predictor.base import Request
 from forecache.sim.engine import SimEngine
 from forecache.sim.shapes import shape_of
 from forecache.sim.simulate import SimConfig, simulate
-from forecache.trace.format import TraceWriter
+from forecache.trace.format import Request, TraceWriter
 from tests.cli_helpers import run_cli, run_cli_json
 from tests.conftest import assert_same_tokens
 

@@ -1,4 +1,4 @@
-"""The interface every expert predictor implements, and the per-request view of a trace it reads.
+"""The interface every expert predictor implements (it reads traces as ``trace.format.Request``).
 
 Time model (the same online and in evaluation): a request is processed token by token; at token t,
 the layers run in order and layer l's routed experts become known at its gate. A prediction made at
@@ -20,25 +20,11 @@ runs the online path, and a subclass that overrides it for speed must return the
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import ClassVar
 
 import numpy as np
 
-
-@dataclass
-class Request:
-    """One request's rows of a trace (tokens in execution order)."""
-
-    experts: np.ndarray  # int16 [T, L, k]; -1 = unknown
-    token_ids: np.ndarray | None = None  # int32 [T]
-    weights: np.ndarray | None = None  # float16 [T, L, k]
-    gate_input: np.ndarray | None = None  # float16 [T, L, d] (may be a memory map)
-    phase: np.ndarray | None = None  # int8 [T]: 0 prefill, 1 decode
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.experts.shape[0])
+from forecache.trace.format import Request
 
 
 def source_layer(layer_to: int, window: int) -> int:

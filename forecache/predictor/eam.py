@@ -21,7 +21,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from forecache.predictor.base import Predictor, Request
+from forecache.predictor.base import Predictor
+from forecache.trace.format import Request
 
 # Vectorised scoring works on blocks of tokens: bounds the [tokens, layers, capacity] buffers.
 _BLOCK_CELLS = 1 << 21

@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 
 from forecache.gguf.header import ModelFile
-from forecache.predictor.base import Request, source_layer
+from forecache.predictor.base import source_layer
 from forecache.predictor.metrics import topk_accuracy
 from forecache.predictor.registry import make_predictor, unavailable
-from forecache.trace.format import TraceFile
+from forecache.trace.format import Request, TraceFile
 
 DEFAULT_WINDOWS = (1, 2, 4, 8)
 

@@ -12,8 +12,9 @@ from typing import ClassVar
 import numpy as np
 
 from forecache.atomic_file import write_atomic
-from forecache.predictor.base import Predictor, Request
+from forecache.predictor.base import Predictor
 from forecache.predictor.mlp import OnnxMLP, hidden_size, to_onnx, train_mlp
+from forecache.trace.format import Request
 
 FORMAT_VERSION = 1
 META_FILE = "learned.json"

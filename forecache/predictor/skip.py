@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from forecache.gguf.header import ModelFile
-from forecache.predictor.base import Predictor, Request
+from forecache.predictor.base import Predictor
+from forecache.trace.format import Request
 
 
 def router_weights(model: ModelFile, layers: Sequence[int]) -> tuple[list[np.ndarray],

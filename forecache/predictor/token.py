@@ -14,7 +14,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from forecache.predictor.base import Predictor, Request
+from forecache.predictor.base import Predictor
+from forecache.trace.format import Request
 
 
 class TokenPredictor(Predictor):

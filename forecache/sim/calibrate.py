@@ -19,10 +19,10 @@ from forecache.cache.prefetcher import Features
 from forecache.cache.setup import CacheConfig, attach_observer, expert_shape
 from forecache.engine import Engine, SamplingParams
 from forecache.gguf.header import ModelFile, is_expert_tensor
-from forecache.predictor.base import Request
 from forecache.predictor.history import HistoryPredictor
 from forecache.sim.shapes import SimShape
 from forecache.sim.simulate import SimConfig, Simulator
+from forecache.trace.format import Request
 from forecache.trace.record import _all_rows_computed, _Recorder
 
 # Profile fields fitted to the calibration runs: on a CPU build the "device" is the same CPU, so

@@ -12,12 +12,12 @@ import numpy as np
 from forecache.cache.budget import fraction_slots, parse_size
 from forecache.cache.cost import Profile
 from forecache.cache.prefetcher import ABLATION
-from forecache.predictor.base import Predictor, Request, source_layer
+from forecache.predictor.base import Predictor, source_layer
 from forecache.predictor.metrics import topk_accuracy
 from forecache.predictor.registry import make_predictor, unavailable
 from forecache.sim.shapes import SimShape, shape_of, trace_model_names
 from forecache.sim.simulate import SimConfig, SimResult, simulate
-from forecache.trace.format import TraceFile, TraceInfo
+from forecache.trace.format import Request, TraceFile, TraceInfo
 
 # Device memory a budget keeps for the KV cache and compute buffers (4096 context, 512 ubatch).
 BUDGET_RESERVE = 1536 << 20

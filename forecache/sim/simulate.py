@@ -23,9 +23,10 @@ from forecache.cache.prefetcher import (
     Features,
     Prefetcher,
 )
-from forecache.predictor.base import Predictor, Request
+from forecache.predictor.base import Predictor
 from forecache.sim.engine import SimEngine
 from forecache.sim.shapes import SimShape
+from forecache.trace.format import Request
 
 SIM_POLICIES = ("offload", "lru", "static", "promoe")
 

@@ -38,8 +38,6 @@ from typing import Any
 import numpy as np
 import numpy.lib.format as npformat
 
-from forecache.predictor.base import Request
-
 FORMAT_VERSION = 1
 ROW_ARRAYS: dict[str, np.dtype] = {
     "experts": np.dtype(np.int16),
@@ -51,6 +49,21 @@ ROW_ARRAYS: dict[str, np.dtype] = {
     "gate_input": np.dtype(np.float16),
 }
 _COPY_CHUNK = 16 << 20
+
+
+@dataclass
+class Request:
+    """One request's rows of a trace (tokens in execution order)."""
+
+    experts: np.ndarray  # int16 [T, L, k]; -1 = unknown
+    token_ids: np.ndarray | None = None  # int32 [T]
+    weights: np.ndarray | None = None  # float16 [T, L, k]
+    gate_input: np.ndarray | None = None  # float16 [T, L, d] (may be a memory map)
+    phase: np.ndarray | None = None  # int8 [T]: 0 prefill, 1 decode
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.experts.shape[0])
 
 
 class TraceError(ValueError):
