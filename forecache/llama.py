@@ -17,7 +17,7 @@ import os
 import re
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,32 +99,6 @@ def _load_log(enabled: bool) -> Iterator[list[tuple[int, str]]]:
         low.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
 
 
-@contextlib.contextmanager
-def _sequences(n_seq_max: int) -> Iterator[None]:
-    """While active, contexts are created for ``n_seq_max`` sequences, each with an equal share
-    of n_ctx (llama-cpp-python does not expose n_seq_max; it starts from the default
-    parameters)."""
-    if n_seq_max <= 1:
-        yield
-        return
-    low = llama_cpp_module()
-    original = low.llama_context_default_params
-
-    def params():  # type: ignore[no-untyped-def]
-        p = original()
-        p.n_seq_max = n_seq_max
-        # a KV stream per sequence: each sees its cells where it would alone, which keeps its
-        # attention sums in the same order as a single-sequence run
-        p.kv_unified = False
-        return p
-
-    low.llama_context_default_params = params
-    try:
-        yield
-    finally:
-        low.llama_context_default_params = original
-
-
 class Llama(llama_cpp.Llama):
     """A drop-in for ``llama_cpp.Llama`` that runs MoE GGUF models with forecache's expert cache.
 
@@ -165,9 +139,7 @@ class Llama(llama_cpp.Llama):
         verbose = bool(kwargs.get("verbose", True))
         with _load_log(not verbose) as log:
             try:
-                with (expert_overrides(self.placement) if self.placement
-                      else contextlib.nullcontext()), _sequences(n_seq_max):
-                    super().__init__(str(model_path), **kwargs)
+                super().__init__(str(model_path), **kwargs, **self._load_params(n_seq_max))
             except (ValueError, RuntimeError) as e:
                 failure = e
             else:
@@ -179,6 +151,15 @@ class Llama(llama_cpp.Llama):
         self._vocab = low.llama_model_get_vocab(self.model)
         if cache is not None and cache.policy in ("lru", "static", "promoe"):
             self._attach_cache(cache)
+
+    def _load_params(self, n_seq_max: int) -> dict[str, Any]:
+        """llama_cpp.Llama keywords of forecache's placement and of ``n_seq_max`` sequences."""
+        params = expert_overrides(self.placement) if self.placement else {}
+        if n_seq_max > 1:
+            # a KV stream per sequence: each sees its cells where it would alone, which keeps its
+            # attention sums in the same order as a single-sequence run
+            params.update(n_seq_max=n_seq_max, kv_unified=False)
+        return params
 
     @classmethod
     def open(cls, model_path: str | os.PathLike[str], *, cache: CacheConfig | None,
@@ -221,20 +202,14 @@ class Llama(llama_cpp.Llama):
                                    self.model_file,
                                    say=lambda msg: print(msg, file=sys.stderr))
         if self.expert_cache.worker is not None:
-            self._watch_batches(self.expert_cache)
+            cache = self.expert_cache  # predictors that read token ids get each batch's
+
+            def on_batch(tokens: Sequence[int]) -> None:
+                cache.batch_tokens = np.asarray(tokens, dtype=np.int32)
+
+            self.on_batch = on_batch
         self.expert_cache.wait_idle()  # the static policy's pinned experts
         self.expert_cache.reset_stats()
-
-    def _watch_batches(self, cache: ExpertCache) -> None:
-        """Give the cache the token ids of each batch llama-cpp-python decodes (for predictors
-        that use them); llama-cpp-python has no hook for it, so its batch setter is wrapped."""
-        original = self._batch.set_batch
-
-        def set_batch(batch, n_past, logits_all):  # type: ignore[no-untyped-def]
-            cache.batch_tokens = np.asarray(batch, dtype=np.int32)
-            return original(batch=batch, n_past=n_past, logits_all=logits_all)
-
-        self._batch.set_batch = set_batch  # type: ignore[method-assign]
 
     def routing_profile(self, tokens: list[int], n_gen: int) -> np.ndarray:
         """Routed-expert counts [n_layer, n_expert] of a greedy run over ``tokens``, computed from

@@ -7,11 +7,10 @@ The endpoints, request types, streaming and locking are llama-cpp-python's
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from forecache.llama import Llama
@@ -33,20 +32,6 @@ def _proxy_class(load: Callable[[Any], Llama]) -> type:
             return load(settings)
 
     return ForecacheProxy
-
-
-@contextlib.contextmanager
-def _serving_proxy(load: Callable[[Any], Llama]) -> Iterator[None]:
-    # create_app builds its proxy from the module-level name LlamaProxy and offers no hook for
-    # another model class: the name is swapped while the app is created.
-    import llama_cpp.server.app as server_app
-
-    original = server_app.LlamaProxy
-    server_app.LlamaProxy = _proxy_class(load)
-    try:
-        yield
-    finally:
-        server_app.LlamaProxy = original
 
 
 # The request bodies the routes read, by path: llama-cpp-python's pydantic request models.
@@ -163,8 +148,8 @@ def create_app(model_path: str, alias: str, load: Callable[[Any], Llama], *, n_c
     # interrupt_requests (llama-cpp-python's default) ends a stream as soon as another request
     # waits for the model, which leaves concurrent clients with empty answers: requests queue
     server = ServerSettings(interrupt_requests=False)
-    with _serving_proxy(load):
-        app = llama_create_app(server_settings=server, model_settings=[model])
+    app = llama_create_app(server_settings=server, model_settings=[model],
+                           proxy_class=_proxy_class(load))
 
     model_lock = Depends(get_llama_proxy)  # the lock every llama-cpp-python route takes
 

@@ -7,20 +7,25 @@ import json
 import pytest
 from cli_helpers import run_cli
 
-COMMANDS = ["bench", "build", "doctor", "eval-predictor", "generate", "make-model", "routing-stats",
-            "run", "trace", "train"]
+COMMANDS = ["batch", "bench", "build", "chat", "doctor", "eval-predictor", "generate", "make-model",
+            "models", "routing-stats", "run", "serve", "simulate", "trace", "train"]
 
 
 def test_top_level_help_lists_commands() -> None:
     res = run_cli("--help", check=True)
-    for cmd in COMMANDS:
-        assert cmd in res.stdout
+    lines = res.stdout.split("Commands:", 1)[1].splitlines()
+    # one line per command, "  name  summary" (click wraps long summaries further indented)
+    listed = [line.split()[0] for line in lines if line.startswith("  ") and line[2] != " "]
+    assert listed == COMMANDS
 
 
 @pytest.mark.parametrize("cmd", COMMANDS)
 def test_command_help(cmd: str) -> None:
     res = run_cli(cmd, "--help", check=True)
-    assert res.stdout.startswith(f"Usage: python -m forecache {cmd}") or "Usage:" in res.stdout
+    usage, _, rest = res.stdout.partition("\n")
+    # the command's own help: its usage line, a description and its options
+    assert usage.startswith("Usage: ") and f" forecache {cmd} [OPTIONS]" in usage
+    assert rest.strip() and "Options:" in rest and "--help" in rest
 
 
 def test_doctor_json_reports_build_and_devices() -> None:

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -21,8 +20,7 @@ from forecache.cache.policies import POLICIES, HostOnlyPolicy, LRUPolicy, Policy
 from forecache.cache.prefetcher import Features, Prefetcher
 from forecache.cache.runtime import DEFAULT_CHUNK_BYTES, ExpertCache, RouteCallback
 from forecache.gguf.header import EXPERT_TENSOR_PATTERN, ModelFile
-from forecache.native import llama_cpp_module
-from forecache.native.cache_api import CHUNK_EXPERT, TensorBuftOverride
+from forecache.native.cache_api import CHUNK_EXPERT
 from forecache.native.ggml_devices import Device, cache_device, host_buffer_type
 
 # the machine profile promoe's host/device split starts from until it has measured the rates
@@ -122,40 +120,18 @@ def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int) -> P
     return Placement(dev, plan, slots, layers)
 
 
-@contextlib.contextmanager
-def expert_overrides(placement: Placement) -> Iterator[None]:
-    """While active, llama.cpp loads the experts of ``placement.host_layers`` into host memory
-    (pinned when the device has a pinned host buffer type), as ``-ot``/``--n-cpu-moe`` do.
-
-    llama-cpp-python does not expose tensor_buft_overrides, so the default model parameters it
-    starts from are wrapped for the duration of the load.
+def expert_overrides(placement: Placement) -> dict[str, Any]:
+    """``llama_cpp.Llama`` keywords that load the experts of ``placement.host_layers`` into host
+    memory (pinned when the device has a pinned host buffer type), as ``-ot``/``--n-cpu-moe`` do.
     """
     if not placement.host_layers:
-        yield
-        return
-    low = llama_cpp_module()
-    buft = host_buffer_type(placement.device.index)
+        return {}
     layers = "|".join(str(il) for il in placement.host_layers)
-    patterns = [f"^blk\\.({layers})\\..*{EXPERT_TENSOR_PATTERN}".encode()]
-    arr = (TensorBuftOverride * (len(patterns) + 1))()
-    for i, pat in enumerate(patterns):
-        arr[i].pattern = pat
-        arr[i].buft = buft
-    original = low.llama_model_default_params
-
-    def params_with_overrides():  # type: ignore[no-untyped-def]
-        p = original()
-        p.tensor_buft_overrides = ctypes.cast(arr, ctypes.c_void_p)
-        # Slots are filled by copying an expert's bytes, so host experts keep the file's layout:
-        # no CPU weight repacking (llama.cpp would otherwise repack experts overridden to "CPU").
-        p.use_extra_bufts = False
-        return p
-
-    low.llama_model_default_params = params_with_overrides
-    try:
-        yield
-    finally:
-        low.llama_model_default_params = original
+    pattern = f"^blk\\.({layers})\\..*{EXPERT_TENSOR_PATTERN}"
+    # Slots are filled by copying an expert's bytes, so host experts keep the file's layout:
+    # no CPU weight repacking (llama.cpp would otherwise repack experts overridden to "CPU").
+    return {"tensor_buft_overrides": [(pattern, host_buffer_type(placement.device.index))],
+            "use_extra_bufts": False}
 
 
 def expert_shape(model: ModelFile) -> ExpertShape:

@@ -58,7 +58,7 @@ class _Layer:
 
 
 class SimEngine:
-    """The C copy engine's contract in virtual time (see include/forecache.h, patch 0004)."""
+    """The C copy engine's contract in virtual time (csrc/forecache.h, forecache-cache.cpp)."""
 
     def __init__(self, shape: SimShape, n_slots: Sequence[int], profile: Profile, *,
                  whole_expert_chunks: bool = False) -> None:
