@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from forecache.engine import SamplingParams
+from forecache.generate import SamplingParams
 from forecache.interrupt import StopFlag
 from forecache.llama import Llama
 

@@ -9,8 +9,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from forecache.cache.setup import CacheConfig
-from forecache.engine import Engine, SamplingParams
-from forecache.llama import CALIBRATION_TEXT
+from forecache.generate import SamplingParams, generate, text_tokens
+from forecache.llama import CALIBRATION_TEXT, Llama
 
 BASELINES = ("offload", "ncmoe", "lru")
 
@@ -31,7 +31,7 @@ class PolicyResult:
     ratios: dict[str, dict[str, float]]
 
 
-def bench_prompts(engine: Engine, n_prompts: int, prompt_len: int,
+def bench_prompts(llm: Llama, n_prompts: int, prompt_len: int,
                   seed: int = 0) -> list[list[int]]:
     """``n_prompts`` prompts of exactly ``prompt_len`` tokens: seeded shuffles of English words."""
     words = CALIBRATION_TEXT.split()
@@ -41,7 +41,7 @@ def bench_prompts(engine: Engine, n_prompts: int, prompt_len: int,
         ids: list[int] = []
         while len(ids) < prompt_len:
             rng.shuffle(words)
-            ids += engine.tokenize(" ".join(words))
+            ids += text_tokens(llm, " ".join(words))
         prompts.append(ids[:prompt_len])
     return prompts
 
@@ -50,8 +50,8 @@ def workload(model: Path, n_prompts: int, prompt_len: int, n_gen: int,
              n_ctx: int | None = None) -> tuple[int, list[list[int]]]:
     """The context size and the prompts every run of a benchmark shares."""
     n_ctx = n_ctx or max(512, prompt_len + n_gen + 16)
-    with Engine(model, n_ctx=n_ctx) as eng:
-        return n_ctx, bench_prompts(eng, n_prompts, prompt_len)
+    with Llama.open(model, cache=None, n_ctx=n_ctx) as llm:
+        return n_ctx, bench_prompts(llm, n_prompts, prompt_len)
 
 
 def _sized(policy: str, gpu_budget: int | None, fraction: float | None, **kw: object
@@ -65,16 +65,16 @@ def _sized(policy: str, gpu_budget: int | None, fraction: float | None, **kw: ob
 def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n_gen: int, *,
                n_ctx: int, n_threads: int | None) -> dict:
     """Load the model under ``cfg``, warm up, then generate ``n_gen`` tokens for every prompt."""
-    with Engine(model, n_ctx=n_ctx, n_threads=n_threads, cache=cfg) as eng:
-        eng.generate(prompts[0][:8], 2, SamplingParams(greedy=True), ignore_eos=True)
-        if eng.expert_cache is not None:
-            eng.expert_cache.reset_stats()
+    with Llama.open(model, cache=cfg, n_ctx=n_ctx, n_threads=n_threads) as llm:
+        generate(llm, prompts[0][:8], 2, SamplingParams(greedy=True), ignore_eos=True)
+        if llm.expert_cache is not None:
+            llm.expert_cache.reset_stats()
         runs = []
         t0 = time.perf_counter()
         for p in prompts:
-            runs.append(eng.generate(p, n_gen, SamplingParams(greedy=True), ignore_eos=True))
+            runs.append(generate(llm, p, n_gen, SamplingParams(greedy=True), ignore_eos=True))
         wall = time.perf_counter() - t0
-        stats = eng.cache_stats()
+        stats = llm.expert_stats()
     n = len(runs)
     routed = stats["hits"] + stats["misses"]
     tpot = sum(r.tpot_s for r in runs) / n

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from forecache.atomic_file import write_atomic
 from forecache.cache.budget import format_size
-from forecache.engine import SamplingParams
+from forecache.generate import SamplingParams
 from forecache.interrupt import deferred_signals
 from forecache.llama import Llama
 

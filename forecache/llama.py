@@ -182,13 +182,15 @@ class Llama(llama_cpp.Llama):
     @classmethod
     def open(cls, model_path: str | os.PathLike[str], *, cache: CacheConfig | None,
              n_ctx: int = 4096, n_threads: int | None = None, n_seq_max: int = 1,
-             verbose: bool = False, **kwargs: Any) -> Llama:
+             n_gpu_layers: int = -1, verbose: bool = False, **kwargs: Any) -> Llama:
         """Load as forecache's commands do: ``n_ctx`` tokens per sequence, capped by the model's
-        training context, and every core for prompt and generation threads."""
+        training context, every core for prompt and generation threads, and every layer on the
+        GPU of a GPU build, with or without a cache."""
         threads = n_threads or os.cpu_count() or 1
         per_seq = require_moe(model_path).fit_context(n_ctx)
         return cls(model_path, cache=cache, n_ctx=per_seq * n_seq_max, n_seq_max=n_seq_max,
-                   n_threads=threads, n_threads_batch=threads, verbose=verbose, **kwargs)
+                   n_threads=threads, n_threads_batch=threads, n_gpu_layers=n_gpu_layers,
+                   verbose=verbose, **kwargs)
 
     def _load_failure(self, err: Exception, log: list[tuple[int, str]]) -> str:
         """One line for a failed load: out of memory (with a budget to try) or llama.cpp's own

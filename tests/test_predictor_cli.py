@@ -94,19 +94,20 @@ def test_train_stores_predictors_and_refuses_other_models(ref_trace: Path, tmp_p
 
     # at run time, promoe picks the trained predictors up and prefetches with them, losslessly
     from forecache.cache.setup import CacheConfig
-    from forecache.engine import Engine, SamplingParams
+    from forecache.generate import SamplingParams, generate
+    from forecache.llama import Llama
 
     def run(cfg: CacheConfig | None) -> tuple[list[int], dict]:
-        with Engine(model, n_ctx=256, cache=cfg) as eng:
-            res = eng.generate("Once upon a time, in a small town by the sea,", 24,
-                               SamplingParams(greedy=True), ignore_eos=True)
+        with Llama.open(model, n_ctx=256, cache=cfg) as llm:
+            res = generate(llm, "Once upon a time, in a small town by the sea,", 24,
+                           SamplingParams(greedy=True), ignore_eos=True)
             seen = {}
-            if eng.expert_cache is not None:
-                worker = eng.expert_cache.worker
+            if llm.expert_cache is not None:
+                worker = llm.expert_cache.worker
                 assert worker is not None and not worker.errors
                 seen = {"predictor": worker.forecaster.predictor.name,
                         "window": worker.forecaster.window,
-                        "prefetch_loads": eng.expert_cache.policy.prefetch_loads}
+                        "prefetch_loads": llm.expert_cache.policy.prefetch_loads}
             return res.tokens, seen
 
     stock, _ = run(None)

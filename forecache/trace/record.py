@@ -16,16 +16,19 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from forecache.cache.budget import moe_layers
 from forecache.cache.setup import CacheConfig, attach_observer
-from forecache.engine import Engine, SamplingParams
+from forecache.generate import SamplingParams, generate, text_tokens
 from forecache.gguf.identity import identity
 from forecache.interrupt import Terminated, deferred_signals
 from forecache.trace.format import TraceError, TraceWriter
+
+if TYPE_CHECKING:
+    from forecache.llama import Llama
 
 BUILTIN_PROMPTS = ("default",)
 
@@ -144,16 +147,19 @@ def record_trace(model_path: str | os.PathLike[str], prompts: list[PromptItem],
     one). Ctrl-C keeps the requests finished so far as a valid, shorter trace.
     """
     t0 = time.perf_counter()
-    engine = Engine(model_path, n_ctx=n_ctx, n_batch=n_batch,
-                    cache=CacheConfig(policy="offload"))
+    from forecache.llama import Llama
+
+    llm = Llama.open(model_path, cache=CacheConfig(policy="offload"), n_ctx=n_ctx,
+                     n_batch=n_batch)
     try:
-        model = engine.model_file
+        model = llm.model_file
         layers = moe_layers(model)
         rec = _Recorder({il: i for i, il in enumerate(layers)}, gate_input)
-        assert engine.placement is not None
-        hook = attach_observer(engine.llm.ctx, model, engine.placement.device.index, rec,
+        assert llm.placement is not None
+        hook = attach_observer(llm.ctx, model, llm.placement.device.index, rec,
                                gate_input=gate_input)
-        has_template = bool(engine.llm.metadata.get("tokenizer.chat_template"))
+        has_template = bool(llm.metadata.get("tokenizer.chat_template"))
+        n_ctx_loaded = llm.n_ctx()
         n_embd = int(model.arch_kv("embedding_length", 0))
         meta: dict[str, Any] = {**identity(model), "source": source, "n_gen": n_gen,
                                 "chat_template": chat and has_template}
@@ -169,17 +175,17 @@ def record_trace(model_path: str | os.PathLike[str], prompts: list[PromptItem],
             # would be lost in the C frame
             with writer, deferred_signals() as stop:
                 for i, item in enumerate(prompts):
-                    text = _render(engine, item, chat and has_template)
-                    tokens = engine.tokenize(text)
-                    if len(tokens) >= engine.n_ctx:
+                    text = _render(llm, item, chat and has_template)
+                    tokens = text_tokens(llm, text)
+                    if len(tokens) >= n_ctx_loaded:
                         raise ValueError(f"prompt {item.id} has {len(tokens)} tokens, more than "
-                                         f"the context of {engine.n_ctx}; use a larger --ctx")
-                    budget = min(n_gen, engine.n_ctx - len(tokens))
+                                         f"the context of {n_ctx_loaded}; use a larger --ctx")
+                    budget = min(n_gen, n_ctx_loaded - len(tokens))
                     rec.reset()
-                    engine.llm.reset()  # no KV prefix reuse: every prompt token is routed
-                    with _all_rows_computed(engine):
-                        res = engine.generate(tokens, budget, SamplingParams(greedy=True),
-                                              stop=stop)
+                    llm.reset()  # no KV prefix reuse: every prompt token is routed
+                    with _all_rows_computed(llm):
+                        res = generate(llm, tokens, budget, SamplingParams(greedy=True),
+                                       stop=stop)
                     if stop:  # the request cut short is not recorded
                         interrupted, signum = True, stop.signum
                         break
@@ -206,7 +212,7 @@ def record_trace(model_path: str | os.PathLike[str], prompts: list[PromptItem],
         if not interrupted and writer.n_requests == 0:
             raise TraceError("no request was recorded")
     finally:
-        engine.close()
+        llm.close()
     if interrupted and not outputs:
         raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
     return TraceSummary(Path(out), len(outputs), prefill + decode, prefill, decode,
@@ -215,11 +221,11 @@ def record_trace(model_path: str | os.PathLike[str], prompts: list[PromptItem],
 
 
 @contextlib.contextmanager
-def _all_rows_computed(engine: Engine) -> Iterator[None]:
+def _all_rows_computed(llm: Llama) -> Iterator[None]:
     """Ask llama.cpp for an output at every token of a batch: otherwise the last layer computes
     only the rows whose logits are used and routes no other token. llama-cpp-python keeps no
     extra logits (its logits_all stays off), and sampling still reads the last row."""
-    batch = engine.llm._batch
+    batch = llm._batch
     original = batch.set_batch
 
     def set_batch(batch: Sequence[int], n_past: int, logits_all: bool) -> None:
@@ -232,10 +238,10 @@ def _all_rows_computed(engine: Engine) -> Iterator[None]:
         del batch.set_batch
 
 
-def _render(engine: Engine, item: PromptItem, chat: bool) -> str:
+def _render(llm: Llama, item: PromptItem, chat: bool) -> str:
     if item.messages is not None:
-        return engine.format_chat(item.messages)
+        return llm.format_chat(item.messages)
     assert item.prompt is not None
     if chat:
-        return engine.format_chat([{"role": "user", "content": item.prompt}])
+        return llm.format_chat([{"role": "user", "content": item.prompt}])
     return item.prompt
