@@ -111,12 +111,13 @@ def test_tracing_keeps_tokens_and_records_true_routing(tiny_model, tmp_path: Pat
     from forecache.gguf.header import read_model_file
     from forecache.llama import Llama
     from forecache.predictor.skip import SkipPredictor
-    from forecache.trace.record import PromptItem, _render, record_trace
+    from forecache.requests import Request
+    from forecache.trace.record import _render, record_trace
 
     model = tiny_model("q8_0")
-    prompts = [PromptItem("a", prompt="Tell me about rivers and the sea."),
-               PromptItem("b", messages=[{"role": "user", "content": "Add 2 and 3."}]),
-               PromptItem("c", prompt="word " * 40)]
+    prompts = [Request("a", 1, prompt="Tell me about rivers and the sea."),
+               Request("b", 2, messages=[{"role": "user", "content": "Add 2 and 3."}]),
+               Request("c", 3, prompt="word " * 40)]
     out = tmp_path / "tiny.npz"
     s = record_trace(model, prompts, out, n_gen=12, gate_input=True, n_batch=16)
     assert s.requests == 3 and not s.interrupted

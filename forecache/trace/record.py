@@ -8,7 +8,6 @@ tokens generated are the same as without the hook.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import time
@@ -25,21 +24,13 @@ from forecache.cache.setup import CacheConfig, attach_observer
 from forecache.generate import SamplingParams, generate, text_tokens
 from forecache.gguf.identity import identity
 from forecache.interrupt import Terminated, deferred_signals
+from forecache.requests import Request, read_requests
 from forecache.trace.format import TraceError, TraceWriter
 
 if TYPE_CHECKING:
     from forecache.llama import Llama
 
 BUILTIN_PROMPTS = ("default",)
-
-
-@dataclass
-class PromptItem:
-    """One request: plain text or chat messages."""
-
-    id: str
-    prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
 
 
 def builtin_prompts_path(name: str) -> Path:
@@ -50,36 +41,14 @@ def builtin_prompts_path(name: str) -> Path:
     return Path(str(resources.files("forecache") / "data" / "prompts" / f"{name}.jsonl"))
 
 
-def load_prompts(path: str | os.PathLike[str]) -> list[PromptItem]:
-    """Read a prompts JSONL file: each line an object with "prompt" (text) or "messages" (chat
-    messages with role and content), and optionally "id". Every line is checked before any work
-    starts; a bad line is reported with its number."""
+def load_prompts(path: str | os.PathLike[str]) -> list[Request]:
+    """Read a prompts JSONL file with the rules of ``forecache batch`` input
+    (``forecache.requests``); its sampling fields are ignored, tracing is greedy. Every line is
+    checked before any work starts: the first bad line refuses the file, with its number."""
     p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"{p}: no such prompts file")
-    items: list[PromptItem] = []
-    with open(p, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{p}:{n}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg}); each line must be one "
-                                 'object such as {"prompt": "..."}') from e
-            if not isinstance(obj, dict):
-                raise ValueError(f'{where}: expected an object such as {{"prompt": "..."}}')
-            pid = str(obj.get("id", f"line-{n}"))
-            if isinstance(obj.get("prompt"), str) and obj["prompt"]:
-                items.append(PromptItem(pid, prompt=obj["prompt"]))
-            elif isinstance(obj.get("messages"), list) and obj["messages"] and all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str) for m in obj["messages"]):
-                items.append(PromptItem(pid, messages=obj["messages"]))
-            else:
-                raise ValueError(f'{where}: needs a non-empty "prompt" string or a "messages" '
-                                 'list of {"role", "content"} objects')
+    items, errors = read_requests(p)
+    if errors:
+        raise ValueError(f"{p}:{errors[0]['line']}: {errors[0]['error']}")
     if not items:
         raise ValueError(f"{p}: no prompts in the file")
     return items
@@ -136,7 +105,7 @@ class _Recorder:
         return experts, weights, x
 
 
-def record_trace(model_path: str | os.PathLike[str], prompts: list[PromptItem],
+def record_trace(model_path: str | os.PathLike[str], prompts: list[Request],
                  out: str | os.PathLike[str], *, n_gen: int = 64, gate_input: bool = False,
                  chat: bool = True, n_ctx: int = 4096, n_batch: int = 512,
                  source: str = "", progress: Callable[[int, int, int], None] | None = None,
@@ -238,7 +207,7 @@ def _all_rows_computed(llm: Llama) -> Iterator[None]:
         del batch.set_batch
 
 
-def _render(llm: Llama, item: PromptItem, chat: bool) -> str:
+def _render(llm: Llama, item: Request, chat: bool) -> str:
     if item.messages is not None:
         return llm.format_chat(item.messages)
     assert item.prompt is not None
