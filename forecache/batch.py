@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from forecache.errors import setting
 from forecache.generate import SamplingParams
 from forecache.interrupt import StopFlag
 from forecache.llama import Llama
@@ -52,7 +53,8 @@ def done_ids(path: Path) -> tuple[set[str], set[str], bool]:
                 failed.add(str(rec["id"]))
         except (ValueError, KeyError, TypeError):
             raise BatchOutputError(f"{path} line {i} is not a forecache batch record; fix or "
-                                   "remove it, or write to another --output") from None
+                                   f"remove it, or write to another {setting('output')}") \
+                from None
     if tail:
         with open(path, "r+b") as f:
             f.truncate(len(data) - len(tail))
@@ -116,15 +118,21 @@ def sample(logits: np.ndarray, sp: SamplingParams, rng: np.random.Generator) -> 
     return int(order[rng.choice(keep, p=p)])
 
 
+def _ctx_per_seq() -> str:
+    # the context of each sequence: Llama.open's n_ctx, which forecache batch sets per sequence
+    return setting("n_ctx", flag="--ctx-per-seq")
+
+
 def decode_failure(rc: int, n_active: int) -> str:
     """What a non-zero llama_decode status means, and what to do about it."""
     if rc == 1:
-        return (f"no room in the KV cache for {n_active} sequences; lower --parallel or raise "
-                "--ctx-per-seq")
+        return (f"no room in the KV cache for {n_active} sequences; lower "
+                f"{setting('n_parallel')} or raise {_ctx_per_seq()}")
     if rc == 2:
-        return "llama.cpp aborted the computation (its reason is above; --verbose shows more)"
-    return (f"llama_decode failed ({rc}) with {n_active} sequences; rerun with --verbose for "
-            "llama.cpp's reason")
+        return (f"llama.cpp aborted the computation (its reason is above; "
+                f"{setting('verbose', True)} shows more)")
+    return (f"llama_decode failed ({rc}) with {n_active} sequences; rerun with "
+            f"{setting('verbose', True)} for llama.cpp's reason")
 
 
 def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
@@ -141,8 +149,8 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
     n_vocab = llm.n_vocab()
     per_seq = llm.n_ctx() // max(llm.n_seq_max, 1)
     if n_parallel > llm.n_seq_max:
-        raise ValueError(f"--parallel {n_parallel} needs a model loaded with n_seq_max >= "
-                         f"{n_parallel}")
+        raise ValueError(f"{setting('n_parallel', n_parallel)} needs a model loaded with "
+                         f"n_seq_max >= {n_parallel}")
     mem = low.llama_get_memory(ctx)
     batch = low.llama_batch_init(n_batch, 0, 1)
     cache = llm.expert_cache
@@ -191,7 +199,8 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
                     on_done({"id": req.id, "line": req.line,
                              "error": f"prompt ({len(prompt)} tokens) + max_tokens "
                                       f"({req.max_tokens}) exceed the context of {per_seq} per "
-                                      "sequence; raise --ctx-per-seq or lower max_tokens"})
+                                      f"sequence; raise {_ctx_per_seq()} or lower "
+                                      "max_tokens"})
                     continue
                 active.append(_Sequence(req, free.pop(0), prompt,
                                         np.random.default_rng(req.seed)))

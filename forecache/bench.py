@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from forecache.cache.setup import CacheConfig
+from forecache.errors import setting
 from forecache.generate import SamplingParams, generate, text_tokens
 from forecache.llama import CALIBRATION_TEXT, Llama
 
@@ -102,7 +103,7 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
     raw: dict[str, dict] = {}
     for pol in policies:
         if pol == "ncmoe" and gpu_budget is None:
-            progress("ncmoe skipped: it needs --gpu-budget")
+            progress(f"ncmoe skipped: it needs {setting('gpu_budget')}")
             continue
         progress(f"running {pol} ...")
         cfg = _sized(pol, gpu_budget, cache_fraction)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from forecache.errors import setting
 from forecache.native import llama_cpp_module
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ def generate(llm: Llama, prompt: str | list[int], max_tokens: int, sampling: Sam
     if len(tokens) + max_tokens > n_ctx:
         raise ValueError(f"prompt ({len(tokens)} tokens) + {max_tokens} generated tokens "
                          f"exceed the context of {n_ctx}; use a shorter prompt, fewer "
-                         "tokens or a larger --ctx")
+                         f"tokens or a larger {setting('n_ctx')}")
     if max_tokens > 0:
         done = llm.complete(tokens, max_tokens, on_text, ignore_eos=ignore_eos, stop=stop,
                             **sampling.llama_kwargs())

@@ -35,6 +35,7 @@ from forecache.cache.setup import (
     place,
     resolve_cache_config,
 )
+from forecache.errors import setting
 from forecache.gguf.header import ModelFile, require_moe
 from forecache.native import llama_cpp_module, llama_cpp_package, patch_version
 from forecache.native.cache_api import SLOT_EMPTY
@@ -203,14 +204,14 @@ class Llama(llama_cpp.Llama):
             if dev is not None and dev.type != "cpu":
                 budget = cfg.gpu_budget if cfg and cfg.gpu_budget else dev.memory_free
                 return (f"out of memory while loading {name} ({oom[0]}): try a smaller "
-                        f"--gpu-budget, e.g. {format_size(int(budget * 0.8))}, or a shorter "
-                        "--ctx")
-            return (f"out of memory while loading {name} ({oom[0]}): lower --ctx or free host "
-                    "memory")
+                        f"{setting('gpu_budget')}, e.g. {format_size(int(budget * 0.8))}, or a "
+                        f"shorter {setting('n_ctx')}")
+            return (f"out of memory while loading {name} ({oom[0]}): lower {setting('n_ctx')} "
+                    "or free host memory")
         errors = [text for level, text in log if level == LOG_ERROR and text]
         detail = f" ({errors[-1]})" if errors else ""
-        return (f"llama.cpp could not load {name}: {err}{detail}; run with --verbose for "
-                "llama.cpp's log")
+        return (f"llama.cpp could not load {name}: {err}{detail}; run with "
+                f"{setting('verbose', True)} for llama.cpp's log")
 
     def _attach_cache(self, cfg: CacheConfig) -> None:
         assert self.placement is not None

@@ -6,6 +6,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from forecache.errors import setting
 from forecache.gguf.header import ModelFile
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40,
@@ -89,7 +90,7 @@ def plan_memory(model: ModelFile, budget: int, *, n_ctx: int, n_ubatch: int,
     """Split ``budget`` bytes of device memory; refuses budgets the device or model cannot meet."""
     if budget > device_total:
         raise BudgetError(f"budget {format_size(budget)} is larger than {device_name}'s "
-                          f"{format_size(device_total)}; lower --gpu-budget")
+                          f"{format_size(device_total)}; lower {setting('gpu_budget')}")
     layers = moe_layers(model)
     expert_bytes = sum(t.nbytes for t in model.tensors if "_exps." in t.name and
                        t.name.startswith(f"blk.{layers[0]}.")) // model.n_expert
@@ -108,14 +109,15 @@ def plan_memory(model: ModelFile, budget: int, *, n_ctx: int, n_ubatch: int,
             f"budget {format_size(budget)} is too small for {model.path.name}: non-expert weights "
             f"{format_size(plan.non_expert_bytes)} + KV cache {format_size(plan.kv_bytes)} + "
             f"compute buffers {format_size(plan.compute_bytes)} need at least "
-            f"{format_size(plan.fixed_bytes)}; raise --gpu-budget or lower --ctx")
+            f"{format_size(plan.fixed_bytes)}; raise {setting('gpu_budget')} or lower "
+            f"{setting('n_ctx')}")
     return plan
 
 
 def slots_for_fraction(model: ModelFile, fraction: float) -> list[int]:
     """Slots per layer caching ``fraction`` of each MoE layer's experts (at least one)."""
     if not 0 < fraction <= 1:
-        raise ValueError(f"--cache-fraction must be in (0, 1], not {fraction}")
+        raise ValueError(f"{setting('cache_fraction')} must be in (0, 1], not {fraction}")
     n = max(1, math.ceil(fraction * model.n_expert - 1e-9))
     layers = set(moe_layers(model))
     return [n if il in layers else 0 for il in range(model.n_layer)]

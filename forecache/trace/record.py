@@ -21,6 +21,7 @@ import numpy as np
 
 from forecache.cache.budget import moe_layers
 from forecache.cache.setup import CacheConfig, attach_observer
+from forecache.errors import setting
 from forecache.generate import SamplingParams, generate, text_tokens
 from forecache.gguf.identity import identity
 from forecache.interrupt import Terminated, deferred_signals
@@ -148,7 +149,8 @@ def record_trace(model_path: str | os.PathLike[str], prompts: list[Request],
                     tokens = text_tokens(llm, text)
                     if len(tokens) >= n_ctx_loaded:
                         raise ValueError(f"prompt {item.id} has {len(tokens)} tokens, more than "
-                                         f"the context of {n_ctx_loaded}; use a larger --ctx")
+                                         f"the context of {n_ctx_loaded}; use a larger "
+                                         f"{setting('n_ctx')}")
                     budget = min(n_gen, n_ctx_loaded - len(tokens))
                     rec.reset()
                     llm.reset()  # no KV prefix reuse: every prompt token is routed
