@@ -116,9 +116,9 @@ def record_trace(model_path: str | os.PathLike[str], prompts: list[Request],
     ``chat`` wraps plain prompts as a user message in the model's chat template (when it has
     one). Ctrl-C keeps the requests finished so far as a valid, shorter trace.
     """
-    t0 = time.perf_counter()
     from forecache.llama import Llama
 
+    t0 = time.perf_counter()
     llm = Llama.open(model_path, cache=CacheConfig(policy="offload"), n_ctx=n_ctx,
                      n_batch=n_batch)
     try:
