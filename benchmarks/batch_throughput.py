@@ -16,11 +16,12 @@ import platform
 import time
 from pathlib import Path
 
-from forecache.batch import Request, decode_many
+from forecache.batch import decode_many
 from forecache.cache.setup import resolve_cache_config
 from forecache.default_model import ensure_default_model
-from forecache.engine import SamplingParams
+from forecache.generate import SamplingParams
 from forecache.llama import Llama
+from forecache.requests import Request
 
 PROMPTS = Path(__file__).resolve().parent.parent / "forecache" / "data" / "prompts" / \
     "default.jsonl"

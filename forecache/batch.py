@@ -18,161 +18,15 @@ from pathlib import Path
 
 import numpy as np
 
-from forecache.engine import SamplingParams
+from forecache.errors import setting
+from forecache.generate import SamplingParams
 from forecache.interrupt import StopFlag
 from forecache.llama import Llama
-
-DEFAULT_MAX_TOKENS = 128
-_FIELDS = {"id", "prompt", "messages", "max_tokens", "temperature", "top_p", "top_k", "min_p",
-           "seed", "stop"}
-
-
-class BatchInputError(ValueError):
-    """The input file cannot be read at all."""
+from forecache.requests import Request
 
 
 class BatchOutputError(ValueError):
     """The output file is not one this job can append to."""
-
-
-@dataclass
-class Request:
-    """One line of the input."""
-
-    id: str
-    line: int
-    prompt: str | None = None
-    messages: list[dict] | None = None
-    max_tokens: int = DEFAULT_MAX_TOKENS
-    sampling: SamplingParams = field(default_factory=SamplingParams)  # temperature 0: greedy
-    seed: int = 0
-    stop: list[str] = field(default_factory=list)
-
-
-def _number(obj: dict, key: str, kind: type, default: float | int, lo: float,
-            hi: float) -> float | int:
-    value = obj.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-            (kind is int and not float(value).is_integer()):
-        raise ValueError(f'"{key}" must be {"an integer" if kind is int else "a number"}')
-    if not lo <= value <= hi:
-        raise ValueError(f'"{key}" must be between {lo} and {hi}, not {value}')
-    return kind(value)
-
-
-def _unicode(value: str, what: str) -> str:
-    """``value``, refused when it holds a lone surrogate (valid JSON, but no UTF-8 text)."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{what} is not valid Unicode: a lone surrogate "
-                         f"U+{ord(value[e.start]):04X} at character {e.start}") from None
-    return value
-
-
-def parse_request(text: str, line: int, default_max_tokens: int) -> Request:
-    """A Request from one JSON line; ValueError says what is wrong with it."""
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(obj, dict):
-        raise ValueError("not a JSON object")
-    unknown = sorted(set(obj) - _FIELDS)
-    if unknown:
-        raise ValueError(f"unknown field(s) {', '.join(unknown)}; "
-                         f"known: {', '.join(sorted(_FIELDS))}")
-    rid = obj.get("id", f"line-{line}")
-    if not isinstance(rid, (str, int)) or isinstance(rid, bool):
-        raise ValueError('"id" must be a string or an integer')
-    req = Request(id=_unicode(str(rid), '"id"'), line=line)
-    if ("prompt" in obj) == ("messages" in obj):
-        raise ValueError('give one of "prompt" and "messages"')
-    if "prompt" in obj:
-        if not isinstance(obj["prompt"], str) or not obj["prompt"]:
-            raise ValueError('"prompt" must be a non-empty string')
-        req.prompt = _unicode(obj["prompt"], '"prompt"')
-    else:
-        msgs = obj["messages"]
-        if not isinstance(msgs, list) or not msgs or not all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and
-                isinstance(m.get("content"), str) for m in msgs):
-            raise ValueError('"messages" must be a non-empty list of {"role", "content"} strings')
-        for i, m in enumerate(msgs):
-            _unicode(m["role"], f'"messages"[{i}].role')
-            _unicode(m["content"], f'"messages"[{i}].content')
-        req.messages = msgs
-    req.max_tokens = int(_number(obj, "max_tokens", int, default_max_tokens, 1, 1 << 20))
-    sp = req.sampling
-    sp.temperature = float(_number(obj, "temperature", float, sp.temperature, 0, 100))
-    sp.greedy = sp.temperature == 0
-    sp.top_p = float(_number(obj, "top_p", float, sp.top_p, 0, 1))
-    sp.top_k = int(_number(obj, "top_k", int, sp.top_k, 0, 1 << 30))
-    sp.min_p = float(_number(obj, "min_p", float, sp.min_p, 0, 1))
-    req.seed = int(_number(obj, "seed", int, req.seed, 0, 2**63 - 1))
-    stop = obj.get("stop", [])
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise ValueError('"stop" must be a string or a list of non-empty strings')
-    req.stop = [_unicode(x, '"stop"') for x in stop]
-    return req
-
-
-def read_requests(path: Path, default_max_tokens: int = DEFAULT_MAX_TOKENS,
-                  ) -> tuple[list[Request], list[dict]]:
-    """The requests of an input file and error records for its malformed lines (with their
-    ``line``). A file that cannot be read at all raises BatchInputError."""
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        raise BatchInputError(f"input file not found: {path}") from None
-    except IsADirectoryError:
-        raise BatchInputError(f"{path} is a directory, not a JSONL file") from None
-    except OSError as e:
-        raise BatchInputError(f"cannot read {path}: {e.strerror or e}") from None
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise BatchInputError(f"{path} is not UTF-8 text (byte {e.start}); the input must be "
-                              "JSON lines") from None
-    lines = text.split("\n")
-    complete = text.endswith("\n")
-    requests: list[Request] = []
-    errors: list[dict] = []
-    seen: set[str] = set()
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            req = parse_request(line, i, default_max_tokens)
-            if req.id in seen:
-                raise ValueError(f"duplicate id {req.id!r}")
-        except ValueError as e:
-            msg = str(e)
-            if i == len(lines) and not complete:
-                msg += " (the last line has no newline: was the file still being written?)"
-            # keyed by its line, never by the id it names: that id may be a valid request's,
-            # which a rerun would then take as done
-            record = {"id": f"line-{i}", "line": i, "error": msg}
-            named = _id_of(line)
-            if named is not None:
-                record["request_id"] = named
-            errors.append(record)
-            continue
-        seen.add(req.id)
-        requests.append(req)
-    return requests, errors
-
-
-def _id_of(line: str) -> str | None:
-    """The id a malformed line names, when it can be read and written as UTF-8."""
-    try:
-        rid = json.loads(line).get("id")
-        if isinstance(rid, (str, int)) and not isinstance(rid, bool):
-            return _unicode(str(rid), "id")
-    except (ValueError, AttributeError):
-        pass
-    return None
 
 
 def done_ids(path: Path) -> tuple[set[str], set[str], bool]:
@@ -199,7 +53,8 @@ def done_ids(path: Path) -> tuple[set[str], set[str], bool]:
                 failed.add(str(rec["id"]))
         except (ValueError, KeyError, TypeError):
             raise BatchOutputError(f"{path} line {i} is not a forecache batch record; fix or "
-                                   "remove it, or write to another --output") from None
+                                   f"remove it, or write to another {setting('output')}") \
+                from None
     if tail:
         with open(path, "r+b") as f:
             f.truncate(len(data) - len(tail))
@@ -263,15 +118,21 @@ def sample(logits: np.ndarray, sp: SamplingParams, rng: np.random.Generator) -> 
     return int(order[rng.choice(keep, p=p)])
 
 
+def _ctx_per_seq() -> str:
+    # the context of each sequence: Llama.open's n_ctx, which forecache batch sets per sequence
+    return setting("n_ctx", flag="--ctx-per-seq")
+
+
 def decode_failure(rc: int, n_active: int) -> str:
     """What a non-zero llama_decode status means, and what to do about it."""
     if rc == 1:
-        return (f"no room in the KV cache for {n_active} sequences; lower --parallel or raise "
-                "--ctx-per-seq")
+        return (f"no room in the KV cache for {n_active} sequences; lower "
+                f"{setting('n_parallel')} or raise {_ctx_per_seq()}")
     if rc == 2:
-        return "llama.cpp aborted the computation (its reason is above; --verbose shows more)"
-    return (f"llama_decode failed ({rc}) with {n_active} sequences; rerun with --verbose for "
-            "llama.cpp's reason")
+        return (f"llama.cpp aborted the computation (its reason is above; "
+                f"{setting('verbose', True)} shows more)")
+    return (f"llama_decode failed ({rc}) with {n_active} sequences; rerun with "
+            f"{setting('verbose', True)} for llama.cpp's reason")
 
 
 def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
@@ -288,8 +149,8 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
     n_vocab = llm.n_vocab()
     per_seq = llm.n_ctx() // max(llm.n_seq_max, 1)
     if n_parallel > llm.n_seq_max:
-        raise ValueError(f"--parallel {n_parallel} needs a model loaded with n_seq_max >= "
-                         f"{n_parallel}")
+        raise ValueError(f"{setting('n_parallel', n_parallel)} needs a model loaded with "
+                         f"n_seq_max >= {n_parallel}")
     mem = low.llama_get_memory(ctx)
     batch = low.llama_batch_init(n_batch, 0, 1)
     cache = llm.expert_cache
@@ -338,7 +199,8 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
                     on_done({"id": req.id, "line": req.line,
                              "error": f"prompt ({len(prompt)} tokens) + max_tokens "
                                       f"({req.max_tokens}) exceed the context of {per_seq} per "
-                                      "sequence; raise --ctx-per-seq or lower max_tokens"})
+                                      f"sequence; raise {_ctx_per_seq()} or lower "
+                                      "max_tokens"})
                     continue
                 active.append(_Sequence(req, free.pop(0), prompt,
                                         np.random.default_rng(req.seed)))

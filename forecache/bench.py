@@ -10,8 +10,9 @@ from pathlib import Path
 
 from forecache.cache.policies import hit_rate
 from forecache.cache.setup import CacheConfig
-from forecache.engine import Engine, SamplingParams
-from forecache.llama import CALIBRATION_TEXT
+from forecache.errors import setting
+from forecache.generate import SamplingParams, generate, text_tokens
+from forecache.llama import CALIBRATION_TEXT, Llama
 
 BASELINES = ("offload", "ncmoe", "lru")
 
@@ -32,7 +33,7 @@ class PolicyResult:
     ratios: dict[str, dict[str, float]]
 
 
-def bench_prompts(engine: Engine, n_prompts: int, prompt_len: int,
+def bench_prompts(llm: Llama, n_prompts: int, prompt_len: int,
                   seed: int = 0) -> list[list[int]]:
     """``n_prompts`` prompts of exactly ``prompt_len`` tokens: seeded shuffles of English words."""
     words = CALIBRATION_TEXT.split()
@@ -42,7 +43,7 @@ def bench_prompts(engine: Engine, n_prompts: int, prompt_len: int,
         ids: list[int] = []
         while len(ids) < prompt_len:
             rng.shuffle(words)
-            ids += engine.tokenize(" ".join(words))
+            ids += text_tokens(llm, " ".join(words))
         prompts.append(ids[:prompt_len])
     return prompts
 
@@ -51,8 +52,8 @@ def workload(model: Path, n_prompts: int, prompt_len: int, n_gen: int,
              n_ctx: int | None = None) -> tuple[int, list[list[int]]]:
     """The context size and the prompts every run of a benchmark shares."""
     n_ctx = n_ctx or max(512, prompt_len + n_gen + 16)
-    with Engine(model, n_ctx=n_ctx) as eng:
-        return n_ctx, bench_prompts(eng, n_prompts, prompt_len)
+    with Llama.open(model, cache=None, n_ctx=n_ctx) as llm:
+        return n_ctx, bench_prompts(llm, n_prompts, prompt_len)
 
 
 def _sized(policy: str, gpu_budget: int | None, fraction: float | None, **kw: object
@@ -66,16 +67,16 @@ def _sized(policy: str, gpu_budget: int | None, fraction: float | None, **kw: ob
 def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n_gen: int, *,
                n_ctx: int, n_threads: int | None) -> dict:
     """Load the model under ``cfg``, warm up, then generate ``n_gen`` tokens for every prompt."""
-    with Engine(model, n_ctx=n_ctx, n_threads=n_threads, cache=cfg) as eng:
-        eng.generate(prompts[0][:8], 2, SamplingParams(greedy=True), ignore_eos=True)
-        if eng.expert_cache is not None:
-            eng.expert_cache.reset_stats()
+    with Llama.open(model, cache=cfg, n_ctx=n_ctx, n_threads=n_threads) as llm:
+        generate(llm, prompts[0][:8], 2, SamplingParams(greedy=True), ignore_eos=True)
+        if llm.expert_cache is not None:
+            llm.expert_cache.reset_stats()
         runs = []
         t0 = time.perf_counter()
         for p in prompts:
-            runs.append(eng.generate(p, n_gen, SamplingParams(greedy=True), ignore_eos=True))
+            runs.append(generate(llm, p, n_gen, SamplingParams(greedy=True), ignore_eos=True))
         wall = time.perf_counter() - t0
-        stats = eng.cache_stats()
+        stats = llm.expert_stats()
     n = len(runs)
     tpot = sum(r.tpot_s for r in runs) / n
     return {
@@ -102,7 +103,7 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
     raw: dict[str, dict] = {}
     for pol in policies:
         if pol == "ncmoe" and gpu_budget is None:
-            progress("ncmoe skipped: it needs --gpu-budget")
+            progress(f"ncmoe skipped: it needs {setting('gpu_budget')}")
             continue
         progress(f"running {pol} ...")
         cfg = _sized(pol, gpu_budget, cache_fraction)

@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from forecache.errors import setting, use_flag_names
 from forecache.paths import cache_dir
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
@@ -286,7 +287,7 @@ def unpack_source(source: Path | None, work: Path) -> Path:
         source = fetch_sdist(cache_dir() / "sdist")
     source = source.expanduser().resolve()
     if not source.exists():
-        raise BuildError(f"--source {source} does not exist")
+        raise BuildError(f"{setting('source', str(source))} does not exist")
     if source.is_file():
         verify_sdist(source)
         log(f"unpacking {source.name}")
@@ -594,6 +595,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="build the unpatched reference the tests compare with, into the "
                     "cache, not into the environment")
     args = ap.parse_args(argv)
+    use_flag_names()
     try:
         if args.export_source:
             out = export_source(args.source, args.export_source)

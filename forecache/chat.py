@@ -9,7 +9,8 @@ from pathlib import Path
 
 from forecache.atomic_file import write_atomic
 from forecache.cache.budget import format_size
-from forecache.engine import SamplingParams
+from forecache.errors import setting
+from forecache.generate import SamplingParams
 from forecache.interrupt import deferred_signals
 from forecache.llama import Llama
 
@@ -78,7 +79,7 @@ class ChatSession:
             if 2 * dropped >= len(self.history):
                 raise ValueError(f"the message ({len(tokens)} tokens) and an answer of "
                                  f"{self.max_tokens} tokens exceed the context of {n_ctx}; "
-                                 "shorten it or start with a larger --ctx")
+                                 f"shorten it or start with a larger {setting('n_ctx')}")
             dropped += 1  # a user message and its answer
 
     def ask(self, user: str, on_text: Callable[[str], None] | None = None) -> Turn:

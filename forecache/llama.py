@@ -36,6 +36,7 @@ from forecache.cache.setup import (
     place,
     resolve_cache_config,
 )
+from forecache.errors import setting
 from forecache.gguf.header import ModelFile, require_moe
 from forecache.native import llama_cpp_module, llama_cpp_package, patch_version
 from forecache.native.cache_api import SLOT_EMPTY
@@ -164,13 +165,15 @@ class Llama(llama_cpp.Llama):
     @classmethod
     def open(cls, model_path: str | os.PathLike[str], *, cache: CacheConfig | None,
              n_ctx: int = 4096, n_threads: int | None = None, n_seq_max: int = 1,
-             verbose: bool = False, **kwargs: Any) -> Llama:
+             n_gpu_layers: int = -1, verbose: bool = False, **kwargs: Any) -> Llama:
         """Load as forecache's commands do: ``n_ctx`` tokens per sequence, capped by the model's
-        training context, and every core for prompt and generation threads."""
+        training context, every core for prompt and generation threads, and every layer on the
+        GPU of a GPU build, with or without a cache."""
         threads = n_threads or os.cpu_count() or 1
         per_seq = require_moe(model_path).fit_context(n_ctx)
         return cls(model_path, cache=cache, n_ctx=per_seq * n_seq_max, n_seq_max=n_seq_max,
-                   n_threads=threads, n_threads_batch=threads, verbose=verbose, **kwargs)
+                   n_threads=threads, n_threads_batch=threads, n_gpu_layers=n_gpu_layers,
+                   verbose=verbose, **kwargs)
 
     def _load_failure(self, err: Exception, log: list[tuple[int, str]]) -> str:
         """One line for a failed load: out of memory (with a budget to try) or llama.cpp's own
@@ -183,14 +186,14 @@ class Llama(llama_cpp.Llama):
             if dev is not None and dev.type != "cpu":
                 budget = cfg.gpu_budget if cfg and cfg.gpu_budget else dev.memory_free
                 return (f"out of memory while loading {name} ({oom[0]}): try a smaller "
-                        f"--gpu-budget, e.g. {format_size(int(budget * 0.8))}, or a shorter "
-                        "--ctx")
-            return (f"out of memory while loading {name} ({oom[0]}): lower --ctx or free host "
-                    "memory")
+                        f"{setting('gpu_budget')}, e.g. {format_size(int(budget * 0.8))}, or a "
+                        f"shorter {setting('n_ctx')}")
+            return (f"out of memory while loading {name} ({oom[0]}): lower {setting('n_ctx')} "
+                    "or free host memory")
         errors = [text for level, text in log if level == LOG_ERROR and text]
         detail = f" ({errors[-1]})" if errors else ""
-        return (f"llama.cpp could not load {name}: {err}{detail}; run with --verbose for "
-                "llama.cpp's log")
+        return (f"llama.cpp could not load {name}: {err}{detail}; run with "
+                f"{setting('verbose', True)} for llama.cpp's log")
 
     def _attach_cache(self, cfg: CacheConfig) -> None:
         assert self.placement is not None

@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from forecache.default_model import DEFAULT_PRESET, ensure_default_model, ensure_tiny_model
+from forecache.errors import setting
 from forecache.gguf.specs import load_specs, models_yaml
 from forecache.paths import model_dir
 
@@ -93,7 +94,8 @@ def resolve_model(arg: str | os.PathLike[str] | None) -> Path:
         source = f" from huggingface.co/{entry.hf_repo}" if entry.hf_repo else ""
         raise ModelNotFoundError(
             f"model {entry.name!r} is not in {model_dir()}: download {entry.file}{source} into "
-            "that directory (or set FORECACHE_MODEL_DIR to where it is), or pass -m PATH")
+            "that directory (or set FORECACHE_MODEL_DIR to where it is), or pass "
+            f"{setting('model_path', 'PATH')}")
     specs = load_specs()
     if text in specs:
         if text == DEFAULT_PRESET:
@@ -101,7 +103,8 @@ def resolve_model(arg: str | os.PathLike[str] | None) -> Path:
         dest = model_dir() / f"{text}-random-q4_k.gguf"
         raise ModelNotFoundError(
             f"{text!r} is a shape, not a published model: make a random-weight stand-in with "
-            f"`forecache make-model {dest} --preset {text} --type q4_k` and pass -m {dest}")
+            f"`forecache make-model {dest} --preset {text} --type q4_k` and pass "
+            f"{setting('model_path', str(dest))}")
     raise ModelNotFoundError(f"no model file or name {text!r}; give a GGUF path or one of: "
                              f"{', '.join(known_names())} (`forecache models` lists them)")
 

@@ -13,6 +13,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from forecache.errors import setting
 from forecache.llama import Llama
 
 STATS_PATH = "/v1/forecache/stats"
@@ -179,8 +180,8 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
-            raise PortInUseError(f"port {port} on {host} is in use: pick another with --port") \
-                from None
+            raise PortInUseError(f"port {port} on {host} is in use: pick another with "
+                                 f"{setting('port')}") from None
         raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     sock.listen(128)
     return sock

@@ -30,7 +30,8 @@ def _records(path: Path) -> list[dict]:
 @pytest.mark.skipif(not REFERENCE_MODEL.is_file(), reason="reference model not in this checkout")
 def test_batch_results_equal_single_sequence_greedy_and_errors_do_not_stop_it(
         tmp_path: Path) -> None:
-    from forecache.engine import Engine, SamplingParams
+    from forecache.generate import SamplingParams, generate
+    from forecache.llama import Llama
 
     lines = [json.dumps({"id": i, "prompt": p, "max_tokens": 16, "temperature": 0})
              for i, p in GREEDY]
@@ -53,16 +54,16 @@ def test_batch_results_equal_single_sequence_greedy_and_errors_do_not_stop_it(
     recs = {r["id"]: r for r in _records(out)}
     assert len(recs) == 9
     assert "not JSON" in recs["line-3"]["error"] and recs["line-3"]["line"] == 3
-    with Engine(REFERENCE_MODEL, n_ctx=2048) as eng:
+    with Llama.open(REFERENCE_MODEL, cache=None, n_ctx=2048) as llm:
         for rid, prompt in GREEDY:
-            want = eng.generate(prompt, 16, SamplingParams(greedy=True))
+            want = generate(llm, prompt, 16, SamplingParams(greedy=True))
             assert recs[rid]["text"] == want.text, rid
             assert recs[rid]["tokens"] == len(want.tokens)
             assert recs[rid]["finish_reason"] == want.finish_reason
-        chat = eng.generate(eng.format_chat([{"role": "user", "content": "Who?"}]), 12,
-                            SamplingParams(greedy=True))
+        chat = generate(llm, llm.format_chat([{"role": "user", "content": "Who?"}]), 12,
+                        SamplingParams(greedy=True))
         assert recs["chat"]["text"] == chat.text
-        full = eng.generate("And it came to pass", 40, SamplingParams(greedy=True)).text
+        full = generate(llm, "And it came to pass", 40, SamplingParams(greedy=True)).text
     assert recs["stop"]["finish_reason"] == "stop"
     assert recs["stop"]["text"] == full[:full.index("LORD")]
     assert recs["sampled"]["tokens"] == 8 and recs["sampled"]["prompt_tokens"] > 0

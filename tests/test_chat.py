@@ -36,7 +36,8 @@ def _finish(child: pexpect.spawn) -> int:
 
 @pytest.mark.skipif(not REFERENCE_MODEL.is_file(), reason="reference model not in this checkout")
 def test_multi_turn_chat_reuses_the_kv_cache_and_commands_work(tmp_path: Path) -> None:
-    from forecache.engine import Engine, SamplingParams
+    from forecache.generate import SamplingParams, generate
+    from forecache.llama import Llama
 
     child = _spawn(tmp_path, "--temp", "0", "--max-tokens", "20", "--system", "Be brief.")
     child.sendline("And it came to pass")
@@ -81,8 +82,8 @@ def test_multi_turn_chat_reuses_the_kv_cache_and_commands_work(tmp_path: Path) -
     msgs = doc["messages"]
     assert [m["role"] for m in msgs] == ["system", "user", "assistant", "user", "assistant"]
     # lossless: the first answer is what the model gives greedily for the same rendered chat
-    with Engine(REFERENCE_MODEL, n_ctx=2048) as eng:
-        res = eng.generate(eng.format_chat(msgs[:2]), 20, SamplingParams(greedy=True))
+    with Llama.open(REFERENCE_MODEL, cache=None, n_ctx=2048) as llm:
+        res = generate(llm, llm.format_chat(msgs[:2]), 20, SamplingParams(greedy=True))
     assert msgs[2]["content"] == res.text
     assert (tmp_path / "history").read_text().count("Tell me more") == 1  # readline history
 

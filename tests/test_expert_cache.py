@@ -12,8 +12,9 @@ import pytest
 
 from forecache.cache.budget import plan_memory
 from forecache.cache.setup import CacheConfig
-from forecache.engine import Engine, SamplingParams
+from forecache.generate import SamplingParams, generate, last_logits, text_tokens
 from forecache.gguf.header import read_model_file
+from forecache.llama import Llama
 
 if TYPE_CHECKING:
     from conftest import StockReference
@@ -23,17 +24,18 @@ N_BATCH = 128  # the 300-token prompt spans three ubatches
 PROMPT_LENS = (1, 7, 64, 300)
 
 
-def _prompts(eng: Engine) -> list[list[int]]:
-    text = eng.tokenize("The quick brown fox jumps over the lazy dog, again and again. " * 40)
+def _prompts(llm: Llama) -> list[list[int]]:
+    text = text_tokens(llm, "The quick brown fox jumps over the lazy dog, again and again. "
+                       * 40)
     return [text[:n] for n in PROMPT_LENS]
 
 
 def _run(model: Path, cfg: CacheConfig | None) -> list[tuple[list[int], np.ndarray, dict]]:
-    with Engine(model, n_ctx=512, n_batch=N_BATCH, n_threads=2, cache=cfg) as eng:
+    with Llama.open(model, n_ctx=512, n_batch=N_BATCH, n_threads=2, cache=cfg) as llm:
         out = []
-        for p in _prompts(eng):
-            res = eng.generate(p, N_GEN, SamplingParams(greedy=True), ignore_eos=True)
-            out.append((res.tokens, eng.last_logits(), res.stats))
+        for p in _prompts(llm):
+            res = generate(llm, p, N_GEN, SamplingParams(greedy=True), ignore_eos=True)
+            out.append((res.tokens, last_logits(llm), res.stats))
         return out
 
 
@@ -42,8 +44,8 @@ def reference(tiny_model: Callable[[str], Path], stock: StockReference,
               ) -> list[tuple[list[int], np.ndarray, dict]]:
     """The unpatched llama-cpp-python, loaded as the policies load (no weight repacking)."""
     model = tiny_model("q8_0")
-    with Engine(model, n_ctx=512, n_threads=2, cache=CacheConfig("offload")) as eng:
-        prompts = _prompts(eng)
+    with Llama.open(model, n_ctx=512, n_threads=2, cache=CacheConfig("offload")) as llm:
+        prompts = _prompts(llm)
     runs = stock.run(model, prompts, N_GEN, n_ctx=512, n_batch=N_BATCH, n_threads=2)
     return [(tokens, logits[-1], {}) for tokens, logits in runs]
 
@@ -114,13 +116,13 @@ def test_accounting_matches_reference_lru(tiny_model: Callable[[str], Path]) -> 
     routes: list[tuple[int, np.ndarray]] = []
     cfg = CacheConfig("lru", slots_per_layer=n_slots,
                       on_route=lambda layer, ids, _w, _x: routes.append((layer, ids.copy())))
-    with Engine(model, n_ctx=512, n_batch=N_BATCH, n_threads=2, cache=cfg) as eng:
-        for p in _prompts(eng)[1:3]:
-            eng.generate(p, 24, SamplingParams(greedy=True), ignore_eos=True)
-        cache = eng.expert_cache
+    with Llama.open(model, n_ctx=512, n_batch=N_BATCH, n_threads=2, cache=cfg) as llm:
+        for p in _prompts(llm)[1:3]:
+            generate(llm, p, 24, SamplingParams(greedy=True), ignore_eos=True)
+        cache = llm.expert_cache
         assert cache is not None
         cache.wait_idle()
-        stats = eng.cache_stats()
+        stats = llm.expert_stats()
         expert_bytes = {il: info.expert_bytes for il, info in cache.layers.items()}
     assert len({layer for layer, _ in routes}) == read_model_file(model).n_layer
     ref = _reference_lru(routes, n_slots)
@@ -137,8 +139,8 @@ def test_copy_engine_queue_and_cancel(tiny_model: Callable[[str], Path]) -> None
 
     model = tiny_model("q8_0")
     cfg = CacheConfig("lru", slots_per_layer=4, chunk_bytes=4096)
-    with Engine(model, n_ctx=256, cache=cfg) as eng:
-        cache = eng.expert_cache
+    with Llama.open(model, n_ctx=256, cache=cfg) as llm:
+        cache = llm.expert_cache
         assert cache is not None
         lib, h = cache._lib, cache._handle
         info = cache.layers[0]
@@ -159,10 +161,10 @@ def test_copy_engine_queue_and_cancel(tiny_model: Callable[[str], Path]) -> None
             assert s["h2d_bytes"] == 16 * info.expert_bytes
         assert s["n_chunks"] >= full * -(-info.expert_bytes // 4096)
         # whatever survived still computes the same tokens as a fresh engine
-        tokens = eng.generate([1, 2, 3], 8, SamplingParams(greedy=True), ignore_eos=True).tokens
-    with Engine(model, n_ctx=256) as plain:
-        assert plain.generate([1, 2, 3], 8, SamplingParams(greedy=True), ignore_eos=True).tokens \
-            == tokens
+        tokens = generate(llm, [1, 2, 3], 8, SamplingParams(greedy=True), ignore_eos=True).tokens
+    with Llama.open(model, cache=None, n_ctx=256) as plain:
+        assert generate(plain, [1, 2, 3], 8, SamplingParams(greedy=True),
+                        ignore_eos=True).tokens == tokens
 
 
 def test_repackable_type_runs_from_slots(tiny_model: Callable[[str], Path]) -> None:

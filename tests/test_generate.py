@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 from cli_helpers import run_cli, run_cli_json
 
-from forecache.engine import Engine, SamplingParams
+from forecache.generate import SamplingParams, generate
 from forecache.gguf import specs as model_specs
+from forecache.llama import Llama
 
 QTYPES = list(model_specs.QTYPES)
 
@@ -17,9 +18,9 @@ QTYPES = list(model_specs.QTYPES)
 @pytest.mark.parametrize("qtype", QTYPES)
 def test_tiny_generates_deterministically(tiny_model: Callable[[str], Path], qtype: str) -> None:
     path = tiny_model(qtype)
-    with Engine(path, n_ctx=512) as eng:
-        a = eng.generate("Hello, world", 24, SamplingParams(greedy=True), ignore_eos=True)
-        b = eng.generate("Hello, world", 24, SamplingParams(greedy=True), ignore_eos=True)
+    with Llama.open(path, cache=None, n_ctx=512) as llm:
+        a = generate(llm, "Hello, world", 24, SamplingParams(greedy=True), ignore_eos=True)
+        b = generate(llm, "Hello, world", 24, SamplingParams(greedy=True), ignore_eos=True)
     assert len(a.tokens) == 24
     assert a.tokens == b.tokens
     assert a.text == b.text

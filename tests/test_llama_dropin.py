@@ -133,7 +133,7 @@ def test_a_llama_cpp_script_switches_by_its_import(tiny_model, tmp_path: Path) -
 
 def test_out_of_memory_at_load_is_one_clear_error(tiny_model) -> None:
     # a KV cache of 2^27 cells cannot be allocated: llama.cpp fails and says why
-    with pytest.raises(ModelLoadError, match=r"out of memory while loading .*lower --ctx"):
+    with pytest.raises(ModelLoadError, match=r"out of memory while loading .*lower n_ctx="):
         Llama(str(tiny_model("q8_0")), n_ctx=1 << 27, verbose=False, cache=None)
 
 

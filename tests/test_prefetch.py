@@ -16,7 +16,8 @@ import pytest
 from forecache.cache.cost import Profile
 from forecache.cache.prefetcher import HIGH, LOW, SLOT_EMPTY, SLOT_QUEUED, Features
 from forecache.cache.setup import CacheConfig
-from forecache.engine import Engine, SamplingParams
+from forecache.generate import SamplingParams, generate, last_logits, text_tokens
+from forecache.llama import Llama
 from forecache.native.cache_api import CHUNK_EXPERT, ChunkInfo
 from forecache.sim.engine import SimEngine
 from forecache.sim.shapes import shape_of
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from conftest import StockReference
 
 N_BATCH = 128
+TEXT = "The quick brown fox jumps over the lazy dog, again and again. " * 40
 
 
 def _steps(cache) -> list[tuple[int, int, int, int, int]]:  # type: ignore[no-untyped-def]
@@ -40,9 +42,9 @@ def _steps(cache) -> list[tuple[int, int, int, int, int]]:  # type: ignore[no-un
 
 
 def test_queue_priority_chunks_preemption_and_in_use(tiny_model: Callable[[str], Path]) -> None:
-    with Engine(tiny_model("q8_0"), n_ctx=256, cache=CacheConfig("lru", slots_per_layer=4)) \
-            as eng:
-        cache = eng.expert_cache
+    with Llama.open(tiny_model("q8_0"), cache=CacheConfig("lru", slots_per_layer=4),
+                    n_ctx=256) as llm:
+        cache = llm.expert_cache
         assert cache is not None
         cache._lib.forecache_cache_pause(cache._handle, True)
         assert cache.load(0, 4, 0, LOW) == 0 and cache.load(1, 5, 1, LOW) == 0
@@ -76,8 +78,8 @@ def test_queue_priority_chunks_preemption_and_in_use(tiny_model: Callable[[str],
 
 def test_whole_expert_chunks(tiny_model: Callable[[str], Path]) -> None:
     cfg = CacheConfig("lru", slots_per_layer=2, chunk_bytes=CHUNK_EXPERT)
-    with Engine(tiny_model("q8_0"), n_ctx=256, cache=cfg) as eng:
-        cache = eng.expert_cache
+    with Llama.open(tiny_model("q8_0"), n_ctx=256, cache=cfg) as llm:
+        cache = llm.expert_cache
         assert cache is not None
         cache._lib.forecache_cache_pause(cache._handle, True)
         cache.load(0, 3, 0, LOW)
@@ -89,13 +91,13 @@ def test_whole_expert_chunks(tiny_model: Callable[[str], Path]) -> None:
 
 
 def _generate(model: Path, cfg: CacheConfig | None) -> list[tuple[list[int], np.ndarray, dict]]:
-    with Engine(model, n_ctx=512, n_batch=N_BATCH, n_threads=2, cache=cfg) as eng:
-        text = eng.tokenize("The quick brown fox jumps over the lazy dog, again and again. " * 40)
+    with Llama.open(model, n_ctx=512, n_batch=N_BATCH, n_threads=2, cache=cfg) as llm:
+        text = text_tokens(llm, TEXT)
         out = []
         for n in (1, 64, 300):
-            res = eng.generate(text[:n], 32, SamplingParams(greedy=True), ignore_eos=True)
-            stats = dict(res.stats, **(eng.expert_cache.stats() if eng.expert_cache else {}))
-            out.append((res.tokens, eng.last_logits(), stats))
+            res = generate(llm, text[:n], 32, SamplingParams(greedy=True), ignore_eos=True)
+            stats = dict(res.stats, **(llm.expert_cache.stats() if llm.expert_cache else {}))
+            out.append((res.tokens, last_logits(llm), stats))
         return out
 
 
@@ -116,8 +118,8 @@ def _slow_bus(tmp_path: Path) -> str:
 def test_promoe_is_lossless(tiny_model: Callable[[str], Path], features: Features,
                             tmp_path: Path, stock: StockReference) -> None:
     model = tiny_model("q8_0")
-    with Engine(model, n_ctx=512, n_threads=2, cache=CacheConfig("offload")) as eng:
-        text = eng.tokenize("The quick brown fox jumps over the lazy dog, again and again. " * 40)
+    with Llama.open(model, n_ctx=512, n_threads=2, cache=CacheConfig("offload")) as llm:
+        text = text_tokens(llm, TEXT)
     runs = stock.run(model, [text[:n] for n in (1, 64, 300)], 32, n_ctx=512, n_batch=N_BATCH,
                      n_threads=2)
     ref = [(tokens, logits[-1], {}) for tokens, logits in runs]
@@ -204,8 +206,8 @@ def test_sim_engine_follows_the_c_engine(tiny_model: Callable[[str], Path]) -> N
 
     model = tiny_model("q8_0")
     mf = read_model_file(model)
-    with Engine(model, n_ctx=256, cache=CacheConfig("lru", slots_per_layer=4)) as eng:
-        cache = eng.expert_cache
+    with Llama.open(model, n_ctx=256, cache=CacheConfig("lru", slots_per_layer=4)) as llm:
+        cache = llm.expert_cache
         assert cache is not None
         nb = cache.layers[0].expert_bytes
         shape = shape_of("tiny", "q8_0")

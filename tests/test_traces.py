@@ -107,22 +107,24 @@ def test_truncated_trace_is_refused(tmp_path: Path) -> None:
 def test_tracing_keeps_tokens_and_records_true_routing(tiny_model, tmp_path: Path) -> None:
     """The recorded trace: same greedy tokens as a plain run, one row per token fed to the model,
     and gate inputs/weights that reproduce each layer's routing through its own router."""
-    from forecache.engine import Engine, SamplingParams
+    from forecache.generate import SamplingParams, generate, text_tokens
     from forecache.gguf.header import read_model_file
+    from forecache.llama import Llama
     from forecache.predictor.skip import SkipPredictor
-    from forecache.trace.record import PromptItem, _render, record_trace
+    from forecache.requests import Request
+    from forecache.trace.record import _render, record_trace
 
     model = tiny_model("q8_0")
-    prompts = [PromptItem("a", prompt="Tell me about rivers and the sea."),
-               PromptItem("b", messages=[{"role": "user", "content": "Add 2 and 3."}]),
-               PromptItem("c", prompt="word " * 40)]
+    prompts = [Request("a", 1, prompt="Tell me about rivers and the sea."),
+               Request("b", 2, messages=[{"role": "user", "content": "Add 2 and 3."}]),
+               Request("c", 3, prompt="word " * 40)]
     out = tmp_path / "tiny.npz"
     s = record_trace(model, prompts, out, n_gen=12, gate_input=True, n_batch=16)
     assert s.requests == 3 and not s.interrupted
-    with Engine(model, n_batch=16) as eng:
-        plain = [eng.generate(_render(eng, p, True), 12, SamplingParams(greedy=True)).tokens
+    with Llama.open(model, cache=None, n_batch=16) as llm:
+        plain = [generate(llm, _render(llm, p, True), 12, SamplingParams(greedy=True)).tokens
                  for p in prompts]
-        prompt_tokens = [eng.tokenize(_render(eng, p, True)) for p in prompts]
+        prompt_tokens = [text_tokens(llm, _render(llm, p, True)) for p in prompts]
     assert s.outputs == plain
     mf = read_model_file(model)
     skip = SkipPredictor.from_model(mf, list(range(mf.n_layer)))

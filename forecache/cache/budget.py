@@ -6,6 +6,7 @@ import math
 import re
 from dataclasses import dataclass
 
+from forecache.errors import setting
 from forecache.gguf.header import ModelFile
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40,
@@ -83,7 +84,7 @@ def plan_memory(model: ModelFile, budget: int, *, n_ctx: int, n_ubatch: int,
     """Split ``budget`` bytes of device memory; refuses budgets the device or model cannot meet."""
     if budget > device_total:
         raise BudgetError(f"budget {format_size(budget)} is larger than {device_name}'s "
-                          f"{format_size(device_total)}; lower --gpu-budget")
+                          f"{format_size(device_total)}; lower {setting('gpu_budget')}")
     layers = model.moe_layers()
     expert_bytes = model.bytes_per_expert()
     n_ff_exp = int(model.arch_kv("expert_feed_forward_length", 0))
@@ -101,14 +102,15 @@ def plan_memory(model: ModelFile, budget: int, *, n_ctx: int, n_ubatch: int,
             f"budget {format_size(budget)} is too small for {model.path.name}: non-expert weights "
             f"{format_size(plan.non_expert_bytes)} + KV cache {format_size(plan.kv_bytes)} + "
             f"compute buffers {format_size(plan.compute_bytes)} need at least "
-            f"{format_size(plan.fixed_bytes)}; raise --gpu-budget or lower --ctx")
+            f"{format_size(plan.fixed_bytes)}; raise {setting('gpu_budget')} or lower "
+            f"{setting('n_ctx')}")
     return plan
 
 
 def fraction_slots(n_expert: int, fraction: float) -> int:
     """Slots of a layer caching ``fraction`` of its ``n_expert`` experts (at least one)."""
     if not 0 < fraction <= 1:
-        raise ValueError(f"--cache-fraction must be in (0, 1], not {fraction}")
+        raise ValueError(f"{setting('cache_fraction')} must be in (0, 1], not {fraction}")
     return max(1, math.ceil(fraction * n_expert - 1e-9))
 
 

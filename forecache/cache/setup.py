@@ -19,6 +19,7 @@ from forecache.cache.forecast import Forecaster
 from forecache.cache.policies import POLICIES, HostOnlyPolicy, LRUPolicy, Policy, StaticPolicy
 from forecache.cache.prefetcher import Features, Prefetcher
 from forecache.cache.runtime import DEFAULT_CHUNK_BYTES, ExpertCache, RouteCallback
+from forecache.errors import setting
 from forecache.gguf.header import EXPERT_TENSOR_PATTERN, ModelFile
 from forecache.native.cache_api import CHUNK_EXPERT
 from forecache.native.ggml_devices import Device, cache_device, host_buffer_type
@@ -53,11 +54,13 @@ class CacheConfig:
         sizes = [x for x in (self.gpu_budget, self.cache_fraction, self.slots_per_layer)
                  if x is not None]
         if len(sizes) > 1:
-            raise ValueError("give one of --gpu-budget and --cache-fraction, not both")
+            raise ValueError(f"give one of {setting('gpu_budget')} and "
+                             f"{setting('cache_fraction')}, not both")
         if self.policy in ("ncmoe", "lru", "static", "promoe") and not sizes:
-            raise ValueError(f"policy {self.policy} needs --gpu-budget or --cache-fraction")
+            raise ValueError(f"policy {self.policy} needs {setting('gpu_budget')} or "
+                             f"{setting('cache_fraction')}")
         if self.policy == "ncmoe" and self.gpu_budget is None:
-            raise ValueError("policy ncmoe places whole layers and needs --gpu-budget")
+            raise ValueError(f"policy ncmoe places whole layers and needs {setting('gpu_budget')}")
 
 
 # Device memory left free when the budget is taken from the GPU's free memory: other processes,
@@ -180,10 +183,11 @@ def make_forecaster(model: ModelFile, cfg: CacheConfig, n_slots: list[int],
                 "the history predictor; `forecache trace` and `forecache train` make them")
     if name == "learned":
         if not windows and cfg.window is None:
-            raise ValueError(f"--predictor learned: no learned predictors for {model.path.name}; "
-                             f"make them with `forecache trace -m {model.path} --builtin default "
-                             "--out TRACE.npz` and `forecache train -m MODEL --trace TRACE.npz "
-                             "--window 2`, or use --predictor history")
+            raise ValueError(f"{setting('predictor', 'learned')}: no learned predictors for "
+                             f"{model.path.name}; make them with `forecache trace -m "
+                             f"{model.path} --builtin default --out TRACE.npz` and `forecache "
+                             "train -m MODEL --trace TRACE.npz --window 2`, or use "
+                             f"{setting('predictor', 'history')}")
         window = cfg.window if cfg.window is not None else windows[0]
         predictor = load_learned(model, window)
     elif name == "history":

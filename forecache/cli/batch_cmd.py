@@ -49,10 +49,11 @@ def batch(model: Path, input_path: Path, output_path: Path, parallel: int, max_t
     """
     from tqdm import tqdm
 
-    from forecache.batch import OutputWriter, decode_many, done_ids, read_requests
+    from forecache.batch import OutputWriter, decode_many, done_ids
     from forecache.gguf.header import require_moe
     from forecache.interrupt import deferred_signals
     from forecache.llama import Llama
+    from forecache.requests import read_requests
 
     if output_path.resolve() == input_path.resolve():
         raise click.UsageError("--output must not be the --input file")

@@ -113,7 +113,7 @@ def chat(model: Path, system: str | None, max_tokens: int, temp: float, seed: in
     cache's hit rate and its use of GPU memory.
     """
     from forecache.chat import ChatSession
-    from forecache.engine import SamplingParams
+    from forecache.generate import SamplingParams
     from forecache.llama import Llama
 
     sampling = SamplingParams(greedy=temp <= 0, temperature=temp)

@@ -9,6 +9,7 @@ import click
 
 from forecache.build import BuildError
 from forecache.cache.runtime import CacheError
+from forecache.errors import use_flag_names
 from forecache.gguf.header import GGUFError
 from forecache.interrupt import Terminated, raise_terminated
 from forecache.native import PatchedBuildError
@@ -23,6 +24,7 @@ def main_guard(cli: click.Group) -> None:
     """Run the CLI; known errors print ``forecache: error: ...`` and exit 1, Ctrl-C exits 130."""
     # SIGTERM unwinds like Ctrl-C, so partial outputs are removed by their writers' cleanup.
     signal.signal(signal.SIGTERM, raise_terminated)
+    use_flag_names()  # the library's messages name --flags, not keyword arguments
     try:
         cli.main(standalone_mode=False)
     except click.exceptions.Exit as e:

@@ -17,7 +17,7 @@ from forecache.interrupt import deferred_signals
 from forecache.native.libs import MAX_THREADS
 
 if TYPE_CHECKING:
-    from forecache.engine import GenerationResult
+    from forecache.generate import GenerationResult
 
 
 def threads_option(fn):  # type: ignore[no-untyped-def]
@@ -108,14 +108,15 @@ def generate(model: Path, prompt: str, n_predict: int, greedy: bool, seed: int, 
     """Generate text from a prompt with a GGUF MoE model."""
     if n_predict < 0:
         raise click.BadParameter("must be >= 0", param_hint="-n")
-    from forecache.engine import Engine, SamplingParams
+    from forecache.generate import SamplingParams, generate
+    from forecache.llama import Llama
 
     sampling = SamplingParams(greedy=greedy, temperature=temp)
     cfg = cache_config(**cache_opts)  # type: ignore[arg-type]
-    with Engine(model, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers, seed=seed,
-                verbose=verbose, cache=cfg) as eng, deferred_signals() as stop:
-        res = eng.generate(prompt, n_predict, sampling, on_text=None if as_json else _stream,
-                           ignore_eos=ignore_eos, stop=stop)
+    with Llama.open(model, cache=cfg, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers,
+                    seed=seed, verbose=verbose) as llm, deferred_signals() as stop:
+        res = generate(llm, prompt, n_predict, sampling, on_text=None if as_json else _stream,
+                       ignore_eos=ignore_eos, stop=stop)
     stop.raise_if_set()
     if as_json:
         click.echo(json.dumps(res.to_json()))
@@ -134,13 +135,14 @@ def run(model: Path, prompt: str | None, n_predict: int, **cache_opts: object) -
     cache's statistics."""
     from forecache.chat import expert_summary
     from forecache.default_model import DEFAULT_PROMPT
-    from forecache.engine import Engine, SamplingParams
+    from forecache.generate import SamplingParams, generate
+    from forecache.llama import Llama
 
     path = model
     question = prompt or DEFAULT_PROMPT
-    with Engine(path, cache=cache_config(**cache_opts)) as eng:  # type: ignore[arg-type]
-        text = eng.format_chat([{"role": "user", "content": question}])
-        mf = eng.model_file
+    with Llama.open(path, cache=cache_config(**cache_opts)) as llm:  # type: ignore[arg-type]
+        text = llm.format_chat([{"role": "user", "content": question}])
+        mf = llm.model_file
         click.echo(f"model: {path.name} ({mf.arch}, {mf.n_layer} layers, {mf.n_expert} experts, "
                    f"top-{mf.n_expert_used})", err=True)
         if "forecache.preset" in mf.kv:
@@ -148,8 +150,8 @@ def run(model: Path, prompt: str | None, n_predict: int, **cache_opts: object) -
                        "so its text is noise; the timings are real", err=True)
         click.echo(f"> {question}", err=True)
         with deferred_signals() as stop:
-            res = eng.generate(text, n_predict, SamplingParams(greedy=True), on_text=_stream,
-                               stop=stop)
+            res = generate(llm, text, n_predict, SamplingParams(greedy=True), on_text=_stream,
+                           stop=stop)
     stop.raise_if_set()
     _print_stats(res)
     click.echo(f"[{expert_summary(res.stats)}]", err=True)

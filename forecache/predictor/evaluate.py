@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from forecache.errors import setting
 from forecache.gguf.header import ModelFile
 from forecache.predictor.base import source_layer
 from forecache.predictor.metrics import topk_accuracy
@@ -166,7 +167,8 @@ def plot(result: EvalResult, out: str, *, layer: int | None = None) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise ValueError("--plot needs matplotlib: pip install 'forecache[plot]'") from e
+        raise ValueError(f"{setting('plot')} needs matplotlib: pip install 'forecache[plot]'") \
+            from e
     names = list(result.accuracy)
     if not names:
         raise ValueError("nothing to plot: no predictor could run on this trace")

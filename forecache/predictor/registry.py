@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from forecache.errors import setting
 from forecache.gguf.header import ModelFile
 from forecache.predictor.base import Predictor
 from forecache.trace.format import TraceInfo
@@ -26,7 +27,7 @@ def parse_names(text: str) -> list[str]:
 def unavailable(name: str, info: TraceInfo, model: ModelFile | None) -> str | None:
     """Why ``name`` cannot run on this trace, or None."""
     if name in ("learned", "skip") and not info.has_gate_input:
-        return "the trace has no gate inputs (record it with --gate-input)"
+        return f"the trace has no gate inputs (record it with {setting('gate_input', True)})"
     if name == "token" and "token_ids" not in info.arrays:
         return "the trace has no token ids"
     if name == "skip" and model is None:

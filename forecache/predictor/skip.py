@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from forecache.errors import setting
 from forecache.gguf.header import ModelFile
 from forecache.predictor.base import Predictor
 from forecache.trace.format import Request
@@ -78,6 +79,7 @@ class SkipPredictor(Predictor):
     def score_request(self, req: Request, pairs: Sequence[tuple[int, int]],
                       ) -> dict[tuple[int, int], np.ndarray]:
         if req.gate_input is None:
-            raise ValueError("the skip predictor needs gate inputs (trace with --gate-input)")
+            raise ValueError("the skip predictor needs gate inputs (trace with "
+                             f"{setting('gate_input', True)})")
         return {(lf, lt): self._scores(lf, lt, np.asarray(req.gate_input[:, lf], np.float32))
                 for lf, lt in pairs}

@@ -17,13 +17,14 @@ import numpy as np
 from forecache.cache.cost import Profile
 from forecache.cache.prefetcher import Features
 from forecache.cache.setup import CacheConfig, attach_observer, expert_shape
-from forecache.engine import Engine, SamplingParams
+from forecache.generate import SamplingParams, generate
 from forecache.gguf.header import ModelFile, is_expert_tensor
+from forecache.llama import Llama
 from forecache.predictor.history import HistoryPredictor
 from forecache.sim.shapes import SimShape
 from forecache.sim.simulate import SimConfig, Simulator
 from forecache.trace.format import Request
-from forecache.trace.record import _all_rows_computed, _Recorder
+from forecache.trace.record import RouteRecorder, all_rows_computed
 
 # Profile fields fitted to the calibration runs: on a CPU build the "device" is the same CPU, so
 # device and host share their rates.
@@ -45,21 +46,21 @@ def model_shape(model: ModelFile) -> SimShape:
                     head_bytes=head, qtype=qtype)
 
 
-def record_routing(engine: Engine, prompts: Sequence[list[int]], n_gen: int) -> list[Request]:
+def record_routing(llm: Llama, prompts: Sequence[list[int]], n_gen: int) -> list[Request]:
     """The routing of every row of each prompt and its greedy continuation (one Request each)."""
-    model = engine.model_file
+    model = llm.model_file
     layers = model.moe_layers()
-    rec = _Recorder({il: i for i, il in enumerate(layers)}, False)
-    assert engine.placement is not None
-    hook = attach_observer(engine.llm.ctx, model, engine.placement.device.index, rec)
+    rec = RouteRecorder({il: i for i, il in enumerate(layers)}, False)
+    assert llm.placement is not None
+    hook = attach_observer(llm.ctx, model, llm.placement.device.index, rec)
     out = []
     try:
         for tokens in prompts:
             rec.reset()
-            engine.llm.reset()
-            with _all_rows_computed(engine):
-                res = engine.generate(tokens, n_gen, SamplingParams(greedy=True),
-                                      ignore_eos=True)
+            llm.reset()
+            with all_rows_computed(llm):
+                res = generate(llm, tokens, n_gen, SamplingParams(greedy=True),
+                               ignore_eos=True)
             experts, _, _ = rec.request_arrays()
             full = np.full((experts.shape[0], model.n_layer, experts.shape[2]), -1, np.int16)
             full[:, layers] = experts
@@ -222,13 +223,13 @@ def validate(model_path: Path, *, prompt_len: int = 128, n_gen: int = 32, n_prom
     from forecache.doctor import host_memory_bandwidth_gbps
 
     n_ctx = max(512, prompt_len + n_gen + 16)
-    with Engine(model_path, n_ctx=n_ctx, n_threads=n_threads,
-                cache=CacheConfig(policy="offload")) as eng:
-        prompts = bench_prompts(eng, n_prompts, prompt_len)
+    with Llama.open(model_path, cache=CacheConfig(policy="offload"), n_ctx=n_ctx,
+                    n_threads=n_threads) as llm:
+        prompts = bench_prompts(llm, n_prompts, prompt_len)
         progress("recording the workload's routing ...")
-        warmup = record_routing(eng, [prompts[0][:8]], 2)[0]
-        requests = record_routing(eng, prompts, n_gen)
-        shape = model_shape(eng.model_file)
+        warmup = record_routing(llm, [prompts[0][:8]], 2)[0]
+        requests = record_routing(llm, prompts, n_gen)
+        shape = model_shape(llm.model_file)
 
     runs = [("offload", "offload", 1.0), ("lru, all cached", "lru", 1.0),
             ("promoe, all cached", "promoe", 1.0),

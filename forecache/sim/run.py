@@ -12,6 +12,7 @@ import numpy as np
 from forecache.cache.budget import fraction_slots, parse_size
 from forecache.cache.cost import Profile
 from forecache.cache.prefetcher import ABLATION
+from forecache.errors import setting
 from forecache.predictor.base import Predictor, source_layer
 from forecache.predictor.metrics import topk_accuracy
 from forecache.predictor.registry import make_predictor, unavailable
@@ -28,13 +29,14 @@ def trace_shape(path: Path, info: TraceInfo, name: str | None, qtype: str) -> Si
     if name is None:
         name = info.meta.get("preset") or trace_model_names().get(path.stem)
         if name is None:
-            raise ValueError(f"{path.name}: its model is not in models.yaml; give --shape NAME")
+            raise ValueError(f"{path.name}: its model is not in models.yaml; give "
+                             f"{setting('shape', 'NAME')}")
     shape = shape_of(name, qtype)
     got = (shape.layers, shape.experts, shape.top_k)
     want = (info.n_layers, info.n_expert, info.top_k)
     if got != want:
         raise ValueError(f"shape {name} has layers/experts/top-k {got} but the trace has {want}; "
-                         "--shape must agree on those")
+                         f"{setting('shape')} must agree on those")
     return shape
 
 
@@ -42,7 +44,8 @@ def slots_for(shape: SimShape, n_layers_cached: int, budget: str | None,
               fraction: float | None) -> int:
     """Slots per cached layer for a device budget or a cache fraction."""
     if (budget is None) == (fraction is None):
-        raise ValueError("give exactly one of --budget and --cache-fraction")
+        raise ValueError(f"give exactly one of {setting('budget')} and "
+                         f"{setting('cache_fraction')}")
     if fraction is not None:
         return fraction_slots(shape.experts, fraction)
     assert budget is not None
@@ -51,7 +54,7 @@ def slots_for(shape: SimShape, n_layers_cached: int, budget: str | None,
     if left < shape.expert_bytes * n_layers_cached:
         raise ValueError(f"budget {budget} leaves {max(left, 0) / 2**30:.1f} GiB after the "
                          f"non-expert weights and buffers ({fixed / 2**30:.1f} GiB): not one "
-                         "expert per layer; raise --budget")
+                         f"expert per layer; raise {setting('budget')}")
     return min(shape.experts, int(left // (shape.expert_bytes * n_layers_cached)))
 
 

@@ -8,34 +8,29 @@ tokens generated are the same as without the hook.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from forecache.cache.setup import CacheConfig, attach_observer
-from forecache.engine import Engine, SamplingParams
+from forecache.errors import setting
+from forecache.generate import SamplingParams, generate, text_tokens
 from forecache.gguf.identity import identity
 from forecache.interrupt import Terminated, deferred_signals
+from forecache.requests import Request, read_requests
 from forecache.trace.format import TraceError, TraceWriter
 
+if TYPE_CHECKING:
+    from forecache.llama import Llama
+
 BUILTIN_PROMPTS = ("default",)
-
-
-@dataclass
-class PromptItem:
-    """One request: plain text or chat messages."""
-
-    id: str
-    prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
 
 
 def builtin_prompts_path(name: str) -> Path:
@@ -46,36 +41,14 @@ def builtin_prompts_path(name: str) -> Path:
     return Path(str(resources.files("forecache") / "data" / "prompts" / f"{name}.jsonl"))
 
 
-def load_prompts(path: str | os.PathLike[str]) -> list[PromptItem]:
-    """Read a prompts JSONL file: each line an object with "prompt" (text) or "messages" (chat
-    messages with role and content), and optionally "id". Every line is checked before any work
-    starts; a bad line is reported with its number."""
+def load_prompts(path: str | os.PathLike[str]) -> list[Request]:
+    """Read a prompts JSONL file with the rules of ``forecache batch`` input
+    (``forecache.requests``); its sampling fields are ignored, tracing is greedy. Every line is
+    checked before any work starts: the first bad line refuses the file, with its number."""
     p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"{p}: no such prompts file")
-    items: list[PromptItem] = []
-    with open(p, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"{p}:{n}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e.msg}); each line must be one "
-                                 'object such as {"prompt": "..."}') from e
-            if not isinstance(obj, dict):
-                raise ValueError(f'{where}: expected an object such as {{"prompt": "..."}}')
-            pid = str(obj.get("id", f"line-{n}"))
-            if isinstance(obj.get("prompt"), str) and obj["prompt"]:
-                items.append(PromptItem(pid, prompt=obj["prompt"]))
-            elif isinstance(obj.get("messages"), list) and obj["messages"] and all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str) for m in obj["messages"]):
-                items.append(PromptItem(pid, messages=obj["messages"]))
-            else:
-                raise ValueError(f'{where}: needs a non-empty "prompt" string or a "messages" '
-                                 'list of {"role", "content"} objects')
+    items, errors = read_requests(p)
+    if errors:
+        raise ValueError(f"{p}:{errors[0]['line']}: {errors[0]['error']}")
     if not items:
         raise ValueError(f"{p}: no prompts in the file")
     return items
@@ -96,7 +69,7 @@ class TraceSummary:
     signum: int | None = None  # the signal that interrupted it
 
 
-class _Recorder:
+class RouteRecorder:
     """Collects one request's hook calls, per MoE layer in call order."""
 
     def __init__(self, layer_index: dict[int, int], gate_input: bool) -> None:
@@ -132,7 +105,7 @@ class _Recorder:
         return experts, weights, x
 
 
-def record_trace(model_path: str | os.PathLike[str], prompts: list[PromptItem],
+def record_trace(model_path: str | os.PathLike[str], prompts: list[Request],
                  out: str | os.PathLike[str], *, n_gen: int = 64, gate_input: bool = False,
                  chat: bool = True, n_ctx: int = 4096, n_batch: int = 512,
                  source: str = "", progress: Callable[[int, int, int], None] | None = None,
@@ -142,17 +115,20 @@ def record_trace(model_path: str | os.PathLike[str], prompts: list[PromptItem],
     ``chat`` wraps plain prompts as a user message in the model's chat template (when it has
     one). Ctrl-C keeps the requests finished so far as a valid, shorter trace.
     """
+    from forecache.llama import Llama
+
     t0 = time.perf_counter()
-    engine = Engine(model_path, n_ctx=n_ctx, n_batch=n_batch,
-                    cache=CacheConfig(policy="offload"))
+    llm = Llama.open(model_path, cache=CacheConfig(policy="offload"), n_ctx=n_ctx,
+                     n_batch=n_batch)
     try:
-        model = engine.model_file
+        model = llm.model_file
         layers = model.moe_layers()
-        rec = _Recorder({il: i for i, il in enumerate(layers)}, gate_input)
-        assert engine.placement is not None
-        hook = attach_observer(engine.llm.ctx, model, engine.placement.device.index, rec,
+        rec = RouteRecorder({il: i for i, il in enumerate(layers)}, gate_input)
+        assert llm.placement is not None
+        hook = attach_observer(llm.ctx, model, llm.placement.device.index, rec,
                                gate_input=gate_input)
-        has_template = bool(engine.llm.metadata.get("tokenizer.chat_template"))
+        has_template = bool(llm.metadata.get("tokenizer.chat_template"))
+        n_ctx_loaded = llm.n_ctx()
         n_embd = int(model.arch_kv("embedding_length", 0))
         meta: dict[str, Any] = {**identity(model), "source": source, "n_gen": n_gen,
                                 "chat_template": chat and has_template}
@@ -168,17 +144,18 @@ def record_trace(model_path: str | os.PathLike[str], prompts: list[PromptItem],
             # would be lost in the C frame
             with writer, deferred_signals() as stop:
                 for i, item in enumerate(prompts):
-                    text = _render(engine, item, chat and has_template)
-                    tokens = engine.tokenize(text)
-                    if len(tokens) >= engine.n_ctx:
+                    text = _render(llm, item, chat and has_template)
+                    tokens = text_tokens(llm, text)
+                    if len(tokens) >= n_ctx_loaded:
                         raise ValueError(f"prompt {item.id} has {len(tokens)} tokens, more than "
-                                         f"the context of {engine.n_ctx}; use a larger --ctx")
-                    budget = min(n_gen, engine.n_ctx - len(tokens))
+                                         f"the context of {n_ctx_loaded}; use a larger "
+                                         f"{setting('n_ctx')}")
+                    budget = min(n_gen, n_ctx_loaded - len(tokens))
                     rec.reset()
-                    engine.llm.reset()  # no KV prefix reuse: every prompt token is routed
-                    with _all_rows_computed(engine):
-                        res = engine.generate(tokens, budget, SamplingParams(greedy=True),
-                                              stop=stop)
+                    llm.reset()  # no KV prefix reuse: every prompt token is routed
+                    with all_rows_computed(llm):
+                        res = generate(llm, tokens, budget, SamplingParams(greedy=True),
+                                       stop=stop)
                     if stop:  # the request cut short is not recorded
                         interrupted, signum = True, stop.signum
                         break
@@ -205,7 +182,7 @@ def record_trace(model_path: str | os.PathLike[str], prompts: list[PromptItem],
         if not interrupted and writer.n_requests == 0:
             raise TraceError("no request was recorded")
     finally:
-        engine.close()
+        llm.close()
     if interrupted and not outputs:
         raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
     return TraceSummary(Path(out), len(outputs), prefill + decode, prefill, decode,
@@ -214,27 +191,21 @@ def record_trace(model_path: str | os.PathLike[str], prompts: list[PromptItem],
 
 
 @contextlib.contextmanager
-def _all_rows_computed(engine: Engine) -> Iterator[None]:
-    """Ask llama.cpp for an output at every token of a batch: otherwise the last layer computes
-    only the rows whose logits are used and routes no other token. llama-cpp-python keeps no
-    extra logits (its logits_all stays off), and sampling still reads the last row."""
-    batch = engine.llm._batch
-    original = batch.set_batch
-
-    def set_batch(batch: Sequence[int], n_past: int, logits_all: bool) -> None:
-        original(batch=batch, n_past=n_past, logits_all=True)
-
-    batch.set_batch = set_batch  # type: ignore[method-assign]
+def all_rows_computed(llm: Llama) -> Iterator[None]:
+    """While active, llama.cpp computes an output at every token of a batch: otherwise the last
+    layer computes only the rows whose logits are used and routes no other token. No extra
+    logits are kept, and sampling still reads the last row."""
+    llm.output_all_rows = True
     try:
         yield
     finally:
-        del batch.set_batch
+        llm.output_all_rows = False
 
 
-def _render(engine: Engine, item: PromptItem, chat: bool) -> str:
+def _render(llm: Llama, item: Request, chat: bool) -> str:
     if item.messages is not None:
-        return engine.format_chat(item.messages)
+        return llm.format_chat(item.messages)
     assert item.prompt is not None
     if chat:
-        return engine.format_chat([{"role": "user", "content": item.prompt}])
+        return llm.format_chat([{"role": "user", "content": item.prompt}])
     return item.prompt
