@@ -7,8 +7,8 @@ llama.cpp), patched with ``forecache/data/patches/*.patch`` in order (edits to u
 only), built into a wheel and installed into the running environment. Wheels are cached under the
 user's cache directory keyed by (version, hash of the patches and sources, backend flags, the CPU's
 instruction sets), so a second setup on the same machine installs in seconds and a cache carried
-to another CPU is never used there. The same sdist built without
-the series is the unpatched reference the lossless tests compare with (``--reference``).
+to another CPU is never used there. The same sdist built without the series and the sources is the
+unpatched reference the lossless tests compare with (``--reference``).
 
 This module uses only the standard library: it runs before the project's dependencies exist.
 """

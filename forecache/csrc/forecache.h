@@ -47,6 +47,8 @@ LLAMA_API int32_t forecache_measure_copy(
 // (forecache_cache_schedule): each MUL_MAT_ID waits only for the slots of the experts it computes next,
 // and a schedule longer than the layer's slots streams experts through slots whose occupant is done.
 // On a CPU-only build the pool is a CPU buffer and copies are memcpy.
+// Errors in the hooks (a routed id out of range, an expert compute that fails) are logged and cancel the
+// graph compute, so llama_decode returns 2 (aborted) instead of the process aborting.
 
 struct forecache_cache;
 
