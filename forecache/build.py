@@ -1,12 +1,14 @@
 """Build and install the patched llama-cpp-python that forecache runs on.
 
 The pinned llama-cpp-python sdist is fetched from the package index (or taken from a local sdist
-or unpacked tree), checked against its sha256, patched with ``forecache/data/patches/*.patch`` in
-order, trimmed to the libraries we load, built into a wheel and installed into the running
-environment. Wheels are cached under the user's cache directory keyed by (version, patch-series
-hash, backend flags, the CPU's instruction sets), so a second setup on the same machine installs
-in seconds and a cache carried to another CPU is never used there. The same sdist built without
-the series is the unpatched reference the lossless tests compare with (``--reference``).
+or unpacked tree), checked against its sha256, trimmed to the libraries we load, given forecache's
+own C/C++ sources (``forecache/csrc``: headers into include/, sources into src/ of the vendored
+llama.cpp), patched with ``forecache/data/patches/*.patch`` in order (edits to upstream files
+only), built into a wheel and installed into the running environment. Wheels are cached under the
+user's cache directory keyed by (version, hash of the patches and sources, backend flags, the CPU's
+instruction sets), so a second setup on the same machine installs in seconds and a cache carried
+to another CPU is never used there. The same sdist built without the series and the sources is the
+unpatched reference the lossless tests compare with (``--reference``).
 
 This module uses only the standard library: it runs before the project's dependencies exist.
 """
@@ -38,8 +40,12 @@ SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
 SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
 BUILD_INFO_NAME = "forecache_build.json"
 
-# The series ships inside the package, so an installed wheel can build too.
+# The series and the sources ship inside the package, so an installed wheel can build too.
 PATCH_DIR = Path(__file__).resolve().parent / "data" / "patches"
+CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+# Where the files of CSRC_DIR go in vendor/llama.cpp, by suffix (src/CMakeLists.txt, as patched,
+# builds them into libllama).
+CSRC_DEST = {".h": "include", ".cpp": "src"}
 
 # What the Python package loads is libllama + libggml*; everything else in the tree is skipped.
 TRIM_CMAKE_ARGS = [
@@ -73,11 +79,12 @@ class BuildConfig:
     instruction sets of the CPU it was compiled for (ggml is built with -march=native)."""
 
     backend: str  # "cpu" or "cuda"
-    patch_hash: str  # STOCK for the unpatched reference build
+    patch_hash: str  # of the patches and sources; STOCK for the unpatched reference build
     patches: list[str]
     cmake_args: list[str] = field(default_factory=list)
     version: str = LLAMA_CPP_PYTHON_VERSION
     cpu_features: list[str] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)  # of CSRC_DIR
 
     @property
     def key(self) -> str:
@@ -132,11 +139,19 @@ def patch_files(patch_dir: Path = PATCH_DIR) -> list[Path]:
     return sorted(patch_dir.glob("*.patch"))
 
 
-def patch_series_hash(patch_dir: Path = PATCH_DIR) -> str:
-    """sha256 over the names and contents of the patch series (first 16 hex digits)."""
+def source_files(csrc_dir: Path = CSRC_DIR) -> list[Path]:
+    """forecache's C/C++ sources that the build adds to vendor/llama.cpp."""
+    return sorted(p for p in csrc_dir.iterdir() if p.suffix in CSRC_DEST)
+
+
+def patch_series_hash(patch_dir: Path = PATCH_DIR, csrc_dir: Path = CSRC_DIR) -> str:
+    """sha256 over the names and contents of the patch series and of the sources it builds
+    (first 16 hex digits): a change to either is a new build."""
     h = hashlib.sha256()
     for p in patch_files(patch_dir):
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    for p in source_files(csrc_dir):
+        h.update(b"csrc/" + p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()[:16]
 
 
@@ -356,6 +371,14 @@ def trim_tree(tree: Path) -> None:
                                 "set(LLAMA_BUILD_COMMON OFF CACHE BOOL"))
 
 
+def add_sources(tree: Path, sources: list[Path]) -> None:
+    """Copy forecache's sources into vendor/llama.cpp (headers to include/, the rest to src/),
+    over the copies an exported tree carries: the package's sources are the ones built."""
+    vendor = tree / "vendor" / "llama.cpp"
+    for p in sources:
+        shutil.copyfile(p, vendor / CSRC_DEST[p.suffix] / p.name)
+
+
 def apply_patches(tree: Path, patches: list[Path]) -> None:
     """Apply the series to vendor/llama.cpp in order; one that does not apply stops the build."""
     vendor = tree / "vendor" / "llama.cpp"
@@ -476,13 +499,16 @@ def install_wheel(wheel: Path) -> None:
 
 
 def export_source(source: Path | None, out: Path) -> Path:
-    """Write a trimmed, unpatched source tree (a few MB) for machines without network access."""
+    """Write a trimmed, unpatched source tree (a few MB) for machines without network access,
+    with forecache's sources in it (unused until the patch series is applied; a build from the
+    tree copies the package's own sources over them)."""
     out = out.expanduser().resolve()
     if out.exists():
         raise BuildError(f"{out} exists; give a new directory")
     with tempfile.TemporaryDirectory() as tmp:
         tree = unpack_source(source, Path(tmp))
         trim_tree(tree)
+        add_sources(tree, source_files())
         shutil.copytree(tree, out, symlinks=True)
     return out
 
@@ -491,12 +517,13 @@ def build_config(backend: str, stock: bool = False) -> BuildConfig:
     """The configuration of the patched build (or, with ``stock``, of the unpatched reference)
     for ``backend`` on this machine."""
     patches = [] if stock else patch_files()
-    if not stock and not patches:
-        raise BuildError(f"no patches found in {PATCH_DIR}")
+    sources = [] if stock else source_files()
+    if not stock and not (patches and sources):
+        raise BuildError(f"no patches in {PATCH_DIR} or no sources in {CSRC_DIR}")
     # A CUDA build is compiled for this machine's CPU too (its ggml-cpu backend).
     return BuildConfig(backend=backend, patch_hash=STOCK if stock else patch_series_hash(),
                        cmake_args=backend_cmake_args(backend), patches=[p.name for p in patches],
-                       cpu_features=cpu_features())
+                       cpu_features=cpu_features(), sources=[p.name for p in sources])
 
 
 def cached_wheel(cfg: BuildConfig, source: Path | None = None, force: bool = False,
@@ -515,6 +542,7 @@ def cached_wheel(cfg: BuildConfig, source: Path | None = None, force: bool = Fal
         with tempfile.TemporaryDirectory(dir=work_root) as tmp:
             tree = unpack_source(source, Path(tmp))
             trim_tree(tree)
+            add_sources(tree, [CSRC_DIR / name for name in cfg.sources])
             apply_patches(tree, [PATCH_DIR / name for name in cfg.patches])
             info = stamp_tree(tree, cfg)
             staging = Path(tmp) / "wheel"

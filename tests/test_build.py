@@ -39,6 +39,18 @@ def test_patch_hash_changes_with_series(tmp_path: Path) -> None:
     assert build.patch_series_hash(tmp_path) != h0
 
 
+def test_patch_hash_changes_with_sources(tmp_path: Path) -> None:
+    csrc = tmp_path / "csrc"
+    shutil.copytree(build.CSRC_DIR, csrc)
+    h0 = build.patch_series_hash(csrc_dir=csrc)
+    assert h0 == build.patch_series_hash()
+    cpp = csrc / "forecache-cache.cpp"
+    cpp.write_text(cpp.read_text() + "\n")
+    assert build.patch_series_hash(csrc_dir=csrc) != h0
+    assert {p.name for p in build.source_files()} >= {"forecache.h", "forecache-testing.h",
+                                                      "forecache.cpp", "forecache-cache.cpp"}
+
+
 def test_build_key_depends_on_flags() -> None:
     a = build.BuildConfig("cpu", "h", ["p"], ["-DA=1"])
     b = build.BuildConfig("cuda", "h", ["p"], ["-DA=1"])
@@ -78,9 +90,13 @@ def test_real_series_applies_to_pinned_sdist(tmp_path: Path) -> None:
         pytest.skip("pinned sdist not in the cache (built from --source)")
     tree = build.unpack_source(sdist, tmp_path)
     build.trim_tree(tree)
+    build.add_sources(tree, build.source_files())
     build.apply_patches(tree, build.patch_files())
-    assert (tree / "vendor" / "llama.cpp" / "include" / "forecache.h").exists()
-    assert not (tree / "vendor" / "llama.cpp" / "docs").exists()
+    vendor = tree / "vendor" / "llama.cpp"
+    assert (vendor / "include" / "forecache.h").exists()
+    assert (vendor / "src" / "forecache-cache.cpp").exists()
+    assert "forecache-cache.cpp" in (vendor / "src" / "CMakeLists.txt").read_text()
+    assert not (vendor / "docs").exists()
 
 
 def test_wrong_sdist_is_refused(tmp_path: Path) -> None:
@@ -128,6 +144,9 @@ def test_exported_tree_is_a_valid_offline_source(tmp_path: Path,
         pytest.skip("pinned sdist not in the cache (built from --source)")
     exported = build.export_source(sdist, tmp_path / "src")
     assert not (exported / "vendor" / "llama.cpp" / "docs").exists()
+    for p in build.source_files():
+        dest = exported / "vendor" / "llama.cpp" / build.CSRC_DEST[p.suffix] / p.name
+        assert dest.read_bytes() == p.read_bytes()
     with pytest.raises(BuildError, match="exists"):
         build.export_source(sdist, exported)
     monkeypatch.setenv("FORECACHE_LLAMA_SOURCE", str(exported))
@@ -135,6 +154,7 @@ def test_exported_tree_is_a_valid_offline_source(tmp_path: Path,
     tree = build.unpack_source(None, tmp_path / "work")
     assert tree.parent == tmp_path / "work"
     assert build.llama_cpp_commit(tree) == build.llama_cpp_commit(exported)
+    build.add_sources(tree, build.source_files())
     build.apply_patches(tree, build.patch_files())
 
 

@@ -5,7 +5,7 @@ Each run is a child process, so a crash in a kernel is a failed test with its si
 test session. The tokens must agree with --policy offload, which computes from unrepacked
 weights, up to rounding (the prompt's logits within rounding, a trained model's tokens the same),
 and equal the unpatched build's own default placement, except on a CPU with AMX: there the
-unpatched build's AMX kernels are the bug forecache's patch 0006 fixes.
+unpatched build's AMX kernels are the bug forecache's patch 0003 fixes.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def test_default_placement_runs_and_is_stock(name: str, tiny_model: Callable[[st
             assert tokens == off_tokens, where
         assert_same_greedy(tokens, logits, off_tokens, off_logits, where, exact=False)
     if _amx():
-        # The unpatched build's AMX kernels are what patch 0006 fixes: with GCC 11/12 at -O3 its
+        # The unpatched build's AMX kernels are what patch 0003 fixes: with GCC 11/12 at -O3 its
         # tile configuration is garbage or empty, so it crashes or computes wrong prompt logits.
         # Agreeing with offload (above) is the check here.
         return

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from forecache import native
-from forecache.native import libs
+from forecache.native import cache_api, libs
 from forecache.native.ggml_devices import CopyProbeError, backends, devices, measure_copy
 
 
@@ -24,6 +24,38 @@ def test_stock_library_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(libs, "llama_cpp_module", lambda: stock)
     try:
         with pytest.raises(libs.PatchedBuildError, match="stock build without forecache's patches"):
+            libs.libllama()
+    finally:
+        libs.libllama.cache_clear()
+
+
+def test_patch_version_is_read_from_the_header() -> None:
+    header = (libs.CSRC_DIR / "forecache.h").read_text()
+    assert f"#define FORECACHE_PATCH_VERSION {native.EXPECTED_PATCH_VERSION}\n" in header
+
+
+def test_other_patch_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    libs.libllama.cache_clear()
+    monkeypatch.setattr(libs, "EXPECTED_PATCH_VERSION", native.EXPECTED_PATCH_VERSION + 1)
+    try:
+        with pytest.raises(libs.PatchedBuildError, match="forecache patch version"):
+            libs.libllama()
+    finally:
+        libs.libllama.cache_clear()
+
+
+def test_struct_mirrors_match_the_library() -> None:
+    assert cache_api.struct_size_mismatches(native.libllama()) == []
+
+
+def test_struct_mirror_of_wrong_size_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    class ShortStats(ctypes.Structure):
+        _fields_ = cache_api.CacheStats._fields_[:-1]
+
+    libs.libllama.cache_clear()
+    monkeypatch.setattr(cache_api, "_MIRRORS", {ShortStats: "forecache_cache_stats_size"})
+    try:
+        with pytest.raises(libs.PatchedBuildError, match="ShortStats: 160 bytes, C 168"):
             libs.libllama()
     finally:
         libs.libllama.cache_clear()

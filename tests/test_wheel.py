@@ -33,6 +33,8 @@ def test_wheel_installs_with_its_data(tmp_path: Path) -> None:
         assert part in names, part
     assert sum(n.startswith("forecache/data/patches/") and n.endswith(".patch")
                for n in names) == len(list((REPO / "forecache/data/patches").glob("*.patch")))
+    for src in (REPO / "forecache/csrc").iterdir():
+        assert f"forecache/csrc/{src.name}" in names, src.name
 
     # A fresh environment whose dependencies come from this one (a path line, so this
     # environment's editable install of forecache is not seen), with the wheel installed into it.
@@ -60,4 +62,5 @@ def test_wheel_installs_with_its_data(tmp_path: Path) -> None:
               "print(len(b.patch_files()), b.patch_series_hash())"], cwd=elsewhere).stdout.split()
     from forecache import build
 
+    # the hash covers forecache/csrc too: an equal hash means the sources shipped intact
     assert n == [str(len(build.patch_files())), build.patch_series_hash()]

@@ -1,4 +1,5 @@
-"""ctypes access to the patched llama.cpp: our patch's C API and ggml backend/device queries.
+"""ctypes access to the patched llama.cpp: forecache's C API (forecache/csrc) and ggml
+backend/device queries.
 
 Everything is loaded from the shared libraries that llama-cpp-python itself loads, so there is one
 copy of llama.cpp in the process. llama.h's own functions are used through ``llama_cpp.llama_cpp``.

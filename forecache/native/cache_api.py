@@ -1,4 +1,5 @@
-"""ctypes declarations of the expert-cache part of our C API (include/forecache.h, patch 0003)."""
+"""ctypes declarations of the expert-cache part of our C API (forecache/csrc/forecache.h), and of
+the test-only controls of forecache/csrc/forecache-testing.h."""
 
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ class CacheStats(ctypes.Structure):
 
 
 class ChunkInfo(ctypes.Structure):
-    """struct forecache_chunk_info: one chunk copy run by forecache_cache_step."""
+    """struct forecache_chunk_info (forecache-testing.h): one chunk copy run by
+    forecache_cache_step."""
 
     _fields_ = [
         ("layer", ctypes.c_int32),
@@ -81,7 +83,6 @@ def declare(lib: ctypes.CDLL) -> None:
         "forecache_cache_layer_info": ([vp, i32, ctypes.POINTER(i32), ctypes.POINTER(i32),
                                         ctypes.POINTER(sz)], i32),
         "forecache_cache_slot_of": ([vp, i32, i32], i32),
-        "forecache_cache_expert_in": ([vp, i32, i32], i32),
         "forecache_cache_load": ([vp, i32, i32, i32, i32], i32),
         "forecache_cache_cancel": ([vp, i32, i32], i32),
         "forecache_cache_preempt": ([vp, i32, ctypes.POINTER(i32), i32], i32),
@@ -89,14 +90,34 @@ def declare(lib: ctypes.CDLL) -> None:
                                      i32),
         "forecache_cache_set_reorder": ([vp, ctypes.c_bool], None),
         "forecache_cache_layer_state": ([vp, i32, ctypes.POINTER(i32), ctypes.POINTER(i32)], i32),
-        "forecache_cache_pause": ([vp, ctypes.c_bool], None),
-        "forecache_cache_step": ([vp, ctypes.POINTER(ChunkInfo)], i32),
-        "forecache_cache_queued": ([vp, i32, i32], i32),
         "forecache_cache_wait_idle": ([vp], None),
         "forecache_cache_get_stats": ([vp, i32, ctypes.POINTER(CacheStats)], i32),
         "forecache_cache_reset_stats": ([vp], None),
+        "forecache_cache_stats_size": ([], sz),
+        # forecache-testing.h
+        "forecache_cache_pause": ([vp, ctypes.c_bool], None),
+        "forecache_cache_step": ([vp, ctypes.POINTER(ChunkInfo)], i32),
+        "forecache_cache_queued": ([vp, i32, i32], i32),
+        "forecache_chunk_info_size": ([], sz),
     }
     for name, (args, res) in sigs.items():
         fn = getattr(lib, name)
         fn.argtypes = args
         fn.restype = res
+
+
+# ctypes mirror -> the C function returning sizeof of the struct it mirrors
+_MIRRORS: dict[type[ctypes.Structure], str] = {
+    CacheStats: "forecache_cache_stats_size",
+    ChunkInfo: "forecache_chunk_info_size",
+}
+
+
+def struct_size_mismatches(lib: ctypes.CDLL) -> list[str]:
+    """The mirrored structs whose ctypes size differs from the library's sizeof, described."""
+    out = []
+    for mirror, fn in _MIRRORS.items():
+        size = int(getattr(lib, fn)())
+        if size != ctypes.sizeof(mirror):
+            out.append(f"{mirror.__name__}: {ctypes.sizeof(mirror)} bytes, C {size}")
+    return out

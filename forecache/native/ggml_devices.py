@@ -87,12 +87,6 @@ def devices() -> list[Device]:
     return out
 
 
-def has_pinned_host_buffer(index: int) -> bool:
-    """Whether the device offers a pinned host buffer type (CUDA does, the CPU does not)."""
-    lib = _lib()
-    return bool(lib.ggml_backend_dev_host_buffer_type(lib.ggml_backend_dev_get(index)))
-
-
 def host_buffer_type(index: int) -> int:
     """Buffer type for host-resident weights next to device ``index``: its pinned host buffer
     type when it has one, else the device's own (CPU) buffer type."""
@@ -131,7 +125,8 @@ _PROBE_ERRORS = {-1: "bad device index", -2: "pinned host memory unavailable",
 
 def measure_copy(index: int, nbytes: int = 256 << 20, n_iter: int = 5,
                  pinned: bool = True) -> CopyBandwidth:
-    """Copy nbytes host->device and back n_iter times and return the bandwidth (patch C API)."""
+    """Copy nbytes host->device and back n_iter times and return the bandwidth
+    (forecache_measure_copy)."""
     _ensure_backends_loaded()
     h2d, d2h = ctypes.c_double(0), ctypes.c_double(0)
     rc = libllama().forecache_measure_copy(index, nbytes, n_iter, pinned,

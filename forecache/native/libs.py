@@ -1,15 +1,26 @@
-"""Locating llama-cpp-python's shared libraries and checking they carry our patch series."""
+"""Locating llama-cpp-python's shared libraries and checking they carry forecache's C API."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
 import json
+import re
 from pathlib import Path
 from types import ModuleType
 
-# Must equal FORECACHE_PATCH_VERSION in include/forecache.h (forecache/data/patches/0004).
-EXPECTED_PATCH_VERSION = 4
+from forecache.build import CSRC_DIR
+
+
+def _header_patch_version(header: Path = CSRC_DIR / "forecache.h") -> int:
+    m = re.search(r"^#define FORECACHE_PATCH_VERSION (\d+)$", header.read_text(), re.MULTILINE)
+    if m is None:
+        raise RuntimeError(f"{header} does not define FORECACHE_PATCH_VERSION")
+    return int(m.group(1))
+
+
+# FORECACHE_PATCH_VERSION of the sources this package builds (forecache/csrc/forecache.h).
+EXPECTED_PATCH_VERSION = _header_patch_version()
 
 MAX_THREADS = 512  # GGML_MAX_N_THREADS (ggml.h): more would overrun ggml's thread arrays
 
@@ -17,7 +28,7 @@ _FIX = "run `forecache build` (or `make setup`) to install forecache's patched l
 
 
 class PatchedBuildError(RuntimeError):
-    """llama-cpp-python is missing, stock, or built from another patch series."""
+    """llama-cpp-python is missing, stock, or built from another version of forecache's C API."""
 
 
 class ModelLoadError(RuntimeError):
@@ -64,7 +75,8 @@ def lib_dir() -> Path:
 
 @functools.cache
 def libllama() -> ctypes.CDLL:
-    """libllama as loaded by llama-cpp-python, with our C API's signatures declared."""
+    """libllama as loaded by llama-cpp-python, with our C API's signatures declared; refuses a
+    stock build or one of another API version."""
     lib = llama_cpp_module()._lib
     try:
         fn = lib.forecache_patch_version
@@ -73,29 +85,33 @@ def libllama() -> ctypes.CDLL:
                                 f"forecache's patches: {_FIX}") from None
     fn.argtypes = []
     fn.restype = ctypes.c_int32
+    version = int(fn())
+    if version != EXPECTED_PATCH_VERSION:
+        raise PatchedBuildError(f"libllama has forecache patch version {version}, this forecache "
+                                f"needs {EXPECTED_PATCH_VERSION}: {_FIX}")
     _declare_api(lib)
     return lib
 
 
 def _declare_api(lib: ctypes.CDLL) -> None:
+    from forecache.native.cache_api import declare, struct_size_mismatches
+
     lib.forecache_measure_copy.argtypes = [
         ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int32, ctypes.c_bool,
         ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_double),
     ]
     lib.forecache_measure_copy.restype = ctypes.c_int32
-    if getattr(lib, "forecache_cache_init", None) is not None:
-        from forecache.native.cache_api import declare
-
-        declare(lib)
+    declare(lib)
+    bad = struct_size_mismatches(lib)
+    if bad:
+        raise PatchedBuildError(f"libllama's structs do not match their ctypes mirrors in "
+                                f"forecache.native.cache_api ({'; '.join(bad)}): the mirror or "
+                                f"the build is out of date; fix the mirror or {_FIX}")
 
 
 def patch_version() -> int:
-    """The patch-series version compiled into libllama; refuses a mismatched build."""
-    version = int(libllama().forecache_patch_version())
-    if version != EXPECTED_PATCH_VERSION:
-        raise PatchedBuildError(f"libllama has forecache patch version {version}, this forecache "
-                                f"needs {EXPECTED_PATCH_VERSION}: {_FIX}")
-    return version
+    """The patch-series version compiled into libllama (:func:`libllama` refuses a mismatch)."""
+    return int(libllama().forecache_patch_version())
 
 
 @functools.cache

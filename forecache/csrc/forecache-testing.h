@@ -1,0 +1,38 @@
+#pragma once
+
+// forecache: controls of the expert cache's copy engine for tests. They make copies deterministic
+// (the worker stopped, chunks run one at a time by the caller) and may change with any version;
+// the runtime does not use them.
+
+#include "forecache.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// One chunk copy, as reported by forecache_cache_step.
+struct forecache_chunk_info {
+    int32_t layer;
+    int32_t slot;
+    int32_t proj;      // projection index, -1 for a whole-expert chunk
+    int32_t expert;
+    int32_t priority;
+    size_t  size;
+};
+
+// Stops (true) or restarts the copy worker; while stopped, forecache_cache_step runs the copies.
+LLAMA_API void forecache_cache_pause(struct forecache_cache * cache, bool paused);
+
+// Runs the next eligible queued chunk on the calling thread and describes it in `out`.
+// Returns 0, or 1 if no chunk can run now.
+LLAMA_API int32_t forecache_cache_step(struct forecache_cache * cache, struct forecache_chunk_info * out);
+
+// Number of queued (not started) chunks of `layer` (-1: all) with exactly `priority` (-1: any).
+LLAMA_API int32_t forecache_cache_queued(const struct forecache_cache * cache, int32_t layer, int32_t priority);
+
+// sizeof(struct forecache_chunk_info), for bindings that mirror it.
+LLAMA_API size_t forecache_chunk_info_size(void);
+
+#ifdef __cplusplus
+}
+#endif
