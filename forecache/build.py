@@ -4,11 +4,13 @@ The pinned llama-cpp-python sdist is fetched from the package index (or taken fr
 or unpacked tree), checked against its sha256, trimmed to the libraries we load, given forecache's
 own C/C++ sources (``forecache/csrc``: headers into include/, sources into src/ of the vendored
 llama.cpp), patched with ``forecache/data/patches/*.patch`` in order (edits to upstream files
-only), built into a wheel and installed into the running environment. Wheels are cached under the
-user's cache directory keyed by (version, hash of the patches and sources, backend flags, the CPU's
-instruction sets), so a second setup on the same machine installs in seconds and a cache carried
-to another CPU is never used there. The same sdist built without the series and the sources is the
-unpatched reference the lossless tests compare with (``--reference``).
+only) and its Python package with ``forecache/data/patches/python/*.patch`` (the parameters and
+hooks forecache loads models with), built into a wheel and installed into the running
+environment. Wheels are cached under the user's cache directory keyed by (version, hash of the
+patches and sources, backend flags, the CPU's instruction sets), so a second setup on the same
+machine installs in seconds and a cache carried to another CPU is never used there. The same sdist
+built without the series and the sources is the unpatched reference the lossless tests compare
+with (``--reference``).
 
 This module uses only the standard library: it runs before the project's dependencies exist.
 """
@@ -43,6 +45,8 @@ BUILD_INFO_NAME = "forecache_build.json"
 # The series and the sources ship inside the package, so an installed wheel can build too.
 PATCH_DIR = Path(__file__).resolve().parent / "data" / "patches"
 CSRC_DIR = Path(__file__).resolve().parent / "csrc"
+# Edits to llama-cpp-python's own Python package (paths relative to the sdist's root).
+PYTHON_PATCH_DIR = PATCH_DIR / "python"
 # Where the files of CSRC_DIR go in vendor/llama.cpp, by suffix (src/CMakeLists.txt, as patched,
 # builds them into libllama).
 CSRC_DEST = {".h": "include", ".cpp": "src"}
@@ -85,6 +89,7 @@ class BuildConfig:
     version: str = LLAMA_CPP_PYTHON_VERSION
     cpu_features: list[str] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)  # of CSRC_DIR
+    python_patches: list[str] = field(default_factory=list)  # of PYTHON_PATCH_DIR
 
     @property
     def key(self) -> str:
@@ -139,17 +144,25 @@ def patch_files(patch_dir: Path = PATCH_DIR) -> list[Path]:
     return sorted(patch_dir.glob("*.patch"))
 
 
+def python_patch_files(patch_dir: Path = PYTHON_PATCH_DIR) -> list[Path]:
+    """The patches to llama-cpp-python's Python package, in the order they are applied."""
+    return sorted(patch_dir.glob("*.patch"))
+
+
 def source_files(csrc_dir: Path = CSRC_DIR) -> list[Path]:
     """forecache's C/C++ sources that the build adds to vendor/llama.cpp."""
     return sorted(p for p in csrc_dir.iterdir() if p.suffix in CSRC_DEST)
 
 
 def patch_series_hash(patch_dir: Path = PATCH_DIR, csrc_dir: Path = CSRC_DIR) -> str:
-    """sha256 over the names and contents of the patch series and of the sources it builds
-    (first 16 hex digits): a change to either is a new build."""
+    """sha256 over the names and contents of the patch series (llama.cpp's and the Python
+    package's) and of the sources it builds (first 16 hex digits): a change to any is a new
+    build."""
     h = hashlib.sha256()
     for p in patch_files(patch_dir):
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    for p in python_patch_files(patch_dir / "python"):
+        h.update(b"python/" + p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     for p in source_files(csrc_dir):
         h.update(b"csrc/" + p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()[:16]
@@ -379,9 +392,10 @@ def add_sources(tree: Path, sources: list[Path]) -> None:
         shutil.copyfile(p, vendor / CSRC_DEST[p.suffix] / p.name)
 
 
-def apply_patches(tree: Path, patches: list[Path]) -> None:
-    """Apply the series to vendor/llama.cpp in order; one that does not apply stops the build."""
-    vendor = tree / "vendor" / "llama.cpp"
+def apply_patches(tree: Path, patches: list[Path], into: str = "vendor/llama.cpp") -> None:
+    """Apply ``patches`` in order to the directory ``into`` of the sdist (llama.cpp, or "." for
+    llama-cpp-python's own files); one that does not apply stops the build."""
+    vendor = tree / into
     git = shutil.which("git")
     if not git:
         raise BuildError("git is needed to apply the patch series: install git")
@@ -390,7 +404,8 @@ def apply_patches(tree: Path, patches: list[Path]) -> None:
         res = subprocess.run([git, "apply", "--whitespace=nowarn", str(p)], cwd=vendor, env=env,
                              capture_output=True, text=True)
         if res.returncode != 0:
-            raise BuildError(f"patch {p.name} does not apply to llama.cpp in llama-cpp-python "
+            what = "llama.cpp in llama-cpp-python" if into != "." else "llama-cpp-python"
+            raise BuildError(f"patch {p.name} does not apply to {what} "
                              f"{LLAMA_CPP_PYTHON_VERSION}:\n{res.stderr.strip()}")
         log(f"applied {p.name}")
 
@@ -518,12 +533,14 @@ def build_config(backend: str, stock: bool = False) -> BuildConfig:
     for ``backend`` on this machine."""
     patches = [] if stock else patch_files()
     sources = [] if stock else source_files()
+    python_patches = [] if stock else python_patch_files()
     if not stock and not (patches and sources):
         raise BuildError(f"no patches in {PATCH_DIR} or no sources in {CSRC_DIR}")
     # A CUDA build is compiled for this machine's CPU too (its ggml-cpu backend).
     return BuildConfig(backend=backend, patch_hash=STOCK if stock else patch_series_hash(),
                        cmake_args=backend_cmake_args(backend), patches=[p.name for p in patches],
-                       cpu_features=cpu_features(), sources=[p.name for p in sources])
+                       cpu_features=cpu_features(), sources=[p.name for p in sources],
+                       python_patches=[p.name for p in python_patches])
 
 
 def cached_wheel(cfg: BuildConfig, source: Path | None = None, force: bool = False,
@@ -544,6 +561,7 @@ def cached_wheel(cfg: BuildConfig, source: Path | None = None, force: bool = Fal
             trim_tree(tree)
             add_sources(tree, [CSRC_DIR / name for name in cfg.sources])
             apply_patches(tree, [PATCH_DIR / name for name in cfg.patches])
+            apply_patches(tree, [PYTHON_PATCH_DIR / name for name in cfg.python_patches], into=".")
             info = stamp_tree(tree, cfg)
             staging = Path(tmp) / "wheel"
             staging.mkdir()

@@ -33,10 +33,16 @@ def test_installed_build_is_ours_and_current() -> None:
 def test_patch_hash_changes_with_series(tmp_path: Path) -> None:
     for p in build.patch_files():
         shutil.copy(p, tmp_path / p.name)
+    (tmp_path / "python").mkdir()
+    for p in build.python_patch_files():
+        shutil.copy(p, tmp_path / "python" / p.name)
     h0 = build.patch_series_hash(tmp_path)
     assert h0 == build.patch_series_hash()
+    (tmp_path / "python" / "0099-extra.patch").write_text("--- a/x\n+++ b/x\n")
+    h1 = build.patch_series_hash(tmp_path)
+    assert h1 != h0
     (tmp_path / "0099-extra.patch").write_text("--- a/x\n+++ b/x\n")
-    assert build.patch_series_hash(tmp_path) != h0
+    assert build.patch_series_hash(tmp_path) not in (h0, h1)
 
 
 def test_patch_hash_changes_with_sources(tmp_path: Path) -> None:
@@ -92,6 +98,8 @@ def test_real_series_applies_to_pinned_sdist(tmp_path: Path) -> None:
     build.trim_tree(tree)
     build.add_sources(tree, build.source_files())
     build.apply_patches(tree, build.patch_files())
+    build.apply_patches(tree, build.python_patch_files(), into=".")
+    assert "output_all_rows" in (tree / "llama_cpp" / "llama.py").read_text()
     vendor = tree / "vendor" / "llama.cpp"
     assert (vendor / "include" / "forecache.h").exists()
     assert (vendor / "src" / "forecache-cache.cpp").exists()
