@@ -33,6 +33,11 @@ N_BATCH = 128
 TEXT = "The quick brown fox jumps over the lazy dog, again and again. " * 40
 
 
+def _queued(cache, layer: int, priority: int) -> int:  # type: ignore[no-untyped-def]
+    """Queued chunks of ``layer`` (-1: all) at ``priority`` (forecache-testing.h)."""
+    return int(cache._lib.forecache_cache_queued(cache._handle, layer, priority))
+
+
 def _steps(cache) -> list[tuple[int, int, int, int, int]]:  # type: ignore[no-untyped-def]
     """Run every queued chunk on this thread: (layer, slot, proj, expert, priority) in order."""
     out, info = [], ChunkInfo()
@@ -49,7 +54,7 @@ def test_queue_priority_chunks_preemption_and_in_use(tiny_model: Callable[[str],
         cache._lib.forecache_cache_pause(cache._handle, True)
         assert cache.load(0, 4, 0, LOW) == 0 and cache.load(1, 5, 1, LOW) == 0
         assert cache.load(0, 6, 2, LOW) == 0
-        assert cache.queued(-1, LOW) == 9  # one chunk per projection by default
+        assert _queued(cache, -1, LOW) == 9  # one chunk per projection by default
         info = ChunkInfo()
         assert cache._lib.forecache_cache_step(cache._handle, info) == 0
         assert (info.layer, info.expert, info.proj, info.priority) == (0, 4, 0, LOW)
@@ -59,7 +64,7 @@ def test_queue_priority_chunks_preemption_and_in_use(tiny_model: Callable[[str],
         assert (info.layer, info.expert, info.proj, info.priority) == (0, 7, 0, HIGH)
         # early preemption of layer 0 keeping expert 6: 6 moves up, 4 goes, layer 1 is untouched
         assert cache.preempt(0, [6, 7]) == 1
-        assert cache.queued(0, LOW) == 0 and cache.queued(1, LOW) == 3
+        assert _queued(cache, 0, LOW) == 0 and _queued(cache, 1, LOW) == 3
         expert_of, state = cache.layer_state(0)
         assert expert_of[0] == -1 and state[0] == SLOT_EMPTY  # partly copied, then dropped
         assert expert_of[2] == 6 and state[2] == SLOT_QUEUED
@@ -236,7 +241,7 @@ def test_sim_engine_follows_the_c_engine(tiny_model: Callable[[str], Path]) -> N
             sim_order.append((ch.layer, ch.slot, ch.proj, ch.expert))
         # streamed copies wait for their slot's previous expert: neither engine can run them yet
         assert c_order == sim_order and len(c_order) > 0
-        assert cache.queued(0, HIGH) == sum(len(q) for q in sim.queue[:1]) > 0
+        assert _queued(cache, 0, HIGH) == sum(len(q) for q in sim.queue[:1]) > 0
         assert nb == shape.expert_bytes
         cache._lib.forecache_cache_pause(cache._handle, False)
 

@@ -31,8 +31,10 @@ def test_wheel_installs_with_its_data(tmp_path: Path) -> None:
     for part in ("forecache/data/models.yaml", "forecache/data/profiles/rtx4090.json",
                  "forecache/data/models/forecache-ref-q8_0.gguf"):
         assert part in names, part
-    assert sum(n.startswith("forecache/data/patches/") and n.endswith(".patch")
-               for n in names) == len(list((REPO / "forecache/data/patches").glob("*.patch")))
+    shipped = {n for n in names if n.startswith("forecache/data/patches/") and n.endswith(".patch")}
+    patches = REPO / "forecache/data/patches"
+    assert shipped == {f"forecache/data/patches/{p.relative_to(patches)}"
+                       for p in patches.rglob("*.patch")}
     for src in (REPO / "forecache/csrc").iterdir():
         assert f"forecache/csrc/{src.name}" in names, src.name
 

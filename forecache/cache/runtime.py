@@ -101,10 +101,6 @@ class ExpertCache:
         n = self._lib.forecache_cache_layer_state(self._handle, layer, ex, st)
         return (np.ctypeslib.as_array(ex)[:n].copy(), np.ctypeslib.as_array(st)[:n].copy())
 
-    def queued(self, layer: int = -1, priority: int = -1) -> int:
-        """Queued chunks of ``layer`` (-1: all) at ``priority`` (-1: any)."""
-        return int(self._lib.forecache_cache_queued(self._handle, layer, priority))
-
     def _prefetch(self, layer: int, experts: np.ndarray, pass_id: int) -> None:
         if self._handle is not None:
             self.policy.prefetch(layer, experts.tolist(), pass_id, self)
