@@ -395,6 +395,22 @@ void fc_clear_schedule(forecache_cache * c, int32_t il) {
     L.n_dev     = 0;
 }
 
+// maps expert to slot, emptying the slot and the expert's previous slot and dropping their queued
+// copies (lock held); the copy itself is queued by the caller
+void fc_map_slot(forecache_cache * c, int32_t il, int32_t expert, int32_t slot) {
+    fc_layer & L = c->layers[il];
+    const int32_t prev = L.slot_of[expert];
+    for (int32_t s : {slot, prev}) {
+        if (s >= 0) {
+            fc_drop_queued(c, 0, [&](const fc_chunk & ch) { return ch.layer == il && ch.slot == s; });
+            fc_empty_slot(L, s);
+        }
+    }
+    L.expert_of[slot] = expert;
+    L.slot_of[expert] = slot;
+    L.started[slot]   = 0;
+}
+
 // puts expert into slot as a plain load (lock held); false if a slot involved is in use
 bool fc_assign(forecache_cache * c, int32_t il, int32_t expert, int32_t slot, int32_t priority) {
     fc_layer & L = c->layers[il];
@@ -406,15 +422,7 @@ bool fc_assign(forecache_cache * c, int32_t il, int32_t expert, int32_t slot, in
         L.stats.refused_loads++;
         return false;
     }
-    for (int32_t s : {slot, prev}) {
-        if (s >= 0) {
-            fc_drop_queued(c, 0, [&](const fc_chunk & ch) { return ch.layer == il && ch.slot == s; });
-            fc_empty_slot(L, s);
-        }
-    }
-    L.expert_of[slot] = expert;
-    L.slot_of[expert] = slot;
-    L.started[slot]   = 0;
+    fc_map_slot(c, il, expert, slot);
     fc_queue_copy(c, il, expert, slot, -1, priority, -1, 0);
     return true;
 }
@@ -471,18 +479,7 @@ bool fc_set_schedule(forecache_cache * c, int32_t il, const int32_t * experts, c
     // first uses become plain loads; in_use is still clear, so nothing is refused
     for (int32_t i = 0; i < n; i++) {
         if (L.sch_first[i] && copy[i]) {
-            const int32_t e = L.sch_e[i];
-            const int32_t s = L.sch_s[i];
-            const int32_t prev = L.slot_of[e];
-            for (int32_t t : {s, prev}) {
-                if (t >= 0) {
-                    fc_drop_queued(c, 0, [&](const fc_chunk & ch) { return ch.layer == il && ch.slot == t; });
-                    fc_empty_slot(L, t);
-                }
-            }
-            L.expert_of[s] = e;
-            L.slot_of[e]   = s;
-            L.started[s]   = 0;
+            fc_map_slot(c, il, L.sch_e[i], L.sch_s[i]);
         }
     }
     // copies in compute order, projection by projection (the order the MUL_MAT_IDs consume them)
