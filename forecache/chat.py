@@ -91,7 +91,7 @@ class ChatSession:
             self.history = self.history[2 * dropped:]
         llm = self.llm
         reused = 0
-        for a, b in zip(llm._input_ids[:llm.n_tokens], tokens[:-1], strict=False):
+        for a, b in zip(llm.input_ids[:llm.n_tokens], tokens[:-1], strict=False):
             if a != b:
                 break
             reused += 1

@@ -108,6 +108,6 @@ def generate(llm: Llama, prompt: str | list[int], max_tokens: int, sampling: Sam
 def last_logits(llm: Llama) -> np.ndarray:
     """A copy of the logits of the last token ``llm`` evaluated (n_vocab floats)."""
     low = llama_cpp_module()
-    n_vocab = low.llama_vocab_n_tokens(llm._vocab)
+    n_vocab = llm.n_vocab()
     ptr = low.llama_get_logits_ith(llm.ctx, -1)
     return np.ctypeslib.as_array(ptr, shape=(n_vocab,)).copy()
