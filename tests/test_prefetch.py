@@ -335,3 +335,38 @@ def test_split_plan_by_cost() -> None:
     per_copy = shape.nbytes / 5e9 + 3 * prof.chunk_latency_s  # 5 GB/s plus three chunks
     cost.calibrate(h2d_bytes=shape.nbytes * 100, copy_s=100 * per_copy, host_s=0.0)
     assert abs(cost.copy_gbps - 5.0) / 5.0 < 0.05
+
+
+def test_stock_policies_follow_llama_cpp_rules() -> None:
+    """offload and ncmoe as stock llama.cpp runs them: host experts are copied up (only those a
+    ubatch uses) for ubatches of 32 tokens or more and computed on the CPU below that; ncmoe
+    keeps the first layers' experts on the host and as many whole layers as fit on the device."""
+    from dataclasses import replace
+
+    shape, profile = shape_of("reference", "q8_0"), Profile.load("rtx4090")
+    rng = np.random.default_rng(1)
+    L, E, k, T, P = 8, 32, 4, 72, 64
+    ex = np.stack([np.stack([rng.choice(E, k, replace=False) for _ in range(L)])
+                   for _ in range(T)]).astype(np.int16)
+    req = Request(experts=ex, phase=np.r_[np.zeros(P, np.int8), np.ones(T - P, np.int8)])
+    used = sum(len(np.unique(ex[:P, il])) for il in range(L))  # expert copies of one prefill
+
+    decode_misses = sum(len(set(ex[t, il])) for t in range(P, T) for il in range(L))
+    big = simulate([req], shape, profile, SimConfig("offload", 0, n_ubatch=P)).to_json()
+    assert big["h2d_bytes"] == used * shape.expert_bytes  # decode tokens copy nothing
+    assert big["misses"] == used + decode_misses
+    small = simulate([req], shape, profile, SimConfig("offload", 0, n_ubatch=16)).to_json()
+    assert small["h2d_bytes"] == 0 and small["decode_s"] == pytest.approx(big["decode_s"])
+    cpu = replace(profile, op_offload_min_batch=0)  # a CPU build never copies
+    assert simulate([req], shape, cpu, SimConfig("offload", 0, n_ubatch=P)).h2d_bytes == 0
+
+    # 12 slots of 32 experts over 8 layers: 96 experts, three whole layers on the device
+    nc = simulate([req], shape, profile, SimConfig("ncmoe", n_slots=12, n_ubatch=P)).to_json()
+    on_gpu = sum(len(np.unique(ex[:P, il])) + sum(len(set(ex[t, il])) for t in range(P, T))
+                 for il in (5, 6, 7))
+    assert nc["hits"] == on_gpu and nc["misses"] == big["misses"] - on_gpu
+    assert nc["h2d_bytes"] == sum(len(np.unique(ex[:P, il])) for il in range(5)) * \
+        shape.expert_bytes
+    assert nc["ttft_s"] < big["ttft_s"] and nc["tpot_s"] < big["tpot_s"]
+    full = simulate([req], shape, profile, SimConfig("ncmoe", n_slots=E, n_ubatch=P)).to_json()
+    assert full["misses"] == 0 and full["h2d_bytes"] == 0 and full["stall_s"] == 0

@@ -42,6 +42,11 @@ class Profile:
     token_s: float = 0.0  # per forward pass, outside the graph: sampling, the Python runtime
     prefetch_hook_s: float = 0.0  # promoe's gate hook, when it costs more than hook_s (0: same)
     group_s: float = 0.0  # an expert group computed as its own graph (gather, matmul, scatter)
+    # Stock llama.cpp computes a host-resident MUL_MAT_ID on the device, copying the used experts
+    # up first, when the ubatch has at least this many tokens (ggml-cuda.cu
+    # ggml_backend_cuda_device_offload_op, GGML_OP_OFFLOAD_MIN_BATCH, default 32); 0: never (a
+    # CPU build, where the device is the CPU).
+    op_offload_min_batch: int = 32
     source: str = ""
 
     @classmethod

@@ -92,7 +92,8 @@ class Measured:
 
 def cpu_profile(base: Profile, x: dict[str, float], name: str, device: str) -> Profile:
     """``base`` with the fitted CPU-build values ``x`` (device and host rates shared)."""
-    return replace(base, name=name, device=device, gpu_launch_s=x["launch_s"],
+    return replace(base, name=name, device=device, op_offload_min_batch=0,
+                   gpu_launch_s=x["launch_s"],
                    cpu_launch_s=x["launch_s"], gpu_mem_gbps=x["mem_gbps"],
                    cpu_mem_gbps=x["mem_gbps"], gpu_tflops=x["gflops"] / 1e3,
                    cpu_gflops=x["gflops"], hook_s=x["hook_s"],

@@ -28,7 +28,7 @@ from forecache.sim.engine import SimEngine
 from forecache.sim.shapes import SimShape
 from forecache.trace.format import Request
 
-SIM_POLICIES = ("offload", "lru", "static", "promoe")
+SIM_POLICIES = ("offload", "ncmoe", "lru", "static", "promoe")
 
 
 @dataclass
@@ -36,7 +36,7 @@ class SimConfig:
     """One simulated run: policy, cache size, promoe's options and the ubatch size."""
 
     policy: str
-    n_slots: int  # per MoE layer with data
+    n_slots: int  # per MoE layer with data; ncmoe: the same expert budget, as whole layers
     features: Features = field(default_factory=Features)
     window: int = 2
     n_ubatch: int = 512
@@ -90,11 +90,19 @@ class Simulator:
             self.policy = StaticPolicy(self.n_slots, cfg.static_profile)
         elif cfg.policy == "promoe":
             self.policy = Prefetcher(self.n_slots, f, CostModel.from_profile(profile, shape.expert))
-        elif cfg.policy == "offload":
+        elif cfg.policy in ("offload", "ncmoe"):
             self.policy = None
         else:
             raise ValueError(f"unknown policy {cfg.policy!r}; simulate one of "
                              f"{', '.join(SIM_POLICIES)}")
+        # Layers whose experts stay in host memory under stock llama.cpp's rules: every layer for
+        # offload; for ncmoe (--n-cpu-moe N) the first N, N as small as the budget allows.
+        self.stock_host: set[int] = set()
+        if cfg.policy == "offload":
+            self.stock_host = set(self.layers)
+        elif cfg.policy == "ncmoe":
+            on_gpu = min(len(self.layers), cfg.n_slots * len(self.layers) // shape.experts)
+            self.stock_host = set(sorted(self.layers)[:len(self.layers) - on_gpu])
         self.forecaster = None
         if cfg.policy == "promoe" and f.prefetch and predictor is not None:
             self.forecaster = Forecaster(predictor, cfg.window, self.layers, self.n_slots)
@@ -161,7 +169,7 @@ class Simulator:
             experts, counts = uniq[by_use], counts[by_use]
             self._account_prediction(il, experts)
             if self.policy is None:
-                self.t += self._host_layer(experts, known.size)
+                self._stock_layer(il, experts, known.size, n)
                 continue
             eng.begin_route(il)
             L = eng.layers[il]
@@ -191,6 +199,34 @@ class Simulator:
         self.t += self.profile.token_s
         eng.advance_to(self.t)
         return self.t - t0
+
+    def _stock_layer(self, il: int, experts: np.ndarray, pairs: int, n_tokens: int) -> None:
+        """A layer as stock llama.cpp computes it: experts resident on the device (an ncmoe GPU
+        layer), or in host memory, where ggml's scheduler computes a ubatch of at least
+        ``op_offload_min_batch`` tokens on the device after copying up the experts it uses
+        (ggml-backend.cpp ggml_backend_sched_compute_splits: only used experts are copied),
+        and a smaller one on the CPU."""
+        sh, p = self.shape, self.profile
+        if il not in self.stock_host:
+            self.hits += len(experts)
+            self.t += sum(self._node(experts, pairs, j) for j in range(len(sh.proj_bytes)))
+            return
+        self.misses += len(experts)
+        if 0 < p.op_offload_min_batch <= n_tokens:
+            copy = 0.0
+            for j, nb in enumerate(sh.proj_bytes):
+                nbytes = len(experts) * nb
+                self.engine.stats["h2d_bytes"] += nbytes
+                copy += p.chunk_latency_s + nbytes / (p.h2d_gbps * 1e9)
+                self.t += self._node(experts, pairs, j)
+            # the copies precede each projection's matmul on the same stream: loading time on
+            # the critical path
+            self.t += copy
+            self.stall += copy
+            self.lay["stall"][il] += copy
+        else:
+            self.t += self._host_layer(experts, pairs)
+        self.engine.advance_to(self.t)
 
     def _host_layer(self, experts: np.ndarray, pairs: int) -> float:
         sh = self.shape
