@@ -267,6 +267,16 @@ def test_simulate_cli(tmp_path: Path) -> None:
     bad = run_cli("simulate", "--trace", str(path), "--shape", "qwen2-57b-a14b",
                   "--cache-fraction", "0.5")
     assert bad.returncode != 0 and "--shape must agree" in bad.stderr
+    # --compare: stock llama.cpp's best first, and every policy on the same budget
+    cmp = run_cli_json("simulate", "--trace", str(path), "--shape", "reference", "--qtype",
+                       "q8_0", "--cache-fraction", "0.4", "--predictor", "history", "--compare")
+    runs = {r["run"]: r for r in cmp["runs"]}
+    assert list(runs) == ["ncmoe", "offload", "lru", "static", "promoe"]
+    assert runs["ncmoe"]["hits"] > 0 and runs["offload"]["hits"] == 0
+    text = run_cli("simulate", "--trace", str(path), "--shape", "reference", "--qtype", "q8_0",
+                   "--cache-fraction", "0.4", "--predictor", "history", "--compare",
+                   check=True).stdout
+    assert "ratios to ncmoe" in text and text.splitlines()[2].split()[-3:] == ["1.00x"] * 2 + ["-"]
 
 
 def _engine(n_slots: int = 4) -> SimEngine:

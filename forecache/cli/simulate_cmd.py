@@ -27,12 +27,16 @@ def _row(label: str, r: SimResult, base: SimResult | None) -> str:
     d = r.to_json()
     sp = ""
     if base is not None:
-        sp = (f"{base.ttft_s / r.ttft_s if r.ttft_s else 0:>7.2f}x "
-              f"{base.tpot_s / r.tpot_s if r.tpot_s else 0:>7.2f}x "
-              f"{base.stall_s / r.stall_s if r.stall_s else float('inf'):>7.2f}x")
+        def ratio(a: float, b: float) -> str:
+            return f"{a / b:.2f}x" if b > 0 else ("-" if a == 0 else "inf")
+        sp = (f"{ratio(base.ttft_s, r.ttft_s):>8} {ratio(base.tpot_s, r.tpot_s):>8} "
+              f"{ratio(base.stall_s, r.stall_s):>8}")
     return (f"{label:<20} {r.ttft_s * 1e3:>10.1f} {r.tpot_s * 1e3:>9.2f} "
             f"{d['hit_rate'] * 100:>6.1f} {r.h2d_bytes / 1e9:>8.2f} {r.stall_s:>8.3f} {sp}")
 
+
+# --compare: stock llama.cpp's best first, every ratio is over it
+COMPARED = ("ncmoe", "offload", "lru", "static", "promoe")
 
 HEAD = (f"{'run':<20} {'TTFT ms':>10} {'TPOT ms':>9} {'hit %':>6} {'H2D GB':>8} {'stall s':>8} "
         f"{'prefill':>8} {'decode':>8} {'stall-cut':>8}")
@@ -62,12 +66,15 @@ HEAD = (f"{'run':<20} {'TTFT ms':>10} {'TPOT ms':>9} {'hit %':>6} {'H2D GB':>8} 
 @click.option("--no-split", is_flag=True)
 @click.option("--ablation", "do_ablation", is_flag=True,
               help="ProMoE's ablation: lru, then each technique added (ignores --policy).")
+@click.option("--compare", is_flag=True,
+              help="Every policy at the same budget, with ratios to ncmoe (stock llama.cpp's "
+                   "--n-cpu-moe; ignores --policy).")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def simulate_cmd(trace_path: Path, policy: str, shape: str | None, qtype: str,
                  budget: str | None, cache_fraction: float | None, profile_name: str,
                  predictor: str, window: int, fit_fraction: float, n_ubatch: int,
                  no_prefetch: bool, no_chunk: bool, no_preempt: bool, no_reorder: bool,
-                 no_split: bool, do_ablation: bool, as_json: bool) -> None:
+                 no_split: bool, do_ablation: bool, compare: bool, as_json: bool) -> None:
     """Replay TRACE through a policy with a timing model; TTFT, TPOT, hits, bytes, stalls."""
     profile = Profile.load(profile_name)
     with TraceFile(trace_path) as tf:
@@ -80,7 +87,7 @@ def simulate_cmd(trace_path: Path, policy: str, shape: str | None, qtype: str,
         feats = Features(prefetch=not no_prefetch, chunk=not no_chunk, preempt=not no_preempt,
                          reorder=not no_reorder, split=not no_split)
         pred_name, pred = None, None
-        if do_ablation or (policy == "promoe" and feats.prefetch):
+        if do_ablation or compare or (policy == "promoe" and feats.prefetch):
             pred_name, pred = fit_predictor(predictor, info, fit, window)
         cfg = SimConfig(policy=policy, n_slots=n_slots, features=feats, window=window,
                         n_ubatch=n_ubatch, static_profile=static_profile(fit, info))
@@ -88,7 +95,12 @@ def simulate_cmd(trace_path: Path, policy: str, shape: str | None, qtype: str,
                 "profile": profile.name, "n_slots": n_slots, "experts": sh.experts,
                 "cached_layers": len(layers), "predictor": pred_name, "window": window,
                 "fit_requests": len(fit), "replay_requests": len(replay)}
-        if do_ablation:
+        if compare:
+            runs = [(p if p != "promoe" else feats.label(),
+                     run_one(replay, sh, profile, replace(cfg, policy=p),
+                             pred if p == "promoe" else None))
+                    for p in COMPARED]
+        elif do_ablation:
             runs = ablation(replay, sh, profile, cfg, pred)
             runs.append(("static", run_one(replay, sh, profile, replace(cfg, policy="static"),
                                            None)))
@@ -102,12 +114,12 @@ def simulate_cmd(trace_path: Path, policy: str, shape: str | None, qtype: str,
                f"{len(layers)} layers, profile {profile.name}, predictor {pred_name} "
                f"(window {window}), {len(replay)} requests replayed")
     click.echo(HEAD)
-    base = runs[0][1] if do_ablation else None
+    base = runs[0][1] if do_ablation or compare else None
     for label, r in runs:
         click.echo(_row(label, r, base))
-    if do_ablation:
-        click.echo("prefill/decode/stall-cut: ratios to base (lru); stall = loading time on the "
-                   "critical path")
+    if do_ablation or compare:
+        click.echo(f"prefill/decode/stall-cut: ratios to {runs[0][0]}; stall = loading time on "
+                   "the critical path")
 
 
 COMMANDS = [simulate_cmd]
