@@ -380,3 +380,26 @@ def test_stock_policies_follow_llama_cpp_rules() -> None:
     assert nc["ttft_s"] < big["ttft_s"] and nc["tpot_s"] < big["tpot_s"]
     full = simulate([req], shape, profile, SimConfig("ncmoe", n_slots=E, n_ubatch=P)).to_json()
     assert full["misses"] == 0 and full["h2d_bytes"] == 0 and full["stall_s"] == 0
+
+
+def test_copies_and_cpu_compute_share_dram() -> None:
+    """With a DRAM bandwidth below what copies and CPU expert compute ask for together, runs
+    that overlap them (promoe's host split) slow down; runs that never overlap them do not."""
+    from dataclasses import replace
+
+    from forecache.predictor.history import HistoryPredictor
+
+    shape, free = shape_of("reference", "q8_0"), Profile.load("rtx4090")
+    free = replace(free, dram_gbps=0.0)
+    tight = replace(free, dram_gbps=0.5 * (free.h2d_gbps + free.cpu_mem_gbps))
+    assert tight.shared_dram_factor() == 0.5 and free.shared_dram_factor() == 1.0
+    reqs = _requests()
+    cfg = SimConfig("promoe", n_slots=6, n_ubatch=8)
+    a = simulate(reqs, shape, free, cfg, HistoryPredictor(8, 32, 4))
+    b = simulate(reqs, shape, tight, cfg, HistoryPredictor(8, 32, 4))
+    assert a.extra["host_entries"] + a.host_layers > 0  # the CPU computes beside the copies
+    assert b.decode_s > a.decode_s
+    for pol in ("ncmoe", "offload"):  # copies and CPU compute take turns
+        x = simulate(reqs, shape, free, SimConfig(pol, n_slots=6, n_ubatch=64))
+        y = simulate(reqs, shape, tight, SimConfig(pol, n_slots=6, n_ubatch=64))
+        assert (x.prefill_s, x.decode_s) == (y.prefill_s, y.decode_s)

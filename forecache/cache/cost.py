@@ -47,6 +47,14 @@ class Profile:
     # ggml_backend_cuda_device_offload_op, GGML_OP_OFFLOAD_MIN_BATCH, default 32); 0: never (a
     # CPU build, where the device is the CPU).
     op_offload_min_batch: int = 32
+    # Host DRAM bandwidth that host-to-device copies and CPU expert compute share (0: not
+    # modelled, e.g. a CPU build whose fitted rates already include it)
+    dram_gbps: float = 0.0
+
+    def shared_dram_factor(self) -> float:
+        """What copies and CPU expert compute each keep of their rate while both read DRAM."""
+        demand = self.h2d_gbps + self.cpu_mem_gbps
+        return min(1.0, self.dram_gbps / demand) if self.dram_gbps > 0 else 1.0
     source: str = ""
 
     @classmethod

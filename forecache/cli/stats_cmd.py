@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import click
-import numpy as np
 
 from forecache.trace.format import TraceFile
 
@@ -58,7 +56,6 @@ def synth_trace_cmd(like: Path, shape: str, out: Path, n_requests: int, prefill:
     """
     import json
 
-    from forecache.gguf.specs import get_spec
     from forecache.trace import synth
     from forecache.trace.stats import routing_stats
 
@@ -66,39 +63,25 @@ def synth_trace_cmd(like: Path, shape: str, out: Path, n_requests: int, prefill:
         raise click.UsageError(f"{out} exists; pass --force to overwrite it")
     if prefill + decode == 0:
         raise click.BadParameter("a request needs at least one token", param_hint="--prefill")
-    spec = get_spec(shape)
-    with TraceFile(like) as tr:
-        real = routing_stats(tr)
-        units = [len(u) for u in tr.units()]
-    if (real.n_expert, real.top_k) != (spec.experts, spec.top_k):
-        raise click.UsageError(
-            f"{like.name} routes top-{real.top_k} of {real.n_expert} experts but {shape} routes "
-            f"top-{spec.top_k} of {spec.experts}: fit to a trace with the same expert count and "
-            "top-k")
-    targets = synth.target_values(real.summary())
-    # fit on as many requests as long as the real ones: request entropy depends on the length,
-    # and the agreement figures on the number of tokens
-    tokens = int(min(512, max(64, np.median(units))))
-    params, reached = synth.fit(targets, n_expert=spec.experts, top_k=spec.top_k, tokens=tokens,
-                                n_requests=min(len(units), 8), seed=seed,
-                                progress=lambda s: click.echo(f"[fit] {s}", err=True))
-    reqs = synth.synthesize(params, n_layers=spec.layers, n_expert=spec.experts,
-                            top_k=spec.top_k, tokens=[prefill + decode] * n_requests,
-                            prefill=[prefill] * n_requests, seed=seed + 1)
-    meta = {"n_expert": spec.experts, "preset": spec.name, "synthetic": True,
-            "fitted_to": like.name, "params": dataclasses.asdict(params), "targets": targets,
-            "fit_reached": reached, "seed": seed}
+    try:
+        reqs, meta = synth.synthesize_like(
+            like, shape, n_requests=n_requests, prefill=prefill, decode=decode, seed=seed,
+            progress=lambda s: click.echo(f"[fit] {s}", err=True))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    spec_layers, top_k = reqs[0].experts.shape[1:]
+    targets, params = meta["targets"], meta["params"]
     tmp = out.with_name(out.stem + ".partial.npz")
     synth.write_trace(tmp, reqs, meta)
     tmp.replace(out)
     with TraceFile(out) as tr:
         got = synth.target_values(routing_stats(tr).summary())
     click.echo(f"wrote {out}: {n_requests} requests of {prefill} + {decode} tokens at "
-               f"{spec.name}'s shape ({spec.layers} layers, top-{spec.top_k} of {spec.experts})")
+               f"{shape}'s shape ({spec_layers} layers, top-{top_k} of {meta['n_expert']})")
     click.echo(f"{'figure':<18} {like.name[:24]:>24} {'synthetic':>10}")
     for k, v in targets.items():
         click.echo(f"{k:<18} {v:>24.3f} {got[k]:>10.3f}")
-    click.echo("parameters: " + json.dumps(dataclasses.asdict(params)))
+    click.echo("parameters: " + json.dumps(params))
 
 
 COMMANDS = [routing_stats_cmd, synth_trace_cmd]

@@ -73,6 +73,7 @@ class SimEngine:
         self.now = 0.0
         self.busy_until = 0.0
         self.running: _Chunk | None = None
+        self.cpu_busy_until = 0.0  # the CPU computes experts from DRAM until then
         self._events: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()
         self.in_use_layer = -1
@@ -275,7 +276,10 @@ class SimEngine:
                 self.stats["hi_block_s"] += b
                 self.stats["hi_block_max_s"] = max(self.stats["hi_block_max_s"], b)
         self.running = ch
-        dur = self.profile.chunk_latency_s + ch.size / (self.profile.h2d_gbps * 1e9)
+        p = self.profile
+        # a copy that starts while the CPU computes experts shares DRAM with it
+        rate = p.h2d_gbps * (p.shared_dram_factor() if self.now < self.cpu_busy_until else 1.0)
+        dur = p.chunk_latency_s + ch.size / (rate * 1e9)
         self.busy_until = self.now + dur
         heapq.heappush(self._events, (self.busy_until, next(self._seq), "done", ch))
 

@@ -127,9 +127,16 @@ class Simulator:
         p = self.profile
         return roofline_s(p.gpu_launch_s, nbytes, p.gpu_mem_gbps, flops, p.gpu_tflops * 1e12)
 
-    def _host(self, nbytes: float, flops: float) -> float:
-        p = self.profile
-        return roofline_s(p.cpu_launch_s, nbytes, p.cpu_mem_gbps, flops, p.cpu_gflops * 1e9)
+    def _host(self, nbytes: float, flops: float, start: float | None = None) -> float:
+        """CPU expert compute starting at ``start`` (default now); it reads DRAM at a shared
+        rate while copies run, and copies that start before it ends share DRAM with it."""
+        p, eng = self.profile, self.engine
+        copying = eng.running is not None or any(eng.queue)
+        mem = p.cpu_mem_gbps * (p.shared_dram_factor() if copying else 1.0)
+        t = roofline_s(p.cpu_launch_s, nbytes, mem, flops, p.cpu_gflops * 1e9)
+        begin = self.t if start is None else start
+        eng.cpu_busy_until = max(eng.cpu_busy_until, begin + t)
+        return t
 
     def _node(self, experts: Sequence[int], rows: int, p: int) -> float:
         sh = self.shape
@@ -230,8 +237,10 @@ class Simulator:
 
     def _host_layer(self, experts: np.ndarray, pairs: int) -> float:
         sh = self.shape
-        return sum(self._host(len(experts) * sh.proj_bytes[p], pairs * sh.proj_flops)
-                   for p in range(len(sh.proj_bytes)))
+        t = 0.0
+        for p in range(len(sh.proj_bytes)):  # one projection after the other
+            t += self._host(len(experts) * sh.proj_bytes[p], pairs * sh.proj_flops, self.t + t)
+        return t
 
     def _wait(self, il: int, cond: Callable[[], bool]) -> None:
         if cond():

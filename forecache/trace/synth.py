@@ -162,3 +162,35 @@ def fit(targets: dict[str, float], *, n_expert: int, top_k: int, n_layers: int =
                 step[name] /= 2
         progress(f"round {r + 1}/{rounds}: loss {loss:.2f} at {asdict(best)}")
     return best, got
+
+
+def synthesize_like(like: Path, shape: str, *, n_requests: int, prefill: int, decode: int,
+                    seed: int = 0, progress: Callable[[str], None] = lambda s: None,
+                    ) -> tuple[list[Request], dict]:
+    """Requests of ``prefill`` + ``decode`` tokens at the models.yaml model ``shape``, routed by
+    parameters fitted to the trace ``like`` (same expert count and top-k); returns them and the
+    trace meta that says what they are (synthetic, fitted to what, how close)."""
+    from forecache.gguf.specs import get_spec
+
+    spec = get_spec(shape)
+    with TraceFile(like) as tr:
+        real = routing_stats(tr)
+        units = [len(u) for u in tr.units()]
+    if (real.n_expert, real.top_k) != (spec.experts, spec.top_k):
+        raise ValueError(
+            f"{like.name} routes top-{real.top_k} of {real.n_expert} experts but {shape} routes "
+            f"top-{spec.top_k} of {spec.experts}: fit to a trace with the same expert count and "
+            "top-k")
+    targets = target_values(real.summary())
+    # fit on as many requests as long as the real ones: request entropy depends on the length,
+    # and the agreement figures on the number of tokens
+    tokens = int(min(512, max(64, np.median(units))))
+    params, reached = fit(targets, n_expert=spec.experts, top_k=spec.top_k, tokens=tokens,
+                          n_requests=min(len(units), 8), seed=seed, progress=progress)
+    reqs = synthesize(params, n_layers=spec.layers, n_expert=spec.experts, top_k=spec.top_k,
+                      tokens=[prefill + decode] * n_requests, prefill=[prefill] * n_requests,
+                      seed=seed + 1)
+    meta = {"n_expert": spec.experts, "preset": spec.name, "synthetic": True,
+            "fitted_to": like.name, "params": asdict(params), "targets": targets,
+            "fit_reached": reached, "seed": seed}
+    return reqs, meta

@@ -1,0 +1,99 @@
+"""The target in simulation: Qwen2-57B-A14B q4_k on a 24 GiB card, every policy over ncmoe.
+
+    python benchmarks/target_sim.py [--like TRACE.npz] [--shape qwen2-57b-a14b] [--budget 24GiB]
+        [--profile rtx4090] [--requests 8] [--prefill 512] [--decode 128] [--seed 0]
+        [--json OUT]
+
+No public trace routes at the target's shape, so the routing is synthetic: ``synth-trace``'s model
+fitted to a real trace of the same expert count and top-k (OLMoE-1B-7B: 64 experts, top-8, as
+Qwen2-57B-A14B). Half of the requests fit the predictors, the other half are replayed through
+ncmoe (stock llama.cpp's --n-cpu-moe, the bar), offload, lru, static and promoe at the expert
+budget the card leaves. Prints the table and writes every figure to JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from forecache.cache.cost import Profile
+from forecache.sim.run import fit_predictor, run_one, slots_for, split_requests, static_profile
+from forecache.sim.shapes import shape_of
+from forecache.sim.simulate import SimConfig
+from forecache.trace import synth
+from forecache.trace.format import TraceFile
+
+ROOT = Path(__file__).resolve().parents[1]
+OLMOE = ROOT.parent / "shared" / "traces" / "olmoe_1b_7b_nf4gemm_decode_4x512.npz"
+POLICIES = ("ncmoe", "offload", "lru", "static", "promoe")
+
+
+def ratio(a: float, b: float) -> str:
+    """``a / b`` as a speedup; "-" when both are zero."""
+    return f"{a / b:.2f}x" if b > 0 else ("-" if a == 0 else "inf")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--like", type=Path, default=OLMOE)
+    ap.add_argument("--shape", default="qwen2-57b-a14b")
+    ap.add_argument("--budget", default="24GiB")
+    ap.add_argument("--profile", default="rtx4090")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--window", type=int, default=2)
+    ap.add_argument("--predictor", default="auto")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if not args.like.is_file():
+        raise SystemExit(f"{args.like}: no such trace; give --like a real trace with the "
+                         "shape's expert count and top-k")
+    profile = Profile.load(args.profile)
+    shape = shape_of(args.shape, "q4_k")
+    reqs, meta = synth.synthesize_like(args.like, args.shape, n_requests=args.requests,
+                                       prefill=args.prefill, decode=args.decode, seed=args.seed,
+                                       progress=print)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "target.npz"
+        synth.write_trace(path, reqs, meta)
+        with TraceFile(path) as tf:
+            info = tf.info()
+            fit, replay = split_requests(tf, 0.5)
+    layers = list(range(shape.layers))
+    n_slots = slots_for(shape, len(layers), args.budget, None)
+    pname, pred = fit_predictor(args.predictor, info, fit, args.window)
+    base = SimConfig("ncmoe", n_slots, window=args.window,
+                     static_profile=static_profile(fit, info))
+    runs = {p: run_one(replay, shape, profile, replace(base, policy=p),
+                       pred if p == "promoe" else None) for p in POLICIES}
+    nc = runs["ncmoe"]
+    print(f"\n{args.shape} q4_k at {args.budget} ({n_slots}/{shape.experts} experts per layer in "
+          f"device memory), profile {profile.name}, synthetic routing fitted to {args.like.name}, "
+          f"predictor {pname} (k={args.window}), {len(replay)} requests of {args.prefill} + "
+          f"{args.decode} tokens replayed")
+    print(f"{'policy':<9} {'TTFT ms':>9} {'TPOT ms':>9} {'hit %':>6} {'H2D GB':>8} {'stall s':>8} "
+          f"{'prefill':>8} {'decode':>8}")
+    for p, r in runs.items():
+        print(f"{p:<9} {r.ttft_s * 1e3:>9.1f} {r.tpot_s * 1e3:>9.2f} "
+              f"{r.to_json()['hit_rate'] * 100:>6.1f} {r.h2d_bytes / 1e9:>8.2f} "
+              f"{r.stall_s:>8.3f} {ratio(nc.ttft_s, r.ttft_s):>8} {ratio(nc.tpot_s, r.tpot_s):>8}")
+    print("prefill, decode: speedup over ncmoe (TTFT, TPOT)")
+    if args.json:
+        report = {"shape": args.shape, "budget": args.budget, "profile": profile.name,
+                  "n_slots": n_slots, "predictor": pname, "window": args.window,
+                  "routing": {k: meta[k] for k in ("fitted_to", "params", "targets",
+                                                   "fit_reached", "seed")},
+                  "replay_requests": len(replay), "prefill": args.prefill,
+                  "decode": args.decode,
+                  "runs": {p: r.to_json() for p, r in runs.items()}}
+        args.json.write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
