@@ -70,7 +70,9 @@ def test_validate_measures_fits_and_simulates() -> None:
     assert [m.label for m in v.calibration] == ["offload", "lru, all cached",
                                                 "promoe, all cached", "lru, 0.25",
                                                 "promoe, 0.25"]
-    assert [m.label for m in v.validation] == ["lru, 0.5", "promoe, 0.5"]
+    assert [m.label for m in v.validation] == ["lru, 0.5", "promoe, 0.5", "ncmoe, 0.5"]
+    # ncmoe keeps half of the reference model's 8 MoE layers whole on the device
+    assert v.validation[2].n_slots is not None and v.validation[2].n_slots * 8 // 32 == 4
     for m in v.calibration + v.validation:
         assert m.ttft_s > 0 and m.tpot_s > 0 and m.sim_ttft_s > 0 and m.sim_tpot_s > 0
         assert all(math.isfinite(e) for e in m.errors())
@@ -78,4 +80,4 @@ def test_validate_measures_fits_and_simulates() -> None:
     p = v.profile
     assert p.gpu_launch_s == p.cpu_launch_s and p.h2d_gbps > 0 and p.prefetch_hook_s > 0
     out = v.to_json()
-    assert out["worst_error"] == v.worst_error() and len(out["validation"]) == 2
+    assert out["worst_error"] == v.worst_error() and len(out["validation"]) == 3

@@ -84,6 +84,7 @@ class Measured:
     sim_ttft_s: float = 0.0
     sim_tpot_s: float = 0.0
     stats: dict = field(default_factory=dict, repr=False)  # the expert cache's counters
+    n_slots: int | None = None  # simulated slots per layer, when not ``fraction`` of the experts
 
     def errors(self) -> tuple[float, float]:
         """Relative errors of the simulated TTFT and TPOT."""
@@ -106,7 +107,7 @@ def simulate_measured(m: Measured, shape: SimShape, profile: Profile,
     """TTFT and TPOT the simulator gives run ``m`` (after the same warm-up request), as the CPU
     build runs it: promoe predicts with history at window 1 and does not split (device and host
     are the same cores)."""
-    n_slots = max(1, math.ceil(m.fraction * shape.experts - 1e-9))
+    n_slots = m.n_slots or max(1, math.ceil(m.fraction * shape.experts - 1e-9))
     cfg = SimConfig(policy=m.policy, n_slots=n_slots, window=1, n_ubatch=512,
                     features=Features(split=False))
     layers = [il for il in range(shape.layers) if (requests[0].experts[:, il] >= 0).any()]
@@ -207,6 +208,19 @@ class Validation:
                 "worst_error": self.worst_error()}
 
 
+def _ncmoe_budget(model: ModelFile, fraction: float, n_ctx: int) -> tuple[int, int]:
+    """A device budget whose ncmoe placement keeps ``fraction`` of the MoE layers' experts on
+    the device (rounded to whole layers), and that number of layers."""
+    from forecache.cache.budget import plan_memory
+    from forecache.native.ggml_devices import cache_device
+
+    dev = cache_device()
+    plan = plan_memory(model, dev.memory_total, n_ctx=n_ctx, n_ubatch=512,
+                       device_name=dev.name, device_total=dev.memory_total)
+    on_gpu = round(fraction * len(plan.moe_layers))
+    return plan.fixed_bytes + on_gpu * plan.n_expert * plan.expert_bytes + (1 << 20), on_gpu
+
+
 def validate(model_path: Path, *, prompt_len: int = 128, n_gen: int = 32, n_prompts: int = 3,
              fraction: float = 0.5, calib_fraction: float = 0.25, repeats: int = 1,
              fit_iters: int = 120,
@@ -216,9 +230,10 @@ def validate(model_path: Path, *, prompt_len: int = 128, n_gen: int = 32, n_prom
     """Fit a profile of this machine (CPU build) to ``offload``, to ``lru`` and ``promoe`` with
     every expert cached, and to both at ``calib_fraction`` (the costs of a miss and of streamed
     expert groups), on one workload; then measure and simulate ``lru`` and ``promoe`` at
-    ``fraction``. The copy rate is this machine's memcpy rate (a CPU build's copies are
-    memcpy). Every run is measured ``repeats`` times, the runs taking turns, and the medians
-    over all prompts and repeats are kept: a machine whose speed drifts affects every run alike.
+    ``fraction``, and ``ncmoe`` with that share of the MoE layers' experts on the device. The
+    copy rate is this machine's memcpy rate (a CPU build's copies are memcpy). Every run is
+    measured ``repeats`` times, the runs taking turns, and the medians over all prompts and
+    repeats are kept: a machine whose speed drifts affects every run alike.
     """
     from forecache.bench import bench_prompts, run_policy
     from forecache.doctor import host_memory_bandwidth_gbps
@@ -231,20 +246,25 @@ def validate(model_path: Path, *, prompt_len: int = 128, n_gen: int = 32, n_prom
         warmup = record_routing(llm, [prompts[0][:8]], 2)[0]
         requests = record_routing(llm, prompts, n_gen)
         shape = model_shape(llm.model_file)
+        ncmoe_budget, on_gpu = _ncmoe_budget(llm.model_file, fraction, n_ctx)
 
     runs = [("offload", "offload", 1.0), ("lru, all cached", "lru", 1.0),
             ("promoe, all cached", "promoe", 1.0),
             (f"lru, {calib_fraction:g}", "lru", calib_fraction),
             (f"promoe, {calib_fraction:g}", "promoe", calib_fraction),
-            (f"lru, {fraction:g}", "lru", fraction), (f"promoe, {fraction:g}", "promoe", fraction)]
+            (f"lru, {fraction:g}", "lru", fraction), (f"promoe, {fraction:g}", "promoe", fraction),
+            (f"ncmoe, {fraction:g}", "ncmoe", fraction)]
     samples: dict[str, list[tuple[float, float]]] = {label: [] for label, _, _ in runs}
     stats: dict[str, dict] = {}
     for rep in range(repeats):  # every run is measured before the fit, the runs taking turns
         for label, policy, frac in runs:
             progress(f"measuring {label} ({rep + 1}/{repeats}) ...")
-            cfg = CacheConfig(policy=policy,
-                              cache_fraction=None if policy == "offload" else frac,
-                              predictor="history")
+            if policy == "ncmoe":
+                cfg = CacheConfig(policy=policy, gpu_budget=ncmoe_budget)
+            else:
+                cfg = CacheConfig(policy=policy,
+                                  cache_fraction=None if policy == "offload" else frac,
+                                  predictor="history")
             r = run_policy(model_path, cfg, prompts, n_gen, n_ctx=n_ctx, n_threads=n_threads)
             samples[label] += r["per_prompt"]
             stats[label] = r["stats"]
@@ -252,7 +272,10 @@ def validate(model_path: Path, *, prompt_len: int = 128, n_gen: int = 32, n_prom
     for label, policy, frac in runs:
         # medians: a prompt disturbed by another process moves a mean
         ttft, tpot = np.median(np.asarray(samples[label]), axis=0).tolist()
-        measured.append(Measured(label, policy, frac, ttft, tpot, stats=stats[label]))
+        # ncmoe keeps ``on_gpu`` whole layers on the device: as many slots per layer in all
+        slots = math.ceil(on_gpu * shape.experts / shape.layers) if policy == "ncmoe" else None
+        measured.append(Measured(label, policy, frac, ttft, tpot, stats=stats[label],
+                                 n_slots=slots))
     calib, checks = measured[:5], measured[5:]
     fixed = {"h2d_gbps": host_memory_bandwidth_gbps() / 2}
     progress("fitting the profile ...")
