@@ -385,6 +385,11 @@ def test_stock_policies_follow_llama_cpp_rules() -> None:
     assert nc["ttft_s"] < big["ttft_s"] and nc["tpot_s"] < big["tpot_s"]
     full = simulate([req], shape, profile, SimConfig("ncmoe", n_slots=E, n_ubatch=P)).to_json()
     assert full["misses"] == 0 and full["h2d_bytes"] == 0 and full["stall_s"] == 0
+    # every run lies above its physical floor; with nothing missed, only the per-pass cost
+    # separates them
+    for run in (big, small, nc, full):
+        assert 0 < run["floor_ttft_s"] <= run["ttft_s"] and 0 < run["floor_tpot_s"] <= run["tpot_s"]
+    assert full["tpot_s"] - full["floor_tpot_s"] == pytest.approx(profile.token_s)
 
 
 def test_copies_and_cpu_compute_share_dram() -> None:

@@ -83,7 +83,9 @@ def simulate_cmd(trace_path: Path, policy: str, shape: str | None, qtype: str,
         fit, replay = split_requests(tf, fit_fraction)
         layers = [il for il in range(info.n_layers)
                   if any((r.experts[:, il] >= 0).any() for r in replay)]
-        n_slots = slots_for(sh, len(layers), budget, cache_fraction)
+        # a budget holds every MoE layer's slots, logged or not (a partial trace's other layers
+        # are simulated as resident)
+        n_slots = slots_for(sh, sh.layers, budget, cache_fraction)
         feats = Features(prefetch=not no_prefetch, chunk=not no_chunk, preempt=not no_preempt,
                          reorder=not no_reorder, split=not no_split)
         pred_name, pred = None, None
@@ -110,8 +112,10 @@ def simulate_cmd(trace_path: Path, policy: str, shape: str | None, qtype: str,
     if as_json:
         click.echo(json.dumps({**head, "runs": [{"run": k, **r.to_json()} for k, r in runs]}))
         return
+    logged = (f"{len(layers)} layers" if len(layers) == sh.layers else
+              f"{len(layers)} of {sh.layers} layers (the others logged no routing)")
     click.echo(f"{trace_path.name}: {sh.name} {sh.qtype}, {n_slots}/{sh.experts} slots in "
-               f"{len(layers)} layers, profile {profile.name}, predictor {pred_name} "
+               f"{logged}, profile {profile.name}, predictor {pred_name} "
                f"(window {window}), {len(replay)} requests replayed")
     click.echo(HEAD)
     base = runs[0][1] if do_ablation or compare else None

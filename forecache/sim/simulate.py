@@ -121,6 +121,9 @@ class Simulator:
         L = n_layers
         self.lay = {k: np.zeros(L) for k in ("predicted", "correct", "in_time", "good", "stall")}
         self._pred: dict[int, tuple[int, np.ndarray]] = {}  # layer -> (pass, predicted)
+        self._floor = 0.0  # the last ubatch's physical floor
+        self.floor_prefill: list[float] = []  # per request
+        self.floor_decode: list[float] = []  # per decoded token
 
     # -- timing model -------------------------------------------------------------------------
     def _dev(self, nbytes: float, flops: float) -> float:
@@ -149,23 +152,41 @@ class Simulator:
         if self.forecaster is not None:
             self.forecaster.begin_request()
         prefill_rows = np.flatnonzero(phase == 0)
-        prefill = 0.0
+        prefill = floor = 0.0
         for i in range(0, len(prefill_rows), self.cfg.n_ubatch):
             prefill += self._ubatch(req, prefill_rows[i:i + self.cfg.n_ubatch])
-        decode = [self._ubatch(req, np.array([r])) for r in np.flatnonzero(phase != 0)]
+            floor += self._floor
+        if len(prefill_rows):
+            self.floor_prefill.append(floor)
+        decode = []
+        for r in np.flatnonzero(phase != 0):
+            decode.append(self._ubatch(req, np.array([r])))
+            self.floor_decode.append(self._floor)
         if self.forecaster is not None:
             self.forecaster.end_request()
         return prefill, decode
 
     def _ubatch(self, req: Request, rows: np.ndarray) -> float:
+        """Simulate one ubatch; returns its seconds and leaves its physical floor in ``_floor``:
+        the device's compute with every routed expert resident, plus the bytes of this run's
+        misses at the host's best rate (copies and CPU compute together, within DRAM)."""
         sh, eng, n = self.shape, self.engine, len(rows)
         t0 = self.t
         cached = set(self.layers)
+        p = self.profile
+        both = p.h2d_gbps + p.cpu_mem_gbps
+        best_gbps = min(both, p.dram_gbps) if p.dram_gbps > 0 else both
+        floor = 0.0
         for il in range(sh.layers):
-            self.t += self._dev(sh.layer_bytes, n * sh.layer_flops)
+            dense = self._dev(sh.layer_bytes, n * sh.layer_flops)
+            self.t += dense
+            floor += dense
             eng.advance_to(self.t)
             if il not in cached:
-                self.t += self._dev(sh.top_k * sh.expert_bytes, n * sh.top_k * 3 * sh.proj_flops)
+                resident = self._dev(sh.top_k * sh.expert_bytes,
+                                     n * sh.top_k * 3 * sh.proj_flops)
+                self.t += resident
+                floor += resident
                 continue
             ids = req.experts[rows, il].astype(np.int64)
             known = ids[ids >= 0]
@@ -175,8 +196,11 @@ class Simulator:
             by_use = np.argsort(first, kind="stable")
             experts, counts = uniq[by_use], counts[by_use]
             self._account_prediction(il, experts)
+            missed = self.misses
+            floor += sum(self._node(experts, known.size, j) for j in range(len(sh.proj_bytes)))
             if self.policy is None:
                 self._stock_layer(il, experts, known.size, n)
+                floor += (self.misses - missed) * sh.expert_bytes / (best_gbps * 1e9)
                 continue
             eng.begin_route(il)
             L = eng.layers[il]
@@ -185,6 +209,7 @@ class Simulator:
                     self.hits += 1
                 else:
                     self.misses += 1
+            floor += (self.misses - missed) * sh.expert_bytes / (best_gbps * 1e9)
             self.t += self._hook_s
             self.hook += self._hook_s
             eng.advance_to(self.t)
@@ -202,8 +227,10 @@ class Simulator:
                 eng.advance_to(self.t)
                 continue
             self._slot_compute(il, ids)
-        self.t += self._dev(sh.head_bytes, 2.0 * sh.head_bytes / sh.bytes_per_weight)
+        head = self._dev(sh.head_bytes, 2.0 * sh.head_bytes / sh.bytes_per_weight)
+        self.t += head
         self.t += self.profile.token_s
+        self._floor = floor + head
         eng.advance_to(self.t)
         return self.t - t0
 
@@ -335,6 +362,9 @@ class Simulator:
             })
         n_req = max(len(prefill), 1)
         extra = {k: v for k, v in eng.stats.items() if k != "h2d_bytes"}
+        # the physical floor of this run's misses: what no schedule of the same misses can beat
+        extra["floor_ttft_s"] = float(np.mean(self.floor_prefill)) if self.floor_prefill else 0.0
+        extra["floor_tpot_s"] = float(np.mean(self.floor_decode)) if self.floor_decode else 0.0
         if isinstance(self.policy, Prefetcher):
             extra.update(prefetch_loads=self.policy.prefetch_loads,
                          stale_predictions=self.policy.stale_predictions)
