@@ -413,3 +413,27 @@ def test_copies_and_cpu_compute_share_dram() -> None:
         x = simulate(reqs, shape, free, SimConfig(pol, n_slots=6, n_ubatch=64))
         y = simulate(reqs, shape, tight, SimConfig(pol, n_slots=6, n_ubatch=64))
         assert (x.prefill_s, x.decode_s) == (y.prefill_s, y.decode_s)
+
+
+def test_host_entries_pay_for_their_thread() -> None:
+    """Each projection with host entries starts a CPU thread (forecache-cache.cpp
+    fc_slot_compute): the cost model plans with it and the simulator charges it."""
+    from dataclasses import replace
+
+    from forecache.cache.cost import CostModel
+    from forecache.predictor.history import HistoryPredictor
+
+    shape = shape_of("reference", "q8_0")
+    # copies dearer than the host's compute: layers mix slots and host entries
+    base = replace(Profile.load("rtx4090"), h2d_gbps=0.01, cpu_mem_gbps=0.1, dram_gbps=0.0,
+                   thread_s=0.0)
+    slow = replace(base, thread_s=1e-3)
+    a, b = CostModel.from_profile(base, shape.expert), CostModel.from_profile(slow, shape.expert)
+    assert b.merge_proj_s(4) - a.merge_proj_s(4) == pytest.approx(1e-3)
+    cfg = SimConfig("promoe", n_slots=12, n_ubatch=8)
+    x = simulate(_requests(), shape, base, cfg, HistoryPredictor(8, 32, 4))
+    y = simulate(_requests(), shape, slow, cfg, HistoryPredictor(8, 32, 4))
+    assert x.extra["host_entries"] > 0
+    # dearer host entries: the plan sends fewer experts to the CPU, and the run is slower
+    assert y.extra["host_entries"] < x.extra["host_entries"]
+    assert y.decode_s + y.prefill_s > x.decode_s + x.prefill_s

@@ -42,6 +42,7 @@ class Profile:
     token_s: float = 0.0  # per forward pass, outside the graph: sampling, the Python runtime
     prefetch_hook_s: float = 0.0  # promoe's gate hook, when it costs more than hook_s (0: same)
     group_s: float = 0.0  # an expert group computed as its own graph (gather, matmul, scatter)
+    thread_s: float = 0.0  # starting and joining the CPU thread of a projection's host entries
     # Stock llama.cpp computes a host-resident MUL_MAT_ID on the device, copying the used experts
     # up first, when the ubatch has at least this many tokens (ggml-cuda.cu
     # ggml_backend_cuda_device_offload_op, GGML_OP_OFFLOAD_MIN_BATCH, default 32); 0: never (a
@@ -142,6 +143,7 @@ class CostModel:
     cpu_mem_gbps: float
     cpu_gflops: float
     cpu_launch_s: float
+    thread_s: float = 0.0  # the CPU thread a projection with host entries starts
     host_scale: float = 1.0  # measured / modelled host compute time
     predicted_host_s: float = 0.0  # modelled time of what was sent to the host so far
 
@@ -149,7 +151,7 @@ class CostModel:
     def from_profile(cls, profile: Profile, expert: ExpertShape) -> CostModel:
         p = profile
         return cls(expert, p.h2d_gbps, p.chunk_latency_s, p.gpu_mem_gbps, p.gpu_tflops,
-                   p.gpu_launch_s, p.cpu_mem_gbps, p.cpu_gflops, p.cpu_launch_s)
+                   p.gpu_launch_s, p.cpu_mem_gbps, p.cpu_gflops, p.cpu_launch_s, p.thread_s)
 
     def copy_s(self) -> float:
         """One whole expert, host to device."""
@@ -174,10 +176,12 @@ class CostModel:
         return t * self.host_scale
 
     def merge_proj_s(self, pairs: int) -> float:
-        """Host rows of one projection of a split layer: inputs read back, results written into
-        the device's (a copy each way and a scatter launch)."""
+        """Host rows of one projection of a split layer: the CPU thread that computes them,
+        inputs read back, results written into the device's (a copy each way and a scatter
+        launch)."""
         nbytes = 4.0 * pairs * (self.expert.d_model + self.expert.expert_ff)
-        return self.gpu_launch_s + self.chunk_latency_s + nbytes / (self.copy_gbps * 1e9)
+        return (self.thread_s + self.gpu_launch_s + self.chunk_latency_s
+                + nbytes / (self.copy_gbps * 1e9))
 
     def merge_s(self, pairs: int) -> float:
         """Host rows of a split layer, every projection."""
