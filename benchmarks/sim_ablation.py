@@ -22,6 +22,7 @@ from forecache.sim.run import (
     fit_predictor,
     run_one,
     slots_for,
+    speedup,
     split_requests,
     static_profile,
     trace_shape,
@@ -32,11 +33,6 @@ from forecache.trace.format import TraceFile
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEPT = ("ncmoe", "offload", "lru", "static", "promoe")
-
-
-def ratio(a: float, b: float) -> str:
-    """``a / b`` as a speedup; "-" when both are zero, "inf" when only ``b`` is."""
-    return f"{a / b:.2f}x" if b > 0 else ("-" if a == 0 else "inf")
 
 
 def main() -> None:
@@ -90,12 +86,13 @@ def main() -> None:
               f"{'decode':>8} {'stall cut':>9}")
         for label, r in runs:
             print(f"{label:<20} {r.ttft_s * 1e3:>9.1f} {r.tpot_s * 1e3:>9.2f} {r.stall_s:>9.3f} "
-                  f"{ratio(lru.ttft_s, r.ttft_s):>8} {ratio(lru.tpot_s, r.tpot_s):>8} "
-                  f"{ratio(lru.stall_s, r.stall_s):>9}")
+                  f"{speedup(lru.ttft_s, r.ttft_s):>8} {speedup(lru.tpot_s, r.tpot_s):>8} "
+                  f"{speedup(lru.stall_s, r.stall_s):>9}")
         promoe = runs[-2][1]
         print(f"{'ncmoe':<20} {ncmoe.ttft_s * 1e3:>9.1f} {ncmoe.tpot_s * 1e3:>9.2f} "
               f"{ncmoe.stall_s:>9.3f}   promoe over ncmoe: prefill "
-              f"{ratio(ncmoe.ttft_s, promoe.ttft_s)}, decode {ratio(ncmoe.tpot_s, promoe.tpot_s)}")
+              f"{speedup(ncmoe.ttft_s, promoe.ttft_s)}, "
+              f"decode {speedup(ncmoe.tpot_s, promoe.tpot_s)}")
         print(f"{'cache rate':<11}" + "".join(f"{p + ' TTFT/TPOT ms':>28}" for p in SWEPT))
         for row in sweep:
             print(f"{row['rate']:<11}" + "".join(

@@ -20,7 +20,14 @@ from dataclasses import replace
 from pathlib import Path
 
 from forecache.cache.cost import Profile
-from forecache.sim.run import fit_predictor, run_one, slots_for, split_requests, static_profile
+from forecache.sim.run import (
+    fit_predictor,
+    run_one,
+    slots_for,
+    speedup,
+    split_requests,
+    static_profile,
+)
 from forecache.sim.shapes import shape_of
 from forecache.sim.simulate import SimConfig
 from forecache.trace import synth
@@ -29,11 +36,6 @@ from forecache.trace.format import TraceFile
 ROOT = Path(__file__).resolve().parents[1]
 OLMOE = ROOT.parent / "shared" / "traces" / "olmoe_1b_7b_nf4gemm_decode_4x512.npz"
 POLICIES = ("ncmoe", "offload", "lru", "static", "promoe")
-
-
-def ratio(a: float, b: float) -> str:
-    """``a / b`` as a speedup; "-" when both are zero."""
-    return f"{a / b:.2f}x" if b > 0 else ("-" if a == 0 else "inf")
 
 
 def main() -> None:
@@ -82,9 +84,10 @@ def main() -> None:
         d = r.to_json()
         print(f"{p:<9} {r.ttft_s * 1e3:>9.1f} {r.tpot_s * 1e3:>9.2f} "
               f"{d['hit_rate'] * 100:>6.1f} {r.h2d_bytes / 1e9:>8.2f} "
-              f"{r.stall_s:>8.3f} {ratio(nc.ttft_s, r.ttft_s):>8} {ratio(nc.tpot_s, r.tpot_s):>8} "
+              f"{r.stall_s:>8.3f} {speedup(nc.ttft_s, r.ttft_s):>8} "
+              f"{speedup(nc.tpot_s, r.tpot_s):>8} "
               f"{d['floor_ttft_s'] * 1e3:>10.1f}/{d['floor_tpot_s'] * 1e3:<8.2f} "
-              f"{ratio(r.ttft_s, d['floor_ttft_s'])}/{ratio(r.tpot_s, d['floor_tpot_s'])}")
+              f"{speedup(r.ttft_s, d['floor_ttft_s'])}/{speedup(r.tpot_s, d['floor_tpot_s'])}")
     print("prefill, decode: speedup over ncmoe (TTFT, TPOT); floor: the run's compute with every "
           "routed expert resident plus its missed bytes at the host's best rate (PCIe and CPU "
           "together, within DRAM); to floor: how far above it the run is")

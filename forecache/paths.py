@@ -13,37 +13,35 @@ from pathlib import Path
 APP = "forecache"
 
 
-def _base(xdg_var: str, xdg_default: str, mac: str, windows_var: str) -> Path:
+def _user_path(override: str, xdg_var: str, xdg_default: str, mac: str, *parts: str) -> Path:
+    """$``override`` when set, else ``parts`` under forecache's folder of the user directory that
+    ``xdg_var`` names on Linux (``mac`` below the home folder on macOS, LOCALAPPDATA on Windows)."""
+    env = os.environ.get(override)
+    if env:
+        return Path(env).expanduser()
     if sys.platform == "darwin":
-        return Path.home() / mac
-    if sys.platform == "win32":
-        return Path(os.environ.get(windows_var) or Path.home() / "AppData" / "Local")
-    return Path(os.environ.get(xdg_var) or Path.home() / xdg_default)
+        base = Path.home() / mac
+    elif sys.platform == "win32":
+        base = Path(os.environ.get("LOCALAPPDATA") or Path.home() / "AppData" / "Local")
+    else:
+        base = Path(os.environ.get(xdg_var) or Path.home() / xdg_default)
+    return base.joinpath(APP, *parts)
 
 
 def cache_dir() -> Path:
     """Builds, sdists, fingerprints, predictors and made models: $FORECACHE_CACHE_DIR, else the
     user cache directory (``~/.cache/forecache`` on Linux)."""
-    env = os.environ.get("FORECACHE_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    sub = Path(APP) / "Cache" if sys.platform == "win32" else Path(APP)
-    return _base("XDG_CACHE_HOME", ".cache", "Library/Caches", "LOCALAPPDATA") / sub
+    sub = ("Cache",) if sys.platform == "win32" else ()
+    return _user_path("FORECACHE_CACHE_DIR", "XDG_CACHE_HOME", ".cache", "Library/Caches", *sub)
 
 
 def model_dir() -> Path:
     """Where named models are looked for: $FORECACHE_MODEL_DIR, else the user data directory."""
-    env = os.environ.get("FORECACHE_MODEL_DIR")
-    if env:
-        return Path(env).expanduser()
-    base = _base("XDG_DATA_HOME", ".local/share", "Library/Application Support", "LOCALAPPDATA")
-    return base / APP / "models"
+    return _user_path("FORECACHE_MODEL_DIR", "XDG_DATA_HOME", ".local/share",
+                      "Library/Application Support", "models")
 
 
 def chat_history_file() -> Path:
     """The chat's line history: $FORECACHE_CHAT_HISTORY, else the user state directory."""
-    env = os.environ.get("FORECACHE_CHAT_HISTORY")
-    if env:
-        return Path(env).expanduser()
-    base = _base("XDG_STATE_HOME", ".local/state", "Library/Application Support", "LOCALAPPDATA")
-    return base / APP / "chat_history"
+    return _user_path("FORECACHE_CHAT_HISTORY", "XDG_STATE_HOME", ".local/state",
+                      "Library/Application Support", "chat_history")

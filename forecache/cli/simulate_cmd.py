@@ -15,6 +15,7 @@ from forecache.sim.run import (
     fit_predictor,
     run_one,
     slots_for,
+    speedup,
     split_requests,
     static_profile,
     trace_shape,
@@ -27,10 +28,8 @@ def _row(label: str, r: SimResult, base: SimResult | None) -> str:
     d = r.to_json()
     sp = ""
     if base is not None:
-        def ratio(a: float, b: float) -> str:
-            return f"{a / b:.2f}x" if b > 0 else ("-" if a == 0 else "inf")
-        sp = (f"{ratio(base.ttft_s, r.ttft_s):>8} {ratio(base.tpot_s, r.tpot_s):>8} "
-              f"{ratio(base.stall_s, r.stall_s):>8}")
+        sp = (f"{speedup(base.ttft_s, r.ttft_s):>8} {speedup(base.tpot_s, r.tpot_s):>8} "
+              f"{speedup(base.stall_s, r.stall_s):>8}")
     return (f"{label:<20} {r.ttft_s * 1e3:>10.1f} {r.tpot_s * 1e3:>9.2f} "
             f"{d['hit_rate'] * 100:>6.1f} {r.h2d_bytes / 1e9:>8.2f} {r.stall_s:>8.3f} {sp}")
 

@@ -67,12 +67,6 @@ SLOT_EMPTY, SLOT_READY, SLOT_COPYING, SLOT_QUEUED = -1, 0, 1, 2
 CHUNK_PROJECTION, CHUNK_EXPERT = 0, (1 << 64) - 1
 
 
-class TensorBuftOverride(ctypes.Structure):
-    """struct llama_model_tensor_buft_override: a name pattern and a buffer type."""
-
-    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
-
-
 def declare(lib: ctypes.CDLL) -> None:
     """Set argument and result types of the expert-cache functions on libllama."""
     vp, i32, sz = ctypes.c_void_p, ctypes.c_int32, ctypes.c_size_t

@@ -24,6 +24,11 @@ from forecache.trace.format import Request, TraceFile, TraceInfo
 BUDGET_RESERVE = 1536 << 20
 
 
+def speedup(a: float, b: float) -> str:
+    """``a / b`` as a speedup ("1.25x"); "-" when both are zero, "inf" when only ``b`` is."""
+    return f"{a / b:.2f}x" if b > 0 else ("-" if a == 0 else "inf")
+
+
 def trace_shape(path: Path, info: TraceInfo, name: str | None, qtype: str) -> SimShape:
     """The model shape to replay ``path`` at: ``name``, else the trace's own model."""
     if name is None:
