@@ -19,8 +19,10 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from forecache.cache.cost import Profile
+from forecache.cache.choice import PRIOR, Evidence, choose, locality
+from forecache.cache.cost import CostModel, Profile
 from forecache.sim.run import (
+    decode_shape,
     fit_predictor,
     run_one,
     slots_for,
@@ -32,6 +34,7 @@ from forecache.sim.shapes import shape_of
 from forecache.sim.simulate import SimConfig
 from forecache.trace import synth
 from forecache.trace.format import TraceFile
+from forecache.trace.stats import lru_hit_rate
 
 ROOT = Path(__file__).resolve().parents[1]
 OLMOE = ROOT.parent / "shared" / "traces" / "olmoe_1b_7b_nf4gemm_decode_4x512.npz"
@@ -91,6 +94,22 @@ def main() -> None:
     print("prefill, decode: speedup over ncmoe (TTFT, TPOT); floor: the run's compute with every "
           "routed expert resident plus its missed bytes at the host's best rate (PCIe and CPU "
           "together, within DRAM); to floor: how far above it the run is")
+    # the default placement's guard at this shape and budget: uniform routing, then the
+    # locality a trace of this routing would record (LRU replay of the replayed decode rows)
+    ds = decode_shape(shape, n_slots)
+    cost = CostModel.from_profile(profile, shape.expert)
+    share = n_slots / shape.experts
+    traced = Evidence(locality(lru_hit_rate(replay, n_slots, phase=1), share), "trace",
+                      sum(int((r.phase == 1).sum()) for r in replay) * shape.top_k * shape.layers,
+                      share=share)
+    guard = {}
+    faster = "promoe" if runs["promoe"].tpot_s < nc.tpot_s else "ncmoe"
+    for name, ev in (("prior", PRIOR), ("trace", traced)):
+        c = choose(ds, profile, cost, ev)
+        guard[name] = {"policy": c.policy, "promoe_s": c.promoe_s, "ncmoe_s": c.ncmoe_s,
+                       "hit": c.hit, "locality": ev.locality}
+        print(f"default placement, {name}: {c.reason()}")
+    print(f"(simulated above: {faster} decodes faster)")
     if args.json:
         report = {"shape": args.shape, "budget": args.budget, "profile": profile.name,
                   "n_slots": n_slots, "predictor": pname, "window": args.window,
@@ -98,7 +117,7 @@ def main() -> None:
                                                    "fit_reached", "seed")},
                   "replay_requests": len(replay), "prefill": args.prefill,
                   "decode": args.decode,
-                  "runs": {p: r.to_json() for p, r in runs.items()}}
+                  "runs": {p: r.to_json() for p, r in runs.items()}, "guard": guard}
         args.json.write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")
 

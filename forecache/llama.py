@@ -3,8 +3,9 @@
 A script written for ``llama_cpp.Llama`` switches by changing its import: every method
 (``create_completion``, ``create_chat_completion``, ``__call__``, ``tokenize``, ...) is
 llama-cpp-python's own, so return shapes and streaming are the same. What differs is how the
-model is loaded: routed experts stay in host memory and a policy (``promoe`` by default on a GPU)
-keeps the ones the coming layers need in device slots, within ``gpu_budget``.
+model is loaded: routed experts stay in host memory and a policy keeps the ones the coming layers
+need in device slots, within ``gpu_budget`` (on a GPU by default ``promoe``, or stock llama.cpp's
+``--n-cpu-moe`` placement where that is expected to decode faster).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import codecs
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import os
 import re
@@ -24,6 +26,8 @@ from typing import Any
 import numpy as np
 
 from forecache.cache.budget import format_size
+from forecache.cache.choice import Choice
+from forecache.cache.measured import record_run
 from forecache.cache.policies import hit_rate
 from forecache.cache.runtime import ExpertCache
 from forecache.cache.setup import (
@@ -31,6 +35,7 @@ from forecache.cache.setup import (
     Placement,
     attach,
     attach_observer,
+    default_choice,
     expert_overrides,
     make_policy,
     place,
@@ -105,8 +110,10 @@ class Llama(llama_cpp.Llama):
 
     ``policy`` (promoe, lru, static, ncmoe, offload), ``gpu_budget`` (bytes or a size such as
     ``"24GiB"``: all device memory the run may use) and ``cache_fraction`` (share of each layer's
-    experts in slots) choose the placement; with none of them, promoe uses the GPU's free memory,
-    and a CPU-only build keeps llama.cpp's own placement (device and host are the same memory).
+    experts in slots) choose the placement. Without a policy, the budget (default: the GPU's free
+    memory) goes to promoe or ncmoe, whichever ``cache.choice`` expects to decode faster
+    (``policy_choice`` says which and why); a CPU-only build given none of them keeps llama.cpp's
+    own placement (device and host are the same memory).
     ``predictor``, ``window`` and ``machine`` tune promoe; ``n_seq_max`` sizes the context for
     that many sequences decoded together, each with n_ctx / n_seq_max of the context
     (``forecache batch``). ``cache`` passes a ready
@@ -128,15 +135,21 @@ class Llama(llama_cpp.Llama):
         if cache is AUTO:
             cache = resolve_cache_config(policy, gpu_budget, cache_fraction, predictor=predictor,
                                          window=window, machine=machine)
-        self.cache_config: CacheConfig | None = cache
         self.placement: Placement | None = None
         n_ctx = int(kwargs.get("n_ctx", 512)) or int(self.model_file.arch_kv("context_length",
                                                                             4096))
-        n_batch = int(kwargs.get("n_batch", 512))
+        n_ubatch = min(int(kwargs.get("n_batch", 512)), int(kwargs.get("n_ubatch", 512)))
+        # the default placement is never expected to decode slower than --n-cpu-moe
+        self.policy_choice: Choice | None = None
+        if cache is not None:
+            self.policy_choice = default_choice(self.model_file, cache, n_ctx=n_ctx,
+                                                n_ubatch=n_ubatch)
+            if self.policy_choice is not None:
+                cache = dataclasses.replace(cache, policy=self.policy_choice.policy)
+        self.cache_config: CacheConfig | None = cache
         if cache is not None:
             kwargs.setdefault("n_gpu_layers", -1)
-            self.placement = place(self.model_file, cache, n_ctx=n_ctx,
-                                   n_ubatch=min(n_batch, int(kwargs.get("n_ubatch", 512))))
+            self.placement = place(self.model_file, cache, n_ctx=n_ctx, n_ubatch=n_ubatch)
         verbose = bool(kwargs.get("verbose", True))
         with _load_log(not verbose) as log:
             try:
@@ -353,10 +366,26 @@ class Llama(llama_cpp.Llama):
         """Free the expert cache, then llama.cpp's context and model."""
         cache = getattr(self, "expert_cache", None)
         if cache is not None:
+            self._record_routing(cache)
             cache.close()
             self.expert_cache = None
         if hasattr(self, "_stack"):
             super().close()
+
+    def _record_routing(self, cache: ExpertCache) -> None:
+        """Keep what a promoe run measured (decode hit rate, copy and CPU rates) for the next
+        run's default placement (``cache.choice``)."""
+        cfg, placement = self.cache_config, self.placement
+        if cfg is None or cfg.policy != "promoe" or placement is None:
+            return
+        layers = self.model_file.moe_layers()
+        share = min(placement.n_slots[il] for il in layers) / self.model_file.n_expert
+        hits, misses = cache.decode_counts()
+        try:
+            record_run(self.model_file, placement.device.name, share, hits, misses,
+                       cache.policy.cost)
+        except OSError:
+            pass  # the model file went away: nothing to key the record by
 
     def __enter__(self) -> Llama:
         return self

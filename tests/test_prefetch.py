@@ -437,3 +437,28 @@ def test_host_entries_pay_for_their_thread() -> None:
     # dearer host entries: the plan sends fewer experts to the CPU, and the run is slower
     assert y.extra["host_entries"] < x.extra["host_entries"]
     assert y.decode_s + y.prefill_s > x.decode_s + x.prefill_s
+
+
+def test_unlogged_layers_are_left_out() -> None:
+    """A trace that logged some MoE layers only is simulated as the model of those layers: the
+    same times as the logged layers replayed at a shape of that depth, for every policy."""
+    from forecache.trace import synth
+
+    sh = shape_of("granite-3.0-1b-a400m", "q4_k")
+    reqs = synth.synthesize(synth.SynthParams(), n_layers=sh.layers, n_expert=sh.experts,
+                            top_k=sh.top_k, tokens=[40, 24], prefill=[36, 0], seed=3)
+    logged = list(range(0, sh.layers, 3))
+    partial = []
+    for r in reqs:
+        ex = np.full_like(r.experts, -1)
+        ex[:, logged] = r.experts[:, logged]
+        partial.append(replace(r, experts=ex))
+    compact = [replace(r, experts=r.experts[:, logged]) for r in reqs]
+    small = replace(sh, layers=len(logged))
+    for policy in ("ncmoe", "lru", "promoe"):
+        cfg = SimConfig(policy, 18, n_ubatch=32)
+        a = simulate(partial, sh, Profile.load("rtx4090"), cfg)
+        b = simulate(compact, small, Profile.load("rtx4090"), cfg)
+        assert a.extra["layers_simulated"] == len(logged)
+        assert (a.ttft_s, a.tpot_s, a.hits, a.misses) == pytest.approx(
+            (b.ttft_s, b.tpot_s, b.hits, b.misses)), policy

@@ -146,6 +146,7 @@ class CostModel:
     thread_s: float = 0.0  # the CPU thread a projection with host entries starts
     host_scale: float = 1.0  # measured / modelled host compute time
     predicted_host_s: float = 0.0  # modelled time of what was sent to the host so far
+    copy_measured: bool = False  # copy_gbps comes from the run, not the profile
 
     @classmethod
     def from_profile(cls, profile: Profile, expert: ExpertShape) -> CostModel:
@@ -195,25 +196,35 @@ class CostModel:
         side finish soonest (every prefix is tried: the host's launches and the merge are fixed
         costs worth paying only for enough experts); computing the whole layer on the host, as
         the reactive baselines do, is the alternative."""
+        split, _ = self.best_split(rows, in_flight)
+        if split.whole_layer:
+            self.predicted_host_s += self.host_s(len(rows), sum(r for _, r, _ in rows)) \
+                / self.host_scale
+        elif split.host:
+            host = set(split.host)
+            pairs = sum(r for e, r, _ in rows if e in host)
+            self.predicted_host_s += self.host_s(len(host), pairs) / self.host_scale
+        return split
+
+    def best_split(self, rows: Sequence[tuple[int, int, bool]], in_flight: int
+                   ) -> tuple[Split, float]:
+        """``plan``'s choice and the seconds it expects the layer's experts to take."""
         missing = sorted(((e, r) for e, r, slotted in rows if not slotted),
                          key=lambda m: (m[1], m[0]))
         n_all, pairs_all = len(rows), sum(r for _, r, _ in rows)
         c = self.copy_s()
         best_t = max(c * (in_flight + len(missing)), self.dev_s(n_all, pairs_all))
-        best_k, best_pairs, pairs = 0, 0, 0
+        best_k, pairs = 0, 0
         for k, (_, r) in enumerate(missing, start=1):
             pairs += r
             dev = max(c * (in_flight + len(missing) - k), self.dev_s(n_all - k, pairs_all - pairs))
             t = max(dev, self.host_s(k, pairs)) + self.merge_s(pairs)
             if t < best_t:
-                best_t, best_k, best_pairs = t, k, pairs
+                best_t, best_k = t, k
         whole = self.host_s(n_all, pairs_all)
         if whole < best_t:
-            self.predicted_host_s += whole / self.host_scale
-            return Split([], whole_layer=True)
-        if best_k:
-            self.predicted_host_s += self.host_s(best_k, best_pairs) / self.host_scale
-        return Split([e for e, _ in missing[:best_k]])
+            return Split([], whole_layer=True), whole
+        return Split([e for e, _ in missing[:best_k]]), best_t
 
     def calibrate(self, h2d_bytes: int, copy_s: float, host_s: float) -> None:
         """Correct the profile with the engine's totals: copy rate, and host time against the
@@ -223,5 +234,6 @@ class CostModel:
             per_expert = copy_s / (h2d_bytes / self.expert.nbytes) - n * self.chunk_latency_s
             if per_expert > 0:
                 self.copy_gbps = self.expert.nbytes / per_expert / 1e9
+                self.copy_measured = True
         if host_s >= MIN_CALIBRATION_S and self.predicted_host_s > 0:
             self.host_scale = host_s / self.predicted_host_s

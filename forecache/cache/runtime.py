@@ -73,6 +73,12 @@ class ExpertCache:
                        for il, info in self.layers.items()}
         self.batch_tokens: np.ndarray | None = None  # token ids of the batch being decoded
         self._gates = 0
+        # decode (one-token) gates' hits and misses, kept across reset_stats: the C counters are
+        # read only when the phase changes, so the hot path pays nothing for them (C counts a
+        # gate before its hook, so the first gate of each phase lands in the phase before it)
+        self.decode_hits = self.decode_misses = 0
+        self._decoding = False
+        self._mark = (0, 0)
         self.worker = ForecastWorker(forecaster, self._prefetch) if forecaster else None
         want_x = gate_input or (forecaster is not None and forecaster.needs_hidden)
         self._lib.forecache_cache_set_reorder(handle, reorder)
@@ -108,6 +114,9 @@ class ExpertCache:
     def _on_gate(self, _ud: int, layer: int, n_tokens: int, n_used: int, ids_p: object,
                  w_p: object, x_p: object, n_embd: int) -> int:
         try:
+            if (n_tokens == 1) != self._decoding:
+                self._fold_phase()
+                self._decoding = n_tokens == 1
             ids = np.ctypeslib.as_array(ids_p, shape=(n_tokens * n_used,))
             if self.on_route is not None:
                 w = np.ctypeslib.as_array(w_p, shape=(n_tokens, n_used)) if w_p else None
@@ -167,8 +176,24 @@ class ExpertCache:
             raise ValueError(f"no layer {layer}")
         return s.as_dict()
 
+    def _fold_phase(self) -> None:
+        """Credit the hits and misses since the last phase change to the phase that ends."""
+        s = self.stats()
+        if self._decoding:
+            self.decode_hits += s["hits"] - self._mark[0]
+            self.decode_misses += s["misses"] - self._mark[1]
+        self._mark = (s["hits"], s["misses"])
+
+    def decode_counts(self) -> tuple[int, int]:
+        """Hits and misses of decode gates (one token) since the cache was made."""
+        if self._handle is not None:
+            self._fold_phase()
+        return self.decode_hits, self.decode_misses
+
     def reset_stats(self) -> None:
+        self._fold_phase()
         self._lib.forecache_cache_reset_stats(self._handle)
+        self._mark = (0, 0)
         cost = self.policy.cost
         if cost is not None:
             cost.predicted_host_s = 0.0  # what calibration compares the reset host time with

@@ -14,8 +14,10 @@ from forecache.cache.budget import (
     plan_memory,
     slots_for_fraction,
 )
+from forecache.cache.choice import PRIOR, Choice, DecodeShape, choose
 from forecache.cache.cost import CostModel, ExpertShape, Profile
 from forecache.cache.forecast import Forecaster
+from forecache.cache.measured import load_evidence
 from forecache.cache.policies import POLICIES, HostOnlyPolicy, LRUPolicy, Policy, StaticPolicy
 from forecache.cache.prefetcher import Features, Prefetcher
 from forecache.cache.runtime import DEFAULT_CHUNK_BYTES, ExpertCache, RouteCallback
@@ -47,6 +49,7 @@ class CacheConfig:
     predictor: str = "auto"  # promoe: learned when trained for the model, else history
     window: int | None = None  # promoe: prediction distance; default: the trained one
     machine: str | None = None  # promoe: profile the split's costs start from (None: default)
+    auto: bool = False  # no policy was named: the default placement may pick ncmoe (choice.py)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -86,7 +89,33 @@ def resolve_cache_config(policy: str | None, gpu_budget: int | str | None,
             return None
     return CacheConfig(policy=policy or "promoe", gpu_budget=budget,
                        cache_fraction=cache_fraction, predictor=predictor, window=window,
-                       machine=machine, features=features or Features())
+                       machine=machine, features=features or Features(), auto=policy is None)
+
+
+def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int
+                   ) -> Choice | None:
+    """For a configuration whose policy nobody named: promoe or ncmoe, whichever the cost model
+    (with this model's measured routing and rates when a run kept them) expects to decode
+    faster at this budget. None where there is nothing to choose: a policy was named, the cache
+    is sized by a fraction (ncmoe needs a budget), or a CPU-only build with no ``machine``
+    (device and host are the same memory)."""
+    if not cfg.auto or cfg.gpu_budget is None:
+        return None
+    dev = cache_device()
+    if dev.type == "cpu" and cfg.machine is None:
+        return None
+    plan = plan_memory(model, cfg.gpu_budget, n_ctx=n_ctx, n_ubatch=n_ubatch,
+                       device_name=dev.name, device_total=dev.memory_total)
+    layers = model.moe_layers()
+    slots = plan.slots_per_layer()
+    shape = DecodeShape(n_moe=len(layers), n_expert=model.n_expert, top_k=model.n_expert_used,
+                        n_slots=min(slots[il] for il in layers),
+                        ncmoe_host_layers=plan.ncmoe_cpu_layers(),
+                        dense_bytes=plan.non_expert_bytes, n_layer=model.n_layer)
+    profile = Profile.load(cfg.machine or DEFAULT_MACHINE)
+    cost = CostModel.from_profile(profile, expert_shape(model))
+    evidence = load_evidence(model, dev.name, shape.n_slots / shape.n_expert)
+    return choose(shape, profile, cost, evidence or PRIOR)
 
 
 @dataclass

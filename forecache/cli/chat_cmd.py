@@ -127,6 +127,8 @@ def chat(model: Path, system: str | None, max_tokens: int, temp: float, seed: in
         click.echo(f"forecache chat: {model.name} ({mf.arch}, {mf.n_layer} layers, "
                    f"{mf.n_expert} experts, top-{mf.n_expert_used}), policy {stats['policy']}, "
                    f"context {llm.n_ctx()}", err=True)
+        if llm.policy_choice is not None:
+            click.echo(llm.policy_choice.reason(), err=True)
         click.echo("/help lists commands; Ctrl-C stops an answer; Ctrl-D or /exit quits.",
                    err=True)
         _loop(session)

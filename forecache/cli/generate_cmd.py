@@ -51,9 +51,10 @@ def cache_options(fn):  # type: ignore[no-untyped-def]
                       help="All device memory the run may use: weights, KV cache, buffers, "
                            "expert slots (e.g. 24GiB).")(fn)
     fn = click.option("--policy", type=click.Choice(POLICIES), default=None,
-                      help="Expert placement (default: promoe, within the GPU's free memory "
-                           "unless a size is given; a CPU-only build given no option keeps "
-                           "llama.cpp's own placement).")(fn)
+                      help="Expert placement (default: promoe or ncmoe, whichever is expected "
+                           "to decode faster for this model and budget, within the GPU's free "
+                           "memory unless a size is given; a CPU-only build given no option "
+                           "keeps llama.cpp's own placement).")(fn)
     return fn
 
 
@@ -148,6 +149,8 @@ def run(model: Path, prompt: str | None, n_predict: int, **cache_opts: object) -
         if "forecache.preset" in mf.kv:
             click.echo("note: this model has random weights (made by `forecache make-model`), "
                        "so its text is noise; the timings are real", err=True)
+        if llm.policy_choice is not None:
+            click.echo(llm.policy_choice.reason(), err=True)
         click.echo(f"> {question}", err=True)
         with deferred_signals() as stop:
             res = generate(llm, text, n_predict, SamplingParams(greedy=True), on_text=_stream,

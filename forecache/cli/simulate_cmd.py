@@ -82,8 +82,8 @@ def simulate_cmd(trace_path: Path, policy: str, shape: str | None, qtype: str,
         fit, replay = split_requests(tf, fit_fraction)
         layers = [il for il in range(info.n_layers)
                   if any((r.experts[:, il] >= 0).any() for r in replay)]
-        # a budget holds every MoE layer's slots, logged or not (a partial trace's other layers
-        # are simulated as resident)
+        # a budget holds every MoE layer's slots, logged or not; the simulated run is the
+        # logged layers (a partial trace's other layers are left out)
         n_slots = slots_for(sh, sh.layers, budget, cache_fraction)
         feats = Features(prefetch=not no_prefetch, chunk=not no_chunk, preempt=not no_preempt,
                          reorder=not no_reorder, split=not no_split)
@@ -112,7 +112,8 @@ def simulate_cmd(trace_path: Path, policy: str, shape: str | None, qtype: str,
         click.echo(json.dumps({**head, "runs": [{"run": k, **r.to_json()} for k, r in runs]}))
         return
     logged = (f"{len(layers)} layers" if len(layers) == sh.layers else
-              f"{len(layers)} of {sh.layers} layers (the others logged no routing)")
+              f"{len(layers)} of {sh.layers} layers (the others logged no routing and are left "
+              "out of the timings)")
     click.echo(f"{trace_path.name}: {sh.name} {sh.qtype}, {n_slots}/{sh.experts} slots in "
                f"{logged}, profile {profile.name}, predictor {pred_name} "
                f"(window {window}), {len(replay)} requests replayed")

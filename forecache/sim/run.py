@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from forecache.cache.budget import fraction_slots, parse_size
+from forecache.cache.choice import DecodeShape
 from forecache.cache.cost import Profile
 from forecache.cache.prefetcher import ABLATION
 from forecache.errors import setting
@@ -61,6 +62,14 @@ def slots_for(shape: SimShape, n_layers_cached: int, budget: str | None,
                          f"non-expert weights and buffers ({fixed / 2**30:.1f} GiB): not one "
                          f"expert per layer; raise {setting('budget')}")
     return min(shape.experts, int(left // (shape.expert_bytes * n_layers_cached)))
+
+
+def decode_shape(shape: SimShape, n_slots: int) -> DecodeShape:
+    """The default placement's view (``cache.choice``) of ``shape`` with ``n_slots`` slots a
+    layer, ncmoe's layers split as the simulator splits them."""
+    on_gpu = min(shape.layers, n_slots * shape.layers // shape.experts)
+    return DecodeShape(shape.layers, shape.experts, shape.top_k, n_slots, shape.layers - on_gpu,
+                       shape.layers * shape.layer_bytes + shape.head_bytes, shape.layers)
 
 
 def split_requests(tf: TraceFile, fit_fraction: float) -> tuple[list[Request], list[Request]]:

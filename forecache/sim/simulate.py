@@ -178,16 +178,14 @@ class Simulator:
         best_gbps = min(both, p.dram_gbps) if p.dram_gbps > 0 else both
         floor = 0.0
         for il in range(sh.layers):
+            if il not in cached:
+                # a layer the trace logged no routing for is left out: the run is the model's
+                # logged layers (a partial trace's figures hold for them, not for the rest)
+                continue
             dense = self._dev(sh.layer_bytes, n * sh.layer_flops)
             self.t += dense
             floor += dense
             eng.advance_to(self.t)
-            if il not in cached:
-                resident = self._dev(sh.top_k * sh.expert_bytes,
-                                     n * sh.top_k * 3 * sh.proj_flops)
-                self.t += resident
-                floor += resident
-                continue
             ids = req.experts[rows, il].astype(np.int64)
             known = ids[ids >= 0]
             if known.size == 0:
@@ -365,6 +363,7 @@ class Simulator:
         # the physical floor of this run's misses: what no schedule of the same misses can beat
         extra["floor_ttft_s"] = float(np.mean(self.floor_prefill)) if self.floor_prefill else 0.0
         extra["floor_tpot_s"] = float(np.mean(self.floor_decode)) if self.floor_decode else 0.0
+        extra["layers_simulated"] = len(self.layers)
         if isinstance(self.policy, Prefetcher):
             extra.update(prefetch_loads=self.policy.prefetch_loads,
                          stale_predictions=self.policy.stale_predictions)

@@ -19,13 +19,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from forecache.cache.choice import locality
+from forecache.cache.measured import add_localities
 from forecache.cache.setup import CacheConfig, attach_observer
 from forecache.errors import setting
 from forecache.generate import SamplingParams, generate, text_tokens
+from forecache.gguf.header import ModelFile
 from forecache.gguf.identity import identity
 from forecache.interrupt import Terminated, deferred_signals
 from forecache.requests import Request, read_requests
-from forecache.trace.format import TraceError, TraceWriter
+from forecache.trace.format import TraceError, TraceFile, TraceWriter
+from forecache.trace.stats import lru_hit_rate
 
 if TYPE_CHECKING:
     from forecache.llama import Llama
@@ -185,6 +189,7 @@ def record_trace(model_path: str | os.PathLike[str], prompts: list[Request],
         llm.close()
     if interrupted and not outputs:
         raise Terminated if signum == signal.SIGTERM else KeyboardInterrupt
+    keep_routing(out, model)
     return TraceSummary(Path(out), len(outputs), prefill + decode, prefill, decode,
                         time.perf_counter() - t0, interrupted, outputs,
                         signum or (signal.SIGINT if interrupted else None))
@@ -209,3 +214,22 @@ def _render(llm: Llama, item: Request, chat: bool) -> str:
     if chat:
         return llm.format_chat([{"role": "user", "content": item.prompt}])
     return item.prompt
+
+
+def keep_routing(trace_path: str | os.PathLike[str], model: ModelFile) -> None:
+    """Keep the decode routing locality of a trace of ``model`` for its default placement
+    (``cache.measured``): an LRU replay at every tenth of the experts."""
+    with TraceFile(trace_path) as tf:
+        reqs = list(tf.requests())
+    points = []
+    for tenth in range(1, 10):
+        n = max(1, round(model.n_expert * tenth / 10))
+        share = n / model.n_expert
+        hit = lru_hit_rate(reqs, n, phase=1)
+        rows = sum(int((r.phase == 1).sum()) if r.phase is not None else r.n_tokens
+                   for r in reqs)
+        if rows:
+            lookups = rows * model.n_expert_used * len(model.moe_layers())
+            points.append((share, locality(hit, share), lookups))
+    if points:
+        add_localities(model, points, "trace")

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from forecache.trace.format import TraceError, TraceFile
+from forecache.trace.format import Request, TraceError, TraceFile
 
 DEFAULT_WINDOWS = (1, 4, 16)
 _SHUFFLES = 8
@@ -416,3 +416,33 @@ def routing_stats(trace: TraceFile, windows: Sequence[int] = DEFAULT_WINDOWS) ->
         st.notes.append(f"rows of unknown request are grouped by {how}: those 'requests' mix "
                         "several real ones")
     return st
+
+
+def lru_hit_rate(requests: Sequence[Request], n_slots: int, phase: int | None = None) -> float:
+    """Share of routed experts (distinct per token and layer) found in a per-layer LRU cache of
+    ``n_slots`` experts, replaying ``requests`` token by token, one after the other, as one
+    stream decodes them; with ``phase`` (0 prefill, 1 decode) only that phase's rows are counted
+    (every row still passes through the cache). 0 when nothing is counted."""
+    if n_slots < 1:
+        raise ValueError(f"an LRU cache needs at least one slot, not {n_slots}")
+    hits = total = 0
+    n_layers = requests[0].experts.shape[1] if requests else 0
+    for il in range(n_layers):
+        cache: dict[int, None] = {}  # insertion order is recency order
+        for req in requests:
+            counted = [True] * req.n_tokens if phase is None or req.phase is None else \
+                (req.phase == phase).tolist()
+            for row, count in zip(req.experts[:, il].tolist(), counted, strict=True):
+                for e in set(row):
+                    if e < 0:
+                        continue
+                    found = e in cache
+                    if count:
+                        total += 1
+                        hits += found
+                    if found:
+                        del cache[e]
+                    elif len(cache) >= n_slots:
+                        del cache[next(iter(cache))]
+                    cache[e] = None
+    return hits / total if total else 0.0

@@ -1,0 +1,149 @@
+"""The default placement: promoe where the cost model expects it to decode at least as fast as
+stock llama.cpp's ``--n-cpu-moe`` for this model, budget and machine, ncmoe where it does not.
+
+Decode (one token a pass) is what a chat waits on. Per token, both placements read the
+non-expert weights on the device; they differ in the routed experts:
+
+- ncmoe keeps whole layers' experts in device memory and computes the other layers' experts on
+  the CPU (llama.cpp does so for ubatches under 32 tokens), one layer after the other;
+- promoe keeps ``n_slots`` of every layer's experts in device slots; a routed expert is a hit
+  with probability ``hit`` (prefetched experts that arrive in time count as hits), and each miss
+  is copied or computed on the CPU as ``CostModel.best_split`` decides, for a gate hook and an
+  expert group per projection on top.
+
+``hit`` comes from the model's decode routing locality as a promoe run or a recorded trace
+measured it (``cache.measured``), else from uniform routing (``PRIOR_LOCALITY``); measured
+copy and CPU rates correct the machine profile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from math import comb
+
+from forecache.cache.cost import CostModel, Profile, roofline_s
+
+# The locality assumed of a model nobody has measured: none (uniform routing). Real models range
+# from about none (FLAME-MoE-290M, teacher-forced; Mixtral-8x7B at 0.12-0.28) to 0.9 (OLMoE at a
+# share of 0.85): benchmarks/guard_prior.py, BENCHMARKS.md. Anything above the lowest could
+# choose promoe where it loses.
+PRIOR_LOCALITY = 0.0
+
+
+def locality(hit: float, share: float) -> float:
+    """The share of uniform routing's misses that were hits (0: uniform or worse, 1: no
+    misses)."""
+    return 0.0 if share >= 1 else max(0.0, min(1.0, (hit - share) / (1 - share)))
+
+
+def hit_at(share: float, loc: float) -> float:
+    """The hit rate of a cache holding ``share`` of a layer's experts, at locality ``loc``."""
+    return share + (1 - share) * loc
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What the estimate knows of this model's routing and this machine's rates."""
+
+    locality: float
+    source: str  # "prior", or what measured it: "run", "trace" or both ("run+trace")
+    lookups: int = 0  # decode expert lookups measured
+    copy_gbps: float | None = None  # measured host-to-device rate of expert copies
+    host_scale: float = 1.0  # measured / modelled CPU expert compute time
+    share: float | None = None  # the slot share the locality was measured at
+
+
+PRIOR = Evidence(PRIOR_LOCALITY, "prior")
+
+
+@dataclass(frozen=True)
+class DecodeShape:
+    """Per-token facts of one model at one budget: what both placements pay and what differs."""
+
+    n_moe: int  # MoE layers
+    n_expert: int
+    top_k: int
+    n_slots: int  # promoe: slots per MoE layer
+    ncmoe_host_layers: int  # ncmoe: MoE layers whose experts stay in host memory
+    dense_bytes: int  # non-expert weights read once a token on the device
+    n_layer: int
+
+
+def _dense_s(shape: DecodeShape, p: Profile) -> float:
+    return (roofline_s(p.gpu_launch_s * shape.n_layer, shape.dense_bytes, p.gpu_mem_gbps, 0.0, 1.0)
+            + p.token_s)
+
+
+def ncmoe_decode_s(shape: DecodeShape, p: Profile, cost: CostModel) -> float:
+    """Seconds a token under ``--n-cpu-moe``: device layers, then host layers on the CPU."""
+    k = shape.top_k
+    host = shape.ncmoe_host_layers
+    return (_dense_s(shape, p) + (shape.n_moe - host) * cost.dev_s(k, k)
+            + host * cost.host_s(k, k))
+
+
+def promoe_layer_s(shape: DecodeShape, p: Profile, cost: CostModel, hit: float) -> float:
+    """Expected seconds of one MoE layer's routed experts under promoe, misses binomial."""
+    k = shape.top_k
+    n_proj = len(cost.expert.proj_bytes)
+    hook = p.prefetch_hook_s or p.hook_s
+    total = 0.0
+    for m in range(k + 1):
+        pm = comb(k, m) * (1 - hit) ** m * hit ** (k - m)
+        rows = [(e, 1, e >= m) for e in range(k)]  # experts 0..m-1 missing
+        split, t = cost.best_split(rows, 0)
+        if not split.whole_layer:
+            streamed = m - len(split.host)
+            # hits in one group, then each streamed expert in its own as its copy lands
+            t += n_proj * p.group_s * ((k - m > 0) + streamed)
+        total += pm * t
+    return hook + total
+
+
+def promoe_decode_s(shape: DecodeShape, p: Profile, cost: CostModel, hit: float) -> float:
+    """Seconds a token under promoe at hit rate ``hit``."""
+    return _dense_s(shape, p) + shape.n_moe * promoe_layer_s(shape, p, cost, hit)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The default placement and why."""
+
+    policy: str
+    promoe_s: float
+    ncmoe_s: float
+    hit: float
+    evidence: Evidence
+    shape: DecodeShape
+
+    def reason(self) -> str:
+        """One line: what was chosen, the two estimates, and where the routing figure came
+        from."""
+        s, e = self.shape, self.evidence
+        ratio = self.ncmoe_s / self.promoe_s if self.promoe_s > 0 else 0.0
+        by = {"run": "a promoe run", "trace": "a trace"}.get(e.source, "promoe runs and traces")
+        where = ("prior: uniform routing" if e.source == "prior" else
+                 f"measured by {by}, {e.lookups} decode lookups"
+                 f"{f' at share {e.share:.2f}' if e.share is not None else ''}")
+        head = (f"policy {self.policy}: promoe estimated at {ratio:.2f}x --n-cpu-moe's decode "
+                f"({self.promoe_s * 1e3:.1f} vs {self.ncmoe_s * 1e3:.1f} ms a token; "
+                f"{s.n_slots}/{s.n_expert} slots a layer, hit rate {self.hit:.0%} {where})")
+        if self.policy == "ncmoe" and e.source == "prior":
+            head += ("; a run with --policy promoe (or `forecache trace`) measures this model's "
+                     "routing for the next choice")
+        return head
+
+
+def choose(shape: DecodeShape, profile: Profile, cost: CostModel,
+           evidence: Evidence = PRIOR) -> Choice:
+    """promoe when its estimated decode is no slower than ncmoe's, else ncmoe. Measured rates
+    in ``evidence`` correct ``cost`` (copy bandwidth, CPU compute time)."""
+    cost = replace(cost, host_scale=evidence.host_scale,
+                   copy_gbps=evidence.copy_gbps or cost.copy_gbps)
+    nc = ncmoe_decode_s(shape, profile, cost)
+    # promoe's copies and CPU compute read the same DRAM when both run
+    f = profile.shared_dram_factor()
+    shared = replace(cost, copy_gbps=cost.copy_gbps * f, cpu_mem_gbps=cost.cpu_mem_gbps * f)
+    hit = hit_at(shape.n_slots / shape.n_expert, evidence.locality)
+    pm = promoe_decode_s(shape, profile, shared, hit)
+    return Choice("promoe" if pm <= nc else "ncmoe", pm, nc, hit, evidence, shape)

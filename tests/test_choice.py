@@ -1,0 +1,146 @@
+"""The default placement's guard: promoe only where the cost model expects it to decode at least
+as fast as --n-cpu-moe, from the model's measured routing (or uniform routing) and rates."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from forecache.cache.choice import PRIOR, Evidence, choose, hit_at, locality
+from forecache.cache.cost import CostModel, Profile
+from forecache.cache.measured import MIN_LOOKUPS, load_evidence, record_path, record_run
+from forecache.cache.setup import expert_shape
+from forecache.gguf.header import read_model_file
+from forecache.sim.run import decode_shape, run_one, slots_for
+from forecache.sim.shapes import shape_of
+from forecache.sim.simulate import SimConfig
+from forecache.trace import synth
+from forecache.trace.format import Request
+from forecache.trace.stats import lru_hit_rate
+from tests.cli_helpers import run_cli
+
+RTX4090 = Profile.load("rtx4090")
+
+
+def test_lru_hit_rate_replays_one_stream() -> None:
+    seq = [0, 1, 0, 2, 0, 1]  # two slots: miss miss hit miss(evicts 1) hit miss
+    req = Request(experts=np.array(seq, np.int16).reshape(6, 1, 1),
+                  phase=np.array([0, 0, 0, 1, 1, 1], np.int8))
+    assert lru_hit_rate([req], 2) == pytest.approx(2 / 6)
+    assert lru_hit_rate([req], 2, phase=1) == pytest.approx(1 / 3)  # rows 3-5 only
+    assert lru_hit_rate([req], 3) == pytest.approx(3 / 6)
+    with pytest.raises(ValueError, match="at least one slot"):
+        lru_hit_rate([req], 0)
+
+
+def test_locality_inverts_hit_at() -> None:
+    for share in (0.25, 0.5, 0.67):
+        for loc in (0.0, 0.3, 0.9):
+            assert locality(hit_at(share, loc), share) == pytest.approx(loc)
+    assert locality(0.1, 0.5) == 0.0  # below uniform reads as none
+
+
+def test_target_needs_measured_locality_for_promoe() -> None:
+    """Qwen2-57B-A14B q4_k at 24 GiB: uniform routing leaves ncmoe ahead; the locality real
+    64-expert top-8 routing shows (OLMoE: 0.65-0.78 at these shares) puts promoe ahead; more
+    locality never makes promoe slower."""
+    sh = shape_of("qwen2-57b-a14b", "q4_k")
+    n = slots_for(sh, sh.layers, "24GiB", None)
+    ds = decode_shape(sh, n)
+    cost = CostModel.from_profile(RTX4090, sh.expert)
+    prior = choose(ds, RTX4090, cost, PRIOR)
+    assert prior.policy == "ncmoe"
+    assert "prior: uniform routing" in prior.reason() and "--policy promoe" in prior.reason()
+    measured = choose(ds, RTX4090, cost, Evidence(0.65, "run", 4096))
+    assert measured.policy == "promoe" and measured.promoe_s < measured.ncmoe_s
+    assert measured.ncmoe_s == pytest.approx(prior.ncmoe_s)
+    times = [choose(ds, RTX4090, cost, Evidence(x, "run", 1)).promoe_s for x in
+             np.linspace(0, 1, 11)]
+    assert all(b <= a + 1e-12 for a, b in zip(times, times[1:], strict=False))
+    # a slower measured copy rate or CPU makes promoe's estimate slower, never faster
+    slow = choose(ds, RTX4090, cost, Evidence(0.65, "run", 4096, copy_gbps=8.0, host_scale=2.0))
+    assert slow.promoe_s > measured.promoe_s and slow.ncmoe_s > measured.ncmoe_s
+
+
+@pytest.mark.parametrize("shape,share,params", [
+    ("qwen2-57b-a14b", None, synth.SynthParams(skew=1.5, focus=0.44, stick=0.11, follow=0.36)),
+    ("granite-3.0-1b-a400m", 0.55, synth.SynthParams(skew=0.8, focus=0.5, stick=0.3,
+                                                     follow=0.4)),
+])
+def test_guard_agrees_with_the_simulator(shape: str, share: float | None,
+                                         params: synth.SynthParams) -> None:
+    """Given the locality the simulator's promoe reached, the guard picks the policy the
+    simulator finds faster at decode, and its ncmoe estimate is the simulator's within 5%."""
+    sh = shape_of(shape, "q4_k")
+    n = slots_for(sh, sh.layers, "24GiB" if share is None else None, share)
+    reqs = synth.synthesize(params, n_layers=sh.layers, n_expert=sh.experts, top_k=sh.top_k,
+                            tokens=[48, 48], prefill=[0, 0], seed=1)
+    sim = {p: run_one(reqs, sh, RTX4090, SimConfig(p, n), None) for p in ("ncmoe", "promoe")}
+    faster = min(sim, key=lambda p: sim[p].tpot_s)
+    hit = sim["promoe"].hits / (sim["promoe"].hits + sim["promoe"].misses)
+    got = choose(decode_shape(sh, n), RTX4090, CostModel.from_profile(RTX4090, sh.expert),
+                 Evidence(locality(hit, n / sh.experts), "run", 1))
+    assert got.policy == faster, (got.reason(), {p: r.tpot_s for p, r in sim.items()})
+    assert got.ncmoe_s == pytest.approx(sim["ncmoe"].tpot_s, rel=0.05)
+
+
+def test_measured_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                         tiny_model) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("FORECACHE_CACHE_DIR", str(tmp_path / "cache"))
+    model = read_model_file(tiny_model("q8_0"))
+    cost = CostModel.from_profile(RTX4090, expert_shape(model))
+    assert load_evidence(model, "GPU0", 0.5) is None
+    assert not record_run(model, "GPU0", 0.5, 10, MIN_LOOKUPS - 11, cost)  # too little decode
+    assert not record_path(model).exists()
+    cost.copy_gbps, cost.copy_measured, cost.host_scale = 12.0, True, 1.5
+    assert record_run(model, "GPU0", 0.5, 750, 250, cost)  # hit 0.75 at 0.5: locality 0.5
+    ev = load_evidence(model, "GPU0", 0.5)
+    assert ev is not None and ev.source == "run" and ev.lookups == 1000
+    assert ev.locality == pytest.approx(0.5) and ev.copy_gbps == 12.0 and ev.host_scale == 1.5
+    assert load_evidence(model, "GPU0", 0.4) is None  # measured above the share: not used
+    assert load_evidence(model, "GPU0", 0.7).share == pytest.approx(0.5)  # nearest below
+    other = load_evidence(model, "GPU1", 0.5)
+    assert other is not None and other.copy_gbps is None and other.host_scale == 1.0
+    assert record_run(model, "GPU0", 0.51, 2500, 500, cost)  # same grid point: weighted
+    ev = load_evidence(model, "GPU0", 0.5)
+    assert ev.lookups == 4000
+    want = (0.5 * 1000 + locality(2500 / 3000, 0.51) * 3000) / 4000
+    assert ev.locality == pytest.approx(want)
+    # a damaged point is skipped; an unreadable file reads as nothing measured
+    data = json.loads(record_path(model).read_text())
+    data["locality"].append(["x"])
+    record_path(model).write_text(json.dumps(data))
+    assert load_evidence(model, "GPU0", 0.5).lookups == 4000
+    record_path(model).write_text("{not json")
+    assert load_evidence(model, "GPU0", 0.5) is None
+    assert record_run(model, "GPU0", 0.5, 750, 250, cost)  # rewritten whole
+    assert load_evidence(model, "GPU0", 0.5).lookups == 1000
+
+
+def test_run_states_its_choice_and_learns_the_routing(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the CPU build with a machine profile named, ``forecache run`` with no policy states
+    the choice in one line; a promoe run keeps its decode hit rate, and the next choice says it
+    used it. The reference model's experts are small: ncmoe either way."""
+    monkeypatch.setenv("FORECACHE_CACHE_DIR", str(tmp_path / "cache"))
+    args = ("run", "--gpu-budget", "320MiB", "--machine", "rtx4090", "-n", "40")
+    first = run_cli(*args, check=True)
+    line = next(x for x in first.stderr.splitlines() if x.startswith("policy "))
+    assert line.startswith("policy ncmoe:") and "prior: uniform routing" in line
+    assert "[experts: ncmoe" in first.stderr
+    named = run_cli(*args, "--policy", "promoe", check=True)
+    assert not any(x.startswith("policy ") for x in named.stderr.splitlines())
+    (rec,) = (tmp_path / "cache" / "measured").glob("*.json")
+    points = json.loads(rec.read_text())["locality"]
+    assert len(points) == 1 and points[0][3] == "run"
+    mf = read_model_file(Path(__file__).resolve().parents[1] / "forecache" / "data" / "models" /
+                   "forecache-ref-q8_0.gguf")
+    per_token = len(mf.moe_layers()) * mf.n_expert_used
+    assert 37 * per_token <= points[0][2] <= 40 * per_token  # the decode gates' lookups
+    again = run_cli(*args, check=True)
+    line = next(x for x in again.stderr.splitlines() if x.startswith("policy "))
+    assert re.search(r"measured by a promoe run, \d+ decode lookups", line), line
