@@ -25,7 +25,7 @@ from forecache.cache.cost import CostModel, Profile, roofline_s
 
 # The locality assumed of a model nobody has measured: none (uniform routing). Real models range
 # from about none (FLAME-MoE-290M, teacher-forced; Mixtral-8x7B at 0.12-0.28) to 0.9 (OLMoE at a
-# share of 0.85): benchmarks/guard_prior.py, BENCHMARKS.md. Anything above the lowest could
+# share of 0.85): benchmarks/default_guard.py, BENCHMARKS.md. Anything above the lowest could
 # choose promoe where it loses.
 PRIOR_LOCALITY = 0.0
 
