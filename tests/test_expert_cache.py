@@ -175,3 +175,18 @@ def test_repackable_type_runs_from_slots(tiny_model: Callable[[str], Path]) -> N
     for a, b in zip(offload, lru, strict=True):
         assert a[0] == b[0] and np.array_equal(a[1], b[1])
     assert lru[-1][2]["hits"] > 0
+
+
+def test_host_thread_handoff(tiny_model: Callable[[str], Path]) -> None:
+    """The kept host-entry thread takes jobs before and between generations and is stopped with
+    the cache; the same control times a thread started per job, as the benchmark compares."""
+    model = tiny_model("q8_0")
+    with Llama.open(model, n_ctx=256, cache=CacheConfig("lru", slots_per_layer=2)) as llm:
+        cache = llm.expert_cache
+        assert cache is not None
+        assert cache.host_handoff_s(20) > 0 and cache.host_handoff_s(20, fresh_threads=True) > 0
+        tokens = generate(llm, [1, 2, 3], 8, SamplingParams(greedy=True), ignore_eos=True).tokens
+        assert cache.host_handoff_s(5) > 0
+    with Llama.open(model, cache=None, n_ctx=256) as plain:
+        assert generate(plain, [1, 2, 3], 8, SamplingParams(greedy=True),
+                        ignore_eos=True).tokens == tokens

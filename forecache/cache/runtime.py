@@ -198,6 +198,12 @@ class ExpertCache:
         if cost is not None:
             cost.predicted_host_s = 0.0  # what calibration compares the reset host time with
 
+    def host_handoff_s(self, n: int, fresh_threads: bool = False) -> float:
+        """Seconds per empty job handed to the thread that computes host entries, over ``n``
+        jobs; ``fresh_threads``: per thread started and joined instead (a test control of
+        forecache-testing.h, for benchmarks)."""
+        return float(self._lib.forecache_cache_host_handoff(self._handle, n, fresh_threads))
+
     @property
     def n_slots_total(self) -> int:
         return sum(info.n_slots for info in self.layers.values())

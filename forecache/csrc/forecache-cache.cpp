@@ -20,6 +20,7 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -36,6 +37,63 @@ double fc_seconds(fc_clock::time_point t0) {
 
 constexpr int FC_MAX_PROJ     = 4;
 constexpr int FC_N_PRIORITIES = 4;
+
+// the thread that computes a split layer's host entries while the graph thread computes the
+// slots: kept for the cache's lifetime (starting and joining one per projection cost ~40 us)
+struct fc_host_thread {
+    std::thread             th;
+    std::mutex              mtx;
+    std::condition_variable cv;
+    std::function<void()>   job;
+    bool                    busy = false;
+    bool                    stop = false;
+
+    void loop() {
+        std::unique_lock<std::mutex> lock(mtx);
+        for (;;) {
+            cv.wait(lock, [this] { return busy || stop; });
+            if (!busy) {
+                return;
+            }
+            lock.unlock();
+            job();
+            lock.lock();
+            job  = nullptr;
+            busy = false;
+            cv.notify_all();
+        }
+    }
+
+    // runs fn on the kept thread (started on first use); one job at a time
+    void run(std::function<void()> fn) {
+        if (!th.joinable()) {
+            th = std::thread([this] { loop(); });
+        }
+        {
+            std::lock_guard<std::mutex> lock(mtx);
+            job  = std::move(fn);
+            busy = true;
+        }
+        cv.notify_all();
+    }
+
+    void wait() {
+        std::unique_lock<std::mutex> lock(mtx);
+        cv.wait(lock, [this] { return !busy; });
+    }
+
+    void finish() {
+        if (!th.joinable()) {
+            return;
+        }
+        {
+            std::lock_guard<std::mutex> lock(mtx);
+            stop = true;
+        }
+        cv.notify_all();
+        th.join();
+    }
+};
 
 struct fc_chunk {
     int32_t layer;
@@ -159,6 +217,7 @@ struct forecache_cache {
     std::vector<float>   h_in;   // host entries: the node's input, read back
     std::vector<float>   h_out;  // host entries: their rows of the result
     std::vector<int64_t> h_dst;  // host entries: destination row of each result row
+    fc_host_thread       host;   // computes them
 
     // copy engine
     std::mutex              mtx;
@@ -817,12 +876,12 @@ bool fc_scatter_host(forecache_cache * c, ggml_tensor * t) {
 // entries are computed meanwhile on a CPU thread and written into t at the end.
 bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor * t) {
     const int32_t n = L.n_dev;
-    std::thread host;
+    const bool split = n < (int32_t) L.sch_e.size();
     bool host_ok = true;
-    if (n < (int32_t) L.sch_e.size()) {
+    if (split) {
         c->h_in.resize(ggml_nelements(t->src[1]));
         ggml_backend_tensor_get(t->src[1], c->h_in.data(), 0, ggml_nbytes(t->src[1]));
-        host = std::thread([&] { host_ok = fc_host_entries(c, L, p, t); });
+        c->host.run([&] { host_ok = fc_host_entries(c, L, p, t); });
     }
     bool ok = true;
     int32_t i = 0;
@@ -851,8 +910,8 @@ bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor *
         c->cv_work.notify_one();
         i = j;
     }
-    if (host.joinable()) {
-        host.join();
+    if (split) {
+        c->host.wait();
         ok = ok && host_ok && fc_scatter_host(c, t);
         if (!host_ok) {
             LLAMA_LOG_ERROR("%s: host expert compute failed for %s\n", __func__, t->name);
@@ -1207,6 +1266,7 @@ void forecache_cache_free(struct forecache_cache * cache) {
         cache->cv_work.notify_all();
         cache->worker.join();
     }
+    cache->host.finish();
     if (cache->sched != nullptr) {
         ggml_backend_sched_synchronize(cache->sched);
         ggml_backend_sched_set_node_hooks(cache->sched, nullptr, nullptr, nullptr);
@@ -1441,4 +1501,18 @@ size_t forecache_cache_stats_size(void) {
 
 size_t forecache_chunk_info_size(void) {
     return sizeof(forecache_chunk_info);
+}
+
+double forecache_cache_host_handoff(struct forecache_cache * cache, int32_t n, bool fresh_threads) {
+    const auto t0 = fc_clock::now();
+    for (int32_t i = 0; i < n; i++) {
+        if (fresh_threads) {
+            std::thread th([] {});
+            th.join();
+        } else {
+            cache->host.run([] {});
+            cache->host.wait();
+        }
+    }
+    return n > 0 ? fc_seconds(t0) / n : 0.0;
 }

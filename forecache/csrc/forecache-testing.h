@@ -33,6 +33,10 @@ LLAMA_API int32_t forecache_cache_queued(const struct forecache_cache * cache, i
 // sizeof(struct forecache_chunk_info), for bindings that mirror it.
 LLAMA_API size_t forecache_chunk_info_size(void);
 
+// Seconds per empty job handed to the thread that computes host entries and waited for, over n
+// jobs; with fresh_threads, per std::thread started and joined instead (what it replaced).
+LLAMA_API double forecache_cache_host_handoff(struct forecache_cache * cache, int32_t n, bool fresh_threads);
+
 #ifdef __cplusplus
 }
 #endif

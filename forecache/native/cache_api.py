@@ -93,6 +93,7 @@ def declare(lib: ctypes.CDLL) -> None:
         "forecache_cache_step": ([vp, ctypes.POINTER(ChunkInfo)], i32),
         "forecache_cache_queued": ([vp, i32, i32], i32),
         "forecache_chunk_info_size": ([], sz),
+        "forecache_cache_host_handoff": ([vp, i32, ctypes.c_bool], ctypes.c_double),
     }
     for name, (args, res) in sigs.items():
         fn = getattr(lib, name)
