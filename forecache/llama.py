@@ -336,12 +336,14 @@ class Llama(llama_cpp.Llama):
 
     def expert_stats(self) -> dict:
         """Expert-cache counters since the last ``reset_stats()``: policy, hits, misses,
-        hit_rate, bytes copied host-to-device, stall time, and the device slots (total, filled,
-        bytes). Zeros, with policy ``none``, when the model runs without a cache."""
+        hit_rate, bytes copied host-to-device, stall time, gate-hook time and calls, and the
+        device slots (total, filled, bytes). Zeros, with policy ``none``, when the model runs
+        without a cache."""
         cfg = self.cache_config
         out: dict = {"policy": cfg.policy if cfg else "none", "hits": 0, "misses": 0,
                      "hit_rate": None, "h2d_bytes": 0, "stall_s": 0.0, "copy_s": 0.0,
-                     "hook_s": 0.0, "host_layers": 0, "cache_slots": 0, "slots_filled": 0,
+                     "hook_s": 0.0, "hook_calls": 0, "host_layers": 0, "cache_slots": 0,
+                     "slots_filled": 0,
                      "slot_bytes": 0, "device": self.placement.device.name if self.placement
                      else None}
         cache = self.expert_cache
@@ -350,6 +352,7 @@ class Llama(llama_cpp.Llama):
         s = cache.stats()
         out.update({k: s[k] for k in ("hits", "misses", "h2d_bytes", "stall_s", "host_layers",
                                       "copy_s", "hook_s")})
+        out["hook_calls"] = s["n_hook_calls"]
         out["hit_rate"] = hit_rate(s["hits"], s["misses"])
         out["cache_slots"] = cache.n_slots_total
         out["slots_filled"] = sum(int(np.count_nonzero(cache.layer_state(il)[1] != SLOT_EMPTY))

@@ -36,15 +36,20 @@ def serve(model: Path, host: str, port: int, n_ctx: int, threads: int | None,
     require_moe(model)  # a bad model fails before the port is taken
     cfg = cache_config(**cache_opts)  # type: ignore[arg-type]
     sock = bind(host, port)  # before the model loads: a busy port fails at once
+    policy = [cfg.policy if cfg else "none"]  # what the loaded model runs (the default chooses)
     try:
         def load(settings: Any) -> Llama:
-            return Llama.open(settings.model, cache=cfg, n_ctx=n_ctx, n_threads=threads,
-                              chat_format=settings.chat_format, verbose=verbose)
+            llm = Llama.open(settings.model, cache=cfg, n_ctx=n_ctx, n_threads=threads,
+                             chat_format=settings.chat_format, verbose=verbose)
+            if llm.policy_choice is not None:
+                click.echo(llm.policy_choice.reason(), err=True)
+            policy[0] = llm.cache_config.policy if llm.cache_config else "none"
+            return llm
 
         app = create_app(str(model), model.stem, load, n_ctx=n_ctx, verbose=verbose)
         port = sock.getsockname()[1]
         click.echo(f"forecache: serving {model.stem} on http://{host}:{port}/v1 (policy "
-                   f"{cfg.policy if cfg else 'none'}); Ctrl-C stops", err=True)
+                   f"{policy[0]}); Ctrl-C stops", err=True)
         run_server(app, sock)
     finally:
         sock.close()
