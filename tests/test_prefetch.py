@@ -462,3 +462,15 @@ def test_unlogged_layers_are_left_out() -> None:
         assert a.extra["layers_simulated"] == len(logged)
         assert (a.ttft_s, a.tpot_s, a.hits, a.misses) == pytest.approx(
             (b.ttft_s, b.tpot_s, b.hits, b.misses)), policy
+
+
+def test_shared_dram_overlap() -> None:
+    """Copies and CPU compute that start together, each at half its rate while both run: the
+    shorter ends at twice its time, the longer as much later as the shorter took alone."""
+    from forecache.cache.cost import shared_dram
+
+    assert shared_dram(1.0, 0.5, 0.5) == (1.5, 1.0)
+    assert shared_dram(0.5, 1.0, 0.5) == (1.0, 1.5)
+    assert shared_dram(2.0, 0.0, 0.5) == (2.0, 0.0)  # nothing shared
+    assert shared_dram(1.0, 1.0, 1.0) == (1.0, 1.0)  # DRAM not modelled
+    assert shared_dram(1.0, 1.0, 0.88) == pytest.approx((1 / 0.88, 1 / 0.88))

@@ -141,9 +141,7 @@ def choose(shape: DecodeShape, profile: Profile, cost: CostModel,
     cost = replace(cost, host_scale=evidence.host_scale,
                    copy_gbps=evidence.copy_gbps or cost.copy_gbps)
     nc = ncmoe_decode_s(shape, profile, cost)
-    # promoe's copies and CPU compute read the same DRAM when both run
-    f = profile.shared_dram_factor()
-    shared = replace(cost, copy_gbps=cost.copy_gbps * f, cpu_mem_gbps=cost.cpu_mem_gbps * f)
     hit = hit_at(shape.n_slots / shape.n_expert, evidence.locality)
-    pm = promoe_decode_s(shape, profile, shared, hit)
+    # best_split charges promoe's copies and CPU compute their shared-DRAM rates when both run
+    pm = promoe_decode_s(shape, profile, cost, hit)
     return Choice("promoe" if pm <= nc else "ncmoe", pm, nc, hit, evidence, shape)

@@ -116,6 +116,16 @@ def roofline_s(launch_s: float, nbytes: float, mem_gbps: float, flops: float,
     return launch_s + max(nbytes / (mem_gbps * 1e9), flops / flops_per_s)
 
 
+def shared_dram(a_s: float, b_s: float, factor: float) -> tuple[float, float]:
+    """When two jobs of ``a_s`` and ``b_s`` seconds alone (copies and CPU expert compute) start
+    together and each keeps ``factor`` of its rate while both run: when each ends."""
+    if a_s <= 0 or b_s <= 0 or factor >= 1:
+        return a_s, b_s
+    first = min(a_s, b_s) / factor  # the shorter ends; the other did as much work meanwhile
+    rest = max(a_s, b_s) - min(a_s, b_s)
+    return (first, first + rest) if a_s <= b_s else (first + rest, first)
+
+
 # measurements below these are too small to correct the profile with
 MIN_CALIBRATION_S = 0.02
 
@@ -143,7 +153,8 @@ class CostModel:
     cpu_mem_gbps: float
     cpu_gflops: float
     cpu_launch_s: float
-    thread_s: float = 0.0  # the CPU thread a projection with host entries starts
+    thread_s: float = 0.0  # handing a projection's host entries to their CPU thread
+    dram_factor: float = 1.0  # what copies and CPU compute keep of their rates while both run
     host_scale: float = 1.0  # measured / modelled host compute time
     predicted_host_s: float = 0.0  # modelled time of what was sent to the host so far
     copy_measured: bool = False  # copy_gbps comes from the run, not the profile
@@ -152,7 +163,8 @@ class CostModel:
     def from_profile(cls, profile: Profile, expert: ExpertShape) -> CostModel:
         p = profile
         return cls(expert, p.h2d_gbps, p.chunk_latency_s, p.gpu_mem_gbps, p.gpu_tflops,
-                   p.gpu_launch_s, p.cpu_mem_gbps, p.cpu_gflops, p.cpu_launch_s, p.thread_s)
+                   p.gpu_launch_s, p.cpu_mem_gbps, p.cpu_gflops, p.cpu_launch_s, p.thread_s,
+                   p.shared_dram_factor())
 
     def copy_s(self) -> float:
         """One whole expert, host to device."""
@@ -217,8 +229,10 @@ class CostModel:
         best_k, pairs = 0, 0
         for k, (_, r) in enumerate(missing, start=1):
             pairs += r
-            dev = max(c * (in_flight + len(missing) - k), self.dev_s(n_all - k, pairs_all - pairs))
-            t = max(dev, self.host_s(k, pairs)) + self.merge_s(pairs)
+            copy_t, host_t = shared_dram(c * (in_flight + len(missing) - k),
+                                         self.host_s(k, pairs), self.dram_factor)
+            dev = max(copy_t, self.dev_s(n_all - k, pairs_all - pairs))
+            t = max(dev, host_t) + self.merge_s(pairs)
             if t < best_t:
                 best_t, best_k = t, k
         whole = self.host_s(n_all, pairs_all)
