@@ -125,7 +125,18 @@ class Prefetcher(Policy):
                 in_flight = sum(1 for e in need if e in where and state[where[e]] != SLOT_READY)
                 plan = self.cost.plan(rows, in_flight)
                 if plan.whole_layer:
-                    return False  # all on the CPU: cheaper than any use of the slots
+                    # all on the CPU: cheaper than any use of the slots now. As many missing
+                    # experts as can be copied while the CPU computes the layer still enter the
+                    # cache (a cold cache would stay cold); more would hold up the next layers.
+                    hidden = int(self.cost.host_s(len(rows), sum(r for _, r, _ in rows))
+                                 // self.cost.copy_s())
+                    free = [s for s in range(n) if expert_of[s] < 0]
+                    victims = free + [s for e, s in lru.items() if e not in set(need)]
+                    for e in [e for e in need if e not in where][:hidden]:
+                        if not victims or engine.load(layer, e, victims[0], LOW) != 0:
+                            break
+                        _put(lru, e, victims.pop(0))
+                    return False
                 host = plan.host
                 if host:
                     on_host = set(host)
