@@ -474,3 +474,23 @@ def test_shared_dram_overlap() -> None:
     assert shared_dram(2.0, 0.0, 0.5) == (2.0, 0.0)  # nothing shared
     assert shared_dram(1.0, 1.0, 1.0) == (1.0, 1.0)  # DRAM not modelled
     assert shared_dram(1.0, 1.0, 0.88) == pytest.approx((1 / 0.88, 1 / 0.88))
+
+
+def test_layer_on_the_cpu_still_warms_the_cache() -> None:
+    """A cold layer computed wholly on the CPU queues as many of its missing experts as copy
+    while the CPU computes it, so later tokens find them in slots; no more than that."""
+    from forecache.cache.cost import CostModel, ExpertShape
+    from forecache.cache.prefetcher import Prefetcher
+
+    eng = _engine(8)
+    proj = 2048 * 1024 // 256 * 144  # OLMoE-sized q4_k experts: the CPU beats copying
+    cost = CostModel.from_profile(Profile.load("rtx4090"), ExpertShape(2048, 1024, (proj,) * 3))
+    pol = Prefetcher([8] * 8, Features(), cost)
+    routed = np.arange(1, 9)
+    rows = [(e, 1, False) for e in routed.tolist()]
+    assert cost.best_split(rows, 0)[0].whole_layer
+    hidden = int(cost.host_s(8, 8) // cost.copy_s())
+    assert 0 < hidden < 8
+    assert not pol.gate(0, routed, eng, np.ones(8, np.int64))  # computed from host memory
+    expert_of = eng.layer_state(0)[0].tolist()
+    assert sorted(e for e in expert_of if e >= 0) == routed.tolist()[:hidden]
