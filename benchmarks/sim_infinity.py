@@ -133,7 +133,8 @@ def main() -> None:
     rates = [float(x) for x in args.rates.split(",")]
     report: dict = {"profile": profile.name, "fraction": args.fraction, "window": args.window,
                     "traces": []}
-    sweep_lines = ["\nsweep: TPOT ms (ratio over ncmoe) by cache rate\n",
+    sweep_lines = ["\nsweep: TPOT ms (TTFT ms for a trace without decode rows), ratio over "
+                   "ncmoe, by cache rate (slots a layer)\n",
                    "| trace | rate | " + " | ".join(POLICIES) + " |",
                    "|---|---:|" + "---:|" * len(POLICIES)]
     for stem in sorted(trace_model_names()):
@@ -156,10 +157,12 @@ def main() -> None:
         for rate in rates:
             n = slots_for(shape, len(layers), None, rate)
             r = compare(fit, replay, info, shape, profile, n, pred, args.window, False)
-            nc = r["ncmoe"].tpot_s
-            sweep_lines.append(f"| {stem} | {rate:g} ({n}) | " + " | ".join(
-                f"{r[p].tpot_s * 1e3:.2f} ({speedup(nc, r[p].tpot_s)})" for p in POLICIES)
-                + " |")
+            key = "tpot_s" if r["ncmoe"].n_decode_tokens else "ttft_s"
+            nc = getattr(r["ncmoe"], key)
+            sweep_lines.append(f"| {stem}{'' if key == 'tpot_s' else ' (TTFT)'} | {rate:g} ({n}) | "
+                               + " | ".join(f"{getattr(r[p], key) * 1e3:.2f} "
+                                            f"({speedup(nc, getattr(r[p], key))})"
+                                            for p in POLICIES) + " |")
             sweep.append({"rate": rate, "n_slots": n, "runs": summary(r)})
         report["traces"].append({"trace": path.name, "shape": shape.name, "n_slots": n_slots,
                                  "predictor": pname, "replay_requests": len(replay),
