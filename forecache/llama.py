@@ -108,12 +108,12 @@ def _load_log(enabled: bool) -> Iterator[list[tuple[int, str]]]:
 class Llama(llama_cpp.Llama):
     """A drop-in for ``llama_cpp.Llama`` that runs MoE GGUF models with forecache's expert cache.
 
-    ``policy`` (promoe, lru, static, ncmoe, offload), ``gpu_budget`` (bytes or a size such as
-    ``"24GiB"``: all device memory the run may use) and ``cache_fraction`` (share of each layer's
-    experts in slots) choose the placement. Without a policy, the budget (default: the GPU's free
-    memory) goes to promoe or ncmoe, whichever ``cache.choice`` expects to decode faster
-    (``policy_choice`` says which and why); a CPU-only build given none of them keeps llama.cpp's
-    own placement (device and host are the same memory).
+    ``policy`` (promoe, infinity, lru, lfu, static, ncmoe, offload), ``gpu_budget`` (bytes or a
+    size such as ``"24GiB"``: all device memory the run may use) and ``cache_fraction`` (share
+    of each layer's experts in slots) choose the placement. Without a policy, the budget
+    (default: the GPU's free memory) goes to promoe or ncmoe, whichever ``cache.choice`` expects
+    to decode faster (``policy_choice`` says which and why); a CPU-only build given none of them
+    keeps llama.cpp's own placement (device and host are the same memory).
     ``predictor``, ``window`` and ``machine`` tune promoe; ``n_seq_max`` sizes the context for
     that many sequences decoded together, each with n_ctx / n_seq_max of the context
     (``forecache batch``). ``cache`` passes a ready
@@ -163,7 +163,7 @@ class Llama(llama_cpp.Llama):
         self.n_seq_max = n_seq_max
         low = llama_cpp_module()
         self._vocab = low.llama_model_get_vocab(self.model)
-        if cache is not None and cache.policy in ("lru", "static", "promoe"):
+        if cache is not None and cache.policy not in ("offload", "ncmoe"):
             self._attach_cache(cache)
 
     def _load_params(self, n_seq_max: int) -> dict[str, Any]:
@@ -268,6 +268,8 @@ class Llama(llama_cpp.Llama):
     def generate(self, tokens: Any, *args: Any, **kwargs: Any) -> Iterator[int]:
         # every completion, chat and stream passes here: the predictor sees request boundaries
         worker = self.expert_cache.worker if self.expert_cache is not None else None
+        if self.expert_cache is not None:
+            self.expert_cache.policy.begin_request()
         if worker is not None:
             worker.begin_request()
         # llama-cpp-python makes a new sampler chain for every generation and drops the old one,

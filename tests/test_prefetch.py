@@ -276,7 +276,7 @@ def test_simulate_cli(tmp_path: Path) -> None:
     cmp = run_cli_json("simulate", "--trace", str(path), "--shape", "reference", "--qtype",
                        "q8_0", "--cache-fraction", "0.4", "--predictor", "history", "--compare")
     runs = {r["run"]: r for r in cmp["runs"]}
-    assert list(runs) == ["ncmoe", "offload", "lru", "static", "promoe"]
+    assert list(runs) == ["ncmoe", "offload", "lru", "lfu", "static", "promoe", "infinity"]
     assert runs["ncmoe"]["hits"] > 0 and runs["offload"]["hits"] == 0
     text = run_cli("simulate", "--trace", str(path), "--shape", "reference", "--qtype", "q8_0",
                    "--cache-fraction", "0.4", "--predictor", "history", "--compare",

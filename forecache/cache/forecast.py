@@ -27,10 +27,13 @@ class Forecaster:
     predicts every layer t whose source is i (t - window, or the first layer when t < window),
     picking ``n_predict`` experts (default: the model's top-k, as ProMoE does) for a decode
     token, or for a prefill ubatch the experts most often in the rows' top-k, up to the slots.
+    With ``min_score``, a decode token's picks stop at the first expert scoring no more than it
+    (``infinity`` asks for the experts an EAM match activates, none when nothing matched).
     """
 
     def __init__(self, predictor: Predictor, window: int, moe_layers: Sequence[int],
-                 n_slots: Sequence[int], *, n_predict: int | None = None) -> None:
+                 n_slots: Sequence[int], *, n_predict: int | None = None,
+                 min_score: float | None = None) -> None:
         if window < 1:
             raise ValueError(f"the prediction window must be >= 1 (got {window})")
         self.predictor = predictor
@@ -42,6 +45,7 @@ class Forecaster:
                                          for i in range(n)]
         self.n_slots = [n_slots[layer] for layer in self.moe_layers]
         self.n_predict = n_predict or predictor.top_k
+        self.min_score = min_score
         self.needs_hidden = "gate_input" in predictor.needs
 
     def begin_request(self) -> None:
@@ -70,7 +74,10 @@ class Forecaster:
                 if self.needs_hidden and h is None:
                     continue
                 scores = p.predict(i, t, hidden=h)
-                out.append((self.moe_layers[t], top_experts(scores, self.n_predict)))
+                top = top_experts(scores, self.n_predict)
+                if self.min_score is not None:
+                    top = top[scores[top] > self.min_score]
+                out.append((self.moe_layers[t], top))
             elif hidden is not None and hasattr(p, "predict_batch"):
                 scores = p.predict_batch(i, t, hidden)  # [n, E]
                 top = top_experts(scores, p.top_k)

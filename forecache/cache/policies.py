@@ -7,7 +7,7 @@ memory (more distinct experts than the policy may place, e.g. during prefill).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from forecache.cache.cost import CostModel
     from forecache.cache.prefetcher import CopyEngine
 
-POLICIES = ("offload", "ncmoe", "lru", "static", "promoe")
+POLICIES = ("offload", "ncmoe", "lru", "lfu", "static", "promoe", "infinity")
 # Slots the static policy keeps for misses (ProMoE's static baseline).
 STATIC_SPARE_SLOTS = 2
 
@@ -47,6 +47,9 @@ class Policy:
     def initial_loads(self) -> list[tuple[int, int, int]]:
         """(layer, expert, slot) copies to queue before the first token."""
         return []
+
+    def begin_request(self) -> None:
+        """A new request starts (policies with per-request state reset it)."""
 
     def on_gate(self, layer: int, experts: np.ndarray) -> list[tuple[int, int]] | None:
         raise NotImplementedError
@@ -102,6 +105,42 @@ class LRUPolicy(Policy):
                 slot = len(lru)
             else:
                 _, slot = lru.popitem(last=False)  # oldest; hits were moved to the end above
+            lru[e] = slot
+            loads.append((e, slot))
+        return loads
+
+
+class LFUPolicy(Policy):
+    """Least frequently used per layer: a miss evicts the resident expert the layer has routed
+    least often so far (resident or not), the least recently used among equals."""
+
+    name = "lfu"
+
+    def __init__(self, n_slots: Sequence[int]) -> None:
+        super().__init__(n_slots)
+        self._lru: list[OrderedDict[int, int]] = [OrderedDict() for _ in self.n_slots]
+        self.uses: list[Counter[int]] = [Counter() for _ in self.n_slots]
+
+    def on_gate(self, layer: int, experts: np.ndarray) -> list[tuple[int, int]] | None:
+        lru, uses = self._lru[layer], self.uses[layer]
+        need = experts.tolist()
+        for e in need:
+            uses[e] += 1
+            if e in lru:
+                lru.move_to_end(e)
+        if len(need) > self.n_slots[layer]:
+            return None
+        needed = set(need)
+        # eviction order: fewest uses first, oldest first among equals (the order is stable)
+        victims = sorted((e for e in lru if e not in needed), key=lambda e: uses[e])
+        loads = []
+        for e in need:
+            if e in lru:
+                continue
+            if len(lru) < self.n_slots[layer]:
+                slot = len(lru)
+            else:
+                slot = lru.pop(victims.pop(0))
             lru[e] = slot
             loads.append((e, slot))
         return loads

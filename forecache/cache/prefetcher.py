@@ -148,7 +148,7 @@ class Prefetcher(Policy):
                 if e in lru:
                     lru.move_to_end(e)
             free = [s for s in range(n) if expert_of[s] < 0]
-            victims = free + [s for e, s in lru.items() if e not in needed]
+            victims = free + self.eviction_order(layer, needed)
             slots: list[int] = []
             for i, e in enumerate(order):
                 if i >= n:
@@ -191,14 +191,11 @@ class Prefetcher(Policy):
                 return 0
             lru = self._lru[layer]
             picked = [int(e) for e in experts][:self.n_slots[layer]]
-            keep = set(picked)
             for e in reversed(picked):  # best ends most recent
                 if e in lru:
                     lru.move_to_end(e)
                     self.prefetch_refreshed += 1
-            used = set(lru.values())
-            free = [s for s in range(self.n_slots[layer]) if s not in used]
-            victims = free + [s for e, s in lru.items() if e not in keep]
+            victims = self.prefetch_victims(layer, picked)
             queued = 0
             for e in picked:
                 if e in lru or not victims:
@@ -210,6 +207,18 @@ class Prefetcher(Policy):
                 queued += 1
             self.prefetch_loads += queued
             return queued
+
+    def prefetch_victims(self, layer: int, picked: list[int]) -> list[int]:
+        """Slots a prefetch of ``picked`` (best first) may fill, in order: free slots, then the
+        eviction order of the others (called with the lock held)."""
+        used = set(self._lru[layer].values())
+        free = [s for s in range(self.n_slots[layer]) if s not in used]
+        return free + self.eviction_order(layer, set(picked))
+
+    def eviction_order(self, layer: int, keep: set[int]) -> list[int]:
+        """Slots of ``layer``'s resident experts outside ``keep``, the first to give up first:
+        least recently used first (called with the lock held)."""
+        return [s for e, s in self._lru[layer].items() if e not in keep]
 
     def _sync(self, layer: int, expert_of: np.ndarray) -> OrderedDict[int, int]:
         """Make the mirror of ``layer`` agree with the engine (preemption empties slots)."""

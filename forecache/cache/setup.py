@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from forecache.cache.allocation import reallocate
 from forecache.cache.budget import (
     MemoryPlan,
     parse_size,
@@ -17,17 +18,29 @@ from forecache.cache.budget import (
 from forecache.cache.choice import PRIOR, Choice, DecodeShape, choose
 from forecache.cache.cost import CostModel, ExpertShape, Profile
 from forecache.cache.forecast import Forecaster
+from forecache.cache.infinity import InfinityPolicy
 from forecache.cache.measured import load_evidence
-from forecache.cache.policies import POLICIES, HostOnlyPolicy, LRUPolicy, Policy, StaticPolicy
+from forecache.cache.policies import (
+    POLICIES,
+    HostOnlyPolicy,
+    LFUPolicy,
+    LRUPolicy,
+    Policy,
+    StaticPolicy,
+)
 from forecache.cache.prefetcher import Features, Prefetcher
 from forecache.cache.runtime import DEFAULT_CHUNK_BYTES, ExpertCache, RouteCallback
 from forecache.errors import setting
 from forecache.gguf.header import EXPERT_TENSOR_PATTERN, ModelFile
 from forecache.native.cache_api import CHUNK_EXPERT
 from forecache.native.ggml_devices import Device, cache_device, host_buffer_type
+from forecache.predictor.base import Predictor
 
 # the machine profile promoe's host/device split starts from until it has measured the rates
 DEFAULT_MACHINE = "rtx4090"
+# layers ahead the EAM predictor forecasts: its matches are request-level, so distance costs
+# little accuracy and gives the copies time
+EAM_WINDOW = 2
 
 
 @dataclass
@@ -45,8 +58,8 @@ class CacheConfig:
     profile: np.ndarray | None = None  # static: routed counts [n_layer, n_expert]
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     on_route: RouteCallback | None = None  # sees every routing decision (see ExpertCache)
-    features: Features = field(default_factory=Features)  # promoe's techniques
-    predictor: str = "auto"  # promoe: learned when trained for the model, else history
+    features: Features = field(default_factory=Features)  # promoe's (and infinity's) techniques
+    predictor: str = "auto"  # promoe: learned when trained for the model, else history; or eam
     window: int | None = None  # promoe: prediction distance; default: the trained one
     machine: str | None = None  # promoe: profile the split's costs start from (None: default)
     auto: bool = False  # no policy was named: the default placement may pick ncmoe (choice.py)
@@ -59,7 +72,7 @@ class CacheConfig:
         if len(sizes) > 1:
             raise ValueError(f"give one of {setting('gpu_budget')} and "
                              f"{setting('cache_fraction')}, not both")
-        if self.policy in ("ncmoe", "lru", "static", "promoe") and not sizes:
+        if self.policy != "offload" and not sizes:
             raise ValueError(f"policy {self.policy} needs {setting('gpu_budget')} or "
                              f"{setting('cache_fraction')}")
         if self.policy == "ncmoe" and self.gpu_budget is None:
@@ -149,7 +162,20 @@ def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int) -> P
         assert cfg.slots_per_layer is not None
         slots = [min(cfg.slots_per_layer, model.n_expert) if il in layers else 0
                  for il in range(model.n_layer)]
+    if cfg.policy == "infinity":
+        slots = infinity_slots(model, slots)
     return Placement(dev, plan, slots, layers)
+
+
+def infinity_slots(model: ModelFile, even: list[int]) -> list[int]:
+    """``even`` moved between the MoE layers by the decode reuse measured in the model's stored
+    EAM collection (``cache.allocation``); without a collection, ``even``."""
+    from forecache.predictor.store import has_eam, load_eam
+
+    if not has_eam(model):
+        return even
+    layers = model.moe_layers()
+    return reallocate(even, layers, load_eam(model).hit_curves)
 
 
 def expert_overrides(placement: Placement) -> dict[str, Any]:
@@ -181,12 +207,17 @@ def make_policy(cfg: CacheConfig, n_slots: list[int], model: ModelFile | None = 
     sides are the same cores)."""
     if cfg.policy == "lru":
         return LRUPolicy(n_slots)
-    if cfg.policy == "promoe":
+    if cfg.policy == "lfu":
+        return LFUPolicy(n_slots)
+    if cfg.policy in ("promoe", "infinity"):
         cost = None
         on_cpu = device is not None and device.type == "cpu"
         if cfg.features.split and model is not None and (cfg.machine is not None or not on_cpu):
             cost = CostModel.from_profile(Profile.load(cfg.machine or DEFAULT_MACHINE),
                                           expert_shape(model))
+        if cfg.policy == "infinity":
+            return InfinityPolicy(n_slots, cfg.features, cost,
+                                  prefetch_n=model.n_expert_used if model is not None else 1)
         return Prefetcher(n_slots, cfg.features, cost)
     if cfg.profile is None:
         raise ValueError("policy static needs a routing profile")
@@ -195,12 +226,18 @@ def make_policy(cfg: CacheConfig, n_slots: list[int], model: ModelFile | None = 
 
 def make_forecaster(model: ModelFile, cfg: CacheConfig, n_slots: list[int],
                     say: Callable[[str], None] | None = None) -> Forecaster:
-    """The predictor promoe prefetches with: the learned one trained for ``model`` (window
-    ``cfg.window``, default the smallest trained), else ``history`` (needs no training)."""
+    """The predictor a proactive policy prefetches with. promoe: the learned one trained for
+    ``model`` (window ``cfg.window``, default the smallest trained), else ``history`` (needs no
+    training), or ``eam`` (needs the model's stored EAM collection). infinity: always ``eam``,
+    ranking every expert its matches activate, from the stored collection or, without one, from
+    an empty collection that learns each served request."""
     from forecache.predictor.history import HistoryPredictor
     from forecache.predictor.store import load_learned, trained_windows
 
     layers = model.moe_layers()
+    if cfg.policy == "infinity":
+        return Forecaster(eam_predictor(model, ranking=True, say=say), cfg.window or EAM_WINDOW,
+                          layers, n_slots, n_predict=model.n_expert, min_score=0.0)
     name = cfg.predictor
     windows = trained_windows(model)
     if name == "auto":
@@ -222,9 +259,35 @@ def make_forecaster(model: ModelFile, cfg: CacheConfig, n_slots: list[int],
     elif name == "history":
         window = cfg.window or 1
         predictor = HistoryPredictor(len(layers), model.n_expert, model.n_expert_used)
+    elif name == "eam":
+        window = cfg.window or EAM_WINDOW
+        predictor = eam_predictor(model, ranking=False)
     else:
-        raise ValueError(f"policy promoe predicts with learned or history, not {name!r}")
+        raise ValueError(f"policy promoe predicts with learned, history or eam, not {name!r}")
     return Forecaster(predictor, window, layers, n_slots)
+
+
+def eam_predictor(model: ModelFile, *, ranking: bool,
+                  say: Callable[[str], None] | None = None) -> Predictor:
+    """MoE-Infinity's EAM predictor for ``model`` from its stored collection, adding each
+    finished request to it. ``ranking`` (infinity): no prior, so an expert no match activates
+    scores 0, and without a stored collection it starts empty (said through ``say``). Otherwise
+    (promoe's eam predictor) the routing prior breaks ties and a missing collection is an error
+    naming the commands that make one."""
+    from forecache.predictor.eam import EAMPredictor
+    from forecache.predictor.store import has_eam, load_eam
+
+    layers = model.moe_layers()
+    p = EAMPredictor(len(layers), model.n_expert, model.n_expert_used,
+                     prior_weight=0.0 if ranking else 1e-3)
+    if not ranking or has_eam(model):
+        col = load_eam(model)
+        p.restore(col.eams, col.prior)
+    elif say is not None:
+        say(f"no EAM collection for {model.path.name}: infinity starts with an empty one, "
+            "learns each request and splits slots evenly; `forecache trace` and `forecache "
+            "train --predictor eam` make one")
+    return p
 
 
 def attach(ctx: int, placement: Placement, cfg: CacheConfig, policy: Policy,

@@ -42,9 +42,11 @@ def cache_options(fn):  # type: ignore[no-untyped-def]
     fn = click.option("--window", type=click.IntRange(1, 64), default=None,
                       help="promoe: predict this many layers ahead (default: the window the "
                            "model's learned predictors were trained for).")(fn)
-    fn = click.option("--predictor", type=click.Choice(["auto", "learned", "history"]),
+    fn = click.option("--predictor", type=click.Choice(["auto", "learned", "history", "eam"]),
                       default="auto", show_default=True,
-                      help="promoe's predictor (auto: learned when trained for the model).")(fn)
+                      help="promoe's predictor (auto: learned when trained for the model; eam: "
+                           "MoE-Infinity's EAM matching, from the collection `forecache train "
+                           "--predictor eam` makes).")(fn)
     fn = click.option("--cache-fraction", type=float, default=None,
                       help="Share of each layer's experts held in device slots (0-1].")(fn)
     fn = click.option("--gpu-budget", default=None,

@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from forecache.cli.model_arg import model_option
-from forecache.gguf.header import read_model_file, require_moe
+from forecache.gguf.header import ModelFile, read_model_file, require_moe
 from forecache.trace.format import TraceError, TraceFile
 
 
@@ -76,21 +76,35 @@ def trace_cmd(model: Path, prompts: Path | None, builtin: str | None, out: Path,
 @click.command("train")
 @model_option(required=True)
 @click.option("--trace", "trace_path", required=True, type=click.Path(path_type=Path),
-              help="Trace recorded with --gate-input.")
-@click.option("--window", required=True, type=click.IntRange(1, 64),
-              help="Predict layer i from layer i-K's router input.")
+              help="Trace of the model (learned: recorded with --gate-input).")
+@click.option("--predictor", type=click.Choice(["learned", "eam"]), default="learned",
+              show_default=True,
+              help="learned: ProMoE's per-layer MLPs; eam: MoE-Infinity's EAM collection (and "
+                   "the per-layer reuse the infinity policy sizes its slots from).")
+@click.option("--window", type=click.IntRange(1, 64), default=None,
+              help="learned: predict layer i from layer i-K's router input (required).")
 @click.option("--out", type=click.Path(path_type=Path), default=None,
-              help="Directory for the predictors (default: the model's predictor cache, where "
-                   "the runtime looks).")
-@click.option("--epochs", default=30, show_default=True, help="Training epochs per layer.")
-def train_cmd(model: Path, trace_path: Path, window: int, out: Path | None, epochs: int) -> None:
-    """Train the learned (ProMoE) predictors of one model and store them with its identity."""
+              help="learned: directory for the predictors (default: the model's predictor "
+                   "cache, where the runtime looks).")
+@click.option("--epochs", default=30, show_default=True, help="learned: training epochs per "
+              "layer.")
+def train_cmd(model: Path, trace_path: Path, predictor: str, window: int | None,
+              out: Path | None, epochs: int) -> None:
+    """Train a model's predictors from its trace and store them with its identity: ProMoE's
+    learned predictors, or MoE-Infinity's EAM collection."""
     from forecache.gguf.identity import require_same_model
     from forecache.predictor.base import source_layer
     from forecache.predictor.learned import LearnedPredictor
     from forecache.predictor.store import learned_dir, write_identity
 
     mf = require_moe(model)
+    if predictor == "eam":
+        if window is not None or out is not None:
+            raise click.UsageError("--window and --out are for --predictor learned")
+        _train_eam(mf, trace_path)
+        return
+    if window is None:
+        raise click.UsageError("--predictor learned needs --window K")
     with TraceFile(trace_path) as tr:
         require_same_model(tr.meta, mf, f"trace {trace_path}",
                            f"record one with `forecache trace -m {model} --gate-input`")
@@ -115,6 +129,28 @@ def train_cmd(model: Path, trace_path: Path, window: int, out: Path | None, epoc
         _say(f"[train] layer {lf} -> {lt}: validation accuracy "
              f"{acc:.3f}" if acc is not None else f"[train] layer {lf} -> {lt}")
     _say(f"[train] saved to {dest} in {time.perf_counter() - t0:.1f} s")
+
+
+def _train_eam(mf: ModelFile, trace_path: Path) -> None:
+    """Store ``mf``'s EAM collection and per-layer decode hit curves from a trace of it."""
+    from forecache.cache.allocation import lru_hit_curves
+    from forecache.gguf.identity import require_same_model
+    from forecache.predictor.eam import EAMPredictor
+    from forecache.predictor.store import EAMCollection, save_eam
+
+    with TraceFile(trace_path) as tr:
+        require_same_model(tr.meta, mf, f"trace {trace_path}",
+                           f"record one with `forecache trace -m {mf.path}`")
+        info = tr.info()
+        reqs = list(tr.requests(gate_input=False))
+    p = EAMPredictor(info.n_layers, info.n_expert, info.top_k)
+    p.fit(reqs)
+    # decode rows when the trace marks phases: the gates a cache serves token by token
+    curves = lru_hit_curves([r.experts for r in reqs], info.n_expert,
+                            [None if r.phase is None else r.phase != 0 for r in reqs])
+    dest = save_eam(mf, EAMCollection(p.collection, p.prior, curves), str(trace_path))
+    _say(f"[train] EAM collection of {p.collection_size} requests ({info.n_tokens} tokens) "
+         f"saved to {dest}")
 
 
 @click.command("eval-predictor")

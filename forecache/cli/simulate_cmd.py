@@ -13,6 +13,7 @@ from forecache.cache.prefetcher import Features
 from forecache.sim.run import (
     ablation,
     fit_predictor,
+    infinity_setup,
     run_one,
     slots_for,
     speedup,
@@ -35,7 +36,7 @@ def _row(label: str, r: SimResult, base: SimResult | None) -> str:
 
 
 # --compare: stock llama.cpp's best first, every ratio is over it
-COMPARED = ("ncmoe", "offload", "lru", "static", "promoe")
+COMPARED = ("ncmoe", "offload", "lru", "lfu", "static", "promoe", "infinity")
 
 HEAD = (f"{'run':<20} {'TTFT ms':>10} {'TPOT ms':>9} {'hit %':>6} {'H2D GB':>8} {'stall s':>8} "
         f"{'prefill':>8} {'decode':>8} {'stall-cut':>8}")
@@ -92,22 +93,28 @@ def simulate_cmd(trace_path: Path, policy: str, shape: str | None, qtype: str,
             pred_name, pred = fit_predictor(predictor, info, fit, window)
         cfg = SimConfig(policy=policy, n_slots=n_slots, features=feats, window=window,
                         n_ubatch=n_ubatch, static_profile=static_profile(fit, info))
+        # infinity: slots moved between layers by the fit requests' reuse, EAM predictions
+        inf = infinity_setup(fit, info, sh, layers, n_slots) \
+            if compare or policy == "infinity" else None
+
+        def one(p: str) -> SimResult:
+            if p == "infinity" and inf is not None:
+                return run_one(replay, sh, profile, replace(cfg, policy=p, n_slots=inf[0]),
+                               inf[1])
+            return run_one(replay, sh, profile, replace(cfg, policy=p),
+                           pred if p == "promoe" else None)
         head = {"trace": str(trace_path), "shape": sh.name, "qtype": sh.qtype,
                 "profile": profile.name, "n_slots": n_slots, "experts": sh.experts,
                 "cached_layers": len(layers), "predictor": pred_name, "window": window,
                 "fit_requests": len(fit), "replay_requests": len(replay)}
         if compare:
-            runs = [(p if p != "promoe" else feats.label(),
-                     run_one(replay, sh, profile, replace(cfg, policy=p),
-                             pred if p == "promoe" else None))
-                    for p in COMPARED]
+            runs = [(p if p != "promoe" else feats.label(), one(p)) for p in COMPARED]
         elif do_ablation:
             runs = ablation(replay, sh, profile, cfg, pred)
             runs.append(("static", run_one(replay, sh, profile, replace(cfg, policy="static"),
                                            None)))
         else:
-            runs = [(feats.label() if policy == "promoe" else policy,
-                     run_one(replay, sh, profile, cfg, pred))]
+            runs = [(feats.label() if policy == "promoe" else policy, one(policy))]
     if as_json:
         click.echo(json.dumps({**head, "runs": [{"run": k, **r.to_json()} for k, r in runs]}))
         return

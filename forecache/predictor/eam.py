@@ -131,6 +131,14 @@ class EAMPredictor(Predictor):
         self._match = None
         return slot
 
+    def restore(self, eams: np.ndarray, prior: np.ndarray) -> None:
+        """Take a stored collection: ``prior`` [L, E] and ``eams`` [N, L, E] (a fitted
+        predictor's ``prior`` and ``collection``), added in order to a fresh collection."""
+        self.prior = np.asarray(prior, dtype=np.float64).reshape(self.n_layers, self.n_expert)
+        self.clear()
+        for eam in np.asarray(eams):
+            self.add(eam)
+
     def fit(self, requests: Sequence[Request]) -> None:
         """Learn the prior, then fill a fresh collection with the requests' EAMs in order."""
         super().fit(requests)

@@ -9,12 +9,14 @@ from pathlib import Path
 
 import numpy as np
 
+from forecache.cache.allocation import layer_decay, lru_hit_curves, reallocate
 from forecache.cache.budget import fraction_slots, parse_size
 from forecache.cache.choice import DecodeShape
 from forecache.cache.cost import Profile
 from forecache.cache.prefetcher import ABLATION
 from forecache.errors import setting
 from forecache.predictor.base import Predictor, source_layer
+from forecache.predictor.eam import EAMPredictor
 from forecache.predictor.metrics import topk_accuracy
 from forecache.predictor.registry import make_predictor, unavailable
 from forecache.sim.shapes import SimShape, shape_of, trace_model_names
@@ -135,6 +137,23 @@ def static_profile(fit: Sequence[Request], info: TraceInfo) -> np.ndarray:
             ids = r.experts[:, il].ravel()
             np.add.at(counts[il], ids[ids >= 0], 1)
     return counts
+
+
+def infinity_setup(fit: Sequence[Request], info: TraceInfo, shape: SimShape,
+                   layers: Sequence[int], n_slots: int, *, decay: bool = False,
+                   ) -> tuple[list[int], EAMPredictor]:
+    """What the infinity policy is run with: slots per model layer (``n_slots`` on each of
+    ``layers``, moved between them by the ``fit`` requests' decode reuse, as ``cache.setup``
+    does with a stored collection; ``decay``: weighted by MoE-Infinity's layer term) and the
+    EAM predictor fitted to ``fit`` without a prior (experts no match activates score 0)."""
+    layers = list(layers)
+    even = [n_slots if il in layers else 0 for il in range(shape.layers)]
+    counted = [None if r.phase is None else r.phase != 0 for r in fit]
+    curves = lru_hit_curves([r.experts[:, layers] for r in fit], info.n_expert, counted)
+    slots = reallocate(even, layers, curves, layer_decay(len(layers)) if decay else None)
+    p = EAMPredictor(info.n_layers, info.n_expert, info.top_k, prior_weight=0.0)
+    p.fit(fit)
+    return slots, p
 
 
 def fresh(p: Predictor | None) -> Predictor | None:

@@ -17,7 +17,8 @@ import numpy as np
 
 from forecache.cache.cost import CostModel, Profile, roofline_s
 from forecache.cache.forecast import Forecaster
-from forecache.cache.policies import LRUPolicy, Policy, StaticPolicy, hit_rate
+from forecache.cache.infinity import InfinityPolicy
+from forecache.cache.policies import LFUPolicy, LRUPolicy, Policy, StaticPolicy, hit_rate
 from forecache.cache.prefetcher import (
     SLOT_READY,
     Features,
@@ -28,7 +29,8 @@ from forecache.sim.engine import SimEngine
 from forecache.sim.shapes import SimShape
 from forecache.trace.format import Request
 
-SIM_POLICIES = ("offload", "ncmoe", "lru", "static", "promoe")
+SIM_POLICIES = ("offload", "ncmoe", "lru", "lfu", "static", "promoe", "infinity")
+PROACTIVE = ("promoe", "infinity")  # Prefetcher policies: forecasts, reordered compute
 
 
 @dataclass
@@ -36,11 +38,17 @@ class SimConfig:
     """One simulated run: policy, cache size, promoe's options and the ubatch size."""
 
     policy: str
-    n_slots: int  # per MoE layer with data; ncmoe: the same expert budget, as whole layers
+    # per MoE layer with data, or per model layer (e.g. infinity's ``cache.allocation``); ncmoe:
+    # the same expert budget, as whole layers
+    n_slots: int | list[int]
     features: Features = field(default_factory=Features)
     window: int = 2
     n_ubatch: int = 512
     static_profile: np.ndarray | None = None  # static: routed counts [L, E]
+
+    def slots_at(self, layer: int) -> int:
+        """Slots of model layer ``layer``."""
+        return self.n_slots if isinstance(self.n_slots, int) else int(self.n_slots[layer])
 
 
 @dataclass
@@ -77,19 +85,27 @@ class Simulator:
         self.layers = list(layers)  # trace layers with routing data, simulated as cached layers
         n_layers = shape.layers
         self.n_slots = [0] * n_layers
+        if not isinstance(cfg.n_slots, int) and len(cfg.n_slots) != n_layers:
+            raise ValueError(f"{len(cfg.n_slots)} slot counts for a shape of {n_layers} layers")
         for il in self.layers:
-            self.n_slots[il] = min(cfg.n_slots, shape.experts)
+            self.n_slots[il] = min(cfg.slots_at(il), shape.experts)
         f = cfg.features
         self.engine = SimEngine(shape, self.n_slots, profile, whole_expert_chunks=not f.chunk)
         self.policy: Policy | None
         if cfg.policy == "lru":
             self.policy = LRUPolicy(self.n_slots)
+        elif cfg.policy == "lfu":
+            self.policy = LFUPolicy(self.n_slots)
         elif cfg.policy == "static":
             if cfg.static_profile is None:
                 raise ValueError("the static policy needs a routing profile")
             self.policy = StaticPolicy(self.n_slots, cfg.static_profile)
         elif cfg.policy == "promoe":
             self.policy = Prefetcher(self.n_slots, f, CostModel.from_profile(profile, shape.expert))
+        elif cfg.policy == "infinity":
+            self.policy = InfinityPolicy(self.n_slots, f,
+                                         CostModel.from_profile(profile, shape.expert),
+                                         prefetch_n=shape.top_k)
         elif cfg.policy in ("offload", "ncmoe"):
             self.policy = None
         else:
@@ -101,11 +117,16 @@ class Simulator:
         if cfg.policy == "offload":
             self.stock_host = set(self.layers)
         elif cfg.policy == "ncmoe":
-            on_gpu = min(len(self.layers), cfg.n_slots * len(self.layers) // shape.experts)
+            total = sum(cfg.slots_at(il) for il in self.layers)
+            on_gpu = min(len(self.layers), total // shape.experts)
             self.stock_host = set(sorted(self.layers)[:len(self.layers) - on_gpu])
         self.forecaster = None
         if cfg.policy == "promoe" and f.prefetch and predictor is not None:
             self.forecaster = Forecaster(predictor, cfg.window, self.layers, self.n_slots)
+        elif cfg.policy == "infinity" and f.prefetch and predictor is not None:
+            # the whole ranking an EAM match gives: infinity's eviction priority
+            self.forecaster = Forecaster(predictor, cfg.window, self.layers, self.n_slots,
+                                         n_predict=shape.experts, min_score=0.0)
         if self.policy is not None:
             for il, e, s in self.policy.initial_loads():
                 self.engine.load(il, e, s, 1)
@@ -114,7 +135,7 @@ class Simulator:
             self.engine.stats.update(h2d_bytes=0, n_chunks=0)
         self.t = self.engine.now
         self._merge = CostModel.from_profile(profile, shape.expert)  # host entries' merge time
-        self._hook_s = profile.prefetch_hook_s if cfg.policy == "promoe" and \
+        self._hook_s = profile.prefetch_hook_s if cfg.policy in PROACTIVE and \
             profile.prefetch_hook_s > 0 else profile.hook_s
         self.hits = self.misses = self.host_layers = 0
         self.stall = self.hook = 0.0
@@ -149,6 +170,8 @@ class Simulator:
     def run_request(self, req: Request) -> tuple[float, list[float]]:
         """Simulate one request; returns (prefill seconds, per-decode-token seconds)."""
         phase = req.phase if req.phase is not None else np.ones(req.n_tokens, np.int8)
+        if self.policy is not None:
+            self.policy.begin_request()
         if self.forecaster is not None:
             self.forecaster.begin_request()
         prefill_rows = np.flatnonzero(phase == 0)
@@ -284,7 +307,7 @@ class Simulator:
         on_host = L.sch_e[n:]
         host_rows = sum(rows_of[e] for e in on_host)
         sh = self.shape
-        if not self.cfg.features.reorder or self.cfg.policy != "promoe":
+        if not self.cfg.features.reorder or self.cfg.policy not in PROACTIVE:
             # as the C side without reordering: wait for every slot, then each projection once
             self._wait(il, lambda: eng.all_ready(il))
             for p in range(L.n_proj):
@@ -327,7 +350,9 @@ class Simulator:
         t = self.t
         for target, experts in self.forecaster.on_gate(il, ids, hidden, toks):
             t += self.profile.predictor_s
-            self._pred[target] = (pass_id, experts)
+            # accuracy is of the experts copied ahead, not of infinity's whole ranking
+            copied = experts[:policy.prefetch_n] if isinstance(policy, InfinityPolicy) else experts
+            self._pred[target] = (pass_id, copied)
             eng.at(t, lambda target=target, experts=experts:
                    policy.prefetch(target, experts.tolist(), pass_id, eng))
 
