@@ -131,7 +131,7 @@ class Prefetcher(Policy):
                     hidden = int(self.cost.host_s(len(rows), sum(r for _, r, _ in rows))
                                  // self.cost.copy_s())
                     free = [s for s in range(n) if expert_of[s] < 0]
-                    victims = free + [s for e, s in lru.items() if e not in set(need)]
+                    victims = free + self.eviction_order(layer, set(need))
                     for e in [e for e in need if e not in where][:hidden]:
                         if not victims or engine.load(layer, e, victims[0], LOW) != 0:
                             break
