@@ -111,8 +111,9 @@ class Llama(llama_cpp.Llama):
     ``policy`` (promoe, infinity, lru, lfu, static, ncmoe, offload), ``gpu_budget`` (bytes or a
     size such as ``"24GiB"``: all device memory the run may use) and ``cache_fraction`` (share
     of each layer's experts in slots) choose the placement. Without a policy, the budget
-    (default: the GPU's free memory) goes to promoe or ncmoe, whichever ``cache.choice`` expects
-    to decode faster (``policy_choice`` says which and why); a CPU-only build given none of them
+    (default: the GPU's free memory) goes to promoe where ``cache.choice`` expects it to decode
+    1.2x faster than ncmoe, else to ncmoe (``policy_choice`` says which and why); a CPU-only
+    build given none of them
     keeps llama.cpp's own placement (device and host are the same memory).
     ``predictor``, ``window`` and ``machine`` tune promoe; ``n_seq_max`` sizes the context for
     that many sequences decoded together, each with n_ctx / n_seq_max of the context

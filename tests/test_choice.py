@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from forecache.cache.choice import PRIOR, Evidence, choose, hit_at, locality
+from forecache.cache.choice import MARGIN, PRIOR, Evidence, choose, hit_at, locality
 from forecache.cache.cost import CostModel, Profile
 from forecache.cache.measured import MIN_LOOKUPS, load_evidence, record_path, record_run
 from forecache.cache.setup import expert_shape
@@ -58,9 +58,13 @@ def test_target_needs_measured_locality_for_promoe() -> None:
     measured = choose(ds, RTX4090, cost, Evidence(0.65, "run", 4096))
     assert measured.policy == "promoe" and measured.promoe_s < measured.ncmoe_s
     assert measured.ncmoe_s == pytest.approx(prior.ncmoe_s)
-    times = [choose(ds, RTX4090, cost, Evidence(x, "run", 1)).promoe_s for x in
-             np.linspace(0, 1, 11)]
+    choices = [choose(ds, RTX4090, cost, Evidence(x, "run", 1)) for x in np.linspace(0, 1, 21)]
+    times = [c.promoe_s for c in choices]
     assert all(b <= a + 1e-12 for a, b in zip(times, times[1:], strict=False))
+    # promoe only where its estimate wins by the margin; somewhere it wins by less and is not taken
+    for c in choices:
+        assert (c.policy == "promoe") == (c.ncmoe_s / c.promoe_s >= MARGIN)
+    assert any(1.0 < c.ncmoe_s / c.promoe_s < MARGIN and c.policy == "ncmoe" for c in choices)
     # a slower measured copy rate or CPU makes promoe's estimate slower, never faster
     slow = choose(ds, RTX4090, cost, Evidence(0.65, "run", 4096, copy_gbps=8.0, host_scale=2.0))
     assert slow.promoe_s > measured.promoe_s and slow.ncmoe_s > measured.ncmoe_s
