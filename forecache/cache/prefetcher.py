@@ -112,8 +112,7 @@ class Prefetcher(Policy):
             if f.preempt:
                 engine.preempt(layer, need)
             expert_of, state = engine.layer_state(layer)
-            lru = self._sync(layer, expert_of)
-            where = {int(e): s for s, e in enumerate(expert_of.tolist()) if e >= 0}
+            lru, where = self._sync(layer, expert_of)
             if f.reorder:
                 rank = {SLOT_READY: 0, SLOT_COPYING: 1, SLOT_QUEUED: 2}
                 order = sorted(need, key=lambda e: rank[int(state[where[e]])] if e in where else 3)
@@ -220,17 +219,19 @@ class Prefetcher(Policy):
         least recently used first (called with the lock held)."""
         return [s for e, s in self._lru[layer].items() if e not in keep]
 
-    def _sync(self, layer: int, expert_of: np.ndarray) -> OrderedDict[int, int]:
-        """Make the mirror of ``layer`` agree with the engine (preemption empties slots)."""
+    def _sync(self, layer: int, expert_of: np.ndarray
+              ) -> tuple[OrderedDict[int, int], dict[int, int]]:
+        """Make the mirror of ``layer`` agree with the engine (preemption empties slots); returns
+        it and the engine's expert -> slot."""
         lru = self._lru[layer]
-        actual = {int(e): s for s, e in enumerate(expert_of.tolist()) if e >= 0}
+        actual = {e: s for s, e in enumerate(expert_of.tolist()) if e >= 0}
         for e in [e for e, s in lru.items() if actual.get(e) != s]:
             del lru[e]
         for e, s in actual.items():
             if e not in lru:
                 lru[e] = s
                 lru.move_to_end(e, last=False)  # unknown to the mirror: oldest
-        return lru
+        return lru, actual
 
 
 def _put(lru: OrderedDict[int, int], expert: int, slot: int) -> None:

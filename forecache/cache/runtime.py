@@ -36,6 +36,23 @@ class LayerInfo:
     expert_bytes: int
 
 
+# up to this many routed ids (decode's few), a dict finds the distinct ones faster than numpy
+SMALL_ROUTE = 64
+
+
+def first_use(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct experts of ``ids`` in order of first use, and how many rows route to each."""
+    if ids.size <= SMALL_ROUTE:
+        seen: dict[int, int] = {}
+        for e in ids.tolist():
+            seen[e] = seen.get(e, 0) + 1
+        return (np.fromiter(seen.keys(), ids.dtype, len(seen)),
+                np.fromiter(seen.values(), np.int64, len(seen)))
+    uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
+    by_use = np.argsort(first, kind="stable")
+    return uniq[by_use], counts[by_use]
+
+
 class ExpertCache:
     """Device slots for the routed experts of a context, driven by a policy through the gate hook;
     the policy's copy engine (load, preempt, schedule, layer_state) is the C cache.
@@ -122,10 +139,8 @@ class ExpertCache:
                 w = np.ctypeslib.as_array(w_p, shape=(n_tokens, n_used)) if w_p else None
                 x = np.ctypeslib.as_array(x_p, shape=(n_tokens, n_embd)) if x_p else None
                 self.on_route(layer, ids.reshape(n_tokens, n_used), w, x)
-            # distinct experts in order of first use
-            uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
-            by_use = np.argsort(first, kind="stable")
-            on_slots = self.policy.gate(layer, uniq[by_use], self, counts[by_use])
+            experts, counts = first_use(ids)
+            on_slots = self.policy.gate(layer, experts, self, counts)
             self._calibrate()
             if self.worker is not None:
                 x = np.ctypeslib.as_array(x_p, shape=(n_tokens, n_embd)) if x_p else None

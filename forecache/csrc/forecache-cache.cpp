@@ -227,7 +227,8 @@ struct forecache_cache {
     int                     running = 0;
     bool                    paused  = false;
     bool                    stop    = false;
-    fc_clock::time_point    low_end;  // when the last lower-priority chunk finished
+    fc_clock::time_point    low_start; // when the last lower-priority chunk started
+    fc_clock::time_point    low_end;   // and finished
     std::thread             worker;
 };
 
@@ -318,8 +319,9 @@ void fc_run(forecache_cache * c, const fc_chunk & ch, std::unique_lock<std::mute
         const double w = fc_seconds(ch.queued_at);
         L.stats.hi_wait_s    += w;
         L.stats.hi_wait_max_s = std::max(L.stats.hi_wait_max_s, w);
-        // the part of the wait spent behind a lower-priority chunk that was already copying
-        const double b = std::chrono::duration<double>(c->low_end - ch.queued_at).count();
+        // the part of the wait spent behind the last lower-priority chunk copying (a chunk
+        // that waited for its slot to be consumed may see lower ones start after it was queued)
+        const double b = std::chrono::duration<double>(c->low_end - std::max(ch.queued_at, c->low_start)).count();
         if (b > 0) {
             L.stats.hi_block_s    += b;
             L.stats.hi_block_max_s = std::max(L.stats.hi_block_max_s, b);
@@ -345,7 +347,8 @@ void fc_run(forecache_cache * c, const fc_chunk & ch, std::unique_lock<std::mute
 
     lock.lock();
     if (ch.priority > 0) {
-        c->low_end = t1;
+        c->low_start = t0;
+        c->low_end   = t1;
     }
     c->running--;
     fc_count(L, ch, -1);
