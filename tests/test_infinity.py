@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from cli_helpers import run_cli
 
-from forecache.cache.allocation import allocate_slots, lru_hit_curves, reallocate
+from forecache.cache.allocation import allocate_slots, reallocate
 from forecache.cache.cost import Profile
 from forecache.cache.infinity import InfinityPolicy
 from forecache.cache.policies import LFUPolicy, LRUPolicy
@@ -26,6 +26,7 @@ from forecache.sim.engine import SimEngine
 from forecache.sim.shapes import shape_of
 from forecache.sim.simulate import SimConfig, Simulator, simulate
 from forecache.trace.format import Request
+from forecache.trace.stats import lru_hit_curves
 
 if TYPE_CHECKING:
     from conftest import StockReference

@@ -2,8 +2,9 @@
 
 The even split (``MemoryPlan.slots_per_layer``) gives every layer the same number of slots, but
 layers differ in how much their routing repeats: a layer whose requests keep to a few experts
-gains little from a tenth slot, one that spreads gains a lot. ``lru_hit_curves`` measures, from a
-routing trace, the hits a per-layer LRU cache of every size would get; ``allocate_slots`` then
+gains little from a tenth slot, one that spreads gains a lot. ``trace.stats.lru_hit_curves``
+measures, from a routing trace, the hits a per-layer LRU cache of every size would get;
+``allocate_slots`` then
 hands out a fixed total greedily by marginal gain (weighted by each layer's miss cost), at least
 one slot per layer. The runtime (``cache.setup``) and the simulator (``sim.run``) both call it.
 """
@@ -13,45 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-
-
-def lru_hit_curves(requests: Sequence[np.ndarray], n_expert: int,
-                   counted: Sequence[np.ndarray | None] | None = None) -> np.ndarray:
-    """Hits [L, n_expert + 1] of a per-layer LRU cache of 0..n_expert slots over ``requests``
-    (routed experts [T, L, k] each, -1 unknown), replayed one after the other as one stream.
-
-    Each row is one gate: a cache of c slots holds the c experts used most recently before it, and
-    a row routing more known experts than c is computed from host memory (no hits), as the
-    policies do. ``counted`` (a bool mask [T] per request, or None for all rows) chooses which
-    rows' lookups are counted; every row still updates the recency (decode rows after a prefill).
-    """
-    if not requests:
-        return np.zeros((0, n_expert + 1), dtype=np.int64)
-    n_layers = requests[0].shape[1]
-    # hits by the smallest cache size they need, summed over sizes at the end
-    diff = np.zeros((n_layers, n_expert + 2), dtype=np.int64)
-    last = np.full((n_layers, n_expert), -1, dtype=np.int64)  # row of last use; -1 never
-    rows_l = np.arange(n_layers)[:, None]
-    t = 0
-    for i, ex in enumerate(requests):
-        ex = np.asarray(ex, dtype=np.int64)
-        mask = None if counted is None or counted[i] is None else np.asarray(counted[i], bool)
-        for r in range(ex.shape[0]):
-            ids = ex[r]  # [L, k]
-            known = ids >= 0
-            safe = np.where(known, ids, 0)
-            if mask is None or mask[r]:
-                seen = last[rows_l, safe]  # [L, k]
-                # recency rank: experts used strictly more recently than this one
-                pos = (last[:, None, :] > seen[:, :, None]).sum(axis=2)
-                need = known.sum(axis=1, keepdims=True)  # a row needs all its experts in slots
-                start = np.maximum(pos + 1, need)
-                hit = known & (seen >= 0)
-                np.add.at(diff, (np.broadcast_to(rows_l, ids.shape)[hit],
-                                 np.minimum(start[hit], n_expert + 1)), 1)
-            t += 1
-            last[np.broadcast_to(rows_l, ids.shape)[known], ids[known]] = t
-    return np.cumsum(diff, axis=1)[:, :n_expert + 1]
 
 
 def layer_decay(n_layers: int) -> np.ndarray:

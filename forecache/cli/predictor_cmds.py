@@ -133,10 +133,10 @@ def train_cmd(model: Path, trace_path: Path, predictor: str, window: int | None,
 
 def _train_eam(mf: ModelFile, trace_path: Path) -> None:
     """Store ``mf``'s EAM collection and per-layer decode hit curves from a trace of it."""
-    from forecache.cache.allocation import lru_hit_curves
     from forecache.gguf.identity import require_same_model
     from forecache.predictor.eam import EAMPredictor
     from forecache.predictor.store import EAMCollection, save_eam
+    from forecache.trace.stats import lru_hit_curves
 
     with TraceFile(trace_path) as tr:
         require_same_model(tr.meta, mf, f"trace {trace_path}",

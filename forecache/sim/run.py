@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from forecache.cache.allocation import layer_decay, lru_hit_curves, reallocate
+from forecache.cache.allocation import layer_decay, reallocate
 from forecache.cache.budget import fraction_slots, parse_size
 from forecache.cache.choice import DecodeShape
 from forecache.cache.cost import Profile
@@ -22,6 +22,7 @@ from forecache.predictor.registry import make_predictor, unavailable
 from forecache.sim.shapes import SimShape, shape_of, trace_model_names
 from forecache.sim.simulate import SimConfig, SimResult, simulate
 from forecache.trace.format import Request, TraceFile, TraceInfo
+from forecache.trace.stats import lru_hit_curves
 
 # Device memory a budget keeps for the KV cache and compute buffers (4096 context, 512 ubatch).
 BUDGET_RESERVE = 1536 << 20

@@ -29,7 +29,7 @@ from forecache.gguf.identity import identity
 from forecache.interrupt import Terminated, deferred_signals
 from forecache.requests import Request, read_requests
 from forecache.trace.format import TraceError, TraceFile, TraceWriter
-from forecache.trace.stats import lru_hit_rate
+from forecache.trace.stats import lru_hit_curves
 
 if TYPE_CHECKING:
     from forecache.llama import Llama
@@ -221,15 +221,15 @@ def keep_routing(trace_path: str | os.PathLike[str], model: ModelFile) -> None:
     (``cache.measured``): an LRU replay at every tenth of the experts."""
     with TraceFile(trace_path) as tf:
         reqs = list(tf.requests())
+    decode = [None if r.phase is None else r.phase == 1 for r in reqs]
+    known = sum(int(((r.experts if d is None else r.experts[d]) >= 0).sum())
+                for r, d in zip(reqs, decode, strict=True))  # decode lookups
+    if not known:
+        return
+    curves = lru_hit_curves([r.experts for r in reqs], model.n_expert, decode)
     points = []
     for tenth in range(1, 10):
         n = max(1, round(model.n_expert * tenth / 10))
         share = n / model.n_expert
-        hit = lru_hit_rate(reqs, n, phase=1)
-        rows = sum(int((r.phase == 1).sum()) if r.phase is not None else r.n_tokens
-                   for r in reqs)
-        if rows:
-            lookups = rows * model.n_expert_used * len(model.moe_layers())
-            points.append((share, locality(hit, share), lookups))
-    if points:
-        add_localities(model, points, "trace")
+        points.append((share, locality(float(curves[:, n].sum()) / known, share), known))
+    add_localities(model, points, "trace")

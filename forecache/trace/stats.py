@@ -418,31 +418,59 @@ def routing_stats(trace: TraceFile, windows: Sequence[int] = DEFAULT_WINDOWS) ->
     return st
 
 
+def lru_hit_curves(requests: Sequence[np.ndarray], n_expert: int,
+                   counted: Sequence[np.ndarray | None] | None = None) -> np.ndarray:
+    """Hits [L, n_expert + 1] of a per-layer LRU cache of 0..n_expert slots over ``requests``
+    (routed experts [T, L, k] each, -1 unknown), replayed one after the other as one stream.
+
+    Each row is one gate: a cache of c slots holds the c experts used most recently before it, and
+    a row routing more known experts than c is computed from host memory (no hits), as the
+    policies do. ``counted`` (a bool mask [T] per request, or None for all rows) chooses which
+    rows' lookups are counted; every row still updates the recency (decode rows after a prefill).
+    """
+    if not requests:
+        return np.zeros((0, n_expert + 1), dtype=np.int64)
+    n_layers = requests[0].shape[1]
+    # hits by the smallest cache size they need, summed over sizes at the end
+    diff = np.zeros((n_layers, n_expert + 2), dtype=np.int64)
+    last = np.full((n_layers, n_expert), -1, dtype=np.int64)  # row of last use; -1 never
+    rows_l = np.arange(n_layers)[:, None]
+    t = 0
+    for i, ex in enumerate(requests):
+        ex = np.asarray(ex, dtype=np.int64)
+        mask = None if counted is None or counted[i] is None else np.asarray(counted[i], bool)
+        for r in range(ex.shape[0]):
+            ids = ex[r]  # [L, k]
+            known = ids >= 0
+            safe = np.where(known, ids, 0)
+            if mask is None or mask[r]:
+                seen = last[rows_l, safe]  # [L, k]
+                # recency rank: experts used strictly more recently than this one
+                pos = (last[:, None, :] > seen[:, :, None]).sum(axis=2)
+                need = known.sum(axis=1, keepdims=True)  # a row needs all its experts in slots
+                start = np.maximum(pos + 1, need)
+                hit = known & (seen >= 0)
+                np.add.at(diff, (np.broadcast_to(rows_l, ids.shape)[hit],
+                                 np.minimum(start[hit], n_expert + 1)), 1)
+            t += 1
+            last[np.broadcast_to(rows_l, ids.shape)[known], ids[known]] = t
+    return np.cumsum(diff, axis=1)[:, :n_expert + 1]
+
+
 def lru_hit_rate(requests: Sequence[Request], n_slots: int, phase: int | None = None) -> float:
-    """Share of routed experts (distinct per token and layer) found in a per-layer LRU cache of
-    ``n_slots`` experts, replaying ``requests`` token by token, one after the other, as one
-    stream decodes them; with ``phase`` (0 prefill, 1 decode) only that phase's rows are counted
-    (every row still passes through the cache). 0 when nothing is counted."""
+    """Share of routed experts found in a per-layer LRU cache of ``n_slots`` experts, replaying
+    ``requests`` one after the other as one stream decodes them (``lru_hit_curves``); with
+    ``phase`` (0 prefill, 1 decode) only that phase's rows are counted (every row still passes
+    through the cache). 0 when nothing is counted."""
     if n_slots < 1:
         raise ValueError(f"an LRU cache needs at least one slot, not {n_slots}")
-    hits = total = 0
-    n_layers = requests[0].experts.shape[1] if requests else 0
-    for il in range(n_layers):
-        cache: dict[int, None] = {}  # insertion order is recency order
-        for req in requests:
-            counted = [True] * req.n_tokens if phase is None or req.phase is None else \
-                (req.phase == phase).tolist()
-            for row, count in zip(req.experts[:, il].tolist(), counted, strict=True):
-                for e in set(row):
-                    if e < 0:
-                        continue
-                    found = e in cache
-                    if count:
-                        total += 1
-                        hits += found
-                    if found:
-                        del cache[e]
-                    elif len(cache) >= n_slots:
-                        del cache[next(iter(cache))]
-                    cache[e] = None
-    return hits / total if total else 0.0
+    if not requests:
+        return 0.0
+    counted = [None if phase is None or r.phase is None else r.phase == phase for r in requests]
+    n_expert = max(max(int(r.experts.max()) for r in requests) + 1, n_slots)
+    curves = lru_hit_curves([r.experts for r in requests], n_expert, counted)
+    total = 0
+    for r, c in zip(requests, counted, strict=True):
+        routed = r.experts if c is None else r.experts[c]
+        total += int((routed >= 0).sum())
+    return float(curves[:, n_slots].sum()) / total if total else 0.0
