@@ -43,7 +43,6 @@ from forecache.trace.stats import lru_hit_rate
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCHED = {"qwen15_moe_a27b_chat_gsm8k25_5layers_batched"}
-OLMOE_FIT = synth.SynthParams(skew=1.5, focus=0.44, stick=0.11, follow=0.36)  # target_sim's fit
 
 
 def _decode_phase(reqs: list[Request]) -> int | None:
@@ -124,7 +123,7 @@ def main() -> None:
         cases.append(guard_case(path.stem, shape, replay, n, profile, pred))
         print(f"simulated {path.stem}", flush=True)
     target = shape_of("qwen2-57b-a14b", "q4_k")
-    reqs = synth.synthesize(OLMOE_FIT, n_layers=target.layers, n_expert=target.experts,
+    reqs = synth.synthesize(synth.OLMOE_FIT, n_layers=target.layers, n_expert=target.experts,
                             top_k=target.top_k, tokens=[640] * 8, prefill=[512] * 8, seed=0)
     reqs = [replace(r, token_ids=None) for r in reqs]
     n = slots_for(target, target.layers, "24GiB", None)

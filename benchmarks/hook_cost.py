@@ -32,15 +32,14 @@ from forecache.sim.simulate import SimConfig
 from forecache.trace import synth
 
 POLICIES = ("offload", "lru", "promoe", "promoe --no-prefetch")
-OLMOE_FIT = synth.SynthParams(skew=1.5, focus=0.44, stick=0.11, follow=0.36)  # target_sim's fit
 
 
 def simulated_share() -> dict:
     """The promoe hook's share of a decode token at the target, in simulation."""
     profile = Profile.load("rtx4090")
     sh = shape_of("qwen2-57b-a14b", "q4_k")
-    reqs = synth.synthesize(OLMOE_FIT, n_layers=sh.layers, n_expert=sh.experts, top_k=sh.top_k,
-                            tokens=[160] * 2, prefill=[32] * 2, seed=0)
+    reqs = synth.synthesize(synth.OLMOE_FIT, n_layers=sh.layers, n_expert=sh.experts,
+                            top_k=sh.top_k, tokens=[160] * 2, prefill=[32] * 2, seed=0)
     n = slots_for(sh, sh.layers, "24GiB", None)
     r = run_one(reqs, sh, profile, SimConfig("promoe", n), None)
     hook = profile.prefetch_hook_s or profile.hook_s

@@ -29,7 +29,7 @@ from forecache.sim.run import (
 )
 from forecache.sim.shapes import trace_model_names
 from forecache.sim.simulate import SimConfig
-from forecache.trace.format import TraceFile
+from forecache.trace.format import TraceFile, logged_layers
 
 ROOT = Path(__file__).resolve().parents[1]
 SWEPT = ("ncmoe", "offload", "lru", "static", "promoe")
@@ -58,8 +58,7 @@ def main() -> None:
             info = tf.info()
             shape = trace_shape(path, info, shape_name, "q4_k")
             fit, replay = split_requests(tf, 0.5)
-            layers = [il for il in range(info.n_layers)
-                      if any((r.experts[:, il] >= 0).any() for r in replay)]
+            layers = logged_layers(replay, info.n_layers)
             pname, pred = fit_predictor("auto", info, fit, args.window)
             base = SimConfig("lru", slots_for(shape, len(layers), None, args.fraction),
                              window=args.window, static_profile=static_profile(fit, info))

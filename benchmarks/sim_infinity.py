@@ -36,13 +36,11 @@ from forecache.sim.run import (
 )
 from forecache.sim.shapes import SimShape, shape_of, trace_model_names
 from forecache.sim.simulate import SimConfig, SimResult
-from forecache.trace.format import Request, TraceFile, TraceInfo
-from forecache.trace.synth import SynthParams, synthesize, write_trace
+from forecache.trace.format import Request, TraceFile, TraceInfo, logged_layers
+from forecache.trace.synth import OLMOE_FIT, synthesize, write_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("ncmoe", "lru", "lfu", "promoe", "infinity")
-# fitted to olmoe_1b_7b_nf4gemm_decode_4x512 (64 experts, top-8, as the target)
-TARGET_ROUTING = SynthParams(skew=1.5, focus=0.44, stick=0.11, follow=0.36)
 
 
 def compare(fit: Sequence[Request], replay: Sequence[Request], info: TraceInfo, shape: SimShape,
@@ -50,8 +48,7 @@ def compare(fit: Sequence[Request], replay: Sequence[Request], info: TraceInfo, 
             variants: bool) -> dict[str, SimResult]:
     """Every policy at ``n_slots`` a layer (infinity: the same total, moved by reuse); with
     ``variants``, infinity on the even split and with layer-decay sizing too."""
-    layers = [il for il in range(info.n_layers)
-              if any((r.experts[:, il] >= 0).any() for r in replay)]
+    layers = logged_layers(replay, info.n_layers)
     base = SimConfig("ncmoe", n_slots, window=window)
     slots, eam = infinity_setup(fit, info, shape, layers, n_slots)
     out = {}
@@ -94,13 +91,13 @@ def target(args: argparse.Namespace, profile: Profile) -> tuple[str, dict]:
     """The target at its budget with synthetic routing."""
     shape = shape_of("qwen2-57b-a14b", "q4_k")
     n_tok = args.prefill + args.decode
-    reqs = synthesize(TARGET_ROUTING, n_layers=shape.layers, n_expert=shape.experts,
+    reqs = synthesize(OLMOE_FIT, n_layers=shape.layers, n_expert=shape.experts,
                       top_k=shape.top_k, tokens=[n_tok] * args.requests,
                       prefill=[args.prefill] * args.requests, seed=args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "target.npz"
         write_trace(path, reqs, {"preset": "qwen2-57b-a14b", "n_expert": shape.experts,
-                                 "synth": asdict(TARGET_ROUTING)})
+                                 "synth": asdict(OLMOE_FIT)})
         with TraceFile(path) as tf:
             info = tf.info()
             fit, replay = split_requests(tf, 0.5)
@@ -108,7 +105,7 @@ def target(args: argparse.Namespace, profile: Profile) -> tuple[str, dict]:
     pname, pred = fit_predictor("auto", info, fit, args.window)
     runs = compare(fit, replay, info, shape, profile, n_slots, pred, args.window, True)
     title = (f"target: qwen2-57b-a14b q4_k at {args.target_budget} ({n_slots}/{shape.experts} "
-             f"slots a layer), synthetic routing {TARGET_ROUTING}, promoe predictor {pname} "
+             f"slots a layer), synthetic routing {OLMOE_FIT}, promoe predictor {pname} "
              f"(k={args.window}), {len(replay)} requests of {args.prefill} + {args.decode} "
              "tokens replayed")
     return table(title, runs), {"shape": shape.name, "budget": args.target_budget,
@@ -145,8 +142,7 @@ def main() -> None:
             info = tf.info()
             shape = trace_shape(path, info, None, "q4_k")
             fit, replay = split_requests(tf, 0.5)
-        layers = [il for il in range(info.n_layers)
-                  if any((r.experts[:, il] >= 0).any() for r in replay)]
+        layers = logged_layers(replay, info.n_layers)
         pname, pred = fit_predictor("auto", info, fit, args.window)
         n_slots = slots_for(shape, len(layers), None, args.fraction)
         runs = compare(fit, replay, info, shape, profile, n_slots, pred, args.window, True)

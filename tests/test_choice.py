@@ -71,7 +71,7 @@ def test_target_needs_measured_locality_for_promoe() -> None:
 
 
 @pytest.mark.parametrize("shape,share,params", [
-    ("qwen2-57b-a14b", None, synth.SynthParams(skew=1.5, focus=0.44, stick=0.11, follow=0.36)),
+    ("qwen2-57b-a14b", None, synth.OLMOE_FIT),
     ("granite-3.0-1b-a400m", 0.55, synth.SynthParams(skew=0.8, focus=0.5, stick=0.3,
                                                      follow=0.4)),
 ])

@@ -22,7 +22,7 @@ from forecache.sim.run import (
     trace_shape,
 )
 from forecache.sim.simulate import SIM_POLICIES, SimConfig, SimResult
-from forecache.trace.format import TraceFile
+from forecache.trace.format import TraceFile, logged_layers
 
 
 def _row(label: str, r: SimResult, base: SimResult | None) -> str:
@@ -81,8 +81,7 @@ def simulate_cmd(trace_path: Path, policy: str, shape: str | None, qtype: str,
         info = tf.info()
         sh = trace_shape(trace_path, info, shape, qtype)
         fit, replay = split_requests(tf, fit_fraction)
-        layers = [il for il in range(info.n_layers)
-                  if any((r.experts[:, il] >= 0).any() for r in replay)]
+        layers = logged_layers(replay, info.n_layers)
         # a budget holds every MoE layer's slots, logged or not; the simulated run is the
         # logged layers (a partial trace's other layers are left out)
         n_slots = slots_for(sh, sh.layers, budget, cache_fraction)

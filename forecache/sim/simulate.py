@@ -27,7 +27,7 @@ from forecache.cache.prefetcher import (
 from forecache.predictor.base import Predictor
 from forecache.sim.engine import SimEngine
 from forecache.sim.shapes import SimShape
-from forecache.trace.format import Request
+from forecache.trace.format import Request, logged_layers
 
 SIM_POLICIES = ("offload", "ncmoe", "lru", "lfu", "static", "promoe", "infinity")
 PROACTIVE = ("promoe", "infinity")  # Prefetcher policies: forecasts, reordered compute
@@ -405,8 +405,7 @@ def simulate(requests: Sequence[Request], shape: SimShape, profile: Profile, cfg
     """Replay ``requests`` (in order, one at a time) and summarise."""
     if not requests:
         raise ValueError("no requests to simulate")
-    layers = [il for il in range(shape.layers)
-              if any((r.experts[:, il] >= 0).any() for r in requests)]
+    layers = logged_layers(requests, shape.layers)
     sim = Simulator(shape, profile, cfg, layers, predictor)
     prefill, decode = [], []
     n_prefill = 0

@@ -30,7 +30,7 @@ import os
 import shutil
 import struct
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -64,6 +64,11 @@ class Request:
     @property
     def n_tokens(self) -> int:
         return int(self.experts.shape[0])
+
+
+def logged_layers(requests: Sequence[Request], n_layers: int) -> list[int]:
+    """The layers of ``n_layers`` whose routing ``requests`` logged somewhere."""
+    return [il for il in range(n_layers) if any((r.experts[:, il] >= 0).any() for r in requests)]
 
 
 class TraceError(ValueError):

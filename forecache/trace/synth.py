@@ -49,6 +49,11 @@ class SynthParams:
     follow: float = 0.3
 
 
+# ``fit`` to the OLMoE-1B-7B decode trace (64 experts, top-8, as Qwen2-57B-A14B), rounded: the
+# routing the target is simulated with (BENCHMARKS.md)
+OLMOE_FIT = SynthParams(skew=1.5, focus=0.44, stick=0.11, follow=0.36)
+
+
 def synthesize(params: SynthParams, *, n_layers: int, n_expert: int, top_k: int,
                tokens: Sequence[int], prefill: Sequence[int] | None = None,
                seed: int = 0) -> list[Request]:
