@@ -136,6 +136,7 @@ class Split:
 
     host: list[int]
     whole_layer: bool = False
+    host_s: float = 0.0  # modelled CPU time of what goes to the host (alone on DRAM)
 
 
 @dataclass
@@ -209,13 +210,7 @@ class CostModel:
         costs worth paying only for enough experts); computing the whole layer on the host, as
         the reactive baselines do, is the alternative."""
         split, _ = self.best_split(rows, in_flight)
-        if split.whole_layer:
-            self.predicted_host_s += self.host_s(len(rows), sum(r for _, r, _ in rows)) \
-                / self.host_scale
-        elif split.host:
-            host = set(split.host)
-            pairs = sum(r for e, r, _ in rows if e in host)
-            self.predicted_host_s += self.host_s(len(host), pairs) / self.host_scale
+        self.predicted_host_s += split.host_s / self.host_scale
         return split
 
     def best_split(self, rows: Sequence[tuple[int, int, bool]], in_flight: int
@@ -226,19 +221,20 @@ class CostModel:
         n_all, pairs_all = len(rows), sum(r for _, r, _ in rows)
         c = self.copy_s()
         best_t = max(c * (in_flight + len(missing)), self.dev_s(n_all, pairs_all))
-        best_k, pairs = 0, 0
+        best_k, best_host, pairs = 0, 0.0, 0
         for k, (_, r) in enumerate(missing, start=1):
             pairs += r
-            copy_t, host_t = shared_dram(c * (in_flight + len(missing) - k),
-                                         self.host_s(k, pairs), self.dram_factor)
+            alone = self.host_s(k, pairs)
+            copy_t, host_t = shared_dram(c * (in_flight + len(missing) - k), alone,
+                                         self.dram_factor)
             dev = max(copy_t, self.dev_s(n_all - k, pairs_all - pairs))
             t = max(dev, host_t) + self.merge_s(pairs)
             if t < best_t:
-                best_t, best_k = t, k
+                best_t, best_k, best_host = t, k, alone
         whole = self.host_s(n_all, pairs_all)
         if whole < best_t:
-            return Split([], whole_layer=True), whole
-        return Split([e for e, _ in missing[:best_k]]), best_t
+            return Split([], whole_layer=True, host_s=whole), whole
+        return Split([e for e, _ in missing[:best_k]], host_s=best_host), best_t
 
     def calibrate(self, h2d_bytes: int, copy_s: float, host_s: float) -> None:
         """Correct the profile with the engine's totals: copy rate, and host time against the

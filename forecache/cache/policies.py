@@ -30,6 +30,23 @@ def hit_rate(hits: int, misses: int) -> float | None:
     return hits / looked_up if looked_up else None
 
 
+# up to this many routed ids (decode's few), a dict finds the distinct ones faster than numpy
+SMALL_ROUTE = 64
+
+
+def first_use(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct experts of ``ids`` in order of first use, and how many rows route to each."""
+    if ids.size <= SMALL_ROUTE:
+        seen: dict[int, int] = {}
+        for e in ids.tolist():
+            seen[e] = seen.get(e, 0) + 1
+        return (np.fromiter(seen.keys(), ids.dtype, len(seen)),
+                np.fromiter(seen.values(), np.int64, len(seen)))
+    uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
+    by_use = np.argsort(first, kind="stable")
+    return uniq[by_use], counts[by_use]
+
+
 class Policy:
     """What the expert cache asks of a policy: per-layer slot counts, copies before the first
     token, the decision at each layer's gate, and forecasts to act on. Reactive policies implement

@@ -127,8 +127,7 @@ class Prefetcher(Policy):
                     # all on the CPU: cheaper than any use of the slots now. As many missing
                     # experts as can be copied while the CPU computes the layer still enter the
                     # cache (a cold cache would stay cold); more would hold up the next layers.
-                    hidden = int(self.cost.host_s(len(rows), sum(r for _, r, _ in rows))
-                                 // self.cost.copy_s())
+                    hidden = int(plan.host_s // self.cost.copy_s())
                     free = [s for s in range(n) if expert_of[s] < 0]
                     victims = free + self.eviction_order(layer, set(need))
                     for e in [e for e in need if e not in where][:hidden]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from forecache.cache.forecast import Forecaster, ForecastWorker
-from forecache.cache.policies import Policy
+from forecache.cache.policies import Policy, first_use
 from forecache.native import libllama
 from forecache.native.cache_api import (  # noqa: F401  (LOW re-exported)
     CHUNK_PROJECTION,
@@ -34,23 +34,6 @@ class LayerInfo:
     n_expert: int
     n_slots: int
     expert_bytes: int
-
-
-# up to this many routed ids (decode's few), a dict finds the distinct ones faster than numpy
-SMALL_ROUTE = 64
-
-
-def first_use(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct experts of ``ids`` in order of first use, and how many rows route to each."""
-    if ids.size <= SMALL_ROUTE:
-        seen: dict[int, int] = {}
-        for e in ids.tolist():
-            seen[e] = seen.get(e, 0) + 1
-        return (np.fromiter(seen.keys(), ids.dtype, len(seen)),
-                np.fromiter(seen.values(), np.int64, len(seen)))
-    uniq, first, counts = np.unique(ids, return_index=True, return_counts=True)
-    by_use = np.argsort(first, kind="stable")
-    return uniq[by_use], counts[by_use]
 
 
 class ExpertCache:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from forecache.cli.generate_cmd import cache_config, cache_options, threads_option
+from forecache.cli.generate_cmd import cache_config, cache_options, say_choice, threads_option
 from forecache.cli.model_arg import model_option
 
 
@@ -87,8 +87,7 @@ def batch(model: Path, input_path: Path, output_path: Path, parallel: int, max_t
         llm = Llama.open(model, cache=cache_config(**cache_opts),  # type: ignore[arg-type]
                          n_ctx=ctx_per_seq, n_seq_max=n_seq, n_threads=threads,
                          verbose=verbose)
-        if llm.policy_choice is not None:
-            click.echo(llm.policy_choice.reason(), err=True)
+        say_choice(llm)
         show = progress if progress is not None else sys.stderr.isatty()
         bar = tqdm(total=len(todo), unit="req", disable=not show, file=sys.stderr,
                    dynamic_ncols=True)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from forecache.cli.generate_cmd import cache_config, cache_options, threads_option
+from forecache.cli.generate_cmd import cache_config, cache_options, say_choice, threads_option
 from forecache.cli.model_arg import model_option
 from forecache.interrupt import Terminated
 from forecache.paths import chat_history_file
@@ -127,8 +127,7 @@ def chat(model: Path, system: str | None, max_tokens: int, temp: float, seed: in
         click.echo(f"forecache chat: {model.name} ({mf.arch}, {mf.n_layer} layers, "
                    f"{mf.n_expert} experts, top-{mf.n_expert_used}), policy {stats['policy']}, "
                    f"context {llm.n_ctx()}", err=True)
-        if llm.policy_choice is not None:
-            click.echo(llm.policy_choice.reason(), err=True)
+        say_choice(llm)
         click.echo("/help lists commands; Ctrl-C stops an answer; Ctrl-D or /exit quits.",
                    err=True)
         _loop(session)

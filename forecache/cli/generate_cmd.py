@@ -18,6 +18,7 @@ from forecache.native.libs import MAX_THREADS
 
 if TYPE_CHECKING:
     from forecache.generate import GenerationResult
+    from forecache.llama import Llama
 
 
 def threads_option(fn):  # type: ignore[no-untyped-def]
@@ -73,6 +74,12 @@ def cache_config(policy: str | None, gpu_budget: str | None, cache_fraction: flo
                                 features=Features(prefetch=not no_prefetch, chunk=not no_chunk,
                                                   preempt=not no_preempt,
                                                   reorder=not no_reorder, split=not no_split))
+
+
+def say_choice(llm: Llama) -> None:
+    """The default placement's one line (what forecache chose and why), when it chose."""
+    if llm.policy_choice is not None:
+        click.echo(llm.policy_choice.reason(), err=True)
 
 
 def _print_stats(res: GenerationResult) -> None:
@@ -151,8 +158,7 @@ def run(model: Path, prompt: str | None, n_predict: int, **cache_opts: object) -
         if "forecache.preset" in mf.kv:
             click.echo("note: this model has random weights (made by `forecache make-model`), "
                        "so its text is noise; the timings are real", err=True)
-        if llm.policy_choice is not None:
-            click.echo(llm.policy_choice.reason(), err=True)
+        say_choice(llm)
         click.echo(f"> {question}", err=True)
         with deferred_signals() as stop:
             res = generate(llm, text, n_predict, SamplingParams(greedy=True), on_text=_stream,

@@ -7,7 +7,7 @@ from typing import Any
 
 import click
 
-from forecache.cli.generate_cmd import cache_config, cache_options, threads_option
+from forecache.cli.generate_cmd import cache_config, cache_options, say_choice, threads_option
 from forecache.cli.model_arg import model_option
 
 
@@ -41,8 +41,7 @@ def serve(model: Path, host: str, port: int, n_ctx: int, threads: int | None,
         def load(settings: Any) -> Llama:
             llm = Llama.open(settings.model, cache=cfg, n_ctx=n_ctx, n_threads=threads,
                              chat_format=settings.chat_format, verbose=verbose)
-            if llm.policy_choice is not None:
-                click.echo(llm.policy_choice.reason(), err=True)
+            say_choice(llm)
             policy[0] = llm.cache_config.policy if llm.cache_config else "none"
             return llm
 

@@ -18,7 +18,14 @@ import numpy as np
 from forecache.cache.cost import CostModel, Profile, roofline_s
 from forecache.cache.forecast import Forecaster
 from forecache.cache.infinity import InfinityPolicy
-from forecache.cache.policies import LFUPolicy, LRUPolicy, Policy, StaticPolicy, hit_rate
+from forecache.cache.policies import (
+    LFUPolicy,
+    LRUPolicy,
+    Policy,
+    StaticPolicy,
+    first_use,
+    hit_rate,
+)
 from forecache.cache.prefetcher import (
     SLOT_READY,
     Features,
@@ -213,9 +220,7 @@ class Simulator:
             known = ids[ids >= 0]
             if known.size == 0:
                 continue
-            uniq, first, counts = np.unique(known, return_index=True, return_counts=True)
-            by_use = np.argsort(first, kind="stable")
-            experts, counts = uniq[by_use], counts[by_use]
+            experts, counts = first_use(known)
             self._account_prediction(il, experts)
             missed = self.misses
             floor += sum(self._node(experts, known.size, j) for j in range(len(sh.proj_bytes)))
