@@ -24,14 +24,15 @@ from math import comb
 from forecache.cache.cost import CostModel, Profile, roofline_s
 
 # The locality assumed of a model nobody has measured: none (uniform routing). Real models range
-# from about none (FLAME-MoE-290M, teacher-forced; Mixtral-8x7B at 0.12-0.28) to 0.9 (OLMoE at a
-# share of 0.85): benchmarks/default_guard.py, BENCHMARKS.md. Anything above the lowest could
-# choose promoe where it loses.
+# from about none (FLAME-MoE-290M, teacher-forced: 0.05-0.25; Mixtral-8x7B 0.17-0.39) to 0.9
+# (OLMoE at a share of 0.85): benchmarks/default_guard.py, BENCHMARKS.md. Anything above the
+# lowest could choose promoe where it loses.
 PRIOR_LOCALITY = 0.0
 # How much faster promoe's estimate must be to be chosen: the estimate leaves out what prefetches
-# cost the other copies and CPU compute, and against the simulator it was optimistic by up to
-# 1.20x (the Mixtral-8x7B trace, whose 99 MB experts make every stray copy dear); elsewhere it was
-# pessimistic (benchmarks/default_guard.py).
+# and cache fills cost the other copies and CPU compute. Against the simulator it was optimistic
+# only on the Mixtral-8x7B trace, whose 99 MB experts make every stray copy dear (1.12x estimated
+# from a trace's locality where the simulator gives 0.86x); elsewhere it was pessimistic
+# (benchmarks/default_guard.py).
 MARGIN = 1.2
 
 
