@@ -66,9 +66,12 @@ def _sized(policy: str, gpu_budget: int | None, fraction: float | None, **kw: ob
 
 
 def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n_gen: int, *,
-               n_ctx: int, n_threads: int | None) -> dict:
-    """Load the model under ``cfg``, warm up, then generate ``n_gen`` tokens for every prompt."""
+               n_ctx: int, n_threads: int | None, decode_gate: bool = True) -> dict:
+    """Load the model under ``cfg``, warm up, then generate ``n_gen`` tokens for every prompt
+    (``decode_gate=False``: every gate calls the Python policy)."""
     with Llama.open(model, cache=cfg, n_ctx=n_ctx, n_threads=n_threads) as llm:
+        if llm.expert_cache is not None:
+            llm.expert_cache.use_decode_gate(decode_gate)
         generate(llm, prompts[0][:8], 2, SamplingParams(greedy=True), ignore_eos=True)
         if llm.expert_cache is not None:
             llm.expert_cache.reset_stats()

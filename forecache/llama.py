@@ -218,13 +218,12 @@ class Llama(llama_cpp.Llama):
                                                self.placement.device),
                                    self.model_file,
                                    say=lambda msg: print(msg, file=sys.stderr))
-        if self.expert_cache.worker is not None:
-            cache = self.expert_cache  # predictors that read token ids get each batch's
+        cache = self.expert_cache  # predictors that read token ids get each batch's
 
-            def on_batch(tokens: Sequence[int]) -> None:
-                cache.batch_tokens = np.asarray(tokens, dtype=np.int32)
+        def on_batch(tokens: Sequence[int]) -> None:
+            cache.batch_tokens = np.asarray(tokens, dtype=np.int32)
 
-            self.on_batch = on_batch
+        self.on_batch = on_batch
         self.expert_cache.wait_idle()  # the static policy's pinned experts
         self.expert_cache.reset_stats()
 
@@ -339,13 +338,15 @@ class Llama(llama_cpp.Llama):
 
     def expert_stats(self) -> dict:
         """Expert-cache counters since the last ``reset_stats()``: policy, hits, misses,
-        hit_rate, bytes copied host-to-device, stall time, gate-hook time and calls, and the
+        hit_rate, bytes copied host-to-device, stall time, gate-hook time and calls, time and
+        count of the gates decided in C (``decode_gate_s``, ``decode_gates``), and the
         device slots (total, filled, bytes). Zeros, with policy ``none``, when the model runs
         without a cache."""
         cfg = self.cache_config
         out: dict = {"policy": cfg.policy if cfg else "none", "hits": 0, "misses": 0,
                      "hit_rate": None, "h2d_bytes": 0, "stall_s": 0.0, "copy_s": 0.0,
-                     "hook_s": 0.0, "hook_calls": 0, "host_layers": 0, "cache_slots": 0,
+                     "hook_s": 0.0, "hook_calls": 0, "decode_gate_s": 0.0, "decode_gates": 0,
+                     "host_layers": 0, "cache_slots": 0,
                      "slots_filled": 0,
                      "slot_bytes": 0, "device": self.placement.device.name if self.placement
                      else None}
@@ -356,6 +357,7 @@ class Llama(llama_cpp.Llama):
         out.update({k: s[k] for k in ("hits", "misses", "h2d_bytes", "stall_s", "host_layers",
                                       "copy_s", "hook_s")})
         out["hook_calls"] = s["n_hook_calls"]
+        out["decode_gate_s"], out["decode_gates"] = s["fast_s"], s["fast_gates"]
         out["hit_rate"] = hit_rate(s["hits"], s["misses"])
         out["cache_slots"] = cache.n_slots_total
         out["slots_filled"] = sum(int(np.count_nonzero(cache.layer_state(il)[1] != SLOT_EMPTY))

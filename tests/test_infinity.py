@@ -111,12 +111,13 @@ def _token(pol: InfinityPolicy, eng: SimEngine, experts: list[int],
     """One token: layer 0 routes expert 0, a forecast ``ranking`` for layer 1 arrives, layer 1
     routes ``experts``; returns the copies the forecast queued."""
     queued = 0
+    eng.new_pass()
     for layer, ids in ((0, [0]), (1, experts)):
-        eng.begin_route(layer)
+        eng.begin_route(layer, ids)
         assert pol.gate(layer, np.array(ids), eng)
         eng.wait_until(lambda: eng.running is None and not any(eng.queue))
         if layer == 0 and ranking is not None:
-            queued = pol.prefetch(1, ranking, pol.pass_id, eng)
+            queued = pol.prefetch(1, ranking, eng.epoch, eng)
             eng.wait_until(lambda: eng.running is None and not any(eng.queue))
     return queued
 

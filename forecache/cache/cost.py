@@ -43,6 +43,9 @@ class Profile:
     prefetch_hook_s: float = 0.0  # promoe's gate hook, when it costs more than hook_s (0: same)
     group_s: float = 0.0  # an expert group computed as its own graph (gather, matmul, scatter)
     thread_s: float = 0.0  # starting and joining the CPU thread of a projection's host entries
+    # a one-token gate decided in C from the policy's tables (forecache_cache_set_decode_gate)
+    # instead of calling the Python hook (0: not modelled, such gates cost the hook)
+    decode_gate_s: float = 0.0
     # Stock llama.cpp computes a host-resident MUL_MAT_ID on the device, copying the used experts
     # up first, when the ubatch has at least this many tokens (ggml-cuda.cu
     # ggml_backend_cuda_device_offload_op, GGML_OP_OFFLOAD_MIN_BATCH, default 32); 0: never (a
@@ -236,14 +239,17 @@ class CostModel:
             return Split([], whole_layer=True, host_s=whole), whole
         return Split([e for e, _ in missing[:best_k]], host_s=best_host), best_t
 
-    def calibrate(self, h2d_bytes: int, copy_s: float, host_s: float) -> None:
+    def calibrate(self, h2d_bytes: int, copy_s: float, host_s: float,
+                  other_host_s: float = 0.0) -> None:
         """Correct the profile with the engine's totals: copy rate, and host time against the
-        modelled time of what was sent to the host (``predicted_host_s``)."""
+        modelled time of what was sent to the host (``predicted_host_s``, plus
+        ``other_host_s`` planned outside this model, e.g. by the C decode gate's table)."""
         if copy_s >= MIN_CALIBRATION_S and h2d_bytes > 0:
             n = len(self.expert.proj_bytes)
             per_expert = copy_s / (h2d_bytes / self.expert.nbytes) - n * self.chunk_latency_s
             if per_expert > 0:
                 self.copy_gbps = self.expert.nbytes / per_expert / 1e9
                 self.copy_measured = True
-        if host_s >= MIN_CALIBRATION_S and self.predicted_host_s > 0:
-            self.host_scale = host_s / self.predicted_host_s
+        predicted = self.predicted_host_s + other_host_s
+        if host_s >= MIN_CALIBRATION_S and predicted > 0:
+            self.host_scale = host_s / predicted

@@ -1,8 +1,9 @@
 """Sliding-window prediction: gate events in, predicted experts of the layer ``window`` ahead out.
 
 ``Forecaster`` is the synchronous core (the simulator calls it at the virtual gate time);
-``ForecastWorker`` runs it on its own thread at run time, so the gate hook only hands over the
-arrays and returns (onnxruntime releases the GIL while it predicts).
+``ForecastWorker`` runs it on its own thread at run time. Its events come from a source: the C
+cache's queue of gate events at run time (``cache.runtime.GateEvents``: no Python on the gate's
+path), or ``submit`` (onnxruntime releases the GIL while it predicts).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import queue
 import sys
 import threading
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -89,9 +91,18 @@ class Forecaster:
         return out
 
 
+class EventSource(Protocol):
+    """Where a worker's items come from, in order: gate events and its own control items."""
+
+    def put(self, item: tuple) -> None: ...
+
+    def get(self) -> tuple: ...
+
+
 class ForecastWorker:
     """A thread that runs a ``Forecaster`` on gate events and hands each forecast to ``apply``
-    (target layer, experts, pass id); ``submit`` never waits for a prediction.
+    (target layer, experts, pass id). Events come from ``source`` (default: a queue fed by
+    ``submit``, which never waits for a prediction).
 
     A predictor that raises stops forecasting for the rest of the run, said once through ``say``
     (stderr by default) and kept in ``errors``: the cache then works reactively, and the output,
@@ -99,11 +110,12 @@ class ForecastWorker:
 
     def __init__(self, forecaster: Forecaster,
                  apply: Callable[[int, np.ndarray, int], object],
-                 say: Callable[[str], None] | None = None) -> None:
+                 say: Callable[[str], None] | None = None,
+                 source: EventSource | None = None) -> None:
         self.forecaster = forecaster
         self._apply = apply
         self._say = say or (lambda msg: print(msg, file=sys.stderr, flush=True))
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
+        self._q: EventSource = source if source is not None else queue.SimpleQueue()
         self.errors: list[BaseException] = []
         self._thread = threading.Thread(target=self._run, name="forecache-forecast",
                                          daemon=True)

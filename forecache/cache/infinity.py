@@ -90,24 +90,26 @@ class InfinityPolicy(Prefetcher):
         return (self.request_uses[layer][expert], self.predicted[layer].get(expert, 0),
                 self.uses[layer][expert])
 
-    def eviction_order(self, layer: int, keep: set[int]) -> list[int]:
+    def eviction_order(self, layer: int, keep: set[int], expert_of: np.ndarray,
+                       oldest: list[int]) -> list[int]:
         """Slots of the resident experts outside ``keep``, lowest ``priority`` first, least
         recently used first among equals."""
-        resident = [(e, s) for e, s in self._lru[layer].items() if e not in keep]
+        resident = [(int(expert_of[s]), s) for s in oldest if int(expert_of[s]) not in keep]
         # sorted is stable: among equal keys the LRU order (oldest first) stays
         resident.sort(key=lambda es: self.priority(layer, es[0]))
         return [s for _, s in resident]
 
-    def prefetch_victims(self, layer: int, picked: list[int]) -> list[int]:
+    def prefetch_victims(self, layer: int, picked: list[int], expert_of: np.ndarray,
+                         oldest: list[int]) -> list[int]:
         """Free slots, then slots whose expert is worth less than the predicted expert that
         would replace it (MoE-Infinity never evicts for a lower-priority prefetch)."""
-        lru = self._lru[layer]
-        expert_in = {s: e for e, s in lru.items()}
-        incoming = [e for e in picked if e not in lru]
+        resident = {int(e) for e in expert_of.tolist() if e >= 0}
+        incoming = [e for e in picked if e not in resident]
         out = []
-        for e, s in zip(incoming, super().prefetch_victims(layer, picked), strict=False):
-            old = expert_in.get(s)
-            if old is not None and self.priority(layer, old) >= self.priority(layer, e):
+        for e, s in zip(incoming, super().prefetch_victims(layer, picked, expert_of, oldest),
+                        strict=False):
+            old = int(expert_of[s])
+            if old >= 0 and self.priority(layer, old) >= self.priority(layer, e):
                 break
             out.append(s)
         return out

@@ -71,6 +71,11 @@ class Policy:
     def on_gate(self, layer: int, experts: np.ndarray) -> list[tuple[int, int]] | None:
         raise NotImplementedError
 
+    def decode_gate(self, n_used: int) -> tuple[list[int], list[float], bool] | None:
+        """Tables with which the engine decides one-token gates without calling ``gate``
+        (``Prefetcher.decode_gate``); None: every gate calls it."""
+        return None
+
     def gate(self, layer: int, experts: np.ndarray, engine: CopyEngine,
              counts: np.ndarray | None = None) -> bool:
         """Route ``layer`` (distinct experts; ``counts``: token rows of each): queue the misses

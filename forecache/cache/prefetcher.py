@@ -9,7 +9,6 @@ layer being routed, LOW for predicted experts of layers ahead.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -29,7 +28,9 @@ from forecache.native.cache_api import (  # noqa: F401  (re-exported for the sim
 
 
 class CopyEngine(Protocol):
-    """What a policy drives: slot loads, preemption, the compute schedule and slot states."""
+    """What a policy drives: slot loads, preemption, the compute schedule, slot states and
+    recency (the engine stamps a slot when its layer routes to it, a load or schedule fills it,
+    or ``touch`` names it), and forward passes."""
 
     def load(self, layer: int, expert: int, slot: int, priority: int) -> int:
         """Queue ``expert`` into ``slot``; 0, 1 if the slot is in use (nothing changes)."""
@@ -46,6 +47,18 @@ class CopyEngine(Protocol):
 
     def layer_state(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """(expert per slot, -1 empty; state per slot, SLOT_*)."""
+        ...
+
+    def resident_order(self, layer: int) -> list[int]:
+        """Slots holding an expert, least recently used first."""
+        ...
+
+    def touch(self, layer: int, experts: Sequence[int]) -> None:
+        """Mark the slots of ``experts`` used, in order (the last most recent)."""
+        ...
+
+    def passes(self, layer: int) -> tuple[int, int]:
+        """(current forward pass, the pass ``layer`` was last routed in)."""
         ...
 
 
@@ -76,8 +89,9 @@ ABLATION = [("base (lru)", "lru", Features()),
 
 
 class Prefetcher(Policy):
-    """Slot assignment for ``promoe``: a mirror of each layer's slots with recency, refreshed from
-    the engine at every gate, shared by the gate hook and the prediction worker (one lock)."""
+    """Slot assignment for ``promoe``. Slot contents and recency live in the copy engine (the C
+    cache or the simulator's), read at every gate and prediction; one lock keeps the gate hook
+    and the prediction worker from interleaving their decisions."""
 
     name = "promoe"
 
@@ -87,14 +101,35 @@ class Prefetcher(Policy):
         self.features = features
         self.cost = cost if features.split else None  # no cost model: every expert uses a slot
         self.lock = threading.Lock()
-        # per layer: expert -> slot, oldest first (the eviction order)
-        self._lru: list[OrderedDict[int, int]] = [OrderedDict() for _ in self.n_slots]
-        self.pass_id = 0  # forward passes (ubatches) seen
-        self._last_layer = -1
-        self._routed: list[int] = [-1] * len(self.n_slots)  # pass in which each layer was routed
         self.prefetch_loads = 0
         self.prefetch_refreshed = 0
         self.stale_predictions = 0
+
+    # -- the decode gate the engine runs without calling the policy ---------------------------
+    def decode_gate(self, n_used: int) -> tuple[list[int], list[float], bool] | None:
+        """The tables with which the engine decides a one-token gate of ``n_used`` experts as
+        ``gate`` would (forecache_cache_set_decode_gate): for m missing experts while f of the
+        resident ones are still copying, index ``m * (n_used + 1) + f``, how many missing
+        experts the host computes (-1: call ``gate``) and their modelled host seconds; and
+        whether the gate preempts. None when this policy's gate is not that one."""
+        f = self.features
+        if not f.reorder or type(self).gate is not Prefetcher.gate or \
+                type(self).eviction_order is not Prefetcher.eviction_order:
+            return None
+        size = (n_used + 1) * (n_used + 1)
+        host_k, host_s = [-1] * size, [0.0] * size
+        for m in range(n_used + 1):
+            for fl in range(n_used + 1 - m):
+                i = m * (n_used + 1) + fl
+                if self.cost is None:
+                    host_k[i] = 0
+                    continue
+                rows = [(e, 1, e >= m) for e in range(n_used)]
+                split, _ = self.cost.best_split(rows, fl)
+                if not split.whole_layer:
+                    host_k[i] = len(split.host)
+                    host_s[i] = split.host_s / self.cost.host_scale
+        return host_k, host_s, f.preempt
 
     # -- gate: the layer being computed --------------------------------------------------------
     def gate(self, layer: int, experts: np.ndarray, engine: CopyEngine,
@@ -104,20 +139,20 @@ class Prefetcher(Policy):
         f = self.features
         n = self.n_slots[layer]
         with self.lock:
-            if layer <= self._last_layer:
-                self.pass_id += 1
-            self._last_layer = layer
-            self._routed[layer] = self.pass_id
             need = [int(e) for e in experts.tolist()]
             if f.preempt:
                 engine.preempt(layer, need)
             expert_of, state = engine.layer_state(layer)
-            lru, where = self._sync(layer, expert_of)
+            where = {e: s for s, e in enumerate(expert_of.tolist()) if e >= 0}
+            oldest = engine.resident_order(layer)
             if f.reorder:
                 rank = {SLOT_READY: 0, SLOT_COPYING: 1, SLOT_QUEUED: 2}
                 order = sorted(need, key=lambda e: rank[int(state[where[e]])] if e in where else 3)
             else:
                 order = sorted(need)  # the frameworks' expert-id order
+            needed = set(need)
+            free = [s for s in range(n) if expert_of[s] < 0]
+            victims = free + self.eviction_order(layer, needed, expert_of, oldest)
             host: list[int] = []
             if self.cost is not None and counts is not None:
                 rows = [(e, int(r), e in where) for e, r in zip(need, counts.tolist(), strict=True)]
@@ -128,12 +163,10 @@ class Prefetcher(Policy):
                     # experts as can be copied while the CPU computes the layer still enter the
                     # cache (a cold cache would stay cold); more would hold up the next layers.
                     hidden = int(plan.host_s // self.cost.copy_s())
-                    free = [s for s in range(n) if expert_of[s] < 0]
-                    victims = free + self.eviction_order(layer, set(need))
                     for e in [e for e in need if e not in where][:hidden]:
                         if not victims or engine.load(layer, e, victims[0], LOW) != 0:
                             break
-                        _put(lru, e, victims.pop(0))
+                        victims.pop(0)
                     return False
                 host = plan.host
                 if host:
@@ -141,12 +174,6 @@ class Prefetcher(Policy):
                     order = [e for e in order if e not in on_host]
             if len(order) > n and not f.reorder:
                 return False  # cannot stream without reordered compute: from host memory
-            needed = set(need)
-            for e in need:
-                if e in lru:
-                    lru.move_to_end(e)
-            free = [s for s in range(n) if expert_of[s] < 0]
-            victims = free + self.eviction_order(layer, needed)
             slots: list[int] = []
             for i, e in enumerate(order):
                 if i >= n:
@@ -162,17 +189,7 @@ class Prefetcher(Policy):
             for e in host:
                 if not victims or engine.load(layer, e, victims[0], LOW) != 0:
                     break
-                _put(lru, e, victims.pop(0))
-            # the slot table at the end of the layer: the last expert scheduled into each slot
-            final = {s: e for e, s in zip(order, slots, strict=True)}
-            for s, e in final.items():
-                old = int(expert_of[s])
-                if old >= 0 and old != e:
-                    lru.pop(old, None)
-            for e, s in zip(order, slots, strict=True):
-                if final[s] == e:
-                    lru.pop(e, None)
-                    lru[e] = s
+                victims.pop(0)
             return True
 
     # -- prefetch: a layer ahead ---------------------------------------------------------------
@@ -184,57 +201,38 @@ class Prefetcher(Policy):
         if not self.features.prefetch or self.n_slots[layer] == 0:
             return 0
         with self.lock:
-            if pass_id != self.pass_id or self._routed[layer] == pass_id:
+            current, routed = engine.passes(layer)
+            if pass_id != current or routed == pass_id:
                 self.stale_predictions += 1
                 return 0
-            lru = self._lru[layer]
+            expert_of, _ = engine.layer_state(layer)
+            resident = {int(e) for e in expert_of.tolist() if e >= 0}
             picked = [int(e) for e in experts][:self.n_slots[layer]]
-            for e in reversed(picked):  # best ends most recent
-                if e in lru:
-                    lru.move_to_end(e)
-                    self.prefetch_refreshed += 1
-            victims = self.prefetch_victims(layer, picked)
+            again = [e for e in reversed(picked) if e in resident]  # best ends most recent
+            if again:
+                engine.touch(layer, again)
+                self.prefetch_refreshed += len(again)
+            victims = self.prefetch_victims(layer, picked, expert_of, engine.resident_order(layer))
             queued = 0
             for e in picked:
-                if e in lru or not victims:
+                if e in resident or not victims:
                     continue
-                s = victims.pop(0)
-                if engine.load(layer, e, s, LOW) != 0:
+                if engine.load(layer, e, victims.pop(0), LOW) != 0:
                     break  # the layer is being computed: too late for the rest
-                _put(lru, e, s)
                 queued += 1
             self.prefetch_loads += queued
             return queued
 
-    def prefetch_victims(self, layer: int, picked: list[int]) -> list[int]:
+    def prefetch_victims(self, layer: int, picked: list[int], expert_of: np.ndarray,
+                         oldest: list[int]) -> list[int]:
         """Slots a prefetch of ``picked`` (best first) may fill, in order: free slots, then the
-        eviction order of the others (called with the lock held)."""
-        used = set(self._lru[layer].values())
-        free = [s for s in range(self.n_slots[layer]) if s not in used]
-        return free + self.eviction_order(layer, set(picked))
+        eviction order of the others (``expert_of`` and ``oldest``: the engine's slot table and
+        resident slots, least recently used first; called with the lock held)."""
+        free = [s for s in range(self.n_slots[layer]) if expert_of[s] < 0]
+        return free + self.eviction_order(layer, set(picked), expert_of, oldest)
 
-    def eviction_order(self, layer: int, keep: set[int]) -> list[int]:
+    def eviction_order(self, layer: int, keep: set[int], expert_of: np.ndarray,
+                       oldest: list[int]) -> list[int]:
         """Slots of ``layer``'s resident experts outside ``keep``, the first to give up first:
         least recently used first (called with the lock held)."""
-        return [s for e, s in self._lru[layer].items() if e not in keep]
-
-    def _sync(self, layer: int, expert_of: np.ndarray
-              ) -> tuple[OrderedDict[int, int], dict[int, int]]:
-        """Make the mirror of ``layer`` agree with the engine (preemption empties slots); returns
-        it and the engine's expert -> slot."""
-        lru = self._lru[layer]
-        actual = {e: s for s, e in enumerate(expert_of.tolist()) if e >= 0}
-        for e in [e for e, s in lru.items() if actual.get(e) != s]:
-            del lru[e]
-        for e, s in actual.items():
-            if e not in lru:
-                lru[e] = s
-                lru.move_to_end(e, last=False)  # unknown to the mirror: oldest
-        return lru, actual
-
-
-def _put(lru: OrderedDict[int, int], expert: int, slot: int) -> None:
-    """``expert`` now holds ``slot`` (most recent); whoever held the slot is gone."""
-    for old in [e for e, s in lru.items() if s == slot]:
-        del lru[old]
-    lru[expert] = slot
+        return [s for s in oldest if int(expert_of[s]) not in keep]

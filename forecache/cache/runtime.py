@@ -13,16 +13,20 @@ from forecache.cache.policies import Policy, first_use
 from forecache.native import libllama
 from forecache.native.cache_api import (  # noqa: F401  (LOW re-exported)
     CHUNK_PROJECTION,
+    EVENT_MARKER,
     GATE_HOOK,
     HIGH,
     LOW,
     CacheStats,
+    Event,
 )
 
 # (layer, ids [n, k], router weights [n, k] | None, gate input [n, d] | None)
 RouteCallback = Callable[[int, np.ndarray, "np.ndarray | None", "np.ndarray | None"], None]
 DEFAULT_CHUNK_BYTES = CHUNK_PROJECTION
 CALIBRATE_EVERY = 64  # gate calls between cost-model corrections from the measured rates
+CALIBRATE_TOKENS = 8  # ubatches between corrections while the decode gate decides in C
+EVENT_CAPACITY = 1024  # gate events waiting for the prediction thread (more are dropped)
 
 
 class CacheError(RuntimeError):
@@ -34,6 +38,47 @@ class LayerInfo:
     n_expert: int
     n_slots: int
     expert_bytes: int
+
+
+class GateEvents:
+    """The C cache's gate events as ``ForecastWorker`` items. The worker's own items (begin,
+    end, sync, stop) go through C as markers, so they stay in order with the gates."""
+
+    def __init__(self, lib: ctypes.CDLL, handle: int) -> None:
+        self._lib, self._handle = lib, handle
+        self._ev = Event()
+        self._ids = (ctypes.c_int32 * 1)()
+        self._x = (ctypes.c_float * 1)()
+        self._tok = (ctypes.c_int32 * 1)()
+        self._items: dict[int, tuple] = {}
+        self._next = 0
+
+    def put(self, item: tuple) -> None:
+        self._next += 1
+        self._items[self._next] = item
+        self._lib.forecache_cache_post(self._handle, self._next)
+
+    def get(self) -> tuple:
+        """The next item: a marker's, or ("gate", layer, ids, hidden, tokens, pass)."""
+        ev = self._ev
+        while True:
+            rc = self._lib.forecache_cache_next_event(
+                self._handle, 200, ctypes.byref(ev), self._ids, len(self._ids), self._x,
+                len(self._x), self._tok, len(self._tok))
+            if rc == 0:
+                continue
+            if ev.kind == EVENT_MARKER:
+                return self._items.pop(ev.marker)
+            n, k, d = ev.n_tokens, ev.n_used, ev.n_embd
+            if rc == 2:  # arrays too small: grow them and take it again
+                self._ids = (ctypes.c_int32 * max(n * k, len(self._ids)))()
+                self._x = (ctypes.c_float * max(n * d, len(self._x)))()
+                self._tok = (ctypes.c_int32 * max(n, len(self._tok)))()
+                continue
+            ids = np.ctypeslib.as_array(self._ids)[:n * k].reshape(n, k).copy()
+            h = np.ctypeslib.as_array(self._x)[:n * d].reshape(n, d).copy() if d else None
+            toks = np.ctypeslib.as_array(self._tok)[:n].copy() if ev.has_tokens else None
+            return ("gate", ev.layer, ids, h, toks, int(ev.pass_id))
 
 
 class ExpertCache:
@@ -71,15 +116,19 @@ class ExpertCache:
         self._state = {il: ((ctypes.c_int32 * max(info.n_slots, 1))(),
                             (ctypes.c_int32 * max(info.n_slots, 1))())
                        for il, info in self.layers.items()}
-        self.batch_tokens: np.ndarray | None = None  # token ids of the batch being decoded
         self._gates = 0
-        # decode (one-token) gates' hits and misses, kept across reset_stats: the C counters are
-        # read only when the phase changes, so the hot path pays nothing for them (C counts a
-        # gate before its hook, so the first gate of each phase lands in the phase before it)
-        self.decode_hits = self.decode_misses = 0
-        self._decoding = False
-        self._mark = (0, 0)
-        self.worker = ForecastWorker(forecaster, self._prefetch) if forecaster else None
+        self._ubatches = 0
+        # decode (one-token) gates' hits and misses before the last reset_stats
+        self._decode_kept = (0, 0)
+        self._order = (ctypes.c_int32 * max((i.n_slots for i in self.layers.values()),
+                                            default=1))()
+        self._n_used = 0  # experts per token, known at the first gate
+        self._decode_gate_on = True
+        self.worker = None
+        if forecaster is not None:
+            self._lib.forecache_cache_set_events(handle, True, EVENT_CAPACITY)
+            self.worker = ForecastWorker(forecaster, self._prefetch,
+                                         source=GateEvents(self._lib, handle))
         want_x = gate_input or (forecaster is not None and forecaster.needs_hidden)
         self._lib.forecache_cache_set_reorder(handle, reorder)
         self._hook = GATE_HOOK(self._on_gate)  # kept referenced: C holds the pointer
@@ -107,6 +156,59 @@ class ExpertCache:
         n = self._lib.forecache_cache_layer_state(self._handle, layer, ex, st)
         return (np.ctypeslib.as_array(ex)[:n].copy(), np.ctypeslib.as_array(st)[:n].copy())
 
+    def resident_order(self, layer: int) -> list[int]:
+        n = self._lib.forecache_cache_layer_order(self._handle, layer, self._order)
+        return self._order[:max(n, 0)]
+
+    def touch(self, layer: int, experts: Sequence[int]) -> None:
+        n = len(experts)
+        self._lib.forecache_cache_touch(self._handle, layer, (ctypes.c_int32 * n)(*experts), n)
+
+    def passes(self, layer: int) -> tuple[int, int]:
+        cur, routed = ctypes.c_uint64(), ctypes.c_uint64()
+        self._lib.forecache_cache_passes(self._handle, layer, ctypes.byref(cur),
+                                         ctypes.byref(routed))
+        return cur.value, routed.value
+
+    @property
+    def batch_tokens(self) -> None:
+        """Token ids of the ubatch about to be decoded (write-only): they go with its gate
+        events to the prediction thread. Setting them also marks a ubatch, at which the cost
+        model is corrected every CALIBRATE_TOKENS ubatches."""
+        return None
+
+    @batch_tokens.setter
+    def batch_tokens(self, tokens: np.ndarray | None) -> None:
+        if self._handle is None:
+            return
+        arr = np.ascontiguousarray(tokens if tokens is not None else [], dtype=np.int32)
+        self._lib.forecache_cache_set_tokens(
+            self._handle, arr.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), len(arr))
+        self._ubatches += 1
+        if self._ubatches % CALIBRATE_TOKENS == 0:
+            self._calibrate_now()
+
+    def _decode_gate(self, n_used: int) -> None:
+        """Hand the policy's decode-gate tables to C (none: every gate calls the hook)."""
+        self._n_used = n_used
+        table = None
+        if self.on_route is None and self._decode_gate_on:
+            table = self.policy.decode_gate(n_used)
+        if table is None:
+            self._lib.forecache_cache_set_decode_gate(self._handle, 0, None, None, False)
+            return
+        host_k, host_s, preempt = table
+        self._lib.forecache_cache_set_decode_gate(
+            self._handle, n_used, (ctypes.c_int32 * len(host_k))(*host_k),
+            (ctypes.c_double * len(host_s))(*host_s), preempt)
+
+    def use_decode_gate(self, on: bool) -> None:
+        """Let C decide one-token gates from the policy's tables (the default), or call the
+        policy for every gate (``on=False``: the same decisions, in Python)."""
+        self._decode_gate_on = on
+        if self._n_used:
+            self._decode_gate(self._n_used)
+
     def _prefetch(self, layer: int, experts: np.ndarray, pass_id: int) -> None:
         if self._handle is not None:
             self.policy.prefetch(layer, experts.tolist(), pass_id, self)
@@ -114,9 +216,8 @@ class ExpertCache:
     def _on_gate(self, _ud: int, layer: int, n_tokens: int, n_used: int, ids_p: object,
                  w_p: object, x_p: object, n_embd: int) -> int:
         try:
-            if (n_tokens == 1) != self._decoding:
-                self._fold_phase()
-                self._decoding = n_tokens == 1
+            if n_used != self._n_used:
+                self._decode_gate(n_used)
             ids = np.ctypeslib.as_array(ids_p, shape=(n_tokens * n_used,))
             if self.on_route is not None:
                 w = np.ctypeslib.as_array(w_p, shape=(n_tokens, n_used)) if w_p else None
@@ -125,13 +226,6 @@ class ExpertCache:
             experts, counts = first_use(ids)
             on_slots = self.policy.gate(layer, experts, self, counts)
             self._calibrate()
-            if self.worker is not None:
-                x = np.ctypeslib.as_array(x_p, shape=(n_tokens, n_embd)) if x_p else None
-                toks = self.batch_tokens
-                if toks is not None and len(toks) != n_tokens:
-                    toks = None
-                self.worker.submit(layer, ids.reshape(n_tokens, n_used), x, toks,
-                                   self.policy.pass_id)
             return 0 if on_slots else 1
         except KeyboardInterrupt:
             # Ctrl-C/SIGTERM cannot cross the C frame either: finish this layer from host memory
@@ -146,13 +240,19 @@ class ExpertCache:
 
     def _calibrate(self) -> None:
         """Every CALIBRATE_EVERY gates, give the policy's cost model the measured rates."""
+        self._gates += 1
+        if self._gates % CALIBRATE_EVERY == 0:
+            self._calibrate_now()
+
+    def _calibrate_now(self) -> None:
+        """Give the policy's cost model the measured rates; the decode gate's tables follow."""
         cost = self.policy.cost
         if cost is None:
             return
-        self._gates += 1
-        if self._gates % CALIBRATE_EVERY == 0:
-            s = self.stats()
-            cost.calibrate(s["h2d_bytes"], s["copy_s"], s["host_s"])
+        s = self.stats()
+        cost.calibrate(s["h2d_bytes"], s["copy_s"], s["host_s"], s["model_host_s"])
+        if self._n_used:
+            self._decode_gate(self._n_used)
 
     def check_interrupt(self) -> None:
         """Raise the KeyboardInterrupt that arrived while the gate hook ran, if any."""
@@ -174,24 +274,17 @@ class ExpertCache:
             raise ValueError(f"no layer {layer}")
         return s.as_dict()
 
-    def _fold_phase(self) -> None:
-        """Credit the hits and misses since the last phase change to the phase that ends."""
-        s = self.stats()
-        if self._decoding:
-            self.decode_hits += s["hits"] - self._mark[0]
-            self.decode_misses += s["misses"] - self._mark[1]
-        self._mark = (s["hits"], s["misses"])
-
     def decode_counts(self) -> tuple[int, int]:
         """Hits and misses of decode gates (one token) since the cache was made."""
+        hits, misses = self._decode_kept
         if self._handle is not None:
-            self._fold_phase()
-        return self.decode_hits, self.decode_misses
+            s = self.stats()
+            hits, misses = hits + s["decode_hits"], misses + s["decode_misses"]
+        return hits, misses
 
     def reset_stats(self) -> None:
-        self._fold_phase()
+        self._decode_kept = self.decode_counts()
         self._lib.forecache_cache_reset_stats(self._handle)
-        self._mark = (0, 0)
         cost = self.policy.cost
         if cost is not None:
             cost.predicted_host_s = 0.0  # what calibration compares the reset host time with

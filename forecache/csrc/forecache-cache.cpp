@@ -109,6 +109,13 @@ struct fc_chunk {
     fc_clock::time_point queued_at;
 };
 
+struct fc_event {
+    forecache_event      head = {};
+    std::vector<int32_t> ids;
+    std::vector<float>   x;
+    std::vector<int32_t> tokens;
+};
+
 struct fc_layer {
     int32_t n_expert = 0;
     int32_t n_slots  = 0;
@@ -124,6 +131,7 @@ struct fc_layer {
     std::vector<int32_t> pend_proj;   // slot*n_proj + p -> plain chunks queued or running that write projection p
     std::vector<uint8_t> started;     // slot -> a chunk of its current copy has started
     std::vector<uint8_t> in_use;      // slot -> read by the schedule being computed
+    std::vector<uint64_t> stamp;      // slot -> when its expert was last used (recency)
 
     // schedule of the current ubatch: compute order and streaming state
     std::vector<int32_t> sch_e;
@@ -141,6 +149,7 @@ struct fc_layer {
 
     // routing of the current ubatch
     uint64_t            epoch     = 0;
+    uint64_t            routed_pass = 0; // epoch of the last routing, set before its gate decides
     const ggml_tensor * ids_src   = nullptr;
     bool                host_mode = false;
 };
@@ -218,6 +227,27 @@ struct forecache_cache {
     std::vector<float>   h_out;  // host entries: their rows of the result
     std::vector<int64_t> h_dst;  // host entries: destination row of each result row
     fc_host_thread       host;   // computes them
+
+    uint64_t clock = 0; // recency stamps (lock held)
+
+    // decode gate (forecache_cache_set_decode_gate), read and written with the lock held
+    int32_t             dg_n_used  = 0;
+    bool                dg_preempt = true;
+    std::vector<int32_t> dg_host_k;
+    std::vector<double>  dg_host_s;
+    std::vector<int32_t> dg_order;
+    std::vector<int32_t> dg_slots;
+    std::vector<int32_t> dg_victims;
+
+    // gate events for the prediction thread
+    std::mutex              ev_mtx;
+    std::condition_variable ev_cv;
+    std::deque<fc_event>    events;
+    bool                    ev_on  = false;
+    int32_t                 ev_cap = 0;
+    int32_t                 ev_gates = 0; // gate events queued
+    uint64_t                ev_dropped = 0;
+    std::vector<int32_t>    tokens;
 
     // copy engine
     std::mutex              mtx;
@@ -486,6 +516,7 @@ bool fc_assign(forecache_cache * c, int32_t il, int32_t expert, int32_t slot, in
     }
     fc_map_slot(c, il, expert, slot);
     fc_queue_copy(c, il, expert, slot, -1, priority, -1, 0);
+    L.stamp[slot] = ++c->clock;
     return true;
 }
 
@@ -576,6 +607,7 @@ bool fc_set_schedule(forecache_cache * c, int32_t il, const int32_t * experts, c
             L.last_entry[s] = i;
         }
         L.in_use[L.sch_s[i]] = 1;
+        L.stamp[L.sch_s[i]] = ++c->clock; // a slot's last entry leaves the latest stamp
     }
     L.sch_epoch = c->epoch;
     c->in_use_layer = il;
@@ -923,6 +955,241 @@ bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor *
     return ok;
 }
 
+// early preemption (forecache_cache_preempt) with the lock held
+int32_t fc_preempt(forecache_cache * cache, int32_t layer, const int32_t * keep, int32_t n_keep) {
+    fc_layer & L = cache->layers[layer];
+    std::vector<uint8_t> wanted(L.n_expert, 0);
+    for (int32_t i = 0; i < n_keep; i++) {
+        if (keep[i] >= 0 && keep[i] < L.n_expert) {
+            wanted[keep[i]] = 1;
+        }
+    }
+    // wanted copies move to the front priority in their order; the others are dropped
+    for (int p = 1; p < FC_N_PRIORITIES; p++) {
+        auto & q = cache->queue[p];
+        for (auto it = q.begin(); it != q.end();) {
+            if (it->layer == layer && it->entry < 0 && wanted[it->expert]) {
+                fc_chunk ch = *it;
+                if (ch.first) {
+                    ch.queued_at = fc_clock::now();
+                    L.stats.hi_tasks++;
+                }
+                ch.priority = 0;
+                cache->queue[0].push_back(ch);
+                it = q.erase(it);
+            } else {
+                ++it;
+            }
+        }
+    }
+    return fc_drop_queued(cache, 1, [&](const fc_chunk & ch) { return ch.layer == layer && ch.entry < 0; });
+}
+
+// enum forecache_slot_state of slot s (lock held)
+int32_t fc_slot_state(const fc_layer & L, int32_t s) {
+    if (L.expert_of[s] < 0) {
+        return FORECACHE_SLOT_EMPTY;
+    }
+    if (L.last_entry[s] >= 0) {
+        int32_t left = 0;
+        for (int32_t p = 0; p < L.n_proj; p++) {
+            left += L.entry_pend[L.last_entry[s]*L.n_proj + p];
+        }
+        return left > 0 ? FORECACHE_SLOT_QUEUED : FORECACHE_SLOT_READY;
+    }
+    if (L.pending[s] == 0) {
+        return FORECACHE_SLOT_READY;
+    }
+    return L.started[s] ? FORECACHE_SLOT_COPYING : FORECACHE_SLOT_QUEUED;
+}
+
+// slots of the layer's resident experts that `keep` does not mark, least recently used first (lock held)
+void fc_lru_slots(const fc_layer & L, const std::vector<uint8_t> * keep, std::vector<int32_t> & out) {
+    out.clear();
+    for (int32_t s = 0; s < L.n_slots; s++) {
+        const int32_t e = L.expert_of[s];
+        if (e >= 0 && (keep == nullptr || !(*keep)[e])) {
+            out.push_back(s);
+        }
+    }
+    std::stable_sort(out.begin(), out.end(), [&](int32_t a, int32_t b) { return L.stamp[a] < L.stamp[b]; });
+}
+
+// the decode gate (forecache_cache_set_decode_gate) for the distinct routed experts `need` of a
+// one-token ubatch (lock held): 0 compute from slots, 1 from host memory, 2 ask the hook
+int32_t fc_decode_gate(forecache_cache * c, int32_t il, const std::vector<int32_t> & need) {
+    fc_layer & L = c->layers[il];
+    const int32_t n_used = c->dg_n_used;
+    if (c->dg_preempt) {
+        fc_preempt(c, il, need.data(), (int32_t) need.size());
+    }
+    int32_t n_miss = 0;
+    int32_t in_flight = 0;
+    for (int32_t e : need) {
+        const int32_t s = L.slot_of[e];
+        if (s < 0) {
+            n_miss++;
+        } else if (fc_slot_state(L, s) != FORECACHE_SLOT_READY) {
+            in_flight++;
+        }
+    }
+    const size_t idx = (size_t) n_miss*(n_used + 1) + in_flight;
+    const int32_t k = c->dg_host_k[idx];
+    if (k < 0) {
+        return 2;
+    }
+    // cache-first order: ready, copying, queued, then the missing experts (stable within each)
+    auto rank = [&](int32_t e) {
+        const int32_t s = L.slot_of[e];
+        return s < 0 ? 3 : fc_slot_state(L, s) == FORECACHE_SLOT_READY ? 0 :
+               fc_slot_state(L, s) == FORECACHE_SLOT_COPYING ? 1 : 2;
+    };
+    std::vector<int32_t> & order = c->dg_order;
+    order = need;
+    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return rank(a) < rank(b); });
+    // the k missing experts with the lowest ids are computed on the host
+    std::vector<int32_t> host;
+    for (int32_t e : need) {
+        if (L.slot_of[e] < 0) {
+            host.push_back(e);
+        }
+    }
+    std::sort(host.begin(), host.end());
+    host.resize(k);
+    if (k > 0) {
+        order.erase(std::remove_if(order.begin(), order.end(), [&](int32_t e) {
+            return std::find(host.begin(), host.end(), e) != host.end();
+        }), order.end());
+    }
+    // victims: free slots, then the least recently used the layer does not route to
+    std::vector<uint8_t> needed(L.n_expert, 0);
+    for (int32_t e : need) {
+        needed[e] = 1;
+    }
+    std::vector<int32_t> & victims = c->dg_victims;
+    std::vector<int32_t> lru;
+    victims.clear();
+    for (int32_t s = 0; s < L.n_slots; s++) {
+        if (L.expert_of[s] < 0) {
+            victims.push_back(s);
+        }
+    }
+    fc_lru_slots(L, &needed, lru);
+    victims.insert(victims.end(), lru.begin(), lru.end());
+    std::vector<int32_t> & slots = c->dg_slots;
+    slots.clear();
+    size_t next = 0;
+    for (int32_t e : order) {
+        const int32_t s = L.slot_of[e];
+        if (s >= 0) {
+            slots.push_back(s);
+        } else if (next < victims.size()) {
+            slots.push_back(victims[next++]);
+        } else {
+            return 2;
+        }
+    }
+    for (int32_t e : host) {
+        order.push_back(e);
+        slots.push_back(-1);
+    }
+    if (!fc_set_schedule(c, il, order.data(), slots.data(), (int32_t) order.size(), 0)) {
+        return 1;
+    }
+    // experts computed on the host still enter the cache, behind this layer's copies
+    for (int32_t e : host) {
+        if (next >= victims.size() || !fc_assign(c, il, e, victims[next], 1)) {
+            break;
+        }
+        next++;
+    }
+    L.stats.model_host_s += c->dg_host_s[idx];
+    return 0;
+}
+
+// queues a gate event of layer il for the prediction thread
+void fc_record_event(forecache_cache * c, int32_t il, int64_t n_tokens, int64_t n_used, const float * x, int32_t n_embd, uint64_t pass) {
+    std::lock_guard<std::mutex> lock(c->ev_mtx);
+    if (!c->ev_on) {
+        return;
+    }
+    if (c->ev_gates >= c->ev_cap) {
+        c->ev_dropped++;
+        return;
+    }
+    fc_event ev;
+    ev.head.kind     = FORECACHE_EVENT_GATE;
+    ev.head.layer    = il;
+    ev.head.n_tokens = (int32_t) n_tokens;
+    ev.head.n_used   = (int32_t) n_used;
+    ev.head.pass     = pass;
+    ev.ids = c->ids;
+    if (x != nullptr) {
+        ev.head.n_embd = n_embd;
+        ev.x.assign(x, x + (size_t) n_tokens*n_embd);
+    }
+    if ((int64_t) c->tokens.size() == n_tokens) {
+        ev.head.has_tokens = 1;
+        ev.tokens = c->tokens;
+    }
+    c->events.push_back(std::move(ev));
+    c->ev_gates++;
+    c->ev_cv.notify_one();
+}
+
+// routing of layer il to c->ids begins (the previous routed layer is computed): frees that
+// layer's slots, counts hits and misses over the distinct routed experts (first use first, into
+// c->dg_order) and marks the hits' slots used
+void fc_begin_route(forecache_cache * c, int32_t il, int64_t n_tokens) {
+    fc_layer & L = c->layers[il];
+    std::lock_guard<std::mutex> lock(c->mtx);
+    if (c->in_use_layer >= 0) {
+        fc_layer & P = c->layers[c->in_use_layer];
+        std::fill(P.in_use.begin(), P.in_use.end(), 0);
+        c->in_use_layer = -1;
+    }
+    fc_clear_schedule(c, il);
+    L.routed_pass = c->epoch;
+    c->seen.assign(L.n_expert, 0);
+    c->dg_order.clear();
+    for (int32_t e : c->ids) {
+        if (!c->seen[e]) {
+            c->seen[e] = 1;
+            c->dg_order.push_back(e);
+            const int32_t s = L.slot_of[e];
+            if (s >= 0) {
+                L.stamp[s] = ++c->clock;
+            }
+            (s >= 0 ? L.stats.hits : L.stats.misses)++;
+            if (n_tokens == 1) {
+                (s >= 0 ? L.stats.decode_hits : L.stats.decode_misses)++;
+            }
+        }
+    }
+}
+
+// the decode gate for a routing begun by fc_begin_route: 0 slots, 1 host, 2 the hook decides
+int32_t fc_try_decode_gate(forecache_cache * c, int32_t il, int64_t n_tokens, int64_t n_used) {
+    fc_layer & L = c->layers[il];
+    if (n_tokens != 1 || L.n_slots < n_used) {
+        return 2;
+    }
+    const auto t0 = fc_clock::now();
+    std::lock_guard<std::mutex> lock(c->mtx);
+    if (n_used != c->dg_n_used) {
+        return 2;
+    }
+    const std::vector<int32_t> need = c->dg_order;
+    const int32_t rc = fc_decode_gate(c, il, need);
+    if (rc != 2) {
+        L.stats.fast_gates++;
+        L.stats.fast_s += fc_seconds(t0);
+    } else {
+        fc_clear_schedule(c, il);
+    }
+    return rc;
+}
+
 // reads the routed ids of layer il, runs the gate hook, and prepares slot or host compute
 bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
     fc_layer & L = c->layers[il];
@@ -968,41 +1235,24 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
         n_embd = (int32_t) x->ne[0];
     }
 
-    // the previous routed layer has been computed (reading the ids synchronized the device): free its slots
-    {
-        std::lock_guard<std::mutex> lock(c->mtx);
-        if (c->in_use_layer >= 0) {
-            fc_layer & P = c->layers[c->in_use_layer];
-            std::fill(P.in_use.begin(), P.in_use.end(), 0);
-            c->in_use_layer = -1;
-        }
-        fc_clear_schedule(c, il);
-        // hits and misses over the distinct routed experts
-        c->seen.assign(L.n_expert, 0);
-        for (int32_t e : c->ids) {
-            if (!c->seen[e]) {
-                c->seen[e] = 1;
-                if (L.slot_of[e] >= 0) {
-                    L.stats.hits++;
-                } else {
-                    L.stats.misses++;
-                }
+    // the previous routed layer has been computed (reading the ids synchronized the device)
+    fc_begin_route(c, il, n_tokens);
+    int32_t rc = fc_try_decode_gate(c, il, n_tokens, n_used); // 2: the hook decides
+    if (rc == 2) {
+        rc = 1;
+        if (c->hook != nullptr) {
+            const auto t0 = fc_clock::now();
+            rc = c->hook(c->hook_ud, il, (int32_t) n_tokens, (int32_t) n_used, c->ids.data(), weights, gate_input, n_embd);
+            L.stats.hook_s += fc_seconds(t0);
+            L.stats.n_hook_calls++;
+            if (rc < 0) {
+                std::lock_guard<std::mutex> lock(c->mtx);
+                fc_clear_schedule(c, il);
+                return false;
             }
         }
     }
-
-    int32_t rc = 1;
-    if (c->hook != nullptr) {
-        const auto t0 = fc_clock::now();
-        rc = c->hook(c->hook_ud, il, (int32_t) n_tokens, (int32_t) n_used, c->ids.data(), weights, gate_input, n_embd);
-        L.stats.hook_s += fc_seconds(t0);
-        L.stats.n_hook_calls++;
-        if (rc < 0) {
-            std::lock_guard<std::mutex> lock(c->mtx);
-            fc_clear_schedule(c, il);
-            return false;
-        }
-    }
+    fc_record_event(c, il, n_tokens, n_used, gate_input, n_embd, c->epoch);
 
     bool host = rc != 0;
     std::unique_lock<std::mutex> lock(c->mtx);
@@ -1058,6 +1308,7 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
 int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
     auto * c = (forecache_cache *) user_data;
     if (t == nullptr) {
+        std::lock_guard<std::mutex> lock(c->mtx);
         c->epoch++;
         return 0;
     }
@@ -1187,6 +1438,7 @@ struct forecache_cache * forecache_cache_init(
         L.started.assign(L.n_slots, 0);
         L.in_use.assign(L.n_slots, 0);
         L.last_entry.assign(L.n_slots, -1);
+        L.stamp.assign(L.n_slots, 0);
         n_pool += L.n_slots > 0 ? L.n_proj : 0;
     }
     if (n_pool == 0) {
@@ -1345,33 +1597,8 @@ int32_t forecache_cache_preempt(struct forecache_cache * cache, int32_t layer, c
     if (layer < 0 || layer >= (int32_t) cache->layers.size() || n_keep < 0) {
         return -1;
     }
-    fc_layer & L = cache->layers[layer];
     std::lock_guard<std::mutex> lock(cache->mtx);
-    std::vector<uint8_t> wanted(L.n_expert, 0);
-    for (int32_t i = 0; i < n_keep; i++) {
-        if (keep[i] >= 0 && keep[i] < L.n_expert) {
-            wanted[keep[i]] = 1;
-        }
-    }
-    // wanted copies move to the front priority in their order; the others are dropped
-    for (int p = 1; p < FC_N_PRIORITIES; p++) {
-        auto & q = cache->queue[p];
-        for (auto it = q.begin(); it != q.end();) {
-            if (it->layer == layer && it->entry < 0 && wanted[it->expert]) {
-                fc_chunk ch = *it;
-                if (ch.first) {
-                    ch.queued_at = fc_clock::now();
-                    L.stats.hi_tasks++;
-                }
-                ch.priority = 0;
-                cache->queue[0].push_back(ch);
-                it = q.erase(it);
-            } else {
-                ++it;
-            }
-        }
-    }
-    return fc_drop_queued(cache, 1, [&](const fc_chunk & ch) { return ch.layer == layer && ch.entry < 0; });
+    return fc_preempt(cache, layer, keep, n_keep);
 }
 
 int32_t forecache_cache_schedule(struct forecache_cache * cache, int32_t layer, const int32_t * experts, const int32_t * slots, int32_t n, int32_t priority) {
@@ -1396,21 +1623,100 @@ int32_t forecache_cache_layer_state(const struct forecache_cache * cache, int32_
     const fc_layer & L = cache->layers[layer];
     for (int32_t s = 0; s < L.n_slots; s++) {
         expert_of[s] = L.expert_of[s];
-        if (L.expert_of[s] < 0) {
-            state[s] = FORECACHE_SLOT_EMPTY;
-        } else if (L.last_entry[s] >= 0) {
-            int32_t left = 0;
-            for (int32_t p = 0; p < L.n_proj; p++) {
-                left += L.entry_pend[L.last_entry[s]*L.n_proj + p];
-            }
-            state[s] = left > 0 ? FORECACHE_SLOT_QUEUED : FORECACHE_SLOT_READY;
-        } else if (L.pending[s] == 0) {
-            state[s] = FORECACHE_SLOT_READY;
-        } else {
-            state[s] = L.started[s] ? FORECACHE_SLOT_COPYING : FORECACHE_SLOT_QUEUED;
-        }
+        state[s] = fc_slot_state(L, s);
     }
     return L.n_slots;
+}
+
+int32_t forecache_cache_layer_order(const struct forecache_cache * cache, int32_t layer, int32_t * slots) {
+    if (layer < 0 || layer >= (int32_t) cache->layers.size()) {
+        return -1;
+    }
+    std::lock_guard<std::mutex> lock(const_cast<forecache_cache *>(cache)->mtx);
+    std::vector<int32_t> order;
+    fc_lru_slots(cache->layers[layer], nullptr, order);
+    std::copy(order.begin(), order.end(), slots);
+    return (int32_t) order.size();
+}
+
+void forecache_cache_touch(struct forecache_cache * cache, int32_t layer, const int32_t * experts, int32_t n) {
+    if (layer < 0 || layer >= (int32_t) cache->layers.size()) {
+        return;
+    }
+    std::lock_guard<std::mutex> lock(cache->mtx);
+    fc_layer & L = cache->layers[layer];
+    for (int32_t i = 0; i < n; i++) {
+        if (experts[i] >= 0 && experts[i] < L.n_expert && L.slot_of[experts[i]] >= 0) {
+            L.stamp[L.slot_of[experts[i]]] = ++cache->clock;
+        }
+    }
+}
+
+int32_t forecache_cache_passes(const struct forecache_cache * cache, int32_t layer, uint64_t * current, uint64_t * routed) {
+    if (layer < 0 || layer >= (int32_t) cache->layers.size()) {
+        return -1;
+    }
+    std::lock_guard<std::mutex> lock(const_cast<forecache_cache *>(cache)->mtx);
+    *current = cache->epoch;
+    *routed  = cache->layers[layer].routed_pass;
+    return 0;
+}
+
+void forecache_cache_set_decode_gate(struct forecache_cache * cache, int32_t n_used, const int32_t * host_k, const double * host_s, bool preempt) {
+    std::lock_guard<std::mutex> lock(cache->mtx);
+    cache->dg_n_used  = std::max(n_used, 0);
+    cache->dg_preempt = preempt;
+    const size_t n = (size_t) (cache->dg_n_used + 1)*(cache->dg_n_used + 1);
+    cache->dg_host_k.assign(host_k, host_k + (n_used > 0 ? n : 0));
+    cache->dg_host_s.assign(host_s, host_s + (n_used > 0 ? n : 0));
+}
+
+void forecache_cache_set_events(struct forecache_cache * cache, bool enabled, int32_t capacity) {
+    std::lock_guard<std::mutex> lock(cache->ev_mtx);
+    cache->ev_on  = enabled;
+    cache->ev_cap = std::max(capacity, 1);
+}
+
+void forecache_cache_set_tokens(struct forecache_cache * cache, const int32_t * tokens, int32_t n) {
+    std::lock_guard<std::mutex> lock(cache->ev_mtx);
+    cache->tokens.assign(tokens, tokens + std::max(n, 0));
+}
+
+void forecache_cache_post(struct forecache_cache * cache, int64_t marker) {
+    std::lock_guard<std::mutex> lock(cache->ev_mtx);
+    fc_event ev;
+    ev.head.kind   = FORECACHE_EVENT_MARKER;
+    ev.head.layer  = -1;
+    ev.head.marker = marker;
+    cache->events.push_back(std::move(ev));
+    cache->ev_cv.notify_one();
+}
+
+int32_t forecache_cache_next_event(struct forecache_cache * cache, int32_t timeout_ms, struct forecache_event * ev,
+        int32_t * ids, size_t ids_cap, float * x, size_t x_cap, int32_t * tokens, size_t tokens_cap) {
+    std::unique_lock<std::mutex> lock(cache->ev_mtx);
+    if (!cache->ev_cv.wait_for(lock, std::chrono::milliseconds(std::max(timeout_ms, 0)), [cache] { return !cache->events.empty(); })) {
+        return 0;
+    }
+    const fc_event & front = cache->events.front();
+    *ev = front.head;
+    if (front.ids.size() > ids_cap || front.x.size() > x_cap || front.tokens.size() > tokens_cap) {
+        return 2; // stays queued for a call with larger arrays
+    }
+    fc_event item = std::move(cache->events.front());
+    cache->events.pop_front();
+    if (item.head.kind == FORECACHE_EVENT_GATE) {
+        cache->ev_gates--;
+    }
+    lock.unlock();
+    std::copy(item.ids.begin(), item.ids.end(), ids);
+    std::copy(item.x.begin(), item.x.end(), x);
+    std::copy(item.tokens.begin(), item.tokens.end(), tokens);
+    return 1;
+}
+
+size_t forecache_event_size(void) {
+    return sizeof(forecache_event);
 }
 
 void forecache_cache_pause(struct forecache_cache * cache, bool paused) {
@@ -1487,6 +1793,15 @@ int32_t forecache_cache_get_stats(const struct forecache_cache * cache, int32_t 
         out->host_entries   += s.host_entries;
         out->hi_block_s     += s.hi_block_s;
         out->hi_block_max_s  = std::max(out->hi_block_max_s, s.hi_block_max_s);
+        out->fast_gates     += s.fast_gates;
+        out->fast_s         += s.fast_s;
+        out->model_host_s   += s.model_host_s;
+        out->decode_hits    += s.decode_hits;
+        out->decode_misses  += s.decode_misses;
+    }
+    {
+        std::lock_guard<std::mutex> ev_lock(const_cast<forecache_cache *>(cache)->ev_mtx);
+        out->events_dropped = cache->ev_dropped;
     }
     return 0;
 }
@@ -1496,6 +1811,8 @@ void forecache_cache_reset_stats(struct forecache_cache * cache) {
     for (auto & L : cache->layers) {
         L.stats = {};
     }
+    std::lock_guard<std::mutex> ev_lock(cache->ev_mtx);
+    cache->ev_dropped = 0;
 }
 
 size_t forecache_cache_stats_size(void) {
@@ -1504,6 +1821,31 @@ size_t forecache_cache_stats_size(void) {
 
 size_t forecache_chunk_info_size(void) {
     return sizeof(forecache_chunk_info);
+}
+
+int32_t forecache_cache_test_route(struct forecache_cache * cache, int32_t layer, const int32_t * experts, int32_t n, bool decode_gate) {
+    if (layer < 0 || layer >= (int32_t) cache->layers.size() || n <= 0) {
+        return -1;
+    }
+    for (int32_t i = 0; i < n; i++) {
+        if (experts[i] < 0 || experts[i] >= cache->layers[layer].n_expert) {
+            return -1;
+        }
+    }
+    cache->ids.assign(experts, experts + n);
+    fc_begin_route(cache, layer, 1);
+    return decode_gate ? fc_try_decode_gate(cache, layer, 1, n) : 2;
+}
+
+int32_t forecache_cache_test_schedule(const struct forecache_cache * cache, int32_t layer, int32_t * experts, int32_t * slots) {
+    if (layer < 0 || layer >= (int32_t) cache->layers.size()) {
+        return -1;
+    }
+    std::lock_guard<std::mutex> lock(const_cast<forecache_cache *>(cache)->mtx);
+    const fc_layer & L = cache->layers[layer];
+    std::copy(L.sch_e.begin(), L.sch_e.end(), experts);
+    std::copy(L.sch_s.begin(), L.sch_s.end(), slots);
+    return (int32_t) L.sch_e.size();
 }
 
 double forecache_cache_host_handoff(struct forecache_cache * cache, int32_t n, bool fresh_threads) {

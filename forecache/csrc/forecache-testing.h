@@ -37,6 +37,16 @@ LLAMA_API size_t forecache_chunk_info_size(void);
 // jobs; with fresh_threads, per std::thread started and joined instead (what it replaced).
 LLAMA_API double forecache_cache_host_handoff(struct forecache_cache * cache, int32_t n, bool fresh_threads);
 
+// Routes `layer` as a one-token ubatch routed to `experts` would be, without computing it: the
+// previous routed layer's slots are freed, hits counted and marked used, and with `decode_gate`
+// the decode gate decides. Returns its result (0 slots, 1 host), 2 when it would call the hook
+// (or `decode_gate` is false), -1 for bad arguments.
+LLAMA_API int32_t forecache_cache_test_route(struct forecache_cache * cache, int32_t layer, const int32_t * experts, int32_t n, bool decode_gate);
+
+// The schedule of `layer` (experts and their slots, -1 for host entries; arrays of n_expert entries).
+// Returns its length, or -1 for a bad layer.
+LLAMA_API int32_t forecache_cache_test_schedule(const struct forecache_cache * cache, int32_t layer, int32_t * experts, int32_t * slots);
+
 #ifdef __cplusplus
 }
 #endif

@@ -15,7 +15,7 @@ extern "C" {
 
 // Version of this API and of the patches it needs in llama.cpp; bumped whenever either changes.
 // The Python side reads it from this header and refuses a library that reports another.
-#define FORECACHE_PATCH_VERSION 6
+#define FORECACHE_PATCH_VERSION 7
 
 // Returns FORECACHE_PATCH_VERSION of the library the caller is linked against.
 LLAMA_API int32_t forecache_patch_version(void);
@@ -89,6 +89,12 @@ struct forecache_cache_stats {
     uint64_t host_entries;  // schedule entries computed from host memory beside the slots
     double   hi_block_s;    // time high-priority copies waited for a lower-priority chunk in flight
     double   hi_block_max_s;// longest such wait: bounded by one chunk copy
+    uint64_t fast_gates;    // gates decided in C by the decode gate (forecache_cache_set_decode_gate)
+    double   fast_s;        // time spent deciding them
+    double   model_host_s;  // modelled host time of the experts the decode gate sent to the host
+    uint64_t decode_hits;   // hits and misses of one-token ubatches
+    uint64_t decode_misses;
+    uint64_t events_dropped;// gate events dropped because the queue was full
 };
 
 // Slot states reported by forecache_cache_layer_state.
@@ -160,6 +166,88 @@ LLAMA_API void forecache_cache_set_reorder(struct forecache_cache * cache, bool 
 // Copies slot -> expert (-1 empty) and slot states (enum forecache_slot_state) of `layer` into arrays of
 // n_slots entries. Returns n_slots, or -1 for a bad layer.
 LLAMA_API int32_t forecache_cache_layer_state(const struct forecache_cache * cache, int32_t layer, int32_t * expert_of, int32_t * state);
+
+// Slots of `layer` holding an expert, least recently used first, into `slots` (n_slots entries).
+// An expert's slot is used when its layer routes to it, when a load or a schedule puts it there, and
+// by forecache_cache_touch. Returns the number written, or -1 for a bad layer.
+LLAMA_API int32_t forecache_cache_layer_order(const struct forecache_cache * cache, int32_t layer, int32_t * slots);
+
+// Marks the slots of `experts` of `layer` (those that have one) used, in order: the last is the most recent.
+LLAMA_API void forecache_cache_touch(struct forecache_cache * cache, int32_t layer, const int32_t * experts, int32_t n);
+
+// Forward passes: the current one (each graph compute starts a new one) and the last pass in which
+// `layer` was routed (0: never). Returns -1 for a bad layer.
+LLAMA_API int32_t forecache_cache_passes(const struct forecache_cache * cache, int32_t layer, uint64_t * current, uint64_t * routed);
+
+//
+// Decode gate: one-token ubatches routed in C, without the gate hook
+//
+// With a table set, a gate of one token whose n_used experts fit the layer's slots is decided here, as the
+// proactive policy's gate does it, from tables the policy keeps current:
+//   - with `preempt`, queued low-priority copies of the routed experts move to priority 0 and the layer's
+//     other low-priority copies are dropped (forecache_cache_preempt);
+//   - routed experts with a slot are computed first: ready, then copying, then queued;
+//   - of the m routed experts without a slot, while f of those with one are still copying,
+//     host_k[m*(n_used + 1) + f] are computed on the CPU beside the slots (the lowest expert ids), the
+//     others are copied at priority 0 into free slots, then into the least recently used slots the
+//     layer does not route to; host_k < 0 calls the gate hook instead;
+//   - the experts computed on the CPU are then queued at priority 1 into the next such slots.
+// host_s[same index] is the modelled host time of that choice, summed into stats.model_host_s.
+// n_used <= 0 turns the decode gate off.
+LLAMA_API void forecache_cache_set_decode_gate(
+        struct forecache_cache * cache,
+        int32_t                  n_used,
+        const int32_t          * host_k,
+        const double           * host_s,
+        bool                     preempt);
+
+//
+// Gate events: every routed layer, for a prediction thread
+//
+
+enum forecache_event_kind {
+    FORECACHE_EVENT_GATE   = 0, // a layer was routed
+    FORECACHE_EVENT_MARKER = 1, // posted with forecache_cache_post
+};
+
+struct forecache_event {
+    int32_t  kind;
+    int32_t  layer;
+    int32_t  n_tokens;
+    int32_t  n_used;
+    int32_t  n_embd;     // columns of the gate input copied, 0 when not requested
+    int32_t  has_tokens; // token ids of the ubatch copied (forecache_cache_set_tokens)
+    uint64_t pass;       // forecache_cache_passes' current pass when the layer was routed
+    int64_t  marker;
+};
+
+// Turns recording of gate events on or off; at most `capacity` gate events wait (more are dropped
+// and counted in stats.events_dropped). Markers are never dropped.
+LLAMA_API void forecache_cache_set_events(struct forecache_cache * cache, bool enabled, int32_t capacity);
+
+// Token ids of the ubatch about to be decoded, attached to its gate events when their count matches.
+LLAMA_API void forecache_cache_set_tokens(struct forecache_cache * cache, const int32_t * tokens, int32_t n);
+
+// Queues a marker event after the events recorded so far.
+LLAMA_API void forecache_cache_post(struct forecache_cache * cache, int64_t marker);
+
+// Waits up to timeout_ms for the oldest event and removes it: its routed ids [n_tokens][n_used] into
+// `ids`, gate input [n_tokens][n_embd] into `x`, token ids into `tokens` (arrays of the given capacities).
+// Returns 1, 0 on timeout, or 2 when an array is too small: `ev` then describes the event, which stays
+// queued for a call with larger arrays.
+LLAMA_API int32_t forecache_cache_next_event(
+        struct forecache_cache * cache,
+        int32_t                  timeout_ms,
+        struct forecache_event * ev,
+        int32_t                * ids,
+        size_t                   ids_cap,
+        float                  * x,
+        size_t                   x_cap,
+        int32_t                * tokens,
+        size_t                   tokens_cap);
+
+// sizeof(struct forecache_event): lets a binding that mirrors the struct refuse a mismatch.
+LLAMA_API size_t forecache_event_size(void);
 
 // Blocks until every queued copy that can run is done.
 LLAMA_API void forecache_cache_wait_idle(struct forecache_cache * cache);

@@ -39,10 +39,35 @@ class CacheStats(ctypes.Structure):
         ("host_entries", ctypes.c_uint64),
         ("hi_block_s", ctypes.c_double),
         ("hi_block_max_s", ctypes.c_double),
+        ("fast_gates", ctypes.c_uint64),
+        ("fast_s", ctypes.c_double),
+        ("model_host_s", ctypes.c_double),
+        ("decode_hits", ctypes.c_uint64),
+        ("decode_misses", ctypes.c_uint64),
+        ("events_dropped", ctypes.c_uint64),
     ]
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name, _ in self._fields_}
+
+
+class Event(ctypes.Structure):
+    """struct forecache_event: a gate event or a marker (forecache_cache_next_event)."""
+
+    _fields_ = [
+        ("kind", ctypes.c_int32),
+        ("layer", ctypes.c_int32),
+        ("n_tokens", ctypes.c_int32),
+        ("n_used", ctypes.c_int32),
+        ("n_embd", ctypes.c_int32),
+        ("has_tokens", ctypes.c_int32),
+        ("pass_id", ctypes.c_uint64),
+        ("marker", ctypes.c_int64),
+    ]
+
+
+# enum forecache_event_kind
+EVENT_GATE, EVENT_MARKER = 0, 1
 
 
 class ChunkInfo(ctypes.Structure):
@@ -88,12 +113,28 @@ def declare(lib: ctypes.CDLL) -> None:
         "forecache_cache_get_stats": ([vp, i32, ctypes.POINTER(CacheStats)], i32),
         "forecache_cache_reset_stats": ([vp], None),
         "forecache_cache_stats_size": ([], sz),
+        "forecache_cache_layer_order": ([vp, i32, ctypes.POINTER(i32)], i32),
+        "forecache_cache_touch": ([vp, i32, ctypes.POINTER(i32), i32], None),
+        "forecache_cache_passes": ([vp, i32, ctypes.POINTER(ctypes.c_uint64),
+                                    ctypes.POINTER(ctypes.c_uint64)], i32),
+        "forecache_cache_set_decode_gate": ([vp, i32, ctypes.POINTER(i32),
+                                             ctypes.POINTER(ctypes.c_double), ctypes.c_bool], None),
+        "forecache_cache_set_events": ([vp, ctypes.c_bool, i32], None),
+        "forecache_cache_set_tokens": ([vp, ctypes.POINTER(i32), i32], None),
+        "forecache_cache_post": ([vp, ctypes.c_int64], None),
+        "forecache_cache_next_event": ([vp, i32, ctypes.POINTER(Event), ctypes.POINTER(i32), sz,
+                                        ctypes.POINTER(ctypes.c_float), sz, ctypes.POINTER(i32),
+                                        sz], i32),
+        "forecache_event_size": ([], sz),
         # forecache-testing.h
         "forecache_cache_pause": ([vp, ctypes.c_bool], None),
         "forecache_cache_step": ([vp, ctypes.POINTER(ChunkInfo)], i32),
         "forecache_cache_queued": ([vp, i32, i32], i32),
         "forecache_chunk_info_size": ([], sz),
         "forecache_cache_host_handoff": ([vp, i32, ctypes.c_bool], ctypes.c_double),
+        "forecache_cache_test_route": ([vp, i32, ctypes.POINTER(i32), i32, ctypes.c_bool], i32),
+        "forecache_cache_test_schedule": ([vp, i32, ctypes.POINTER(i32), ctypes.POINTER(i32)],
+                                          i32),
     }
     for name, (args, res) in sigs.items():
         fn = getattr(lib, name)
@@ -104,6 +145,7 @@ def declare(lib: ctypes.CDLL) -> None:
 # ctypes mirror -> the C function returning sizeof of the struct it mirrors
 _MIRRORS: dict[type[ctypes.Structure], str] = {
     CacheStats: "forecache_cache_stats_size",
+    Event: "forecache_event_size",
     ChunkInfo: "forecache_chunk_info_size",
 }
 

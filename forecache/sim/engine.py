@@ -55,6 +55,8 @@ class _Layer:
     consumed: list[list[int]] = field(default_factory=list)
     streams: bool = False
     n_dev: int = 0  # entries [0, n_dev) from slots, the rest from host memory
+    stamp: list[int] = field(default_factory=list)  # slot -> when last used (recency)
+    routed_pass: int = 0  # the forward pass the layer was last routed in
 
 
 class SimEngine:
@@ -68,7 +70,10 @@ class SimEngine:
         n_proj = len(shape.proj_bytes)
         self.layers = [_Layer(n, n_proj, [-1] * n, pending=[0] * n,
                               pend_proj=[[0] * n_proj for _ in range(n)], started=[False] * n,
-                              in_use=[False] * n, last_entry=[-1] * n) for n in n_slots]
+                              in_use=[False] * n, last_entry=[-1] * n, stamp=[0] * n)
+                       for n in n_slots]
+        self.clock = 0  # recency stamps, as the C cache's
+        self.epoch = 0  # forward passes: the simulator starts one per ubatch (``new_pass``)
         self.queue: list[deque[_Chunk]] = [deque() for _ in range(N_PRIORITIES)]
         self.now = 0.0
         self.busy_until = 0.0
@@ -98,6 +103,7 @@ class SimEngine:
                 self._empty(L, s)
         self._map(L, expert, slot)
         self._queue_copy(layer, expert, slot, -1, priority, -1, 0)
+        self._stamp(L, slot)
         self._kick()
         return 0
 
@@ -174,6 +180,7 @@ class SimEngine:
                 L.slot_of[L.sch_e[i]] = s
                 L.last_entry[s] = i
             L.in_use[s] = True
+            self._stamp(L, s)  # a slot's last entry leaves the latest stamp
         self.in_use_layer = layer
         self._kick()
         return 0
@@ -192,14 +199,41 @@ class SimEngine:
                 st[s] = SLOT_COPYING if L.started[s] else SLOT_QUEUED
         return np.array(L.expert_of, dtype=np.int32), st
 
+    def resident_order(self, layer: int) -> list[int]:
+        L = self.layers[layer]
+        return sorted((s for s in range(L.n_slots) if L.expert_of[s] >= 0),
+                      key=lambda s: L.stamp[s])
+
+    def touch(self, layer: int, experts: Sequence[int]) -> None:
+        L = self.layers[layer]
+        for e in experts:
+            s = L.slot_of.get(int(e))
+            if s is not None:
+                self._stamp(L, s)
+
+    def passes(self, layer: int) -> tuple[int, int]:
+        return self.epoch, self.layers[layer].routed_pass
+
+    def _stamp(self, L: _Layer, slot: int) -> None:
+        self.clock += 1
+        L.stamp[slot] = self.clock
+
     # -- what the C side does around the hook --------------------------------------------------
-    def begin_route(self, layer: int) -> None:
-        """fc_route before the hook: the previous layer is computed; forget this layer's plan."""
+    def new_pass(self) -> None:
+        """A graph compute starts (the node hook's start of graph)."""
+        self.epoch += 1
+
+    def begin_route(self, layer: int, experts: Sequence[int] = ()) -> None:
+        """fc_route before the hook: the previous layer is computed; forget this layer's plan;
+        the slots of the routed ``experts`` (distinct, first use first) are used now."""
         if self.in_use_layer >= 0:
             L = self.layers[self.in_use_layer]
             L.in_use = [False] * L.n_slots
             self.in_use_layer = -1
         self._clear_schedule(layer)
+        L = self.layers[layer]
+        self.touch(layer, experts)
+        L.routed_pass = self.epoch
 
     def default_schedule(self, layer: int, experts: Sequence[int]) -> bool:
         """No schedule from the policy: routed experts in first-use order from their slots."""

@@ -144,8 +144,13 @@ class Simulator:
         self._merge = CostModel.from_profile(profile, shape.expert)  # host entries' merge time
         self._hook_s = profile.prefetch_hook_s if cfg.policy in PROACTIVE and \
             profile.prefetch_hook_s > 0 else profile.hook_s
+        # one-token gates the engine decides in C from the policy's tables, as at run time
+        self._decode_gate = None
+        if self.policy is not None and profile.decode_gate_s > 0:
+            self._decode_gate = self.policy.decode_gate(shape.top_k)
         self.hits = self.misses = self.host_layers = 0
-        self.stall = self.hook = 0.0
+        self.stall = self.hook = self.fast = 0.0
+        self.fast_gates = 0
         L = n_layers
         self.lay = {k: np.zeros(L) for k in ("predicted", "correct", "in_time", "good", "stall")}
         self._pred: dict[int, tuple[int, np.ndarray]] = {}  # layer -> (pass, predicted)
@@ -202,6 +207,7 @@ class Simulator:
         misses at the host's best rate (copies and CPU compute together, within DRAM)."""
         sh, eng, n = self.shape, self.engine, len(rows)
         t0 = self.t
+        eng.new_pass()
         cached = set(self.layers)
         p = self.profile
         both = p.h2d_gbps + p.cpu_mem_gbps
@@ -228,7 +234,7 @@ class Simulator:
                 self._stock_layer(il, experts, known.size, n)
                 floor += (self.misses - missed) * sh.expert_bytes / (best_gbps * 1e9)
                 continue
-            eng.begin_route(il)
+            eng.begin_route(il, experts.tolist())
             L = eng.layers[il]
             for e in experts.tolist():
                 if e in L.slot_of:
@@ -236,8 +242,13 @@ class Simulator:
                 else:
                     self.misses += 1
             floor += (self.misses - missed) * sh.expert_bytes / (best_gbps * 1e9)
-            self.t += self._hook_s
-            self.hook += self._hook_s
+            if self._in_c(il, experts, n):
+                self.t += self.profile.decode_gate_s
+                self.fast += self.profile.decode_gate_s
+                self.fast_gates += 1
+            else:
+                self.t += self._hook_s
+                self.hook += self._hook_s
             eng.advance_to(self.t)
             on_slots = self.policy.gate(il, experts, eng, counts)
             if on_slots and not L.sch_e:
@@ -259,6 +270,19 @@ class Simulator:
         self._floor = floor + head
         eng.advance_to(self.t)
         return self.t - t0
+
+    def _in_c(self, il: int, experts: np.ndarray, n_tokens: int) -> bool:
+        """The gate is one the C decode gate decides (forecache_cache_set_decode_gate)."""
+        k = self.shape.top_k
+        if self._decode_gate is None or n_tokens != 1 or len(experts) != k or \
+                self.n_slots[il] < k:
+            return False
+        L = self.engine.layers[il]
+        _, state = self.engine.layer_state(il)
+        slots = [L.slot_of.get(int(e), -1) for e in experts.tolist()]
+        m = sum(1 for s in slots if s < 0)
+        f = sum(1 for s in slots if s >= 0 and state[s] != SLOT_READY)
+        return self._decode_gate[0][m * (k + 1) + f] >= 0
 
     def _stock_layer(self, il: int, experts: np.ndarray, pairs: int, n_tokens: int) -> None:
         """A layer as stock llama.cpp computes it: experts resident on the device (an ncmoe GPU
@@ -350,8 +374,8 @@ class Simulator:
         if self.forecaster.needs_hidden and req.gate_input is not None:
             hidden = np.asarray(req.gate_input[rows, il], dtype=np.float32)
         toks = None if req.token_ids is None else np.asarray(req.token_ids[rows])
-        pass_id = self.policy.pass_id
         policy, eng = self.policy, self.engine
+        pass_id = eng.epoch
         t = self.t
         for target, experts in self.forecaster.on_gate(il, ids, hidden, toks):
             t += self.profile.predictor_s
@@ -394,6 +418,8 @@ class Simulator:
         extra["floor_ttft_s"] = float(np.mean(self.floor_prefill)) if self.floor_prefill else 0.0
         extra["floor_tpot_s"] = float(np.mean(self.floor_decode)) if self.floor_decode else 0.0
         extra["layers_simulated"] = len(self.layers)
+        extra["decode_gate_s"] = self.fast
+        extra["decode_gates_in_c"] = self.fast_gates
         if isinstance(self.policy, Prefetcher):
             extra.update(prefetch_loads=self.policy.prefetch_loads,
                          stale_predictions=self.policy.stale_predictions)
