@@ -10,7 +10,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from forecache.cache.choice import MARGIN, PRIOR, Evidence, choose, hit_at, locality
+from forecache.cache.choice import (
+    MARGIN,
+    PRIOR,
+    Evidence,
+    choose,
+    hit_at,
+    locality,
+    promoe_decode_s,
+    promoe_filled_s,
+)
 from forecache.cache.cost import CostModel, Profile
 from forecache.cache.measured import MIN_LOOKUPS, load_evidence, record_path, record_run
 from forecache.cache.setup import expert_shape
@@ -68,6 +77,25 @@ def test_target_needs_measured_locality_for_promoe() -> None:
     # a slower measured copy rate or CPU makes promoe's estimate slower, never faster
     slow = choose(ds, RTX4090, cost, Evidence(0.65, "run", 4096, copy_gbps=8.0, host_scale=2.0))
     assert slow.promoe_s > measured.promoe_s and slow.ncmoe_s > measured.ncmoe_s
+
+
+def test_cache_fills_are_charged_where_the_bus_cannot_carry_them() -> None:
+    """Mixtral's 99 MB experts: admitting every miss would take more bus time than a token has,
+    so the estimate admits fewer (a lower hit rate) and slows the CPU's experts while the fills
+    copy; a cache that never misses fills nothing and costs what the plain estimate says."""
+    sh = shape_of("mixtral-8x7b", "q4_k")
+    ds = decode_shape(sh, 5)
+    cost = CostModel.from_profile(RTX4090, sh.expert)
+    share, loc = 5 / 8, 0.28
+    plain = promoe_decode_s(ds, RTX4090, cost, hit_at(share, loc))
+    filled, hit = promoe_filled_s(ds, RTX4090, cost, share, loc)
+    fills = ds.n_moe * ds.top_k * (1 - hit) * cost.copy_s()
+    assert hit < hit_at(share, loc) and filled > plain
+    assert fills > filled  # even the admitted misses' fills outlast a token: the bus is full
+    assert promoe_filled_s(ds, RTX4090, cost, share, 1.0) == \
+        (promoe_decode_s(ds, RTX4090, cost, 1.0), 1.0)
+    # the simulator puts ncmoe ahead here (benchmarks/default_guard.py): so does the guard
+    assert choose(ds, RTX4090, cost, Evidence(loc, "trace", 1)).policy == "ncmoe"
 
 
 @pytest.mark.parametrize("shape,share,params", [

@@ -8,8 +8,9 @@ non-expert weights on the device; they differ in the routed experts:
   the CPU (llama.cpp does so for ubatches under 32 tokens), one layer after the other;
 - promoe keeps ``n_slots`` of every layer's experts in device slots; a routed expert is a hit
   with probability ``hit`` (prefetched experts that arrive in time count as hits), and each miss
-  is copied or computed on the CPU as ``CostModel.best_split`` decides, for a gate hook and an
-  expert group per projection on top.
+  is copied or computed on the CPU as ``CostModel.best_split`` decides, for the gate (decided in
+  C, or the Python hook when the layer goes wholly to the CPU) and expert groups per projection
+  on top when a layer misses.
 
 ``hit`` comes from the model's decode routing locality as a promoe run or a recorded trace
 measured it (``cache.measured``), else from uniform routing (``PRIOR_LOCALITY``); measured
@@ -28,11 +29,10 @@ from forecache.cache.cost import CostModel, Profile, roofline_s
 # (OLMoE at a share of 0.85): benchmarks/default_guard.py, BENCHMARKS.md. Anything above the
 # lowest could choose promoe where it loses.
 PRIOR_LOCALITY = 0.0
-# How much faster promoe's estimate must be to be chosen: the estimate leaves out what prefetches
-# and cache fills cost the other copies and CPU compute. Against the simulator it was optimistic
-# only on the Mixtral-8x7B trace, whose 99 MB experts make every stray copy dear (1.12x estimated
-# from a trace's locality where the simulator gives 0.86x); elsewhere it was pessimistic
-# (benchmarks/default_guard.py).
+# How much faster promoe's estimate must be to be chosen. Against the simulator the estimate was
+# optimistic only on the Mixtral-8x7B trace, whose 99 MB experts make the cache's fills dear:
+# 1.01x estimated from a trace's locality where the simulator gives 0.89x (1.13x optimistic, with
+# the fills charged; 1.37x without). Elsewhere it was pessimistic (benchmarks/default_guard.py).
 MARGIN = 1.2
 
 
@@ -93,22 +93,55 @@ def promoe_layer_s(shape: DecodeShape, p: Profile, cost: CostModel, hit: float) 
     k = shape.top_k
     n_proj = len(cost.expert.proj_bytes)
     hook = p.prefetch_hook_s or p.hook_s
+    # one-token gates are decided in C (the decode gate) unless the layer goes wholly to the CPU
+    gate = p.decode_gate_s or hook
     total = 0.0
     for m in range(k + 1):
         pm = comb(k, m) * (1 - hit) ** m * hit ** (k - m)
         rows = [(e, 1, e >= m) for e in range(k)]  # experts 0..m-1 missing
         split, t = cost.best_split(rows, 0)
-        if not split.whole_layer:
+        if split.whole_layer:
+            t += hook
+        else:
+            t += gate
             streamed = m - len(split.host)
-            # hits in one group, then each streamed expert in its own as its copy lands
-            t += n_proj * p.group_s * ((k - m > 0) + streamed)
+            # every expert in its slot: the node as rewritten; else the hits in one group, then
+            # each streamed expert in its own as its copy lands
+            if m:
+                t += n_proj * p.group_s * ((k - m > 0) + streamed)
         total += pm * t
-    return hook + total
+    return total
 
 
 def promoe_decode_s(shape: DecodeShape, p: Profile, cost: CostModel, hit: float) -> float:
     """Seconds a token under promoe at hit rate ``hit``."""
     return _dense_s(shape, p) + shape.n_moe * promoe_layer_s(shape, p, cost, hit)
+
+
+# rounds of the fill estimate's fixed point (token time <-> misses admitted)
+FILL_ROUNDS = 6
+
+
+def promoe_filled_s(shape: DecodeShape, p: Profile, cost: CostModel, share: float,
+                    loc: float) -> tuple[float, float]:
+    """Seconds a token under promoe and its hit rate, with the copies that keep the cache
+    following the routing: a hit rate measured by LRU replay holds only if every miss enters
+    the cache, so per token the misses' bytes cross the bus besides the critical path (cache
+    fills and prefetches, at low priority). The bus carries at most a token's time of them: the
+    rest are not admitted and their reuse is lost (locality scaled by the share admitted), and
+    while they copy, the CPU's expert compute shares DRAM with them."""
+    hit = hit_at(share, loc)
+    t = promoe_decode_s(shape, p, cost, hit)
+    for _ in range(FILL_ROUNDS):
+        fill = shape.n_moe * shape.top_k * (1 - hit) * cost.copy_s()
+        if fill <= 0 or t <= 0:
+            break
+        busy = min(1.0, fill / t)
+        slowed = replace(cost, host_scale=cost.host_scale
+                         * (1 + busy * (1 / max(cost.dram_factor, 1e-9) - 1)))
+        hit = hit_at(share, loc * min(1.0, t / fill))
+        t = promoe_decode_s(shape, p, slowed, hit)
+    return t, hit
 
 
 @dataclass(frozen=True)
@@ -147,7 +180,8 @@ def choose(shape: DecodeShape, profile: Profile, cost: CostModel,
     cost = replace(cost, host_scale=evidence.host_scale,
                    copy_gbps=evidence.copy_gbps or cost.copy_gbps)
     nc = ncmoe_decode_s(shape, profile, cost)
-    hit = hit_at(shape.n_slots / shape.n_expert, evidence.locality)
-    # best_split charges promoe's copies and CPU compute their shared-DRAM rates when both run
-    pm = promoe_decode_s(shape, profile, cost, hit)
+    # best_split charges a layer's own copies and CPU compute their shared-DRAM rates; the
+    # cache's fills are charged by promoe_filled_s
+    pm, hit = promoe_filled_s(shape, profile, cost, shape.n_slots / shape.n_expert,
+                              evidence.locality)
     return Choice("promoe" if pm * MARGIN <= nc else "ncmoe", pm, nc, hit, evidence, shape)

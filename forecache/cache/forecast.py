@@ -8,6 +8,7 @@ path), or ``submit`` (onnxruntime releases the GIL while it predicts).
 
 from __future__ import annotations
 
+import os
 import queue
 import sys
 import threading
@@ -147,6 +148,7 @@ class ForecastWorker:
         self._thread.join(timeout=5)
 
     def _run(self) -> None:
+        _lower_priority()
         while True:
             item = self._q.get()
             kind = item[0]
@@ -170,3 +172,16 @@ class ForecastWorker:
                     self._say(f"forecache: the {name} predictor failed ({type(e).__name__}: {e}); "
                               "prefetching is off for the rest of this run (the output is "
                               "unaffected)")
+
+
+# niceness of the prediction thread: on a machine whose cores all compute the model (a CPU build),
+# a prediction waits for a free core instead of taking one from the model's threads
+WORKER_NICENESS = 10
+
+
+def _lower_priority() -> None:
+    """Lower the calling thread's CPU priority (Linux: niceness is per thread)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WORKER_NICENESS)
+    except (AttributeError, OSError):
+        pass

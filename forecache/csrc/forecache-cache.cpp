@@ -222,7 +222,7 @@ struct forecache_cache {
     std::vector<int32_t> seen;
     std::vector<int32_t> g_rows;
     std::vector<int32_t> g_slots;
-    std::vector<int64_t> g_dst;
+    std::vector<int32_t> g_idx;  // an expert group's indices: gathered rows, slots, destination rows
     std::vector<float>   h_in;   // host entries: the node's input, read back
     std::vector<float>   h_out;  // host entries: their rows of the result
     std::vector<int64_t> h_dst;  // host entries: destination row of each result row
@@ -797,14 +797,14 @@ bool fc_group_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor 
 
     c->g_rows.clear();
     c->g_slots.clear();
-    c->g_dst.clear();
+    c->g_idx.clear();
     for (int64_t it = 0; it < n_tokens; it++) {
         for (int64_t iu = 0; iu < n_used; iu++) {
             const int32_t k = L.entry_of[c->ids[it*n_used + iu]];
             if (k >= i0 && k < i1) {
                 c->g_rows.push_back((int32_t) (it*b_rows + (b_rows == 1 ? 0 : iu)));
                 c->g_slots.push_back(L.sch_s[k]);
-                c->g_dst.push_back(it*n_used + iu);
+                c->g_idx.push_back((int32_t) (it*n_used + iu));
             }
         }
     }
@@ -812,26 +812,26 @@ bool fc_group_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor 
     if (n == 0) {
         return true;
     }
+    // rows, slots and destinations in one tensor: one upload (each is a synchronous copy on a GPU)
+    c->g_rows.insert(c->g_rows.end(), c->g_slots.begin(), c->g_slots.end());
+    c->g_rows.insert(c->g_rows.end(), c->g_idx.begin(), c->g_idx.end());
 
-    ggml_tensor * rows = nullptr;
-    ggml_tensor * sl   = nullptr;
-    ggml_tensor * dst  = nullptr;
+    ggml_tensor * idx = nullptr;
     const bool ok = fc_mini_graph(c->dev_backend, c->group_alloc,
         [&](ggml_context * ctx) {
             // b and t as leaves over the same memory: views would pull the whole model graph into this one
             ggml_tensor * b2 = fc_alias_2d(ctx, b, b->ne[0], b->ne[1]*b->ne[2]);
             ggml_tensor * t2 = fc_alias_2d(ctx, t, t->ne[0], n_used*n_tokens);
-            rows = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n);
+            idx = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 3*n);
+            ggml_tensor * rows = ggml_view_1d(ctx, idx, n, 0);
+            ggml_tensor * sl   = ggml_view_2d(ctx, idx, 1, n, sizeof(int32_t), n*sizeof(int32_t));
+            ggml_tensor * dst  = ggml_view_1d(ctx, idx, n, 2*n*sizeof(int32_t));
             ggml_tensor * x = ggml_get_rows(ctx, b2, rows);
-            sl = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 1, n);
             ggml_tensor * y = ggml_mul_mat_id(ctx, L.pool[p], ggml_reshape_3d(ctx, x, b->ne[0], 1, n), sl);
-            dst = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n);
             return ggml_set_rows(ctx, t2, ggml_reshape_2d(ctx, y, t->ne[0], n), dst);
         },
         [&] {
-            ggml_backend_tensor_set(rows, c->g_rows.data(),  0, ggml_nbytes(rows));
-            ggml_backend_tensor_set(sl,   c->g_slots.data(), 0, ggml_nbytes(sl));
-            ggml_backend_tensor_set(dst,  c->g_dst.data(),   0, ggml_nbytes(dst));
+            ggml_backend_tensor_set(idx, c->g_rows.data(), 0, ggml_nbytes(idx));
         },
         [](ggml_tensor *) {});
     if (!ok) {

@@ -158,7 +158,8 @@ def fit_profile(base: Profile, shape: SimShape, runs: Sequence[Measured], warmup
                 requests: Sequence[Request], fixed: dict[str, float], name: str,
                 device: str, iters: int = 120) -> Profile:
     """The CPU-build profile whose simulation best matches ``runs`` (least squares of the log
-    ratios of TTFT and TPOT); ``fixed`` holds the values measured directly (copy rate)."""
+    ratios of TTFT and TPOT); ``fixed`` holds the values measured directly (copy rate, the
+    decode gate's time)."""
     start = {"launch_s": 2e-5, "mem_gbps": 10.0, "gflops": 50.0, "hook_s": 5e-5,
              "prefetch_hook_s": 1e-4, "token_s": 2e-4, "chunk_latency_s": 1e-5,
              "group_s": 5e-5}
@@ -278,6 +279,11 @@ def validate(model_path: Path, *, prompt_len: int = 128, n_gen: int = 32, n_prom
                                  n_slots=slots))
     calib, checks = measured[:5], measured[5:]
     fixed = {"h2d_gbps": host_memory_bandwidth_gbps() / 2}
+    # the decode gate times itself: measured, not fitted
+    gates = [m.stats for m in calib if m.policy == "promoe" and m.stats.get("decode_gates")]
+    if gates:
+        fixed["decode_gate_s"] = (sum(g["decode_gate_s"] for g in gates)
+                                  / sum(g["decode_gates"] for g in gates))
     progress("fitting the profile ...")
     prof = fit_profile(Profile.load("rtx4090"), shape, calib, warmup, requests, fixed, name,
                        device, fit_iters)

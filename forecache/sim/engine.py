@@ -252,6 +252,10 @@ class SimEngine:
             return L.pend_proj[L.sch_s[i]][p] == 0
         return L.entry_pend[i][p] == 0
 
+    def all_ready_proj(self, layer: int, p: int) -> bool:
+        """Every slot entry of the schedule can be computed for projection ``p``."""
+        return all(self.entry_ready(layer, i, p) for i in range(self.layers[layer].n_dev))
+
     def all_ready(self, layer: int) -> bool:
         L = self.layers[layer]
         return all(self.entry_ready(layer, i, p) for i in range(L.n_dev)

@@ -352,6 +352,17 @@ class Simulator:
         for p in range(L.n_proj):
             host_end = self.t + self._host(len(on_host) * sh.proj_bytes[p],
                                            host_rows * sh.proj_flops) if on_host else self.t
+            if n and not L.streams and eng.all_ready_proj(il, p):
+                # every slot entry in place: the node runs as rewritten, no gathered group (as
+                # fc_node_hook; with host entries fc_split_node, the CPU computing them meanwhile)
+                dev = L.sch_e[:n]
+                self.t += self._node(dev, sum(rows_of[e] for e in dev), p)
+                eng.advance_to(self.t)
+                eng.consume(il, range(n), p)
+                if on_host:
+                    self.t = max(self.t, host_end) + self._merge.merge_proj_s(host_rows)
+                    eng.advance_to(self.t)
+                continue
             i = 0
             while i < n:
                 self._wait(il, lambda i=i, p=p: eng.entry_ready(il, i, p))
