@@ -9,8 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from forecache.cache.cost import CostModel, ExpertShape, Profile
+from forecache.cache.infinity import InfinityPolicy
 from forecache.cache.prefetcher import Features, Prefetcher
 from forecache.cache.runtime import ExpertCache
 from forecache.cache.setup import CacheConfig
@@ -51,9 +53,12 @@ def _split_costs(shape: ExpertShape) -> CostModel:
     return cost
 
 
-def test_decode_gate_decides_as_the_python_gate(tiny_model: Callable[[str], Path]) -> None:
+@pytest.mark.parametrize("policy", ["promoe", "infinity"])
+def test_decode_gate_decides_as_the_python_gate(policy: str,
+                                                tiny_model: Callable[[str], Path]) -> None:
     """The same routings, copies and predictions through two caches, one deciding one-token
-    gates in C and one calling the policy: the same schedules, slots, states and recency."""
+    gates in C and one calling the policy: the same schedules, slots, states and eviction
+    order (recency, and infinity's keys: request and all-time rows, predicted rank)."""
     model = tiny_model("q8_0")
     mf = read_model_file(model)
     k, n_layer, n_slots = mf.n_expert_used, mf.n_layer, 6
@@ -63,21 +68,26 @@ def test_decode_gate_decides_as_the_python_gate(tiny_model: Callable[[str], Path
         a, b = a_llm.expert_cache, b_llm.expert_cache
         assert a is not None and b is not None
         shape = shape_of("tiny", "q8_0").expert
-        pol_a = Prefetcher([n_slots] * n_layer, Features(), _split_costs(shape))
-        pol_b = Prefetcher([n_slots] * n_layer, Features(), _split_costs(shape))
+        make = Prefetcher if policy == "promoe" else InfinityPolicy
+        pol_a = make([n_slots] * n_layer, Features(), _split_costs(shape))
+        pol_b = make([n_slots] * n_layer, Features(), _split_costs(shape))
         table = pol_a.decode_gate(k)
         assert table is not None
         host_k = table[0]
         assert max(host_k) >= 1 and 0 in host_k  # some gates split, some do not
-        for c in (a, b):
-            c.policy = pol_a if c is a else pol_b
+        for c, pol in ((a, pol_a), (b, pol_b)):
+            c.policy = pol
+            pol.attach(c)
             c._lib.forecache_cache_pause(c._handle, True)
         b.use_decode_gate(False)
         a._decode_gate(k)  # C decides A's one-token gates; B calls the policy for every gate
         rng = np.random.default_rng(3)
         hot = [rng.permutation(mf.n_expert)[:n_slots + 2] for _ in range(n_layer)]
         seen_host = seen_flight = 0
-        for _token in range(40):
+        for token in range(40):
+            if token == 20:  # a new request: infinity forgets the request's rows and ranks
+                pol_a.begin_request()
+                pol_b.begin_request()
             for il in range(n_layer):
                 experts = rng.choice(hot[il], size=k, replace=False).tolist()
                 arr = (ctypes.c_int32 * k)(*experts)
@@ -99,6 +109,7 @@ def test_decode_gate_decides_as_the_python_gate(tiny_model: Callable[[str], Path
                 _step(a, steps)
                 _step(b, steps)
                 assert _state(a, range(n_layer)) == _state(b, range(n_layer))
+                assert np.array_equal(a.layer_keys(il), b.layer_keys(il))
         sa, sb = a.stats(), b.stats()
         assert sa["fast_gates"] > 0 and sb["fast_gates"] == 0
         assert seen_host > 0 and seen_flight > 0  # the split and in-flight cases were met

@@ -129,6 +129,7 @@ def _resident(eng: SimEngine, layer: int = 1) -> set[int]:
 def test_infinity_evicts_by_request_activation_then_prediction() -> None:
     eng = _engine(2)
     pol = InfinityPolicy([2] * 8, Features(split=False), prefetch_n=1)
+    pol.attach(eng)
     for experts in ([1], [1], [2]):
         _token(pol, eng, experts)
     # the request routed 1 twice and 2 once: 2 goes, although 1 is the least recently used

@@ -19,6 +19,13 @@ are pools per layer, so the two parts act at different times:
   shared trace (OLMoE: 85% against 77% hits at 0.55 of the experts), since a request keeps
   reusing its own experts more reliably than other requests predict them.
 
+The priority lives in the copy engine as each expert's eviction key (``forecache_cache_set_keys``):
+the engine adds to the key of every routed expert at every gate, its own or the one C decides for
+a decode token, and orders eviction by key, then recency; the policy moves a key's prediction
+part when a forecast arrives and clears the request's part when a request begins. So the decode
+gate in C evicts as this policy would, and ``infinity`` decodes without Python between layers as
+``promoe`` does.
+
 Prefetching follows the predictions as MoE-Infinity does: the best ``prefetch_n`` predicted experts
 of a coming layer are copied at low priority into free slots or over lower-priority ones. The copy
 mechanics (early preemption, cache-first order, streaming, chunks, the host split) are
@@ -27,13 +34,20 @@ mechanics (early preemption, cache-first order, streaming, chunks, the host spli
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
 import numpy as np
 
 from forecache.cache.cost import CostModel
 from forecache.cache.prefetcher import CopyEngine, Features, Prefetcher
+
+# An eviction key packs the priority tuple (request rows, predicted rank, all rows) into one int64,
+# compared as the tuple is: the request's rows from bit 44, the rank from bit 32, all rows below.
+REQUEST_SHIFT, RANK_SHIFT = 44, 32
+RANK_MAX = (1 << (REQUEST_SHIFT - RANK_SHIFT)) - 1
+USES_MASK = (1 << RANK_SHIFT) - 1
+# what a routed token row adds: one to the request's rows and one to all rows
+ROUTE_STEP = (1 << REQUEST_SHIFT) + 1
 
 
 class InfinityPolicy(Prefetcher):
@@ -51,28 +65,31 @@ class InfinityPolicy(Prefetcher):
         if prefetch_n < 1:
             raise ValueError(f"prefetch_n must be >= 1 (got {prefetch_n})")
         self.prefetch_n = prefetch_n
-        # per layer: expert -> priority from the latest prediction (higher: keep longer)
+        # per layer: expert -> rank from the latest prediction (higher: keep longer); the
+        # engine's keys hold it too
         self.predicted: list[dict[int, int]] = [{} for _ in self.n_slots]
-        self.request_uses: list[Counter[int]] = [Counter() for _ in self.n_slots]
-        self.uses: list[Counter[int]] = [Counter() for _ in self.n_slots]
+        self.engine: CopyEngine | None = None
+
+    def attach(self, engine: CopyEngine) -> None:
+        """Keys of 0 in every cached layer, growing with every routed row."""
+        self.engine = engine
+        for layer, n in enumerate(self.n_slots):
+            if n:
+                engine.set_keys(layer, [0] * len(engine.layer_keys(layer)), ROUTE_STEP)
 
     def begin_request(self) -> None:
-        """Forget the finished request's predictions and counts (all-time counts stay)."""
+        """Forget the finished request's predictions and rows (all-time rows stay)."""
+        eng = self.engine
         with self.lock:
-            for layer in range(len(self.n_slots)):
+            for layer, n in enumerate(self.n_slots):
+                old = self.predicted[layer]
                 self.predicted[layer] = {}
-                self.request_uses[layer] = Counter()
-
-    def gate(self, layer: int, experts: np.ndarray, engine: CopyEngine,
-             counts: np.ndarray | None = None) -> bool:
-        """Count the routed experts' token rows, then route as ``Prefetcher`` does."""
-        rows = counts.tolist() if counts is not None else [1] * len(experts)
-        with self.lock:
-            req, all_ = self.request_uses[layer], self.uses[layer]
-            for e, r in zip(experts.tolist(), rows, strict=True):
-                req[e] += r
-                all_[e] += r
-        return super().gate(layer, experts, engine, counts)
+                if eng is None or not n:
+                    continue
+                keys = eng.layer_keys(layer)
+                deltas = [-((int(k) >> REQUEST_SHIFT) << REQUEST_SHIFT)
+                          - (old.get(e, 0) << RANK_SHIFT) for e, k in enumerate(keys.tolist())]
+                eng.add_keys(layer, list(range(len(deltas))), deltas)
 
     def prefetch(self, layer: int, experts: Sequence[int], pass_id: int,
                  engine: CopyEngine) -> int:
@@ -80,36 +97,40 @@ class InfinityPolicy(Prefetcher):
         ``prefetch_n`` ahead; an empty ranking (no EAM match) leaves the frequency order."""
         ranked = [int(e) for e in experts]
         with self.lock:
-            self.predicted[layer] = {e: len(ranked) - i for i, e in enumerate(ranked)}
+            old = self.predicted[layer]
+            new = {e: min(len(ranked) - i, RANK_MAX) for i, e in enumerate(ranked)}
+            self.predicted[layer] = new
+            changed = [e for e in set(old) | set(new) if old.get(e, 0) != new.get(e, 0)]
+            if changed and self.n_slots[layer]:
+                engine.add_keys(layer, changed, [(new.get(e, 0) - old.get(e, 0)) << RANK_SHIFT
+                                                 for e in changed])
         return super().prefetch(layer, ranked[:self.prefetch_n], pass_id, engine)
 
-    def priority(self, layer: int, expert: int) -> tuple[int, int, int]:
+    def priority(self, layer: int, expert: int, keys: np.ndarray | None = None
+                 ) -> tuple[int, int, int]:
         """How much ``expert`` of ``layer`` is worth keeping, compared as a tuple: the current
         request's routed rows (its own EAM row, the closest match there is), then the rank the
-        matched EAMs give it, then the rows of every request so far."""
-        return (self.request_uses[layer][expert], self.predicted[layer].get(expert, 0),
-                self.uses[layer][expert])
-
-    def eviction_order(self, layer: int, keep: set[int], expert_of: np.ndarray,
-                       oldest: list[int]) -> list[int]:
-        """Slots of the resident experts outside ``keep``, lowest ``priority`` first, least
-        recently used first among equals."""
-        resident = [(int(expert_of[s]), s) for s in oldest if int(expert_of[s]) not in keep]
-        # sorted is stable: among equal keys the LRU order (oldest first) stays
-        resident.sort(key=lambda es: self.priority(layer, es[0]))
-        return [s for _, s in resident]
+        matched EAMs give it, then the rows of every request so far (from the engine's keys, or
+        ``keys``)."""
+        if keys is None:
+            assert self.engine is not None, "the policy is not attached to an engine"
+            keys = self.engine.layer_keys(layer)
+        k = int(keys[expert])
+        return k >> REQUEST_SHIFT, (k >> RANK_SHIFT) & RANK_MAX, k & USES_MASK
 
     def prefetch_victims(self, layer: int, picked: list[int], expert_of: np.ndarray,
                          oldest: list[int]) -> list[int]:
         """Free slots, then slots whose expert is worth less than the predicted expert that
         would replace it (MoE-Infinity never evicts for a lower-priority prefetch)."""
+        assert self.engine is not None
+        keys = self.engine.layer_keys(layer)
         resident = {int(e) for e in expert_of.tolist() if e >= 0}
         incoming = [e for e in picked if e not in resident]
         out = []
         for e, s in zip(incoming, super().prefetch_victims(layer, picked, expert_of, oldest),
                         strict=False):
             old = int(expert_of[s])
-            if old >= 0 and self.priority(layer, old) >= self.priority(layer, e):
+            if old >= 0 and keys[old] >= keys[e]:
                 break
             out.append(s)
         return out

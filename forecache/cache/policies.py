@@ -61,6 +61,10 @@ class Policy:
     def __init__(self, n_slots: Sequence[int]) -> None:
         self.n_slots = list(n_slots)
 
+    def attach(self, engine: CopyEngine) -> None:
+        """The copy engine this policy drives (the C cache, or the simulator's); a policy that
+        keeps state in the engine sets it up here."""
+
     def initial_loads(self) -> list[tuple[int, int, int]]:
         """(layer, expert, slot) copies to queue before the first token."""
         return []
@@ -186,6 +190,10 @@ class StaticPolicy(Policy):
             self.pinned.append({int(e): s for s, e in enumerate(hot)})
             self._spare.append(OrderedDict())
             self._spare_slots.append(list(range(len(hot), n)))
+
+    def attach(self, engine: CopyEngine) -> None:
+        """The copy engine this policy drives (the C cache, or the simulator's); a policy that
+        keeps state in the engine sets it up here."""
 
     def initial_loads(self) -> list[tuple[int, int, int]]:
         return [(il, e, s) for il, pins in enumerate(self.pinned) for e, s in pins.items()]

@@ -50,7 +50,21 @@ class CopyEngine(Protocol):
         ...
 
     def resident_order(self, layer: int) -> list[int]:
-        """Slots holding an expert, least recently used first."""
+        """Slots holding an expert in eviction order: lowest key first, least recently used
+        first among equal keys."""
+        ...
+
+    def set_keys(self, layer: int, keys: Sequence[int], step: int) -> None:
+        """Eviction keys of every expert of ``layer``, and what a token row routed to an
+        expert adds to its key."""
+        ...
+
+    def add_keys(self, layer: int, experts: Sequence[int], deltas: Sequence[int]) -> None:
+        """Add ``deltas`` to the eviction keys of ``experts``."""
+        ...
+
+    def layer_keys(self, layer: int) -> np.ndarray:
+        """The eviction key of every expert of ``layer``."""
         ...
 
     def touch(self, layer: int, experts: Sequence[int]) -> None:
@@ -234,5 +248,6 @@ class Prefetcher(Policy):
     def eviction_order(self, layer: int, keep: set[int], expert_of: np.ndarray,
                        oldest: list[int]) -> list[int]:
         """Slots of ``layer``'s resident experts outside ``keep``, the first to give up first:
-        least recently used first (called with the lock held)."""
+        the engine's eviction order (least recently used first while every key is 0; called
+        with the lock held)."""
         return [s for s in oldest if int(expert_of[s]) not in keep]

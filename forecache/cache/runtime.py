@@ -133,6 +133,7 @@ class ExpertCache:
         self._lib.forecache_cache_set_reorder(handle, reorder)
         self._hook = GATE_HOOK(self._on_gate)  # kept referenced: C holds the pointer
         self._lib.forecache_cache_set_hook(handle, self._hook, None, want_x)
+        policy.attach(self)
         for il, e, s in policy.initial_loads():
             self._lib.forecache_cache_load(handle, il, e, s, LOW)
 
@@ -159,6 +160,22 @@ class ExpertCache:
     def resident_order(self, layer: int) -> list[int]:
         n = self._lib.forecache_cache_layer_order(self._handle, layer, self._order)
         return self._order[:max(n, 0)]
+
+    def set_keys(self, layer: int, keys: Sequence[int], step: int) -> None:
+        n = len(keys)
+        if self._lib.forecache_cache_set_keys(self._handle, layer, (ctypes.c_int64 * n)(*keys),
+                                              n, step) != 0:
+            raise ValueError(f"layer {layer}: {n} keys for {self.layers[layer].n_expert} experts")
+
+    def add_keys(self, layer: int, experts: Sequence[int], deltas: Sequence[int]) -> None:
+        n = len(experts)
+        self._lib.forecache_cache_add_keys(self._handle, layer, (ctypes.c_int32 * n)(*experts),
+                                           (ctypes.c_int64 * n)(*deltas), n)
+
+    def layer_keys(self, layer: int) -> np.ndarray:
+        out = (ctypes.c_int64 * self.layers[layer].n_expert)()
+        self._lib.forecache_cache_layer_keys(self._handle, layer, out)
+        return np.ctypeslib.as_array(out).copy()
 
     def touch(self, layer: int, experts: Sequence[int]) -> None:
         n = len(experts)

@@ -132,6 +132,8 @@ struct fc_layer {
     std::vector<uint8_t> started;     // slot -> a chunk of its current copy has started
     std::vector<uint8_t> in_use;      // slot -> read by the schedule being computed
     std::vector<uint64_t> stamp;      // slot -> when its expert was last used (recency)
+    std::vector<int64_t>  key;        // expert -> eviction key: lower keys are evicted first
+    int64_t               key_step = 0; // added to a routed expert's key per token row routed to it
 
     // schedule of the current ubatch: compute order and streaming state
     std::vector<int32_t> sch_e;
@@ -1003,7 +1005,8 @@ int32_t fc_slot_state(const fc_layer & L, int32_t s) {
     return L.started[s] ? FORECACHE_SLOT_COPYING : FORECACHE_SLOT_QUEUED;
 }
 
-// slots of the layer's resident experts that `keep` does not mark, least recently used first (lock held)
+// slots of the layer's resident experts that `keep` does not mark, lowest eviction key first and least
+// recently used first among equal keys (lock held)
 void fc_lru_slots(const fc_layer & L, const std::vector<uint8_t> * keep, std::vector<int32_t> & out) {
     out.clear();
     for (int32_t s = 0; s < L.n_slots; s++) {
@@ -1012,7 +1015,11 @@ void fc_lru_slots(const fc_layer & L, const std::vector<uint8_t> * keep, std::ve
             out.push_back(s);
         }
     }
-    std::stable_sort(out.begin(), out.end(), [&](int32_t a, int32_t b) { return L.stamp[a] < L.stamp[b]; });
+    std::stable_sort(out.begin(), out.end(), [&](int32_t a, int32_t b) {
+        const int64_t ka = L.key[L.expert_of[a]];
+        const int64_t kb = L.key[L.expert_of[b]];
+        return ka != kb ? ka < kb : L.stamp[a] < L.stamp[b];
+    });
 }
 
 // the decode gate (forecache_cache_set_decode_gate) for the distinct routed experts `need` of a
@@ -1152,6 +1159,11 @@ void fc_begin_route(forecache_cache * c, int32_t il, int64_t n_tokens) {
     L.routed_pass = c->epoch;
     c->seen.assign(L.n_expert, 0);
     c->dg_order.clear();
+    if (L.key_step != 0) {
+        for (int32_t e : c->ids) {
+            L.key[e] += L.key_step;
+        }
+    }
     for (int32_t e : c->ids) {
         if (!c->seen[e]) {
             c->seen[e] = 1;
@@ -1439,6 +1451,7 @@ struct forecache_cache * forecache_cache_init(
         L.in_use.assign(L.n_slots, 0);
         L.last_entry.assign(L.n_slots, -1);
         L.stamp.assign(L.n_slots, 0);
+        L.key.assign(L.n_expert, 0);
         n_pool += L.n_slots > 0 ? L.n_proj : 0;
     }
     if (n_pool == 0) {
@@ -1637,6 +1650,41 @@ int32_t forecache_cache_layer_order(const struct forecache_cache * cache, int32_
     fc_lru_slots(cache->layers[layer], nullptr, order);
     std::copy(order.begin(), order.end(), slots);
     return (int32_t) order.size();
+}
+
+int32_t forecache_cache_set_keys(struct forecache_cache * cache, int32_t layer, const int64_t * keys, int32_t n, int64_t step) {
+    if (layer < 0 || layer >= (int32_t) cache->layers.size() || n != cache->layers[layer].n_expert) {
+        return -1;
+    }
+    std::lock_guard<std::mutex> lock(cache->mtx);
+    fc_layer & L = cache->layers[layer];
+    L.key.assign(keys, keys + n);
+    L.key_step = step;
+    return 0;
+}
+
+int32_t forecache_cache_add_keys(struct forecache_cache * cache, int32_t layer, const int32_t * experts, const int64_t * deltas, int32_t n) {
+    if (layer < 0 || layer >= (int32_t) cache->layers.size()) {
+        return -1;
+    }
+    std::lock_guard<std::mutex> lock(cache->mtx);
+    fc_layer & L = cache->layers[layer];
+    for (int32_t i = 0; i < n; i++) {
+        if (experts[i] >= 0 && experts[i] < L.n_expert) {
+            L.key[experts[i]] += deltas[i];
+        }
+    }
+    return 0;
+}
+
+int32_t forecache_cache_layer_keys(const struct forecache_cache * cache, int32_t layer, int64_t * keys) {
+    if (layer < 0 || layer >= (int32_t) cache->layers.size()) {
+        return -1;
+    }
+    std::lock_guard<std::mutex> lock(const_cast<forecache_cache *>(cache)->mtx);
+    const fc_layer & L = cache->layers[layer];
+    std::copy(L.key.begin(), L.key.end(), keys);
+    return L.n_expert;
 }
 
 void forecache_cache_touch(struct forecache_cache * cache, int32_t layer, const int32_t * experts, int32_t n) {

@@ -15,7 +15,7 @@ extern "C" {
 
 // Version of this API and of the patches it needs in llama.cpp; bumped whenever either changes.
 // The Python side reads it from this header and refuses a library that reports another.
-#define FORECACHE_PATCH_VERSION 7
+#define FORECACHE_PATCH_VERSION 8
 
 // Returns FORECACHE_PATCH_VERSION of the library the caller is linked against.
 LLAMA_API int32_t forecache_patch_version(void);
@@ -167,10 +167,22 @@ LLAMA_API void forecache_cache_set_reorder(struct forecache_cache * cache, bool 
 // n_slots entries. Returns n_slots, or -1 for a bad layer.
 LLAMA_API int32_t forecache_cache_layer_state(const struct forecache_cache * cache, int32_t layer, int32_t * expert_of, int32_t * state);
 
-// Slots of `layer` holding an expert, least recently used first, into `slots` (n_slots entries).
-// An expert's slot is used when its layer routes to it, when a load or a schedule puts it there, and
-// by forecache_cache_touch. Returns the number written, or -1 for a bad layer.
+// Slots of `layer` holding an expert in eviction order, into `slots` (n_slots entries): lowest eviction
+// key first, least recently used first among equal keys. An expert's slot is used when its layer routes
+// to it, when a load or a schedule puts it there, and by forecache_cache_touch. Returns the number
+// written, or -1 for a bad layer.
 LLAMA_API int32_t forecache_cache_layer_order(const struct forecache_cache * cache, int32_t layer, int32_t * slots);
+
+// Eviction keys of `layer` (one per expert, all 0 at first: least recently used first): sets all n_expert
+// of them and the step added to a routed expert's key for every token row routed to it (0: none).
+// Returns 0, or -1 for a bad layer or count.
+LLAMA_API int32_t forecache_cache_set_keys(struct forecache_cache * cache, int32_t layer, const int64_t * keys, int32_t n, int64_t step);
+
+// Adds deltas[i] to the eviction key of experts[i] of `layer`. Returns 0, or -1 for a bad layer.
+LLAMA_API int32_t forecache_cache_add_keys(struct forecache_cache * cache, int32_t layer, const int32_t * experts, const int64_t * deltas, int32_t n);
+
+// Copies the n_expert eviction keys of `layer` into `keys`. Returns n_expert, or -1 for a bad layer.
+LLAMA_API int32_t forecache_cache_layer_keys(const struct forecache_cache * cache, int32_t layer, int64_t * keys);
 
 // Marks the slots of `experts` of `layer` (those that have one) used, in order: the last is the most recent.
 LLAMA_API void forecache_cache_touch(struct forecache_cache * cache, int32_t layer, const int32_t * experts, int32_t n);
@@ -189,8 +201,8 @@ LLAMA_API int32_t forecache_cache_passes(const struct forecache_cache * cache, i
 //   - routed experts with a slot are computed first: ready, then copying, then queued;
 //   - of the m routed experts without a slot, while f of those with one are still copying,
 //     host_k[m*(n_used + 1) + f] are computed on the CPU beside the slots (the lowest expert ids), the
-//     others are copied at priority 0 into free slots, then into the least recently used slots the
-//     layer does not route to; host_k < 0 calls the gate hook instead;
+//     others are copied at priority 0 into free slots, then into the slots the layer does not route to
+//     in eviction order (forecache_cache_layer_order); host_k < 0 calls the gate hook instead;
 //   - the experts computed on the CPU are then queued at priority 1 into the next such slots.
 // host_s[same index] is the modelled host time of that choice, summed into stats.model_host_s.
 // n_used <= 0 turns the decode gate off.

@@ -56,6 +56,8 @@ class _Layer:
     streams: bool = False
     n_dev: int = 0  # entries [0, n_dev) from slots, the rest from host memory
     stamp: list[int] = field(default_factory=list)  # slot -> when last used (recency)
+    key: list[int] = field(default_factory=list)  # expert -> eviction key (lowest goes first)
+    key_step: int = 0  # added to a routed expert's key per token row
     routed_pass: int = 0  # the forward pass the layer was last routed in
 
 
@@ -70,7 +72,8 @@ class SimEngine:
         n_proj = len(shape.proj_bytes)
         self.layers = [_Layer(n, n_proj, [-1] * n, pending=[0] * n,
                               pend_proj=[[0] * n_proj for _ in range(n)], started=[False] * n,
-                              in_use=[False] * n, last_entry=[-1] * n, stamp=[0] * n)
+                              in_use=[False] * n, last_entry=[-1] * n, stamp=[0] * n,
+                              key=[0] * shape.experts)
                        for n in n_slots]
         self.clock = 0  # recency stamps, as the C cache's
         self.epoch = 0  # forward passes: the simulator starts one per ubatch (``new_pass``)
@@ -202,7 +205,21 @@ class SimEngine:
     def resident_order(self, layer: int) -> list[int]:
         L = self.layers[layer]
         return sorted((s for s in range(L.n_slots) if L.expert_of[s] >= 0),
-                      key=lambda s: L.stamp[s])
+                      key=lambda s: (L.key[L.expert_of[s]], L.stamp[s]))
+
+    def set_keys(self, layer: int, keys: Sequence[int], step: int) -> None:
+        L = self.layers[layer]
+        if len(keys) != len(L.key):
+            raise ValueError(f"layer {layer}: {len(keys)} keys for {len(L.key)} experts")
+        L.key, L.key_step = [int(k) for k in keys], int(step)
+
+    def add_keys(self, layer: int, experts: Sequence[int], deltas: Sequence[int]) -> None:
+        L = self.layers[layer]
+        for e, d in zip(experts, deltas, strict=True):
+            L.key[int(e)] += int(d)
+
+    def layer_keys(self, layer: int) -> np.ndarray:
+        return np.array(self.layers[layer].key, dtype=np.int64)
 
     def touch(self, layer: int, experts: Sequence[int]) -> None:
         L = self.layers[layer]
@@ -223,15 +240,21 @@ class SimEngine:
         """A graph compute starts (the node hook's start of graph)."""
         self.epoch += 1
 
-    def begin_route(self, layer: int, experts: Sequence[int] = ()) -> None:
+    def begin_route(self, layer: int, experts: Sequence[int] = (),
+                    rows: Sequence[int] | None = None) -> None:
         """fc_route before the hook: the previous layer is computed; forget this layer's plan;
-        the slots of the routed ``experts`` (distinct, first use first) are used now."""
+        the slots of the routed ``experts`` (distinct, first use first; ``rows``: token rows of
+        each, default 1) are used now and their eviction keys grow by the layer's step."""
         if self.in_use_layer >= 0:
             L = self.layers[self.in_use_layer]
             L.in_use = [False] * L.n_slots
             self.in_use_layer = -1
         self._clear_schedule(layer)
         L = self.layers[layer]
+        if L.key_step:
+            for e, r in zip(experts, rows if rows is not None else [1] * len(experts),
+                            strict=True):
+                L.key[int(e)] += L.key_step * int(r)
         self.touch(layer, experts)
         L.routed_pass = self.epoch
 

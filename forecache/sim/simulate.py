@@ -135,6 +135,7 @@ class Simulator:
             self.forecaster = Forecaster(predictor, cfg.window, self.layers, self.n_slots,
                                          n_predict=shape.experts, min_score=0.0)
         if self.policy is not None:
+            self.policy.attach(self.engine)
             for il, e, s in self.policy.initial_loads():
                 self.engine.load(il, e, s, 1)
             self.engine.wait_until(lambda: self.engine.running is None and
@@ -234,7 +235,7 @@ class Simulator:
                 self._stock_layer(il, experts, known.size, n)
                 floor += (self.misses - missed) * sh.expert_bytes / (best_gbps * 1e9)
                 continue
-            eng.begin_route(il, experts.tolist())
+            eng.begin_route(il, experts.tolist(), counts.tolist())
             L = eng.layers[il]
             for e in experts.tolist():
                 if e in L.slot_of:
