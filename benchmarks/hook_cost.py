@@ -33,7 +33,7 @@ from forecache.sim.shapes import shape_of
 from forecache.sim.simulate import SimConfig
 from forecache.trace import synth
 
-POLICIES = ("offload", "lru", "promoe", "promoe --no-prefetch", "promoe (hook)")
+POLICIES = ("offload", "lru", "promoe", "promoe --no-prefetch", "promoe (hook)", "infinity")
 
 
 def simulated_share() -> dict:
