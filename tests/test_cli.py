@@ -65,6 +65,31 @@ def test_threads_out_of_range_is_refused(threads: str, tiny_model) -> None:
         Llama(model, n_threads=int(threads), policy="lru", cache_fraction=0.5, verbose=False)
 
 
+def test_ubatch_sets_the_prompt_pass(tiny_model) -> None:
+    """--ubatch N prefills in passes of N tokens: every pass routes the MoE layers (the last
+    layer only the rows whose logits are wanted); out of range is refused before loading."""
+    from forecache.gguf.header import read_model_file
+
+    model = tiny_model("q8_0")
+    n_moe = len(read_model_file(model).moe_layers())
+    args = ["generate", "-m", str(model), "-p", "one two three four five six seven eight nine",
+            "-n", "4", "--greedy", "--json", "--policy", "promoe", "--cache-fraction", "0.5"]
+    one = json.loads(run_cli(*args, check=True).stdout)["stats"]
+    four = json.loads(run_cli(*args, "--ubatch", "4", check=True).stdout)["stats"]
+    assert one["prompt_tokens"] == four["prompt_tokens"] > 8
+    n = four["prompt_tokens"]
+    passes = -(-n // 4)
+    multi = passes - (n % 4 == 1)  # a last pass of one token is all one-token gates
+    # the hook sees every layer but the last of each pass of several tokens; one-token gates go
+    # to the decode gate
+    assert one["hook_calls"] == n_moe - 1
+    assert four["hook_calls"] == multi * (n_moe - 1)
+    for cmd in ("generate", "chat", "serve"):
+        res = run_cli(cmd, "-m", str(model), "--ubatch", "0", *(["-p", "x"] if cmd ==
+                                                                 "generate" else []))
+        assert res.returncode == 2 and "Invalid value for '--ubatch'" in res.stderr, res.stderr
+
+
 def test_learned_predictor_without_training_says_how_to_make_one(tiny_model) -> None:
     res = run_cli("generate", "-m", str(tiny_model("q8_0")), "-p", "hi", "-n", "2", "--policy",
                   "promoe", "--cache-fraction", "0.5", "--predictor", "learned")

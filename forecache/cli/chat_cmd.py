@@ -9,7 +9,14 @@ from typing import TYPE_CHECKING
 
 import click
 
-from forecache.cli.generate_cmd import cache_config, cache_options, say_choice, threads_option
+from forecache.cli.generate_cmd import (
+    cache_config,
+    cache_options,
+    say_choice,
+    threads_option,
+    ubatch_args,
+    ubatch_option,
+)
 from forecache.cli.model_arg import model_option
 from forecache.interrupt import Terminated
 from forecache.paths import chat_history_file
@@ -103,9 +110,11 @@ def _command(session: ChatSession, line: str) -> bool:
               help="Context length (capped by the model's).")
 @threads_option
 @click.option("--verbose", is_flag=True, help="Show llama.cpp's own log.")
+@ubatch_option
 @cache_options
 def chat(model: Path, system: str | None, max_tokens: int, temp: float, seed: int,
-         n_ctx: int, threads: int | None, verbose: bool, **cache_opts: object) -> None:
+         n_ctx: int, threads: int | None, verbose: bool, ubatch: int | None,
+         **cache_opts: object) -> None:
     """Chat with a model in the terminal, using the model's own chat template.
 
     Answers stream as they are generated; earlier turns stay in the KV cache, so only the new
@@ -118,7 +127,8 @@ def chat(model: Path, system: str | None, max_tokens: int, temp: float, seed: in
 
     sampling = SamplingParams(greedy=temp <= 0, temperature=temp)
     llm = Llama.open(model, cache=cache_config(**cache_opts),  # type: ignore[arg-type]
-                     n_ctx=n_ctx, n_threads=threads, seed=seed, verbose=verbose)
+                     n_ctx=n_ctx, n_threads=threads, seed=seed, verbose=verbose,
+                     **ubatch_args(ubatch))
     mf = llm.model_file
     try:
         llm.format_chat([{"role": "user", "content": "hi"}])  # refuse a model without template

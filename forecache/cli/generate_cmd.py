@@ -27,6 +27,21 @@ def threads_option(fn):  # type: ignore[no-untyped-def]
                         help=f"CPU threads, 1 to {MAX_THREADS} (default: all cores).")(fn)
 
 
+def ubatch_option(fn):  # type: ignore[no-untyped-def]
+    """--ubatch: prompt tokens per forward pass (llama.cpp's n_batch and n_ubatch)."""
+    return click.option("--ubatch", type=click.IntRange(1, 8192), default=None,
+                        help="Prompt tokens per forward pass (llama.cpp's n_ubatch; default "
+                             "512). Each pass copies the missing experts it routes once, so "
+                             "long prompts prefill faster with larger passes; their compute "
+                             "buffers take device memory from the expert slots, which slows "
+                             "decode (BENCHMARKS.md: ubatch_sim).")(fn)
+
+
+def ubatch_args(ubatch: int | None) -> dict[str, int]:
+    """Llama.open's arguments for --ubatch (none: llama.cpp's defaults)."""
+    return {} if ubatch is None else {"n_batch": ubatch, "n_ubatch": ubatch}
+
+
 def cache_options(fn):  # type: ignore[no-untyped-def]
     """--policy, --gpu-budget, --cache-fraction and promoe's switches."""
     for name, what in (("split", "computing missing experts on the CPU when cheaper than copying"),
@@ -111,10 +126,11 @@ def _stream(text: str) -> None:
 @click.option("--json", "as_json", is_flag=True,
               help="Print one JSON object: tokens, text, stats.")
 @click.option("--verbose", is_flag=True, help="Show llama.cpp's own log.")
+@ubatch_option
 @cache_options
 def generate(model: Path, prompt: str, n_predict: int, greedy: bool, seed: int, temp: float,
              n_ctx: int, threads: int | None, n_gpu_layers: int, ignore_eos: bool, as_json: bool,
-             verbose: bool, **cache_opts: object) -> None:
+             verbose: bool, ubatch: int | None, **cache_opts: object) -> None:
     """Generate text from a prompt with a GGUF MoE model."""
     if n_predict < 0:
         raise click.BadParameter("must be >= 0", param_hint="-n")
@@ -124,7 +140,8 @@ def generate(model: Path, prompt: str, n_predict: int, greedy: bool, seed: int, 
     sampling = SamplingParams(greedy=greedy, temperature=temp)
     cfg = cache_config(**cache_opts)  # type: ignore[arg-type]
     with Llama.open(model, cache=cfg, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers,
-                    seed=seed, verbose=verbose) as llm, deferred_signals() as stop:
+                    seed=seed, verbose=verbose, **ubatch_args(ubatch)) as llm, \
+            deferred_signals() as stop:
         res = generate(llm, prompt, n_predict, sampling, on_text=None if as_json else _stream,
                        ignore_eos=ignore_eos, stop=stop)
     stop.raise_if_set()

@@ -7,7 +7,14 @@ from typing import Any
 
 import click
 
-from forecache.cli.generate_cmd import cache_config, cache_options, say_choice, threads_option
+from forecache.cli.generate_cmd import (
+    cache_config,
+    cache_options,
+    say_choice,
+    threads_option,
+    ubatch_args,
+    ubatch_option,
+)
 from forecache.cli.model_arg import model_option
 
 
@@ -20,9 +27,10 @@ from forecache.cli.model_arg import model_option
               help="Context length (capped by the model's).")
 @threads_option
 @click.option("--verbose", is_flag=True, help="Show llama.cpp's own log.")
+@ubatch_option
 @cache_options
 def serve(model: Path, host: str, port: int, n_ctx: int, threads: int | None,
-          verbose: bool, **cache_opts: object) -> None:
+          verbose: bool, ubatch: int | None, **cache_opts: object) -> None:
     """Serve a model over an OpenAI-compatible HTTP API (llama-cpp-python's server).
 
     /v1/completions, /v1/chat/completions (streaming too) and /v1/models, plus
@@ -40,7 +48,8 @@ def serve(model: Path, host: str, port: int, n_ctx: int, threads: int | None,
     try:
         def load(settings: Any) -> Llama:
             llm = Llama.open(settings.model, cache=cfg, n_ctx=n_ctx, n_threads=threads,
-                             chat_format=settings.chat_format, verbose=verbose)
+                             chat_format=settings.chat_format, verbose=verbose,
+                             **ubatch_args(ubatch))
             say_choice(llm)
             policy[0] = llm.cache_config.policy if llm.cache_config else "none"
             return llm
