@@ -1,6 +1,6 @@
-"""Where a larger ubatch pays for long prompts, in simulation at the target: Qwen2-57B-A14B q4_k on a
-24 GiB card (rtx4090 profile), ncmoe and promoe, prompts of several lengths, ubatches of 512 and
-larger.
+"""Where a larger ubatch pays for long prompts, in simulation at the target: Qwen2-57B-A14B q4_k
+on a 24 GiB card (rtx4090 profile), ncmoe and promoe, prompts of several lengths, ubatches of
+512 and larger.
 
     python benchmarks/ubatch_sim.py [--prompts 512,2048,8192] [--ubatches 512,1024,2048]
         [--decode 64] [--json OUT]
