@@ -119,6 +119,12 @@ class Prefetcher(Policy):
         self.prefetch_refreshed = 0
         self.stale_predictions = 0
 
+    def initial_loads(self) -> list[tuple[int, int, int]]:
+        """Every slot filled before the first token, as ncmoe's device layers are at load: with
+        no routing seen yet, expert i in slot i of each layer. A long first prompt then copies
+        only the experts the slots lack, and a short one starts at the slots' share of hits."""
+        return [(il, s, s) for il, n in enumerate(self.n_slots) for s in range(n)]
+
     # -- the decode gate the engine runs without calling the policy ---------------------------
     def decode_gate(self, n_used: int) -> tuple[list[int], list[float], bool] | None:
         """The tables with which the engine decides a one-token gate of ``n_used`` experts as
