@@ -31,8 +31,8 @@ from forecache.cache.cost import CostModel, Profile, roofline_s
 PRIOR_LOCALITY = 0.0
 # How much faster promoe's estimate must be to be chosen. Against the simulator the estimate was
 # optimistic only on the Mixtral-8x7B trace, whose 99 MB experts make the cache's fills dear:
-# 1.01x estimated from a trace's locality where the simulator gives 0.89x (1.13x optimistic, with
-# the fills charged; 1.37x without). Elsewhere it was pessimistic (benchmarks/default_guard.py).
+# 1.01x estimated from a trace's locality where the simulator gives 0.91x (1.11x optimistic, with
+# the fills charged; 1.34x without). Elsewhere it was pessimistic (benchmarks/default_guard.py).
 MARGIN = 1.2
 
 
