@@ -8,7 +8,7 @@ on a 24 GiB card (rtx4090 profile), ncmoe and promoe, prompts of several lengths
 A ubatch of n tokens makes one pass over the layers: every expert a pass routes and the device
 lacks crosses the bus once per pass, so fewer, larger passes move fewer bytes. But llama.cpp
 reserves compute buffers for the largest ubatch (all rows' logits, the experts' intermediate
-rows; ``cache.budget.plan_memory``'s terms), which the budget then lacks for expert slots (or for
+rows; ``cache.budget.compute_buffer_bytes``), which the budget then lacks for expert slots (or for
 ncmoe's device layers). Routing is synthesized with the OLMoE-fitted parameters (as
 ``target_sim.py``), 2 requests per prompt length; promoe runs without a predictor (prefetch adds
 nothing at this shape, BENCHMARKS.md).
@@ -20,6 +20,7 @@ import argparse
 import json
 from pathlib import Path
 
+from forecache.cache.budget import compute_buffer_bytes
 from forecache.cache.cost import Profile
 from forecache.sim.run import run_one, slots_for
 from forecache.sim.shapes import SimShape, shape_of
@@ -30,18 +31,12 @@ BASE_UBATCH = 512  # what the simulator's fixed budget reserve was sized for
 VOCAB = 151936  # Qwen2-57B-A14B's vocabulary
 
 
-def compute_bytes(shape: SimShape, n_ubatch: int) -> int:
-    """Compute buffers llama.cpp reserves for a ubatch (``plan_memory``'s estimate)."""
-    d, ff, k = shape.d_model, shape.expert_ff, shape.top_k
-    pairs = n_ubatch * k
-    return (n_ubatch * VOCAB * 4 + pairs * ff * 4 * 3 + n_ubatch * d * 4 * 8
-            + pairs * (max(d, ff) * 4 * 2 + 16))
-
-
 def slots_at(shape: SimShape, budget: str, n_ubatch: int) -> int:
     """Slots per layer at ``budget`` once a ubatch of ``n_ubatch`` has its buffers."""
     base = slots_for(shape, shape.layers, budget, None)
-    extra = compute_bytes(shape, n_ubatch) - compute_bytes(shape, BASE_UBATCH)
+    extra = (compute_buffer_bytes(n_ubatch, shape.top_k, shape.expert_ff, shape.d_model, VOCAB)
+             - compute_buffer_bytes(BASE_UBATCH, shape.top_k, shape.expert_ff, shape.d_model,
+                                    VOCAB))
     return max(1, base - -(-extra // (shape.expert_bytes * shape.layers)))
 
 

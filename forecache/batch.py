@@ -223,7 +223,7 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
                     s.fed += take
             batch.n_tokens = len(tokens)
             if cache is not None:
-                cache.batch_tokens = np.asarray(tokens, dtype=np.int32)
+                cache.begin_ubatch(np.asarray(tokens, dtype=np.int32))
             rc = low.llama_decode(ctx, batch)
             if rc != 0:
                 raise RuntimeError(decode_failure(rc, len(active)))

@@ -221,7 +221,7 @@ class Llama(llama_cpp.Llama):
         cache = self.expert_cache  # predictors that read token ids get each batch's
 
         def on_batch(tokens: Sequence[int]) -> None:
-            cache.batch_tokens = np.asarray(tokens, dtype=np.int32)
+            cache.begin_ubatch(np.asarray(tokens, dtype=np.int32))
 
         self.on_batch = on_batch
         self.expert_cache.wait_idle()  # the static policy's pinned experts

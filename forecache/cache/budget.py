@@ -79,6 +79,17 @@ def kv_cache_bytes(model: ModelFile, n_ctx: int) -> int:
     return model.n_layer * n_ctx * n_head_kv * head_dim * 2 * 2
 
 
+def compute_buffer_bytes(n_ubatch: int, n_used: int, n_ff_exp: int, n_embd: int,
+                         n_vocab: int) -> int:
+    """Device compute buffers a ubatch of ``n_ubatch`` tokens needs: llama.cpp reserves every
+    row's logits and the experts' intermediate rows, plus the expert groups' scratch."""
+    pairs = n_ubatch * n_used
+    return (n_ubatch * n_vocab * 4 + pairs * n_ff_exp * 4 * 3
+            + n_ubatch * n_embd * 4 * 8 + COMPUTE_RESERVE
+            # expert groups computed from slots: gathered inputs, outputs and row indices
+            + pairs * (max(n_embd, n_ff_exp) * 4 * 2 + 16))
+
+
 def plan_memory(model: ModelFile, budget: int, *, n_ctx: int, n_ubatch: int,
                 device_name: str, device_total: int) -> MemoryPlan:
     """Split ``budget`` bytes of device memory; refuses budgets the device or model cannot meet."""
@@ -89,11 +100,8 @@ def plan_memory(model: ModelFile, budget: int, *, n_ctx: int, n_ubatch: int,
     expert_bytes = model.bytes_per_expert()
     n_ff_exp = int(model.arch_kv("expert_feed_forward_length", 0))
     n_embd = int(model.arch_kv("embedding_length", 0))
-    pairs = n_ubatch * model.n_expert_used
-    compute = (n_ubatch * model.n_vocab * 4 + pairs * n_ff_exp * 4 * 3
-               + n_ubatch * n_embd * 4 * 8 + COMPUTE_RESERVE
-               # expert groups computed from slots: gathered inputs, outputs and row indices
-               + pairs * (max(n_embd, n_ff_exp) * 4 * 2 + 16))
+    compute = compute_buffer_bytes(n_ubatch, model.n_expert_used, n_ff_exp, n_embd,
+                                   model.n_vocab)
     plan = MemoryPlan(budget=budget, non_expert_bytes=model.total_bytes() - model.expert_bytes(),
                       kv_bytes=kv_cache_bytes(model, n_ctx), compute_bytes=compute,
                       expert_bytes=expert_bytes, n_expert=model.n_expert, moe_layers=layers)

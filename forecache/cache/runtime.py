@@ -187,15 +187,9 @@ class ExpertCache:
                                          ctypes.byref(routed))
         return cur.value, routed.value
 
-    @property
-    def batch_tokens(self) -> None:
-        """Token ids of the ubatch about to be decoded (write-only): they go with its gate
-        events to the prediction thread. Setting them also marks a ubatch, at which the cost
-        model is corrected every CALIBRATE_TOKENS ubatches."""
-        return None
-
-    @batch_tokens.setter
-    def batch_tokens(self, tokens: np.ndarray | None) -> None:
+    def begin_ubatch(self, tokens: np.ndarray | None) -> None:
+        """The token ids of the ubatch about to be decoded: they go with its gate events to the
+        prediction thread. Every CALIBRATE_TOKENS ubatches the cost model is corrected."""
         if self._handle is None:
             return
         arr = np.ascontiguousarray(tokens if tokens is not None else [], dtype=np.int32)

@@ -221,7 +221,7 @@ struct forecache_cache {
     std::vector<int32_t> slots;
     std::vector<float>   weights;
     std::vector<float>   gate_input;
-    std::vector<int32_t> seen;
+    std::vector<uint8_t> seen;       // expert -> routed by the layer being routed
     std::vector<int32_t> g_rows;
     std::vector<int32_t> g_slots;
     std::vector<int32_t> g_idx;  // an expert group's indices: gathered rows, slots, destination rows
@@ -237,9 +237,13 @@ struct forecache_cache {
     bool                dg_preempt = true;
     std::vector<int32_t> dg_host_k;
     std::vector<double>  dg_host_s;
+    std::vector<int32_t> routed;     // distinct experts of the layer being routed, first use first
+    std::vector<int32_t> dg_rank;    // cache-first rank of each of them
     std::vector<int32_t> dg_order;
     std::vector<int32_t> dg_slots;
+    std::vector<int32_t> dg_host;
     std::vector<int32_t> dg_victims;
+    std::vector<int32_t> dg_lru;
 
     // gate events for the prediction thread
     std::mutex              ev_mtx;
@@ -957,15 +961,9 @@ bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor *
     return ok;
 }
 
-// early preemption (forecache_cache_preempt) with the lock held
-int32_t fc_preempt(forecache_cache * cache, int32_t layer, const int32_t * keep, int32_t n_keep) {
+// early preemption (forecache_cache_preempt) with the lock held; `wanted`: one flag per expert
+int32_t fc_preempt(forecache_cache * cache, int32_t layer, const std::vector<uint8_t> & wanted) {
     fc_layer & L = cache->layers[layer];
-    std::vector<uint8_t> wanted(L.n_expert, 0);
-    for (int32_t i = 0; i < n_keep; i++) {
-        if (keep[i] >= 0 && keep[i] < L.n_expert) {
-            wanted[keep[i]] = 1;
-        }
-    }
     // wanted copies move to the front priority in their order; the others are dropped
     for (int p = 1; p < FC_N_PRIORITIES; p++) {
         auto & q = cache->queue[p];
@@ -1022,67 +1020,63 @@ void fc_lru_slots(const fc_layer & L, const std::vector<uint8_t> * keep, std::ve
     });
 }
 
-// the decode gate (forecache_cache_set_decode_gate) for the distinct routed experts `need` of a
-// one-token ubatch (lock held): 0 compute from slots, 1 from host memory, 2 ask the hook
-int32_t fc_decode_gate(forecache_cache * c, int32_t il, const std::vector<int32_t> & need) {
+// the decode gate (forecache_cache_set_decode_gate) for a one-token routing begun by fc_begin_route
+// (c->routed, flagged in c->seen; lock held): 0 compute from slots, 1 from host memory, 2 ask the hook
+int32_t fc_decode_gate(forecache_cache * c, int32_t il) {
     fc_layer & L = c->layers[il];
+    const std::vector<int32_t> & need = c->routed;
     const int32_t n_used = c->dg_n_used;
     if (c->dg_preempt) {
-        fc_preempt(c, il, need.data(), (int32_t) need.size());
+        fc_preempt(c, il, c->seen);
     }
+    // cache-first rank of each routed expert: ready, copying, queued, missing
+    std::vector<int32_t> & rank = c->dg_rank;
+    rank.resize(need.size());
     int32_t n_miss = 0;
     int32_t in_flight = 0;
-    for (int32_t e : need) {
-        const int32_t s = L.slot_of[e];
-        if (s < 0) {
-            n_miss++;
-        } else if (fc_slot_state(L, s) != FORECACHE_SLOT_READY) {
-            in_flight++;
-        }
+    for (size_t i = 0; i < need.size(); i++) {
+        const int32_t s = L.slot_of[need[i]];
+        const int32_t st = s < 0 ? FORECACHE_SLOT_EMPTY : fc_slot_state(L, s);
+        rank[i] = st == FORECACHE_SLOT_EMPTY ? 3 : st == FORECACHE_SLOT_READY ? 0 :
+                  st == FORECACHE_SLOT_COPYING ? 1 : 2;
+        n_miss    += rank[i] == 3;
+        in_flight += rank[i] == 1 || rank[i] == 2;
     }
     const size_t idx = (size_t) n_miss*(n_used + 1) + in_flight;
     const int32_t k = c->dg_host_k[idx];
     if (k < 0) {
         return 2;
     }
-    // cache-first order: ready, copying, queued, then the missing experts (stable within each)
-    auto rank = [&](int32_t e) {
-        const int32_t s = L.slot_of[e];
-        return s < 0 ? 3 : fc_slot_state(L, s) == FORECACHE_SLOT_READY ? 0 :
-               fc_slot_state(L, s) == FORECACHE_SLOT_COPYING ? 1 : 2;
-    };
-    std::vector<int32_t> & order = c->dg_order;
-    order = need;
-    std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return rank(a) < rank(b); });
     // the k missing experts with the lowest ids are computed on the host
-    std::vector<int32_t> host;
-    for (int32_t e : need) {
-        if (L.slot_of[e] < 0) {
-            host.push_back(e);
+    std::vector<int32_t> & host = c->dg_host;
+    host.clear();
+    for (size_t i = 0; i < need.size(); i++) {
+        if (rank[i] == 3) {
+            host.push_back(need[i]);
         }
     }
     std::sort(host.begin(), host.end());
     host.resize(k);
-    if (k > 0) {
-        order.erase(std::remove_if(order.begin(), order.end(), [&](int32_t e) {
-            return std::find(host.begin(), host.end(), e) != host.end();
-        }), order.end());
+    // compute order: by rank, first use first within a rank; then the host entries
+    std::vector<int32_t> & order = c->dg_order;
+    order.clear();
+    for (int32_t r = 0; r <= 3; r++) {
+        for (size_t i = 0; i < need.size(); i++) {
+            if (rank[i] == r && (r < 3 || std::find(host.begin(), host.end(), need[i]) == host.end())) {
+                order.push_back(need[i]);
+            }
+        }
     }
-    // victims: free slots, then the least recently used the layer does not route to
-    std::vector<uint8_t> needed(L.n_expert, 0);
-    for (int32_t e : need) {
-        needed[e] = 1;
-    }
+    // victims: free slots, then the slots the layer does not route to, in eviction order
     std::vector<int32_t> & victims = c->dg_victims;
-    std::vector<int32_t> lru;
     victims.clear();
     for (int32_t s = 0; s < L.n_slots; s++) {
         if (L.expert_of[s] < 0) {
             victims.push_back(s);
         }
     }
-    fc_lru_slots(L, &needed, lru);
-    victims.insert(victims.end(), lru.begin(), lru.end());
+    fc_lru_slots(L, &c->seen, c->dg_lru);
+    victims.insert(victims.end(), c->dg_lru.begin(), c->dg_lru.end());
     std::vector<int32_t> & slots = c->dg_slots;
     slots.clear();
     size_t next = 0;
@@ -1146,7 +1140,7 @@ void fc_record_event(forecache_cache * c, int32_t il, int64_t n_tokens, int64_t 
 
 // routing of layer il to c->ids begins (the previous routed layer is computed): frees that
 // layer's slots, counts hits and misses over the distinct routed experts (first use first, into
-// c->dg_order) and marks the hits' slots used
+// c->routed; flagged in c->seen) and marks the hits' slots used
 void fc_begin_route(forecache_cache * c, int32_t il, int64_t n_tokens) {
     fc_layer & L = c->layers[il];
     std::lock_guard<std::mutex> lock(c->mtx);
@@ -1158,7 +1152,7 @@ void fc_begin_route(forecache_cache * c, int32_t il, int64_t n_tokens) {
     fc_clear_schedule(c, il);
     L.routed_pass = c->epoch;
     c->seen.assign(L.n_expert, 0);
-    c->dg_order.clear();
+    c->routed.clear();
     if (L.key_step != 0) {
         for (int32_t e : c->ids) {
             L.key[e] += L.key_step;
@@ -1167,7 +1161,7 @@ void fc_begin_route(forecache_cache * c, int32_t il, int64_t n_tokens) {
     for (int32_t e : c->ids) {
         if (!c->seen[e]) {
             c->seen[e] = 1;
-            c->dg_order.push_back(e);
+            c->routed.push_back(e);
             const int32_t s = L.slot_of[e];
             if (s >= 0) {
                 L.stamp[s] = ++c->clock;
@@ -1191,8 +1185,7 @@ int32_t fc_try_decode_gate(forecache_cache * c, int32_t il, int64_t n_tokens, in
     if (n_used != c->dg_n_used) {
         return 2;
     }
-    const std::vector<int32_t> need = c->dg_order;
-    const int32_t rc = fc_decode_gate(c, il, need);
+    const int32_t rc = fc_decode_gate(c, il);
     if (rc != 2) {
         L.stats.fast_gates++;
         L.stats.fast_s += fc_seconds(t0);
@@ -1271,17 +1264,11 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
     if (!host && L.sch_epoch != c->epoch) {
         // no schedule from the hook: the routed experts in order of first use, from their slots
         c->slots.clear();
-        c->seen.assign(L.n_expert, 0);
-        std::vector<int32_t> order;
-        for (int32_t e : c->ids) {
-            if (!c->seen[e]) {
-                c->seen[e] = 1;
-                order.push_back(e);
-                c->slots.push_back(L.slot_of[e]);
-                host = host || L.slot_of[e] < 0;
-            }
+        for (int32_t e : c->routed) {
+            c->slots.push_back(L.slot_of[e]);
+            host = host || L.slot_of[e] < 0;
         }
-        host = host || !fc_set_schedule(c, il, order.data(), c->slots.data(), (int32_t) order.size(), 0);
+        host = host || !fc_set_schedule(c, il, c->routed.data(), c->slots.data(), (int32_t) c->routed.size(), 0);
     }
     if (!host) {
         for (int32_t e : c->ids) {
@@ -1610,8 +1597,14 @@ int32_t forecache_cache_preempt(struct forecache_cache * cache, int32_t layer, c
     if (layer < 0 || layer >= (int32_t) cache->layers.size() || n_keep < 0) {
         return -1;
     }
+    std::vector<uint8_t> wanted(cache->layers[layer].n_expert, 0);
+    for (int32_t i = 0; i < n_keep; i++) {
+        if (keep[i] >= 0 && keep[i] < cache->layers[layer].n_expert) {
+            wanted[keep[i]] = 1;
+        }
+    }
     std::lock_guard<std::mutex> lock(cache->mtx);
-    return fc_preempt(cache, layer, keep, n_keep);
+    return fc_preempt(cache, layer, wanted);
 }
 
 int32_t forecache_cache_schedule(struct forecache_cache * cache, int32_t layer, const int32_t * experts, const int32_t * slots, int32_t n, int32_t priority) {
