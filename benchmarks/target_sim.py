@@ -82,7 +82,8 @@ def main() -> None:
           f"predictor {pname} (k={args.window}), {len(replay)} requests of {args.prefill} + "
           f"{args.decode} tokens replayed")
     print(f"{'policy':<9} {'TTFT ms':>9} {'TPOT ms':>9} {'hit %':>6} {'H2D GB':>8} {'stall s':>8} "
-          f"{'prefill':>8} {'decode':>8} {'floor TTFT/TPOT ms':>19} {'to floor':>14}")
+          f"{'prefill':>8} {'decode':>8} {'floor TTFT/TPOT ms':>19} {'to floor':>14} "
+          f"{'bus floor TTFT':>15} {'to it':>6}")
     for p, r in runs.items():
         d = r.to_json()
         print(f"{p:<9} {r.ttft_s * 1e3:>9.1f} {r.tpot_s * 1e3:>9.2f} "
@@ -90,10 +91,12 @@ def main() -> None:
               f"{r.stall_s:>8.3f} {speedup(nc.ttft_s, r.ttft_s):>8} "
               f"{speedup(nc.tpot_s, r.tpot_s):>8} "
               f"{d['floor_ttft_s'] * 1e3:>10.1f}/{d['floor_tpot_s'] * 1e3:<8.2f} "
-              f"{speedup(r.ttft_s, d['floor_ttft_s'])}/{speedup(r.tpot_s, d['floor_tpot_s'])}")
+              f"{speedup(r.ttft_s, d['floor_ttft_s'])}/{speedup(r.tpot_s, d['floor_tpot_s'])} "
+              f"{d['bus_floor_ttft_s'] * 1e3:>15.1f} {speedup(r.ttft_s, d['bus_floor_ttft_s']):>6}")
     print("prefill, decode: speedup over ncmoe (TTFT, TPOT); floor: the run's compute with every "
           "routed expert resident plus its missed bytes at the host's best rate (PCIe and CPU "
-          "together, within DRAM); to floor: how far above it the run is")
+          "together, within DRAM), one after the other; to floor: how far above it the run is; "
+          "bus floor: the prompt's missed bytes over PCIe with all compute hidden under them")
     # the default placement's guard at this shape and budget: uniform routing, then the
     # locality a trace of this routing would record (LRU replay of the replayed decode rows)
     ds = decode_shape(shape, n_slots)

@@ -55,9 +55,10 @@ class MemoryPlan:
     def expert_budget(self) -> int:
         return self.budget - self.fixed_bytes
 
-    def slots_per_layer(self) -> list[int]:
-        """Slots for each layer, the expert budget spread evenly over the MoE layers."""
-        total = max(self.expert_budget, 0) // self.expert_bytes
+    def slots_per_layer(self, held: int = 0) -> list[int]:
+        """Slots for each layer, the expert budget less ``held`` experts' worth (stage slots)
+        spread evenly over the MoE layers."""
+        total = max(max(self.expert_budget, 0) // self.expert_bytes - held, 0)
         base, extra = divmod(total, len(self.moe_layers))
         out = [0] * (max(self.moe_layers) + 1)
         for i, il in enumerate(self.moe_layers):

@@ -75,6 +75,23 @@ class CopyEngine(Protocol):
         """(current forward pass, the pass ``layer`` was last routed in)."""
         ...
 
+    def stage_slots(self) -> int:
+        """Stage slots: device memory for experts outside every layer's slots (0: none)."""
+        ...
+
+    def n_experts(self, layer: int) -> int:
+        """Routed experts of ``layer``."""
+        ...
+
+    def stage(self, layer: int, expert: int, priority: int) -> int:
+        """Copy ``expert`` of ``layer`` into a free stage slot: the stage slot, or -1."""
+        ...
+
+    def staged(self, layer: int) -> dict[int, tuple[int, int]]:
+        """Experts of ``layer`` in stage slots: expert -> (stage slot, SLOT_* state). A schedule
+        computes one from slot ``n_slots + stage slot``."""
+        ...
+
 
 @dataclass(frozen=True)
 class Features:
@@ -100,6 +117,22 @@ ABLATION = [("base (lru)", "lru", Features()),
             ("+early preemption", "promoe", Features(reorder=False, split=False)),
             ("+reordered", "promoe", Features(split=False)),
             ("+host split", "promoe", Features())]
+
+
+MAX_STAGE_SLOTS = 32
+
+
+def stage_slots_for(n_expert: int, n_slots: Sequence[int]) -> int:
+    """Stage slots for prompt passes (``CopyEngine.stage``): a layer of a long prompt routes
+    every expert and misses ``n_expert - slots`` of them; half the stage slots take the next
+    layer's misses while the other half serve the layer being computed. As many as a layer's
+    misses, at most 32 and a 64th of the slots: the memory comes out of the slots, which decode
+    misses (BENCHMARKS.md: at the target 18 take prefill from 1.42x to 1.11x of its floor for
+    1.5% of decode)."""
+    cached = [n for n in n_slots if n > 0]
+    if not cached:
+        return 0
+    return max(0, min(n_expert - min(cached), MAX_STAGE_SLOTS, sum(cached) // 64))
 
 
 class Prefetcher(Policy):
@@ -164,10 +197,19 @@ class Prefetcher(Policy):
                 engine.preempt(layer, need)
             expert_of, state = engine.layer_state(layer)
             where = {e: s for s, e in enumerate(expert_of.tolist()) if e >= 0}
+            staged = engine.staged(layer) if f.reorder else {}
             oldest = engine.resident_order(layer)
             if f.reorder:
                 rank = {SLOT_READY: 0, SLOT_COPYING: 1, SLOT_QUEUED: 2}
-                order = sorted(need, key=lambda e: rank[int(state[where[e]])] if e in where else 3)
+
+                def key(e: int) -> tuple[int, bool]:
+                    # staged experts after the resident ones of their state: a group reads
+                    # either the slots or the stage slots, so they are not interleaved
+                    if e in where:
+                        return rank[int(state[where[e]])], False
+                    return (rank[staged[e][1]], True) if e in staged else (3, False)
+
+                order = sorted(need, key=key)
             else:
                 order = sorted(need)  # the frameworks' expert-id order
             needed = set(need)
@@ -175,7 +217,8 @@ class Prefetcher(Policy):
             victims = free + self.eviction_order(layer, needed, expert_of, oldest)
             host: list[int] = []
             if self.cost is not None and counts is not None:
-                rows = [(e, int(r), e in where) for e, r in zip(need, counts.tolist(), strict=True)]
+                rows = [(e, int(r), e in where or e in staged)
+                        for e, r in zip(need, counts.tolist(), strict=True)]
                 in_flight = sum(1 for e in need if e in where and state[where[e]] != SLOT_READY)
                 plan = self.cost.plan(rows, in_flight)
                 if plan.whole_layer:
@@ -192,16 +235,24 @@ class Prefetcher(Policy):
                 if host:
                     on_host = set(host)
                     order = [e for e in order if e not in on_host]
-            if len(order) > n and not f.reorder:
+            on_slots = [e for e in order if e not in staged]
+            if len(on_slots) > n and not f.reorder:
                 return False  # cannot stream without reordered compute: from host memory
             slots: list[int] = []
-            for i, e in enumerate(order):
-                if i >= n:
-                    slots.append(slots[i - n])  # streams through the slot computed longest ago
+            taken: list[int] = []  # layer slots in compute order
+            for e in order:
+                if e in staged:
+                    slots.append(n + staged[e][0])
+                    continue
+                k = len(taken)
+                if k >= n:
+                    s = taken[k - n]  # streams through the slot computed longest ago
                 elif e in where:
-                    slots.append(where[e])
+                    s = where[e]
                 else:
-                    slots.append(victims.pop(0))
+                    s = victims.pop(0)
+                taken.append(s)
+                slots.append(s)
             if engine.schedule(layer, order + host, slots + [-1] * len(host), HIGH) != 0:
                 return False
             # experts computed on the host still enter the cache, behind this layer's copies, in
@@ -210,7 +261,31 @@ class Prefetcher(Policy):
                 if not victims or engine.load(layer, e, victims[0], LOW) != 0:
                     break
                 victims.pop(0)
+            if len(on_slots) > n:
+                self._stage_next(layer, engine)
             return True
+
+    def _stage_next(self, layer: int, engine: CopyEngine) -> None:
+        """A layer that streams (a prompt pass routing more experts than it has slots): the next
+        cached layer will likely stream too, so its missing experts are copied into stage slots
+        behind this layer's copies, keeping the bus busy while this layer's copies wait for the
+        slots they reuse (half the stage slots at most: the other half serves this layer)."""
+        nxt = next((il for il in range(layer + 1, len(self.n_slots)) if self.n_slots[il]), -1)
+        cap = (engine.stage_slots() + 1) // 2
+        if nxt < 0 or cap == 0:
+            return
+        expert_of, _ = engine.layer_state(nxt)
+        resident = {int(e) for e in expert_of.tolist() if e >= 0}
+        have = engine.staged(nxt)
+        todo = cap - len(have)
+        for e in range(engine.n_experts(nxt)):
+            if todo <= 0:
+                break
+            if e in resident or e in have:
+                continue
+            if engine.stage(nxt, e, LOW) < 0:
+                break
+            todo -= 1
 
     # -- prefetch: a layer ahead ---------------------------------------------------------------
     def prefetch(self, layer: int, experts: Sequence[int], pass_id: int,

@@ -94,7 +94,7 @@ class ExpertCache:
     def __init__(self, ctx: int, n_slots: Sequence[int], policy: Policy, *, device: int,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, on_route: RouteCallback | None = None,
                  gate_input: bool = False, forecaster: Forecaster | None = None,
-                 reorder: bool = True) -> None:
+                 reorder: bool = True, stage_slots: int = 0) -> None:
         self._lib = libllama()
         arr = (ctypes.c_int32 * len(n_slots))(*n_slots)
         err = ctypes.create_string_buffer(512)
@@ -122,6 +122,15 @@ class ExpertCache:
         self._decode_kept = (0, 0)
         self._order = (ctypes.c_int32 * max((i.n_slots for i in self.layers.values()),
                                             default=1))()
+        self._n_stage = 0
+        self._stage_arrays: tuple = ()
+        if stage_slots > 0:
+            try:
+                self.set_stage(stage_slots)
+            except CacheError:
+                self._lib.forecache_cache_free(handle)
+                self._handle = None
+                raise
         self._n_used = 0  # experts per token, known at the first gate
         self._decode_gate_on = True
         self.worker = None
@@ -160,6 +169,31 @@ class ExpertCache:
     def resident_order(self, layer: int) -> list[int]:
         n = self._lib.forecache_cache_layer_order(self._handle, layer, self._order)
         return self._order[:max(n, 0)]
+
+    def set_stage(self, n: int) -> None:
+        """Allocate ``n`` stage slots beside the slots (once; CacheError if they do not fit or
+        the layers' experts differ in shape)."""
+        err = ctypes.create_string_buffer(512)
+        if self._lib.forecache_cache_set_stage(self._handle, n, err, len(err)) != 0:
+            raise CacheError(f"cannot set up {n} stage slots: {err.value.decode()}")
+        self._n_stage = n
+        self._stage_arrays = tuple((ctypes.c_int32 * n)() for _ in range(3))
+
+    def stage_slots(self) -> int:
+        return self._n_stage
+
+    def n_experts(self, layer: int) -> int:
+        return self.layers[layer].n_expert
+
+    def stage(self, layer: int, expert: int, priority: int) -> int:
+        return int(self._lib.forecache_cache_stage(self._handle, layer, expert, priority))
+
+    def staged(self, layer: int) -> dict[int, tuple[int, int]]:
+        if not self._n_stage:
+            return {}
+        lay, ex, st = self._stage_arrays
+        n = self._lib.forecache_cache_stage_state(self._handle, lay, ex, st)
+        return {ex[j]: (j, st[j]) for j in range(n) if lay[j] == layer}
 
     def set_keys(self, layer: int, keys: Sequence[int], step: int) -> None:
         n = len(keys)

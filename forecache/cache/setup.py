@@ -28,7 +28,7 @@ from forecache.cache.policies import (
     Policy,
     StaticPolicy,
 )
-from forecache.cache.prefetcher import Features, Prefetcher
+from forecache.cache.prefetcher import Features, Prefetcher, stage_slots_for
 from forecache.cache.runtime import DEFAULT_CHUNK_BYTES, ExpertCache, RouteCallback
 from forecache.errors import setting
 from forecache.gguf.header import EXPERT_TENSOR_PATTERN, ModelFile
@@ -63,6 +63,9 @@ class CacheConfig:
     window: int | None = None  # promoe: prediction distance; default: the trained one
     machine: str | None = None  # promoe: profile the split's costs start from (None: default)
     auto: bool = False  # no policy was named: the default placement may pick ncmoe (choice.py)
+    # promoe/infinity: stage slots for prompt passes (None: stage_slots_for on a GPU, none on
+    # a CPU build, where slots are host memory too); held back from a gpu_budget
+    stage_slots: int | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -88,7 +91,8 @@ AUTO_BUDGET_MIN_RESERVE = 512 << 20
 def resolve_cache_config(policy: str | None, gpu_budget: int | str | None,
                          cache_fraction: float | None, *, predictor: str = "auto",
                          window: int | None = None, machine: str | None = None,
-                         features: Features | None = None) -> CacheConfig | None:
+                         features: Features | None = None, stage_slots: int | None = None
+                         ) -> CacheConfig | None:
     """The configuration users get from what they gave: promoe unless a policy is named; sized by
     the budget or fraction given, else by the GPU's free memory. With nothing given on a
     CPU-only build, None: llama.cpp's own placement, since device and host are the same memory."""
@@ -102,7 +106,8 @@ def resolve_cache_config(policy: str | None, gpu_budget: int | str | None,
             return None
     return CacheConfig(policy=policy or "promoe", gpu_budget=budget,
                        cache_fraction=cache_fraction, predictor=predictor, window=window,
-                       machine=machine, features=features or Features(), auto=policy is None)
+                       machine=machine, features=features or Features(), auto=policy is None,
+                       stage_slots=stage_slots)
 
 
 def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int
@@ -121,6 +126,10 @@ def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: 
                        device_name=dev.name, device_total=dev.memory_total)
     layers = model.moe_layers()
     slots = plan.slots_per_layer()
+    if cfg.features.reorder and dev.type != "cpu":  # promoe would hold its stage slots back
+        held = cfg.stage_slots if cfg.stage_slots is not None else \
+            stage_slots_for(model.n_expert, slots)
+        slots = plan.slots_per_layer(held=held)
     shape = DecodeShape(n_moe=len(layers), n_expert=model.n_expert, top_k=model.n_expert_used,
                         n_slots=min(slots[il] for il in layers),
                         ncmoe_host_layers=plan.ncmoe_cpu_layers(),
@@ -139,6 +148,7 @@ class Placement:
     plan: MemoryPlan | None
     n_slots: list[int]
     host_layers: list[int]  # layers whose experts are in host memory
+    stage_slots: int = 0  # promoe/infinity: stage slots beside the slots
 
 
 def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int) -> Placement:
@@ -162,9 +172,15 @@ def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int) -> P
         assert cfg.slots_per_layer is not None
         slots = [min(cfg.slots_per_layer, model.n_expert) if il in layers else 0
                  for il in range(model.n_layer)]
+    stage = 0
+    if cfg.policy in ("promoe", "infinity") and cfg.features.reorder:
+        stage = cfg.stage_slots if cfg.stage_slots is not None else \
+            stage_slots_for(model.n_expert, slots) if dev.type != "cpu" else 0
+    if plan is not None and stage:
+        slots = (plan.slots_per_layer(held=stage) + [0] * model.n_layer)[:model.n_layer]
     if cfg.policy == "infinity":
         slots = infinity_slots(model, slots)
-    return Placement(dev, plan, slots, layers)
+    return Placement(dev, plan, slots, layers, stage)
 
 
 def infinity_slots(model: ModelFile, even: list[int]) -> list[int]:
@@ -306,7 +322,7 @@ def attach(ctx: int, placement: Placement, cfg: CacheConfig, policy: Policy,
         reorder = f.reorder
     return ExpertCache(ctx, placement.n_slots, policy, device=placement.device.index,
                        chunk_bytes=chunk, on_route=cfg.on_route, forecaster=forecaster,
-                       reorder=reorder)
+                       reorder=reorder, stage_slots=placement.stage_slots)
 
 
 def attach_observer(ctx: int, model: ModelFile, device: int, on_route: RouteCallback, *,

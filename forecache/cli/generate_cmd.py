@@ -51,6 +51,12 @@ def cache_options(fn):  # type: ignore[no-untyped-def]
                        ("prefetch", "predicted prefetch")):
         fn = click.option(f"--no-{name}", f"no_{name}", is_flag=True,
                           help=f"promoe without {what} (for ablations).")(fn)
+    fn = click.option("--stage-slots", type=click.IntRange(0, 256), default=None,
+                      help="promoe: experts' worth of device memory, held back from the budget, "
+                           "into which a long prompt copies the next layer's missing experts "
+                           "while the current layer computes (default: as many as a prompt "
+                           "layer misses, at most 32 and a 64th of the slots, on a GPU; 0 "
+                           "turns it off).")(fn)
     fn = click.option("--machine", default=None,
                       help="promoe: machine profile (shipped name or JSON) the CPU/device split "
                            f"starts from (default {DEFAULT_MACHINE}; no split on a CPU build); "
@@ -80,12 +86,13 @@ def cache_config(policy: str | None, gpu_budget: str | None, cache_fraction: flo
                  predictor: str = "auto", window: int | None = None, no_prefetch: bool = False,
                  no_chunk: bool = False, no_preempt: bool = False,
                  no_reorder: bool = False, no_split: bool = False,
-                 machine: str | None = None) -> CacheConfig | None:
+                 machine: str | None = None, stage_slots: int | None = None
+                 ) -> CacheConfig | None:
     """The CacheConfig the cache options ask for: promoe unless a policy is named, sized by the
     GPU's free memory unless a size is given; None (llama.cpp's own placement) on a CPU-only build
     given no option."""
     return resolve_cache_config(policy, gpu_budget, cache_fraction, predictor=predictor,
-                                window=window, machine=machine,
+                                window=window, machine=machine, stage_slots=stage_slots,
                                 features=Features(prefetch=not no_prefetch, chunk=not no_chunk,
                                                   preempt=not no_preempt,
                                                   reorder=not no_reorder, split=not no_split))

@@ -64,6 +64,9 @@ HEAD = (f"{'run':<20} {'TTFT ms':>10} {'TPOT ms':>9} {'hit %':>6} {'H2D GB':>8} 
 @click.option("--no-preempt", is_flag=True)
 @click.option("--no-reorder", is_flag=True)
 @click.option("--no-split", is_flag=True)
+@click.option("--stage-slots", type=click.IntRange(0, 256), default=None,
+              help="promoe: stage slots for prompt passes, taken from the slots (default: as "
+                   "many as a prompt layer misses, at most 32 and a 64th of the slots).")
 @click.option("--ablation", "do_ablation", is_flag=True,
               help="ProMoE's ablation: lru, then each technique added (ignores --policy).")
 @click.option("--compare", is_flag=True,
@@ -74,7 +77,8 @@ def simulate_cmd(trace_path: Path, policy: str, shape: str | None, qtype: str,
                  budget: str | None, cache_fraction: float | None, profile_name: str,
                  predictor: str, window: int, fit_fraction: float, n_ubatch: int,
                  no_prefetch: bool, no_chunk: bool, no_preempt: bool, no_reorder: bool,
-                 no_split: bool, do_ablation: bool, compare: bool, as_json: bool) -> None:
+                 no_split: bool, stage_slots: int | None, do_ablation: bool, compare: bool,
+                 as_json: bool) -> None:
     """Replay TRACE through a policy with a timing model; TTFT, TPOT, hits, bytes, stalls."""
     profile = Profile.load(profile_name)
     with TraceFile(trace_path) as tf:
@@ -91,7 +95,8 @@ def simulate_cmd(trace_path: Path, policy: str, shape: str | None, qtype: str,
         if do_ablation or compare or (policy == "promoe" and feats.prefetch):
             pred_name, pred = fit_predictor(predictor, info, fit, window)
         cfg = SimConfig(policy=policy, n_slots=n_slots, features=feats, window=window,
-                        n_ubatch=n_ubatch, static_profile=static_profile(fit, info))
+                        n_ubatch=n_ubatch, static_profile=static_profile(fit, info),
+                        stage_slots=stage_slots)
         # infinity: slots moved between layers by the fit requests' reuse, EAM predictions
         inf = infinity_setup(fit, info, sh, layers, n_slots) \
             if compare or policy == "infinity" else None

@@ -146,6 +146,7 @@ struct fc_layer {
     int32_t  n_dev     = 0;           // entries [0, n_dev) come from slots, the rest from host memory
     uint64_t sch_epoch = 0;           // epoch the schedule belongs to (0: none)
     bool     streams   = false;
+    bool     staged    = false;       // some entry reads a stage slot (slot n_slots + j)
 
     forecache_cache_stats stats = {};
 
@@ -231,6 +232,19 @@ struct forecache_cache {
     fc_host_thread       host;   // computes them
 
     uint64_t clock = 0; // recency stamps (lock held)
+
+    // stage slots (forecache_cache_set_stage): device memory outside every layer's slots, lent to
+    // one expert of one layer at a time; a chunk or schedule entry of layer il with slot
+    // n_slots + j is stage slot j (lock held)
+    int32_t               n_stage   = 0;
+    ggml_context        * stage_ctx = nullptr;
+    ggml_backend_buffer_t stage_buf = nullptr;
+    ggml_tensor         * stage[FC_MAX_PROJ] = {};
+    std::vector<int32_t>  st_layer;   // owner layer, -1 free
+    std::vector<int32_t>  st_expert;
+    std::vector<int32_t>  st_pend;    // j*FC_MAX_PROJ + p -> chunks queued or running
+    std::vector<uint8_t>  st_started;
+    std::vector<uint8_t>  st_in_use;  // read by the schedule being computed
 
     // decode gate (forecache_cache_set_decode_gate), read and written with the lock held
     int32_t             dg_n_used  = 0;
@@ -329,10 +343,23 @@ bool fc_pop(forecache_cache * c, fc_chunk & out) {
     return false;
 }
 
+// stage slot a chunk or schedule entry of L writes or reads, or -1 for a slot of L
+int32_t fc_stage_of(const fc_layer & L, int32_t slot) {
+    return slot >= L.n_slots ? slot - L.n_slots : -1;
+}
+
 // adjusts the in-flight counters of the projections a chunk writes (lock held)
-void fc_count(fc_layer & L, const fc_chunk & ch, int32_t d) {
+void fc_count(forecache_cache * c, const fc_chunk & ch, int32_t d) {
+    fc_layer & L = c->layers[ch.layer];
     const int32_t p0 = ch.proj < 0 ? 0 : ch.proj;
     const int32_t p1 = ch.proj < 0 ? L.n_proj : ch.proj + 1;
+    const int32_t j  = fc_stage_of(L, ch.slot);
+    if (j >= 0) {
+        for (int32_t p = p0; p < p1; p++) {
+            c->st_pend[j*FC_MAX_PROJ + p] += d;
+        }
+        return;
+    }
     for (int32_t p = p0; p < p1; p++) {
         if (ch.entry < 0) {
             L.pend_proj[ch.slot*L.n_proj + p] += d;
@@ -348,7 +375,10 @@ void fc_count(fc_layer & L, const fc_chunk & ch, int32_t d) {
 // copies one chunk; called with the lock held, releases it during the copy
 void fc_run(forecache_cache * c, const fc_chunk & ch, std::unique_lock<std::mutex> & lock) {
     fc_layer & L = c->layers[ch.layer];
-    if (ch.entry < 0) {
+    const int32_t j = fc_stage_of(L, ch.slot);
+    if (j >= 0) {
+        c->st_started[j] = 1;
+    } else if (ch.entry < 0) {
         L.started[ch.slot] = 1;
     }
     if (ch.first && ch.priority == 0) {
@@ -372,10 +402,10 @@ void fc_run(forecache_cache * c, const fc_chunk & ch, std::unique_lock<std::mute
     size_t bytes = 0;
     for (int32_t p = p0; p < p1; p++) {
         const ggml_tensor * src = L.host[p];
-        ggml_tensor * dst = L.pool[p];
+        ggml_tensor * dst = j >= 0 ? c->stage[p] : L.pool[p];
         const size_t size = ch.proj < 0 ? src->nb[2] : ch.size;
         ggml_backend_tensor_set(dst, (const uint8_t *) src->data + ch.expert*src->nb[2] + ch.offset,
-                ch.slot*dst->nb[2] + ch.offset, size);
+                (j >= 0 ? j : ch.slot)*dst->nb[2] + ch.offset, size);
         bytes += size;
     }
     const auto   t1 = fc_clock::now();
@@ -387,7 +417,7 @@ void fc_run(forecache_cache * c, const fc_chunk & ch, std::unique_lock<std::mute
         c->low_end   = t1;
     }
     c->running--;
-    fc_count(L, ch, -1);
+    fc_count(c, ch, -1);
     L.stats.h2d_bytes  += bytes;
     L.stats.n_chunks   += 1;
     L.stats.copy_s     += dt;
@@ -417,7 +447,7 @@ void fc_queue_copy(forecache_cache * c, int32_t il, int32_t expert, int32_t slot
     bool first = true;
     if (proj < 0 && c->chunk_bytes == FORECACHE_CHUNK_EXPERT) {
         fc_chunk ch = {il, slot, -1, expert, priority, entry, need, true, 0, 0, now};
-        fc_count(L, ch, +1);
+        fc_count(c, ch, +1);
         c->queue[priority].push_back(ch);
     } else {
         for (int32_t p = proj < 0 ? 0 : proj; p < (proj < 0 ? L.n_proj : proj + 1); p++) {
@@ -425,7 +455,7 @@ void fc_queue_copy(forecache_cache * c, int32_t il, int32_t expert, int32_t slot
             const size_t step = c->chunk_bytes == FORECACHE_CHUNK_PROJECTION || c->chunk_bytes == FORECACHE_CHUNK_EXPERT ? nb : c->chunk_bytes;
             for (size_t off = 0; off < nb; off += step) {
                 fc_chunk ch = {il, slot, p, expert, priority, entry, need, first, off, std::min(step, nb - off), now};
-                fc_count(L, ch, +1);
+                fc_count(c, ch, +1);
                 c->queue[priority].push_back(ch);
                 first = false;
             }
@@ -458,9 +488,14 @@ int32_t fc_drop_queued(forecache_cache * c, int min_priority, F match) {
                 continue;
             }
             fc_layer & L = c->layers[it->layer];
-            fc_count(L, *it, -1);
+            fc_count(c, *it, -1);
             L.stats.dropped_chunks++;
-            if (it->entry < 0 || L.expert_of[it->slot] == it->expert) {
+            const int32_t j = fc_stage_of(L, it->slot);
+            if (j >= 0) {
+                // a stage slot whose copy lost a chunk is free again
+                c->st_layer[j]  = -1;
+                c->st_in_use[j] = 0;
+            } else if (it->entry < 0 || L.expert_of[it->slot] == it->expert) {
                 emptied.emplace_back(it->layer, it->slot);
             }
             it = q.erase(it);
@@ -475,6 +510,39 @@ int32_t fc_drop_queued(forecache_cache * c, int min_priority, F match) {
     return (int32_t) emptied.size();
 }
 
+// stage slot j is free again, its queued chunks dropped (lock held)
+void fc_release_stage(forecache_cache * c, int32_t j) {
+    const int32_t il = c->st_layer[j];
+    if (il < 0) {
+        return;
+    }
+    const int32_t slot = c->layers[il].n_slots + j;
+    fc_drop_queued(c, 0, [&](const fc_chunk & ch) { return ch.layer == il && ch.slot == slot; });
+    c->st_layer[j]  = -1;
+    c->st_in_use[j] = 0;
+}
+
+// stage slots lent to layer il that its schedule does not read go back (lock held)
+void fc_release_unused_stage(forecache_cache * c, int32_t il) {
+    for (int32_t j = 0; j < c->n_stage; j++) {
+        if (c->st_layer[j] == il && !c->st_in_use[j]) {
+            fc_release_stage(c, j);
+        }
+    }
+}
+
+// enum forecache_slot_state of stage slot j (lock held)
+int32_t fc_stage_state(const forecache_cache * c, int32_t j) {
+    if (c->st_layer[j] < 0) {
+        return FORECACHE_SLOT_EMPTY;
+    }
+    int32_t left = 0;
+    for (int32_t p = 0; p < FC_MAX_PROJ; p++) {
+        left += c->st_pend[j*FC_MAX_PROJ + p];
+    }
+    return left == 0 ? FORECACHE_SLOT_READY : c->st_started[j] ? FORECACHE_SLOT_COPYING : FORECACHE_SLOT_QUEUED;
+}
+
 // forgets the schedule of layer il, dropping streamed copies that were never needed (lock held)
 void fc_clear_schedule(forecache_cache * c, int32_t il) {
     fc_layer & L = c->layers[il];
@@ -485,6 +553,12 @@ void fc_clear_schedule(forecache_cache * c, int32_t il) {
     for (int32_t e : L.sch_e) {
         L.entry_of[e] = -1;
     }
+    for (int32_t j = 0; j < c->n_stage; j++) {
+        if (c->st_layer[j] == il) {
+            c->st_in_use[j] = 0;
+        }
+    }
+    L.staged = false;
     L.sch_e.clear();
     L.sch_s.clear();
     L.sch_first.clear();
@@ -540,10 +614,12 @@ bool fc_set_schedule(forecache_cache * c, int32_t il, const int32_t * experts, c
         if (s < 0 && n_dev == n) {
             n_dev = i; // host entries from here on
         }
-        const bool bad_slot = i < n_dev ? s >= L.n_slots : s != -1;
+        const int32_t j = i < n_dev ? fc_stage_of(L, s) : -1;
+        const bool staged = j >= 0 && j < c->n_stage && c->st_layer[j] == il && c->st_expert[j] == e;
+        const bool bad_slot = i < n_dev ? s >= L.n_slots && !staged : s != -1;
         if (e < 0 || e >= L.n_expert || bad_slot || L.entry_of[e] >= 0 || (s < 0 && c->group_alloc == nullptr)) {
-            for (int32_t j = 0; j < i; j++) {
-                L.entry_of[experts[j]] = -1;
+            for (int32_t k = 0; k < i; k++) {
+                L.entry_of[experts[k]] = -1;
             }
             return false;
         }
@@ -565,6 +641,15 @@ bool fc_set_schedule(forecache_cache * c, int32_t il, const int32_t * experts, c
     std::vector<uint8_t> copy(n, 0);
     for (int32_t i = 0; i < n; i++) {
         const int32_t s = L.sch_s[i];
+        const int32_t j = fc_stage_of(L, s);
+        if (j >= 0) {
+            // read from the stage slot its expert was staged into: nothing to copy
+            L.sch_first[i]  = 1;
+            L.staged        = true;
+            c->st_in_use[j] = 1;
+            L.stats.stage_used++;
+            continue;
+        }
         need[i] = uses[s]++;
         if (need[i] == 0) {
             L.sch_first[i] = 1;
@@ -575,6 +660,7 @@ bool fc_set_schedule(forecache_cache * c, int32_t il, const int32_t * experts, c
             L.stats.streamed++;
         }
     }
+    fc_release_unused_stage(c, il); // stage slots the schedule does not read go back
     // first uses become plain loads; in_use is still clear, so nothing is refused
     for (int32_t i = 0; i < n; i++) {
         if (L.sch_first[i] && copy[i]) {
@@ -602,6 +688,9 @@ bool fc_set_schedule(forecache_cache * c, int32_t il, const int32_t * experts, c
     }
     // the slot table describes the end of the layer: the last entry of each slot holds it
     for (int32_t i = 0; i < n; i++) {
+        if (L.sch_s[i] >= L.n_slots) {
+            continue;
+        }
         if (!L.sch_first[i]) {
             const int32_t s = L.sch_s[i];
             const int32_t old = L.expert_of[s];
@@ -621,17 +710,21 @@ bool fc_set_schedule(forecache_cache * c, int32_t il, const int32_t * experts, c
 }
 
 // entry i of the schedule can be computed for projection p (lock held)
-bool fc_entry_ready(const fc_layer & L, int32_t i, int32_t p) {
+bool fc_entry_ready(const forecache_cache * c, const fc_layer & L, int32_t i, int32_t p) {
+    const int32_t j = fc_stage_of(L, L.sch_s[i]);
+    if (j >= 0) {
+        return c->st_pend[j*FC_MAX_PROJ + p] == 0;
+    }
     if (L.sch_first[i]) {
         return L.pend_proj[L.sch_s[i]*L.n_proj + p] == 0;
     }
     return L.entry_pend[i*L.n_proj + p] == 0;
 }
 
-bool fc_all_ready(const fc_layer & L, int32_t p0, int32_t p1) {
+bool fc_all_ready(const forecache_cache * c, const fc_layer & L, int32_t p0, int32_t p1) {
     for (int32_t i = 0; i < L.n_dev; i++) {
         for (int32_t p = p0; p < p1; p++) {
-            if (!fc_entry_ready(L, i, p)) {
+            if (!fc_entry_ready(c, L, i, p)) {
                 return false;
             }
         }
@@ -639,9 +732,10 @@ bool fc_all_ready(const fc_layer & L, int32_t p0, int32_t p1) {
     return true;
 }
 
-// the layer is computed group by group (streamed or split between slots and host), not as rewritten
+// the layer is computed group by group (streamed, split between slots and host, or reading stage
+// slots), not as rewritten
 bool fc_grouped(const fc_layer & L) {
-    return L.streams || L.n_dev < (int32_t) L.sch_e.size();
+    return L.streams || L.staged || L.n_dev < (int32_t) L.sch_e.size();
 }
 
 ggml_tensor * fc_view(forecache_cache * c, int64_t ne0, int64_t ne1) {
@@ -794,8 +888,12 @@ ggml_tensor * fc_alias_2d(ggml_context * ctx, ggml_tensor * src, int64_t ne0, in
 }
 
 // computes the rows of node t (projection p) that schedule entries [i0, i1) route to, on the pool's
-// device: gathers their inputs, runs MUL_MAT_ID over the slots and scatters the results into t
+// device: gathers their inputs, runs MUL_MAT_ID over the slots (or the stage slots, when the entries
+// read those) and scatters the results into t
 bool fc_group_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor * t, int32_t i0, int32_t i1) {
+    const bool stage = fc_stage_of(L, L.sch_s[i0]) >= 0;
+    ggml_tensor * as = stage ? c->stage[p] : L.pool[p];
+    const int32_t base = stage ? L.n_slots : 0;
     ggml_tensor * b = t->src[1];
     const int64_t n_used   = t->src[3]->ne[0];
     const int64_t n_tokens = t->src[3]->ne[1];
@@ -809,7 +907,7 @@ bool fc_group_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor 
             const int32_t k = L.entry_of[c->ids[it*n_used + iu]];
             if (k >= i0 && k < i1) {
                 c->g_rows.push_back((int32_t) (it*b_rows + (b_rows == 1 ? 0 : iu)));
-                c->g_slots.push_back(L.sch_s[k]);
+                c->g_slots.push_back(L.sch_s[k] - base);
                 c->g_idx.push_back((int32_t) (it*n_used + iu));
             }
         }
@@ -833,7 +931,7 @@ bool fc_group_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor 
             ggml_tensor * sl   = ggml_view_2d(ctx, idx, 1, n, sizeof(int32_t), n*sizeof(int32_t));
             ggml_tensor * dst  = ggml_view_1d(ctx, idx, n, 2*n*sizeof(int32_t));
             ggml_tensor * x = ggml_get_rows(ctx, b2, rows);
-            ggml_tensor * y = ggml_mul_mat_id(ctx, L.pool[p], ggml_reshape_3d(ctx, x, b->ne[0], 1, n), sl);
+            ggml_tensor * y = ggml_mul_mat_id(ctx, as, ggml_reshape_3d(ctx, x, b->ne[0], 1, n), sl);
             return ggml_set_rows(ctx, t2, ggml_reshape_2d(ctx, y, t->ne[0], n), dst);
         },
         [&] {
@@ -928,13 +1026,15 @@ bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor *
     int32_t i = 0;
     while (i < n) {
         std::unique_lock<std::mutex> lock(c->mtx);
-        if (!fc_entry_ready(L, i, p)) {
+        if (!fc_entry_ready(c, L, i, p)) {
             const auto t0 = fc_clock::now();
-            c->cv_done.wait(lock, [&] { return fc_entry_ready(L, i, p); });
+            c->cv_done.wait(lock, [&] { return fc_entry_ready(c, L, i, p); });
             L.stats.stall_s += fc_seconds(t0);
         }
+        // a group reads the layer's slots or the stage slots, not both
+        const bool stage = L.sch_s[i] >= L.n_slots;
         int32_t j = i + 1;
-        while (j < n && fc_entry_ready(L, j, p)) {
+        while (j < n && fc_entry_ready(c, L, j, p) && (L.sch_s[j] >= L.n_slots) == stage) {
             j++;
         }
         lock.unlock();
@@ -943,7 +1043,7 @@ bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor *
             break;
         }
         lock.lock();
-        for (int32_t k = i; k < j; k++) {
+        for (int32_t k = i; k < j && !stage; k++) {
             L.consumed[L.sch_s[k]*L.n_proj + p]++;
         }
         L.stats.n_groups++;
@@ -1147,6 +1247,11 @@ void fc_begin_route(forecache_cache * c, int32_t il, int64_t n_tokens) {
     if (c->in_use_layer >= 0) {
         fc_layer & P = c->layers[c->in_use_layer];
         std::fill(P.in_use.begin(), P.in_use.end(), 0);
+        for (int32_t j = 0; j < c->n_stage; j++) {
+            if (c->st_in_use[j]) {
+                fc_release_stage(c, j);
+            }
+        }
         c->in_use_layer = -1;
     }
     fc_clear_schedule(c, il);
@@ -1184,6 +1289,11 @@ int32_t fc_try_decode_gate(forecache_cache * c, int32_t il, int64_t n_tokens, in
     std::lock_guard<std::mutex> lock(c->mtx);
     if (n_used != c->dg_n_used) {
         return 2;
+    }
+    for (int32_t j = 0; j < c->n_stage; j++) {
+        if (c->st_layer[j] == il) {
+            return 2; // experts staged for this layer: the policy's gate reads them
+        }
     }
     const int32_t rc = fc_decode_gate(c, il);
     if (rc != 2) {
@@ -1280,11 +1390,13 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
         fc_clear_schedule(c, il);
         std::fill(L.in_use.begin(), L.in_use.end(), 0);
         L.stats.host_layers++;
-    } else {
+    }
+    fc_release_unused_stage(c, il);
+    if (!host) {
         if (!c->reorder) {
-            if (!fc_all_ready(L, 0, L.n_proj)) {
+            if (!fc_all_ready(c, L, 0, L.n_proj)) {
                 const auto t0 = fc_clock::now();
-                c->cv_done.wait(lock, [&] { return fc_all_ready(L, 0, L.n_proj); });
+                c->cv_done.wait(lock, [&] { return fc_all_ready(c, L, 0, L.n_proj); });
                 L.stats.stall_s += fc_seconds(t0);
             }
         }
@@ -1330,7 +1442,7 @@ int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
             return 1;
         }
         std::lock_guard<std::mutex> lock(c->mtx);
-        return fc_all_ready(L, p, p + 1) ? 0 : 1;
+        return fc_all_ready(c, L, p, p + 1) ? 0 : 1;
     }
     if (!routed && !fc_route(c, it->second.first, t)) {
         return -1;
@@ -1342,12 +1454,12 @@ int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
             ggml_is_contiguous(t->src[1]) && ggml_is_contiguous(t);
     {
         std::unique_lock<std::mutex> lock(c->mtx);
-        if (!fc_grouped(L) && !groupable && !fc_all_ready(L, p, p + 1)) {
+        if (!fc_grouped(L) && !groupable && !fc_all_ready(c, L, p, p + 1)) {
             const auto t0 = fc_clock::now();
-            c->cv_done.wait(lock, [&] { return fc_all_ready(L, p, p + 1); });
+            c->cv_done.wait(lock, [&] { return fc_all_ready(c, L, p, p + 1); });
             L.stats.stall_s += fc_seconds(t0);
         }
-        if (!fc_grouped(L) && fc_all_ready(L, p, p + 1)) {
+        if (!fc_grouped(L) && fc_all_ready(c, L, p, p + 1)) {
             L.stats.n_groups++;
             return 0; // everything is in place: the node runs as rewritten, over the slot ids
         }
@@ -1538,6 +1650,10 @@ void forecache_cache_free(struct forecache_cache * cache) {
         }
     }
     ggml_backend_buffer_free(cache->pool_buf);
+    ggml_backend_buffer_free(cache->stage_buf);
+    if (cache->stage_ctx) {
+        ggml_free(cache->stage_ctx);
+    }
     if (cache->view_ctx) {
         ggml_free(cache->view_ctx);
     }
@@ -1614,6 +1730,107 @@ int32_t forecache_cache_schedule(struct forecache_cache * cache, int32_t layer, 
     priority = std::min(std::max(priority, 0), FC_N_PRIORITIES - 1);
     std::lock_guard<std::mutex> lock(cache->mtx);
     return fc_set_schedule(cache, layer, experts, slots, n, priority) ? 0 : -1;
+}
+
+int32_t forecache_cache_set_stage(struct forecache_cache * cache, int32_t n_stage, char * err, size_t err_size) {
+    if (cache->n_stage != 0 || n_stage <= 0) {
+        fc_set_err(err, err_size, cache->n_stage != 0 ? "stage slots are already set" : "n_stage must be positive");
+        return -1;
+    }
+    // every cached layer's projection p must have the shape and type of the first one's
+    const fc_layer * first = nullptr;
+    for (const fc_layer & L : cache->layers) {
+        if (L.n_slots == 0) {
+            continue;
+        }
+        if (first == nullptr) {
+            first = &L;
+            continue;
+        }
+        bool same = L.n_proj == first->n_proj;
+        for (int32_t p = 0; same && p < L.n_proj; p++) {
+            const ggml_tensor * a = L.host[p];
+            const ggml_tensor * b = first->host[p];
+            same = a->type == b->type && a->ne[0] == b->ne[0] && a->ne[1] == b->ne[1] && a->nb[2] == b->nb[2];
+        }
+        if (!same) {
+            fc_set_err(err, err_size, "stage slots need every cached layer's experts in one shape and type");
+            return -1;
+        }
+    }
+    ggml_init_params params = {
+        /*.mem_size   =*/ (size_t) (first->n_proj + 1)*ggml_tensor_overhead(),
+        /*.mem_buffer =*/ nullptr,
+        /*.no_alloc   =*/ true,
+    };
+    ggml_context * ctx = ggml_init(params);
+    ggml_tensor * stage[FC_MAX_PROJ] = {};
+    for (int32_t p = 0; p < first->n_proj; p++) {
+        const ggml_tensor * h = first->host[p];
+        stage[p] = ggml_new_tensor_3d(ctx, h->type, h->ne[0], h->ne[1], n_stage);
+        ggml_format_name(stage[p], "fc.stage.%d", p);
+    }
+    ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(cache->pool_buf);
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
+    if (buf == nullptr) {
+        fc_set_err(err, err_size, "cannot allocate %.1f MiB of stage slots",
+                n_stage*first->expert_bytes/1048576.0);
+        ggml_free(ctx);
+        return -1;
+    }
+    ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    std::lock_guard<std::mutex> lock(cache->mtx);
+    cache->stage_ctx = ctx;
+    cache->stage_buf = buf;
+    std::copy(stage, stage + FC_MAX_PROJ, cache->stage);
+    cache->st_layer.assign(n_stage, -1);
+    cache->st_expert.assign(n_stage, -1);
+    cache->st_pend.assign((size_t) n_stage*FC_MAX_PROJ, 0);
+    cache->st_started.assign(n_stage, 0);
+    cache->st_in_use.assign(n_stage, 0);
+    cache->n_stage = n_stage;
+    return 0;
+}
+
+int32_t forecache_cache_stage(struct forecache_cache * cache, int32_t layer, int32_t expert, int32_t priority) {
+    if (layer < 0 || layer >= (int32_t) cache->layers.size() || priority < 0 || priority >= FC_N_PRIORITIES) {
+        return -1;
+    }
+    fc_layer & L = cache->layers[layer];
+    if (L.n_slots == 0 || expert < 0 || expert >= L.n_expert) {
+        return -1;
+    }
+    std::lock_guard<std::mutex> lock(cache->mtx);
+    if (L.slot_of[expert] >= 0) {
+        return -1;
+    }
+    int32_t free_j = -1;
+    for (int32_t j = 0; j < cache->n_stage; j++) {
+        if (cache->st_layer[j] == layer && cache->st_expert[j] == expert) {
+            return -1;
+        }
+        if (free_j < 0 && cache->st_layer[j] < 0) {
+            free_j = j;
+        }
+    }
+    if (free_j >= 0) {
+        cache->st_layer[free_j]   = layer;
+        cache->st_expert[free_j]  = expert;
+        cache->st_started[free_j] = 0;
+        fc_queue_copy(cache, layer, expert, L.n_slots + free_j, -1, priority, -1, 0);
+        L.stats.staged++;
+    }
+    return free_j;
+}
+
+int32_t forecache_cache_stage_state(const struct forecache_cache * cache, int32_t * layer, int32_t * expert, int32_t * state) {
+    std::lock_guard<std::mutex> lock(const_cast<forecache_cache *>(cache)->mtx);
+    for (int32_t j = 0; j < cache->n_stage; j++) {
+        layer[j]  = cache->st_layer[j];
+        expert[j] = cache->st_layer[j] < 0 ? -1 : cache->st_expert[j];
+        state[j]  = fc_stage_state(cache, j);
+    }
+    return cache->n_stage;
 }
 
 void forecache_cache_set_reorder(struct forecache_cache * cache, bool reorder) {
@@ -1839,6 +2056,8 @@ int32_t forecache_cache_get_stats(const struct forecache_cache * cache, int32_t 
         out->model_host_s   += s.model_host_s;
         out->decode_hits    += s.decode_hits;
         out->decode_misses  += s.decode_misses;
+        out->staged         += s.staged;
+        out->stage_used     += s.stage_used;
     }
     {
         std::lock_guard<std::mutex> ev_lock(const_cast<forecache_cache *>(cache)->ev_mtx);

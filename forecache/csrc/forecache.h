@@ -15,7 +15,7 @@ extern "C" {
 
 // Version of this API and of the patches it needs in llama.cpp; bumped whenever either changes.
 // The Python side reads it from this header and refuses a library that reports another.
-#define FORECACHE_PATCH_VERSION 8
+#define FORECACHE_PATCH_VERSION 9
 
 // Returns FORECACHE_PATCH_VERSION of the library the caller is linked against.
 LLAMA_API int32_t forecache_patch_version(void);
@@ -95,6 +95,8 @@ struct forecache_cache_stats {
     uint64_t decode_hits;   // hits and misses of one-token ubatches
     uint64_t decode_misses;
     uint64_t events_dropped;// gate events dropped because the queue was full
+    uint64_t staged;        // experts copied into stage slots (forecache_cache_stage)
+    uint64_t stage_used;    // schedule entries computed from a stage slot
 };
 
 // Slot states reported by forecache_cache_layer_state.
@@ -151,13 +153,32 @@ LLAMA_API int32_t forecache_cache_cancel(struct forecache_cache * cache, int32_t
 LLAMA_API int32_t forecache_cache_preempt(struct forecache_cache * cache, int32_t layer, const int32_t * keep, int32_t n_keep);
 
 // Called from the gate hook of `layer`: the order in which its experts are computed, each with the slot
-// it is computed from. Every routed expert must appear once. An entry whose slot holds another expert
+// it is computed from (n_slots + j: stage slot j, which must hold that expert of the layer; see
+// forecache_cache_stage). Every routed expert must appear once. An entry whose slot holds another expert
 // queues that expert's copy with `priority`; when a slot appears again, its copy waits, projection by
 // projection, until the previous entry's expert has been computed (streaming). Slots of the layer stay in
 // use (loads into them are refused) until the next layer is routed. Entries with slot -1, all after the
 // others, are computed on the CPU from host memory while the device computes the rest. Returns 0, or -1
 // for bad arguments.
 LLAMA_API int32_t forecache_cache_schedule(struct forecache_cache * cache, int32_t layer, const int32_t * experts, const int32_t * slots, int32_t n, int32_t priority);
+
+// Stage slots: device memory for n_stage experts outside every layer's slots, lent to one expert of one
+// layer at a time. A layer that streams experts through its slots leaves the bus idle while its copies
+// wait for the slots they reuse; copying the next layer's missing experts into stage slots meanwhile
+// keeps it busy. A stage slot holds its expert until that expert's layer has been computed: those its
+// schedule does not read go back when its gate has decided, the others when the next layer is routed.
+// Every cached layer's experts must have one shape and type. Allocated once, beside the slots, on their
+// device. Returns 0, or -1 (message in err).
+LLAMA_API int32_t forecache_cache_set_stage(struct forecache_cache * cache, int32_t n_stage, char * err, size_t err_size);
+
+// Queues the copy of `expert` of `layer` into a free stage slot with `priority`. Returns the stage slot,
+// or -1 when none is free, the expert has a slot of the layer or a stage slot already, or for bad
+// arguments.
+LLAMA_API int32_t forecache_cache_stage(struct forecache_cache * cache, int32_t layer, int32_t expert, int32_t priority);
+
+// Per stage slot: its layer and expert (-1 when free) and its state (enum forecache_slot_state) into
+// arrays of n_stage entries. Returns n_stage (0 without stage slots).
+LLAMA_API int32_t forecache_cache_stage_state(const struct forecache_cache * cache, int32_t * layer, int32_t * expert, int32_t * state);
 
 // Cache-first compute: with `reorder`, a layer's experts are computed in groups as their slots become
 // ready; without it, compute waits for every slot of the layer first (and nothing can be streamed).

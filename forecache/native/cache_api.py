@@ -45,6 +45,8 @@ class CacheStats(ctypes.Structure):
         ("decode_hits", ctypes.c_uint64),
         ("decode_misses", ctypes.c_uint64),
         ("events_dropped", ctypes.c_uint64),
+        ("staged", ctypes.c_uint64),
+        ("stage_used", ctypes.c_uint64),
     ]
 
     def as_dict(self) -> dict:
@@ -108,6 +110,10 @@ def declare(lib: ctypes.CDLL) -> None:
         "forecache_cache_schedule": ([vp, i32, ctypes.POINTER(i32), ctypes.POINTER(i32), i32, i32],
                                      i32),
         "forecache_cache_set_reorder": ([vp, ctypes.c_bool], None),
+        "forecache_cache_set_stage": ([vp, i32, ctypes.c_char_p, sz], i32),
+        "forecache_cache_stage": ([vp, i32, i32, i32], i32),
+        "forecache_cache_stage_state": ([vp, ctypes.POINTER(i32), ctypes.POINTER(i32),
+                                         ctypes.POINTER(i32)], i32),
         "forecache_cache_layer_state": ([vp, i32, ctypes.POINTER(i32), ctypes.POINTER(i32)], i32),
         "forecache_cache_wait_idle": ([vp], None),
         "forecache_cache_get_stats": ([vp, i32, ctypes.POINTER(CacheStats)], i32),

@@ -105,11 +105,11 @@ def cpu_profile(base: Profile, x: dict[str, float], name: str, device: str) -> P
 def simulate_measured(m: Measured, shape: SimShape, profile: Profile,
                       warmup: Request, requests: Sequence[Request]) -> tuple[float, float]:
     """TTFT and TPOT the simulator gives run ``m`` (after the same warm-up request), as the CPU
-    build runs it: promoe predicts with history at window 1 and does not split (device and host
-    are the same cores)."""
+    build runs it: promoe predicts with history at window 1, does not split (device and host
+    are the same cores) and has no stage slots."""
     n_slots = m.n_slots or max(1, math.ceil(m.fraction * shape.experts - 1e-9))
     cfg = SimConfig(policy=m.policy, n_slots=n_slots, window=1, n_ubatch=512,
-                    features=Features(split=False))
+                    features=Features(split=False), stage_slots=0)
     layers = [il for il in range(shape.layers) if (requests[0].experts[:, il] >= 0).any()]
     pred = HistoryPredictor(shape.layers, shape.experts, shape.top_k) \
         if m.policy == "promoe" else None

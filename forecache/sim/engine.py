@@ -65,7 +65,7 @@ class SimEngine:
     """The C copy engine's contract in virtual time (csrc/forecache.h, forecache-cache.cpp)."""
 
     def __init__(self, shape: SimShape, n_slots: Sequence[int], profile: Profile, *,
-                 whole_expert_chunks: bool = False) -> None:
+                 whole_expert_chunks: bool = False, n_stage: int = 0) -> None:
         self.shape = shape
         self.profile = profile
         self.whole = whole_expert_chunks
@@ -75,6 +75,13 @@ class SimEngine:
                               in_use=[False] * n, last_entry=[-1] * n, stamp=[0] * n,
                               key=[0] * shape.experts)
                        for n in n_slots]
+        # stage slots: device memory outside every layer's slots, lent to one layer's expert at a
+        # time (forecache_cache_stage); chunk.slot n_slots + j of its layer is stage slot j
+        self.n_stage = n_stage
+        self.stage_of: list[tuple[int, int] | None] = [None] * n_stage  # (layer, expert)
+        self.stage_pend = [[0] * n_proj for _ in range(n_stage)]
+        self.stage_started = [False] * n_stage
+        self.stage_in_use = [False] * n_stage
         self.clock = 0  # recency stamps, as the C cache's
         self.epoch = 0  # forward passes: the simulator starts one per ubatch (``new_pass``)
         self.queue: list[deque[_Chunk]] = [deque() for _ in range(N_PRIORITIES)]
@@ -86,10 +93,12 @@ class SimEngine:
         self._seq = itertools.count()
         self.in_use_layer = -1
         self.paused = False  # as forecache_cache_pause: no copy starts
-        self.low_end = float("-inf")  # when the last lower-priority chunk finished
+        self.low_start = float("-inf")  # when the last lower-priority chunk started
+        self.low_end = float("-inf")  # and finished
         self.stats = {"h2d_bytes": 0, "n_chunks": 0, "hi_wait_s": 0.0, "hi_wait_max_s": 0.0,
                       "hi_tasks": 0, "dropped_chunks": 0, "refused_loads": 0, "streamed": 0,
-                      "host_entries": 0, "hi_block_s": 0.0, "hi_block_max_s": 0.0}
+                      "host_entries": 0, "hi_block_s": 0.0, "hi_block_max_s": 0.0,
+                      "staged": 0, "stage_used": 0}
 
     # -- the copy engine a policy drives (called at self.now) ----------------------------------
     def load(self, layer: int, expert: int, slot: int, priority: int) -> int:
@@ -131,10 +140,19 @@ class SimEngine:
         L = self.layers[layer]
         n = len(experts)
         n_dev = next((i for i, s in enumerate(slots) if s < 0), n)  # host entries from there on
-        if (n == 0 or len(set(experts)) != n or any(not 0 <= s < L.n_slots for s in slots[:n_dev])
-                or any(s != -1 for s in slots[n_dev:])):
+        if (n == 0 or len(set(experts)) != n or any(s != -1 for s in slots[n_dev:])
+                or any(not (0 <= s < L.n_slots or self._staged_at(layer, e, s))
+                       for e, s in zip(experts[:n_dev], slots[:n_dev], strict=True))):
             return -1
         self._clear_schedule(layer)
+        named = {s - L.n_slots for s in slots[:n_dev] if s >= L.n_slots}
+        for j in range(self.n_stage):
+            if self.stage_of[j] is not None and self.stage_of[j][0] == layer:
+                if j in named:
+                    self.stage_in_use[j] = True
+                    self.stats["stage_used"] += 1
+                else:
+                    self._release_stage(j)
         L.sch_e, L.sch_s = [int(e) for e in experts], [int(s) for s in slots]
         L.sch_first = [False] * n
         L.n_dev = n_dev
@@ -147,6 +165,9 @@ class SimEngine:
         need = [0] * n
         copy = [False] * n
         for i, (e, s) in enumerate(zip(L.sch_e[:n], L.sch_s[:n], strict=True)):
+            if s >= L.n_slots:  # a stage slot: staged for this expert, used once
+                L.sch_first[i] = True
+                continue
             need[i] = uses[s]
             uses[s] += 1
             if need[i] == 0:
@@ -175,6 +196,8 @@ class SimEngine:
                         self._queue_copy(layer, L.sch_e[i], L.sch_s[i], q, priority, i, need[i])
         for i in range(n):
             s = L.sch_s[i]
+            if s >= L.n_slots:
+                continue
             if not L.sch_first[i]:
                 old = L.expert_of[s]
                 if old >= 0 and L.slot_of.get(old) == s:
@@ -201,6 +224,59 @@ class SimEngine:
             else:
                 st[s] = SLOT_COPYING if L.started[s] else SLOT_QUEUED
         return np.array(L.expert_of, dtype=np.int32), st
+
+    def stage(self, layer: int, expert: int, priority: int) -> int:
+        """Copy ``expert`` of ``layer`` into a free stage slot with ``priority``; the stage slot,
+        or -1 when none is free (or ``expert`` has a slot of the layer or a stage slot)."""
+        L = self.layers[layer]
+        if expert in L.slot_of or any(o == (layer, expert) for o in self.stage_of):
+            return -1
+        j = next((j for j in range(self.n_stage) if self.stage_of[j] is None), -1)
+        if j < 0:
+            return -1
+        self.stage_of[j] = (layer, expert)
+        self.stage_started[j] = False
+        self._queue_copy(layer, expert, L.n_slots + j, -1, priority, -1, 0)
+        self.stats["staged"] += 1
+        self._kick()
+        return j
+
+    def stage_slots(self) -> int:
+        return self.n_stage
+
+    def n_experts(self, layer: int) -> int:
+        return self.shape.experts
+
+    def staged(self, layer: int) -> dict[int, tuple[int, int]]:
+        """Experts of ``layer`` in stage slots: expert -> (stage slot, SLOT_* state)."""
+        out = {}
+        for j, o in enumerate(self.stage_of):
+            if o is not None and o[0] == layer:
+                st = SLOT_READY if sum(self.stage_pend[j]) == 0 else \
+                    SLOT_COPYING if self.stage_started[j] else SLOT_QUEUED
+                out[o[1]] = (j, st)
+        return out
+
+    def _staged_at(self, layer: int, expert: int, slot: int) -> bool:
+        j = slot - self.layers[layer].n_slots
+        return 0 <= j < self.n_stage and self.stage_of[j] == (layer, expert)
+
+    def _release_stage(self, j: int) -> None:
+        """Stage slot ``j`` is free again; its queued chunks go."""
+        o = self.stage_of[j]
+        if o is None:
+            return
+        slot = self.layers[o[0]].n_slots + j
+        self._drop(0, lambda c: c.layer == o[0] and c.slot == slot)
+        self.stage_of[j] = None
+        self.stage_in_use[j] = False
+
+    def release_layer_stage(self, layer: int) -> None:
+        """Stage slots lent to ``layer`` that no schedule uses go back (a gate computed it
+        without them)."""
+        for j, o in enumerate(self.stage_of):
+            if o is not None and o[0] == layer and not self.stage_in_use[j]:
+                self._release_stage(j)
 
     def resident_order(self, layer: int) -> list[int]:
         L = self.layers[layer]
@@ -248,6 +324,9 @@ class SimEngine:
         if self.in_use_layer >= 0:
             L = self.layers[self.in_use_layer]
             L.in_use = [False] * L.n_slots
+            for j in range(self.n_stage):
+                if self.stage_in_use[j]:
+                    self._release_stage(j)
             self.in_use_layer = -1
         self._clear_schedule(layer)
         L = self.layers[layer]
@@ -266,11 +345,14 @@ class SimEngine:
 
     def end_route_host(self, layer: int) -> None:
         self._clear_schedule(layer)
+        self.release_layer_stage(layer)
         L = self.layers[layer]
         L.in_use = [False] * L.n_slots
 
     def entry_ready(self, layer: int, i: int, p: int) -> bool:
         L = self.layers[layer]
+        if L.sch_s[i] >= L.n_slots:
+            return self.stage_pend[L.sch_s[i] - L.n_slots][p] == 0
         if L.sch_first[i]:
             return L.pend_proj[L.sch_s[i]][p] == 0
         return L.entry_pend[i][p] == 0
@@ -287,7 +369,8 @@ class SimEngine:
     def consume(self, layer: int, entries: Sequence[int], p: int) -> None:
         L = self.layers[layer]
         for i in entries:
-            L.consumed[L.sch_s[i]][p] += 1
+            if L.sch_s[i] < L.n_slots:
+                L.consumed[L.sch_s[i]][p] += 1
         self._kick()
 
     # -- virtual time -------------------------------------------------------------------------
@@ -326,17 +409,24 @@ class SimEngine:
         if ch is None:
             return
         L = self.layers[ch.layer]
-        if ch.entry < 0:
+        if ch.slot >= L.n_slots:
+            self.stage_started[ch.slot - L.n_slots] = True
+        elif ch.entry < 0:
             L.started[ch.slot] = True
         if ch.first and ch.priority == 0:
             w = self.now - ch.queued_at
             self.stats["hi_wait_s"] += w
             self.stats["hi_wait_max_s"] = max(self.stats["hi_wait_max_s"], w)
-            b = self.low_end - ch.queued_at  # behind a lower-priority chunk already copying
+            # the part of the wait spent behind the last lower-priority chunk copying (a chunk
+            # that waited for its slot to be consumed may see lower ones start after it was
+            # queued), as fc_run counts it
+            b = self.low_end - max(ch.queued_at, self.low_start)
             if b > 0:
                 self.stats["hi_block_s"] += b
                 self.stats["hi_block_max_s"] = max(self.stats["hi_block_max_s"], b)
         self.running = ch
+        if ch.priority > 0:
+            self.low_start = self.now
         p = self.profile
         # a copy that starts while the CPU computes experts shares DRAM with it
         rate = p.h2d_gbps * (p.shared_dram_factor() if self.now < self.cpu_busy_until else 1.0)
@@ -365,6 +455,10 @@ class SimEngine:
 
     def _count(self, c: _Chunk, d: int) -> None:
         L = self.layers[c.layer]
+        if c.slot >= L.n_slots:
+            for p in (range(L.n_proj) if c.proj < 0 else (c.proj,)):
+                self.stage_pend[c.slot - L.n_slots][p] += d
+            return
         for p in (range(L.n_proj) if c.proj < 0 else (c.proj,)):
             if c.entry < 0:
                 L.pend_proj[c.slot][p] += d
@@ -389,6 +483,7 @@ class SimEngine:
 
     def _drop(self, min_priority: int, match: Callable[[_Chunk], bool]) -> int:
         emptied = set()
+        stage = set()
         for p in range(max(min_priority, 0), N_PRIORITIES):
             keep: deque[_Chunk] = deque()
             for c in self.queue[p]:
@@ -398,9 +493,14 @@ class SimEngine:
                 L = self.layers[c.layer]
                 self._count(c, -1)
                 self.stats["dropped_chunks"] += 1
-                if c.entry < 0 or L.expert_of[c.slot] == c.expert:
+                if c.slot >= L.n_slots:
+                    stage.add(c.slot - L.n_slots)
+                elif c.entry < 0 or L.expert_of[c.slot] == c.expert:
                     emptied.add((c.layer, c.slot))
             self.queue[p] = keep
+        for j in stage:  # a stage slot whose copy lost a chunk is free again
+            self.stage_of[j] = None
+            self.stage_in_use[j] = False
         for il, s in emptied:
             self._empty(self.layers[il], s)
         return len(emptied)
@@ -410,6 +510,9 @@ class SimEngine:
         if L.streams:
             self._drop(0, lambda c: c.layer == layer and c.entry >= 0)
         L.last_entry = [-1] * L.n_slots
+        for j, o in enumerate(self.stage_of):
+            if o is not None and o[0] == layer:
+                self.stage_in_use[j] = False
         L.sch_e, L.sch_s, L.sch_first = [], [], []
         L.streams = False
         L.n_dev = 0

@@ -30,6 +30,7 @@ from forecache.cache.prefetcher import (
     SLOT_READY,
     Features,
     Prefetcher,
+    stage_slots_for,
 )
 from forecache.predictor.base import Predictor
 from forecache.sim.engine import SimEngine
@@ -52,6 +53,9 @@ class SimConfig:
     window: int = 2
     n_ubatch: int = 512
     static_profile: np.ndarray | None = None  # static: routed counts [L, E]
+    # promoe/infinity: stage slots for prompt passes, taken from the layers' slots (None:
+    # stage_slots_for, as on a GPU at run time)
+    stage_slots: int | None = None
 
     def slots_at(self, layer: int) -> int:
         """Slots of model layer ``layer``."""
@@ -97,7 +101,17 @@ class Simulator:
         for il in self.layers:
             self.n_slots[il] = min(cfg.slots_at(il), shape.experts)
         f = cfg.features
-        self.engine = SimEngine(shape, self.n_slots, profile, whole_expert_chunks=not f.chunk)
+        stage = 0
+        if cfg.policy in PROACTIVE and f.reorder:
+            stage = cfg.stage_slots if cfg.stage_slots is not None else \
+                stage_slots_for(shape.experts, self.n_slots)
+            # the stage's device memory comes out of the slots, one from a layer at a time
+            cached = [il for il in self.layers if self.n_slots[il] > 1]
+            for k in range(stage if cached else 0):
+                self.n_slots[cached[-1 - k % len(cached)]] -= 1
+        self.n_stage = stage
+        self.engine = SimEngine(shape, self.n_slots, profile, whole_expert_chunks=not f.chunk,
+                                n_stage=stage)
         self.policy: Policy | None
         if cfg.policy == "lru":
             self.policy = LRUPolicy(self.n_slots)
@@ -156,7 +170,9 @@ class Simulator:
         self.lay = {k: np.zeros(L) for k in ("predicted", "correct", "in_time", "good", "stall")}
         self._pred: dict[int, tuple[int, np.ndarray]] = {}  # layer -> (pass, predicted)
         self._floor = 0.0  # the last ubatch's physical floor
+        self._bus_floor = 0.0  # and its bus floor
         self.floor_prefill: list[float] = []  # per request
+        self.bus_floor_prefill: list[float] = []
         self.floor_decode: list[float] = []  # per decoded token
 
     # -- timing model -------------------------------------------------------------------------
@@ -188,12 +204,14 @@ class Simulator:
         if self.forecaster is not None:
             self.forecaster.begin_request()
         prefill_rows = np.flatnonzero(phase == 0)
-        prefill = floor = 0.0
+        prefill = floor = bus = 0.0
         for i in range(0, len(prefill_rows), self.cfg.n_ubatch):
             prefill += self._ubatch(req, prefill_rows[i:i + self.cfg.n_ubatch])
             floor += self._floor
+            bus += self._bus_floor
         if len(prefill_rows):
             self.floor_prefill.append(floor)
+            self.bus_floor_prefill.append(bus)
         decode = []
         for r in np.flatnonzero(phase != 0):
             decode.append(self._ubatch(req, np.array([r])))
@@ -203,9 +221,11 @@ class Simulator:
         return prefill, decode
 
     def _ubatch(self, req: Request, rows: np.ndarray) -> float:
-        """Simulate one ubatch; returns its seconds and leaves its physical floor in ``_floor``:
-        the device's compute with every routed expert resident, plus the bytes of this run's
-        misses at the host's best rate (copies and CPU compute together, within DRAM)."""
+        """Simulate one ubatch; returns its seconds and leaves its floors: in ``_floor`` the
+        device's compute with every routed expert resident, plus the bytes of this run's misses
+        at the host's best rate (copies and CPU compute together, within DRAM), one after the
+        other as a layer-by-layer schedule has them; in ``_bus_floor`` the misses' bytes over
+        the bus with all compute hidden under them (or the compute, if longer)."""
         sh, eng, n = self.shape, self.engine, len(rows)
         t0 = self.t
         eng.new_pass()
@@ -213,7 +233,8 @@ class Simulator:
         p = self.profile
         both = p.h2d_gbps + p.cpu_mem_gbps
         best_gbps = min(both, p.dram_gbps) if p.dram_gbps > 0 else both
-        floor = 0.0
+        floor = compute = 0.0
+        missed_bytes = 0
         for il in range(sh.layers):
             if il not in cached:
                 # a layer the trace logged no routing for is left out: the run is the model's
@@ -222,6 +243,7 @@ class Simulator:
             dense = self._dev(sh.layer_bytes, n * sh.layer_flops)
             self.t += dense
             floor += dense
+            compute += dense
             eng.advance_to(self.t)
             ids = req.experts[rows, il].astype(np.int64)
             known = ids[ids >= 0]
@@ -230,10 +252,13 @@ class Simulator:
             experts, counts = first_use(known)
             self._account_prediction(il, experts)
             missed = self.misses
-            floor += sum(self._node(experts, known.size, j) for j in range(len(sh.proj_bytes)))
+            nodes = sum(self._node(experts, known.size, j) for j in range(len(sh.proj_bytes)))
+            floor += nodes
+            compute += nodes
             if self.policy is None:
                 self._stock_layer(il, experts, known.size, n)
                 floor += (self.misses - missed) * sh.expert_bytes / (best_gbps * 1e9)
+                missed_bytes += (self.misses - missed) * sh.expert_bytes
                 continue
             eng.begin_route(il, experts.tolist(), counts.tolist())
             L = eng.layers[il]
@@ -243,6 +268,7 @@ class Simulator:
                 else:
                     self.misses += 1
             floor += (self.misses - missed) * sh.expert_bytes / (best_gbps * 1e9)
+            missed_bytes += (self.misses - missed) * sh.expert_bytes
             if self._in_c(il, experts, n):
                 self.t += self.profile.decode_gate_s
                 self.fast += self.profile.decode_gate_s
@@ -269,6 +295,7 @@ class Simulator:
         self.t += head
         self.t += self.profile.token_s
         self._floor = floor + head
+        self._bus_floor = max(compute + head, missed_bytes / (p.h2d_gbps * 1e9))
         eng.advance_to(self.t)
         return self.t - t0
 
@@ -353,7 +380,8 @@ class Simulator:
         for p in range(L.n_proj):
             host_end = self.t + self._host(len(on_host) * sh.proj_bytes[p],
                                            host_rows * sh.proj_flops) if on_host else self.t
-            if n and not L.streams and eng.all_ready_proj(il, p):
+            staged = any(s >= L.n_slots for s in L.sch_s[:n])
+            if n and not L.streams and not staged and eng.all_ready_proj(il, p):
                 # every slot entry in place: the node runs as rewritten, no gathered group (as
                 # fc_node_hook; with host entries fc_split_node, the CPU computing them meanwhile)
                 dev = L.sch_e[:n]
@@ -368,7 +396,8 @@ class Simulator:
             while i < n:
                 self._wait(il, lambda i=i, p=p: eng.entry_ready(il, i, p))
                 j = i + 1
-                while j < n and eng.entry_ready(il, j, p):
+                kind = L.sch_s[i] >= L.n_slots  # a group reads the slots or the stage slots
+                while j < n and eng.entry_ready(il, j, p) and (L.sch_s[j] >= L.n_slots) == kind:
                     j += 1
                 group = L.sch_e[i:j]
                 self.t += self._node(group, sum(rows_of[e] for e in group), p) + \
@@ -426,10 +455,13 @@ class Simulator:
             })
         n_req = max(len(prefill), 1)
         extra = {k: v for k, v in eng.stats.items() if k != "h2d_bytes"}
-        # the physical floor of this run's misses: what no schedule of the same misses can beat
+        # the floors of this run's misses (``_ubatch``)
         extra["floor_ttft_s"] = float(np.mean(self.floor_prefill)) if self.floor_prefill else 0.0
+        extra["bus_floor_ttft_s"] = float(np.mean(self.bus_floor_prefill)) \
+            if self.bus_floor_prefill else 0.0
         extra["floor_tpot_s"] = float(np.mean(self.floor_decode)) if self.floor_decode else 0.0
         extra["layers_simulated"] = len(self.layers)
+        extra["stage_slots"] = self.n_stage
         extra["decode_gate_s"] = self.fast
         extra["decode_gates_in_c"] = self.fast_gates
         if isinstance(self.policy, Prefetcher):
