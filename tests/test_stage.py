@@ -172,3 +172,24 @@ def test_stage_slots_arguments(tiny_model: Callable[[str], Path]) -> None:
         st = cache.staged(0)
         assert st == {}
         assert cache.stage(0, 7, LOW) == 0 and cache.staged(0)[7][1] != SLOT_EMPTY
+
+
+def test_gate_prefers_a_slot_over_a_stage_slot() -> None:
+    """An expert staged and then loaded into a slot (a prediction) is computed from its slot; the
+    layer's other misses still find slots, and the stage slot goes back."""
+    from forecache.cache.prefetcher import Prefetcher
+
+    shape = shape_of("reference", "q8_0")
+    n = 4
+    eng = SimEngine(shape, [n] * shape.layers, Profile.load("rtx4090"), n_stage=2)
+    pol = Prefetcher([n] * shape.layers, Features(split=False, prefetch=False))
+    pol.attach(eng)
+    for s in range(n):
+        eng.load(1, s, s, LOW)
+    assert eng.stage(1, 9, LOW) == 0
+    assert eng.load(1, 9, 3, LOW) == 0  # a prediction puts 9 into a slot too
+    routed = np.array([0, 1, 9, 10, 11, 12, 13])  # more than the layer's slots: it streams
+    assert pol.gate(1, routed, eng, np.ones(len(routed), np.int64))
+    L = eng.layers[1]
+    assert L.sch_s[L.sch_e.index(9)] == 3  # from its slot
+    assert all(s < n for s in L.sch_s) and eng.staged(1) == {}

@@ -197,7 +197,10 @@ class Prefetcher(Policy):
                 engine.preempt(layer, need)
             expert_of, state = engine.layer_state(layer)
             where = {e: s for s, e in enumerate(expert_of.tolist()) if e >= 0}
-            staged = engine.staged(layer) if f.reorder else {}
+            # an expert loaded into a slot after it was staged is computed from its slot (the
+            # schedule then gives its stage slot back)
+            staged = {e: v for e, v in engine.staged(layer).items() if e not in where} \
+                if f.reorder else {}
             oldest = engine.resident_order(layer)
             if f.reorder:
                 rank = {SLOT_READY: 0, SLOT_COPYING: 1, SLOT_QUEUED: 2}
