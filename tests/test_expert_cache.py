@@ -177,6 +177,22 @@ def test_repackable_type_runs_from_slots(tiny_model: Callable[[str], Path]) -> N
     assert lru[-1][2]["hits"] > 0
 
 
+def test_expert_matmul_control(tiny_model: Callable[[str], Path]) -> None:
+    """The benchmark control that times host expert matmuls from the file's layout and from a
+    repacked copy: both run (or the CPU has no repacked kernel), bad arguments are refused."""
+    with Llama.open(tiny_model("q8_0"), n_ctx=256,
+                    cache=CacheConfig("lru", slots_per_layer=2)) as llm:
+        cache = llm.expert_cache
+        assert cache is not None
+        il = min(cache.layers)
+        assert cache.expert_matmul_s(il, 0, 4, 2, False, 1, 3) > 0
+        rep = cache.expert_matmul_s(il, 2, 1, 2, True, 2, 3)
+        assert rep > 0 or rep == -2
+        assert cache.expert_matmul_s(il, 3, 4, 2, False, 1, 3) == -1  # qwen2moe: 3 projections
+        assert cache.expert_matmul_s(il, 0, 0, 2, False, 1, 3) == -1
+        assert cache.expert_matmul_s(99, 0, 4, 2, False, 1, 3) == -1
+
+
 def test_host_thread_handoff(tiny_model: Callable[[str], Path]) -> None:
     """The kept host-entry thread takes jobs before and between generations and is stopped with
     the cache; the same control times a thread started per job, as the benchmark compares."""

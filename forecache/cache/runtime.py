@@ -340,6 +340,15 @@ class ExpertCache:
         forecache-testing.h, for benchmarks)."""
         return float(self._lib.forecache_cache_host_handoff(self._handle, n, fresh_threads))
 
+    def expert_matmul_s(self, layer: int, proj: int, rows: int, n_used: int, repacked: bool,
+                        threads: int, iters: int) -> float:
+        """Seconds per CPU MUL_MAT_ID of projection ``proj`` of ``layer``'s host experts for
+        ``rows`` token rows of ``n_used`` experts each, from the file's layout or a repacked
+        copy (a control of forecache-testing.h, for benchmarks); -2 when this CPU has no
+        repacked kernel for the type, -1 or -3 on bad arguments or a failed compute."""
+        return float(self._lib.forecache_cache_expert_matmul(self._handle, layer, proj, rows,
+                                                             n_used, repacked, threads, iters))
+
     @property
     def n_slots_total(self) -> int:
         return sum(info.n_slots for info in self.layers.values())

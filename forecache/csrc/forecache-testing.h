@@ -47,6 +47,14 @@ LLAMA_API int32_t forecache_cache_test_route(struct forecache_cache * cache, int
 // Returns its length, or -1 for a bad layer.
 LLAMA_API int32_t forecache_cache_test_schedule(const struct forecache_cache * cache, int32_t layer, int32_t * experts, int32_t * slots);
 
+// Seconds per MUL_MAT_ID of projection `proj` of `layer`'s host experts for n_rows token rows, each routed to
+// n_used distinct experts (row r to experts r*n_used.. modulo n_expert), on a CPU backend of n_threads: the
+// mean of n_iter computes after one warm-up. From the file's layout, as forecache keeps host experts, or
+// with `repacked` from a copy in llama.cpp's CPU repack buffer type, as stock llama.cpp places them. Returns
+// -1 for bad arguments, -2 when this CPU has no repacked kernel for the type, -3 when a step fails.
+LLAMA_API double forecache_cache_expert_matmul(struct forecache_cache * cache, int32_t layer, int32_t proj,
+        int32_t n_rows, int32_t n_used, bool repacked, int32_t n_threads, int32_t n_iter);
+
 #ifdef __cplusplus
 }
 #endif

@@ -143,6 +143,8 @@ def declare(lib: ctypes.CDLL) -> None:
         "forecache_cache_queued": ([vp, i32, i32], i32),
         "forecache_chunk_info_size": ([], sz),
         "forecache_cache_host_handoff": ([vp, i32, ctypes.c_bool], ctypes.c_double),
+        "forecache_cache_expert_matmul": ([vp, i32, i32, i32, i32, ctypes.c_bool, i32, i32],
+                                          ctypes.c_double),
         "forecache_cache_test_route": ([vp, i32, ctypes.POINTER(i32), i32, ctypes.c_bool], i32),
         "forecache_cache_test_schedule": ([vp, i32, ctypes.POINTER(i32), ctypes.POINTER(i32)],
                                           i32),

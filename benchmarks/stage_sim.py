@@ -1,0 +1,90 @@
+"""Stage slots at the target in simulation: prefill and decode by the number of stage slots.
+
+    python benchmarks/stage_sim.py [--like TRACE.npz] [--shape qwen2-57b-a14b] [--budget 24GiB]
+        [--profile rtx4090] [--requests 8] [--prefill 512] [--decode 128]
+        [--stage 0,4,8,12,18,24,32] [--seed 0] [--json OUT]
+
+The routing is target_sim's (synthesized with the parameters fitted to a real trace of the
+shape's expert count and top-k); promoe replays the second half of the requests with each number
+of stage slots, taken from the layers' slots as at run time, beside ncmoe at the same budget.
+Prints TTFT against its two floors, TPOT, and both over ncmoe; writes every figure to JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from forecache.cache.cost import Profile
+from forecache.cache.prefetcher import stage_slots_for
+from forecache.sim.run import fit_predictor, run_one, slots_for, speedup, split_requests
+from forecache.sim.shapes import shape_of
+from forecache.sim.simulate import SimConfig
+from forecache.trace import synth
+from forecache.trace.format import TraceFile
+
+ROOT = Path(__file__).resolve().parents[1]
+OLMOE = ROOT.parent / "shared" / "traces" / "olmoe_1b_7b_nf4gemm_decode_4x512.npz"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--like", type=Path, default=OLMOE)
+    ap.add_argument("--shape", default="qwen2-57b-a14b")
+    ap.add_argument("--budget", default="24GiB")
+    ap.add_argument("--profile", default="rtx4090")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--stage", default="0,4,8,12,18,24,32")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if not args.like.is_file():
+        raise SystemExit(f"{args.like}: no such trace; give --like a real trace with the "
+                         "shape's expert count and top-k")
+    profile = Profile.load(args.profile)
+    shape = shape_of(args.shape, "q4_k")
+    reqs, meta = synth.synthesize_like(args.like, args.shape, n_requests=args.requests,
+                                       prefill=args.prefill, decode=args.decode, seed=args.seed,
+                                       progress=print)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "target.npz"
+        synth.write_trace(path, reqs, meta)
+        with TraceFile(path) as tf:
+            info = tf.info()
+            fit, replay = split_requests(tf, 0.5)
+    n_slots = slots_for(shape, shape.layers, args.budget, None)
+    default = stage_slots_for(shape.experts, [n_slots] * shape.layers)
+    _, pred = fit_predictor("auto", info, fit, 2)
+    base = SimConfig("promoe", n_slots, window=2)
+    nc = run_one(replay, shape, profile, replace(base, policy="ncmoe"), None)
+    rows = []
+    print(f"\n{args.shape} q4_k at {args.budget} ({n_slots}/{shape.experts} slots a layer before "
+          f"the stage's), profile {profile.name}, {len(replay)} requests of {args.prefill} + "
+          f"{args.decode} tokens; ncmoe TTFT {nc.ttft_s * 1e3:.1f} ms, TPOT "
+          f"{nc.tpot_s * 1e3:.2f} ms; default stage slots here: {default}\n")
+    print("| stage slots | TTFT ms | floor / bus floor ms | above them | TPOT ms | prefill over "
+          "ncmoe | decode over ncmoe |")
+    print("|---|---|---|---|---|---|---|")
+    for n in (int(x) for x in args.stage.split(",")):
+        r = run_one(replay, shape, profile, replace(base, stage_slots=n), pred).to_json()
+        rows.append(r)
+        mark = " (default)" if n == default else ""
+        print(f"| {n}{mark} | {r['ttft_s'] * 1e3:.1f} | {r['floor_ttft_s'] * 1e3:.1f} / "
+              f"{r['bus_floor_ttft_s'] * 1e3:.1f} | {speedup(r['ttft_s'], r['floor_ttft_s'])} / "
+              f"{speedup(r['ttft_s'], r['bus_floor_ttft_s'])} | {r['tpot_s'] * 1e3:.2f} | "
+              f"{speedup(nc.ttft_s, r['ttft_s'])} | {speedup(nc.tpot_s, r['tpot_s'])} |")
+    if args.json:
+        args.json.write_text(json.dumps({"shape": args.shape, "budget": args.budget,
+                                         "profile": profile.name, "n_slots": n_slots,
+                                         "default_stage": default, "ncmoe": nc.to_json(),
+                                         "runs": rows}, indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
