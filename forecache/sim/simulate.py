@@ -56,6 +56,14 @@ class SimConfig:
     # promoe/infinity: stage slots for prompt passes, taken from the layers' slots (None:
     # stage_slots_for, as on a GPU at run time)
     stage_slots: int | None = None
+    # MoBiLE (issue 20): a decode token's little pass routes its top ``little_k`` experts (0:
+    # exact decoding); ``fallback`` of the tokens are then recomputed by the big pass, whose
+    # experts the little pass's router output prefetches. ``little_resident``: the little pass
+    # routes the token's experts already in slots, and its top-1 (cache-conditional routing)
+    little_k: int = 0
+    fallback: float = 0.0
+    little_resident: bool = False
+    seed: int = 0  # which tokens fall back
 
     def slots_at(self, layer: int) -> int:
         """Slots of model layer ``layer``."""
@@ -160,9 +168,8 @@ class Simulator:
         self._hook_s = profile.prefetch_hook_s if cfg.policy in PROACTIVE and \
             profile.prefetch_hook_s > 0 else profile.hook_s
         # one-token gates the engine decides in C from the policy's tables, as at run time
-        self._decode_gate = None
-        if self.policy is not None and profile.decode_gate_s > 0:
-            self._decode_gate = self.policy.decode_gate(shape.top_k)
+        # (per experts a token routes: a MoBiLE little pass routes fewer)
+        self._decode_gates: dict[int, tuple | None] = {}
         self.hits = self.misses = self.host_layers = 0
         self.stall = self.hook = self.fast = 0.0
         self.fast_gates = 0
@@ -172,6 +179,10 @@ class Simulator:
         self._floor = 0.0  # the last ubatch's physical floor
         self._bus_floor = 0.0  # and its bus floor
         self.floor_prefill: list[float] = []  # per request
+        self._rng = np.random.default_rng(cfg.seed)
+        self._little = False  # the pass being simulated is a MoBiLE little pass
+        self._oracle: np.ndarray | None = None  # the big pass's routing, prefetched at its start
+        self.little_passes = self.big_passes = 0
         self.bus_floor_prefill: list[float] = []
         self.floor_decode: list[float] = []  # per decoded token
 
@@ -214,11 +225,46 @@ class Simulator:
             self.bus_floor_prefill.append(bus)
         decode = []
         for r in np.flatnonzero(phase != 0):
+            if self.cfg.little_k:
+                decode.append(self._mobile_token(req, r))
+                continue
             decode.append(self._ubatch(req, np.array([r])))
             self.floor_decode.append(self._floor)
         if self.forecaster is not None:
             self.forecaster.end_request()
         return prefill, decode
+
+    def _mobile_token(self, req: Request, r: int) -> float:
+        """One decode token under MoBiLE: the little pass, then for ``fallback`` of the tokens
+        the big pass, which starts by prefetching the experts the little pass's router output
+        names for every layer (the paper's training-free prefetch)."""
+        self._little = True
+        t = self._ubatch(req, np.array([r]))
+        floor = self._floor
+        self._little = False
+        self.little_passes += 1
+        if self._rng.random() < self.cfg.fallback:
+            self._oracle = req.experts[r]
+            t += self._ubatch(req, np.array([r]))
+            floor += self._floor
+            self._oracle = None
+            self.big_passes += 1
+        self.floor_decode.append(floor)
+        return t
+
+    def _little_ids(self, req: Request, row: int, il: int) -> np.ndarray:
+        """The experts a little pass routes at layer ``il``: the token's top ``little_k`` (by
+        router weight where the trace has it, else in the trace's order, top-1 first), or with
+        ``little_resident`` its experts in slots and its top-1."""
+        ids = req.experts[row, il].astype(np.int64)
+        if req.weights is not None:
+            ids = ids[np.argsort(-req.weights[row, il].astype(np.float32), kind="stable")]
+        ids = ids[ids >= 0]
+        if not self.cfg.little_resident:
+            return ids[:self.cfg.little_k]
+        slot_of = self.engine.layers[il].slot_of
+        return np.array([e for i, e in enumerate(ids.tolist()) if i == 0 or e in slot_of],
+                        np.int64)
 
     def _ubatch(self, req: Request, rows: np.ndarray) -> float:
         """Simulate one ubatch; returns its seconds and leaves its floors: in ``_floor`` the
@@ -229,6 +275,13 @@ class Simulator:
         sh, eng, n = self.shape, self.engine, len(rows)
         t0 = self.t
         eng.new_pass()
+        if self._oracle is not None and isinstance(self.policy, Prefetcher):
+            # the big pass prefetches what the little pass's router chose, every layer at once
+            self.t += self._hook_s
+            eng.advance_to(self.t)
+            for il in self.layers:
+                known = self._oracle[il][self._oracle[il] >= 0]
+                self.policy.prefetch(il, known.tolist(), eng.epoch, eng)
         cached = set(self.layers)
         p = self.profile
         both = p.h2d_gbps + p.cpu_mem_gbps
@@ -246,6 +299,8 @@ class Simulator:
             compute += dense
             eng.advance_to(self.t)
             ids = req.experts[rows, il].astype(np.int64)
+            if self._little:
+                ids = self._little_ids(req, int(rows[0]), il)[None, :]
             known = ids[ids >= 0]
             if known.size == 0:
                 continue
@@ -301,16 +356,21 @@ class Simulator:
 
     def _in_c(self, il: int, experts: np.ndarray, n_tokens: int) -> bool:
         """The gate is one the C decode gate decides (forecache_cache_set_decode_gate)."""
-        k = self.shape.top_k
-        if self._decode_gate is None or n_tokens != 1 or len(experts) != k or \
-                self.n_slots[il] < k:
+        k = len(experts)
+        if n_tokens != 1 or (k != self.shape.top_k and not self._little):
+            return False
+        if k not in self._decode_gates:
+            self._decode_gates[k] = self.policy.decode_gate(k) \
+                if self.policy is not None and self.profile.decode_gate_s > 0 else None
+        table = self._decode_gates[k]
+        if table is None or self.n_slots[il] < k:
             return False
         L = self.engine.layers[il]
         _, state = self.engine.layer_state(il)
         slots = [L.slot_of.get(int(e), -1) for e in experts.tolist()]
         m = sum(1 for s in slots if s < 0)
         f = sum(1 for s in slots if s >= 0 and state[s] != SLOT_READY)
-        return self._decode_gate[0][m * (k + 1) + f] >= 0
+        return table[0][m * (k + 1) + f] >= 0
 
     def _stock_layer(self, il: int, experts: np.ndarray, pairs: int, n_tokens: int) -> None:
         """A layer as stock llama.cpp computes it: experts resident on the device (an ncmoe GPU
@@ -462,6 +522,8 @@ class Simulator:
         extra["floor_tpot_s"] = float(np.mean(self.floor_decode)) if self.floor_decode else 0.0
         extra["layers_simulated"] = len(self.layers)
         extra["stage_slots"] = self.n_stage
+        if self.cfg.little_k:
+            extra.update(little_passes=self.little_passes, big_passes=self.big_passes)
         extra["decode_gate_s"] = self.fast
         extra["decode_gates_in_c"] = self.fast_gates
         if isinstance(self.policy, Prefetcher):

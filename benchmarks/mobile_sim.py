@@ -1,0 +1,99 @@
+"""MoBiLE (big-little experts) at the target in simulation: decode by little-pass size and
+fallback rate, over exact promoe and ncmoe.
+
+    python benchmarks/mobile_sim.py [--like TRACE.npz] [--shape qwen2-57b-a14b] [--budget 24GiB]
+        [--profile rtx4090] [--requests 8] [--prefill 512] [--decode 128]
+        [--little-k 4,2] [--fallback 0,0.1,0.2,0.3] [--seed 0] [--json OUT]
+
+The routing is target_sim's (synthesized with the parameters fitted to a real trace of the
+shape's expert count and top-k). Each decode token runs a little pass over its top ``little-k``
+experts (or, "resident", its experts already in slots and its top-1); a share ``fallback`` of
+the tokens is recomputed by the big pass, which first prefetches every layer's experts as the
+little pass's router output names them. The fallback rate is an input here: which tokens fall
+back at a confidence threshold is measured on a real model (issue 20's quality study), not
+simulated. Prints decode TPOT and its ratio over exact promoe and over ncmoe; writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from forecache.cache.cost import Profile
+from forecache.sim.run import fit_predictor, run_one, slots_for, speedup, split_requests
+from forecache.sim.shapes import shape_of
+from forecache.sim.simulate import SimConfig
+from forecache.trace import synth
+from forecache.trace.format import TraceFile
+
+ROOT = Path(__file__).resolve().parents[1]
+OLMOE = ROOT.parent / "shared" / "traces" / "olmoe_1b_7b_nf4gemm_decode_4x512.npz"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--like", type=Path, default=OLMOE)
+    ap.add_argument("--shape", default="qwen2-57b-a14b")
+    ap.add_argument("--budget", default="24GiB")
+    ap.add_argument("--profile", default="rtx4090")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--little-k", default="4,2,resident",
+                    help="little-pass sizes: numbers, or 'resident' (experts in slots + top-1)")
+    ap.add_argument("--fallback", default="0,0.1,0.2,0.3")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+    if not args.like.is_file():
+        raise SystemExit(f"{args.like}: no such trace; give --like a real trace with the "
+                         "shape's expert count and top-k")
+    profile = Profile.load(args.profile)
+    shape = shape_of(args.shape, "q4_k")
+    reqs, meta = synth.synthesize_like(args.like, args.shape, n_requests=args.requests,
+                                       prefill=args.prefill, decode=args.decode, seed=args.seed,
+                                       progress=print)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "target.npz"
+        synth.write_trace(path, reqs, meta)
+        with TraceFile(path) as tf:
+            info = tf.info()
+            fit, replay = split_requests(tf, 0.5)
+    n_slots = slots_for(shape, shape.layers, args.budget, None)
+    _, pred = fit_predictor("auto", info, fit, 2)
+    base = SimConfig("promoe", n_slots, window=2, seed=args.seed)
+    nc = run_one(replay, shape, profile, replace(base, policy="ncmoe"), None)
+    exact = run_one(replay, shape, profile, base, pred)
+    print(f"\n{args.shape} q4_k at {args.budget} ({n_slots}/{shape.experts} slots a layer), "
+          f"top-{shape.top_k}, profile {profile.name}, {len(replay)} requests of "
+          f"{args.prefill} + {args.decode} tokens; ncmoe TPOT {nc.tpot_s * 1e3:.2f} ms, exact "
+          f"promoe {exact.tpot_s * 1e3:.2f} ms ({speedup(nc.tpot_s, exact.tpot_s)})\n")
+    print("| little pass | fallback | big passes | TPOT ms | hit % | over exact promoe | "
+          "over ncmoe |")
+    print("|---|---|---|---|---|---|---|")
+    rows = []
+    for little in args.little_k.split(","):
+        resident = little == "resident"
+        k = shape.top_k if resident else int(little)
+        for fb in (float(x) for x in args.fallback.split(",")):
+            cfg = replace(base, little_k=k, little_resident=resident, fallback=fb)
+            r = run_one(replay, shape, profile, cfg, pred).to_json()
+            rows.append({"little": little, "fallback": fb, **r})
+            label = "resident + top-1" if resident else f"top-{k}"
+            share = r["big_passes"] / max(r["little_passes"], 1)
+            print(f"| {label} | {fb:.2f} | {share:.3f} | {r['tpot_s'] * 1e3:.2f} | "
+                  f"{r['hit_rate'] * 100:.1f} | {speedup(exact.tpot_s, r['tpot_s'])} | "
+                  f"{speedup(nc.tpot_s, r['tpot_s'])} |", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"shape": args.shape, "budget": args.budget,
+                                         "profile": profile.name, "n_slots": n_slots,
+                                         "ncmoe": nc.to_json(), "exact": exact.to_json(),
+                                         "runs": rows}, indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
