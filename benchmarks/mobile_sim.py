@@ -18,16 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from forecache.cache.cost import Profile
-from forecache.sim.run import fit_predictor, run_one, slots_for, speedup, split_requests
-from forecache.sim.shapes import shape_of
+from forecache.sim.run import fit_predictor, run_one, speedup, target_options, target_replay
 from forecache.sim.simulate import SimConfig
-from forecache.trace import synth
-from forecache.trace.format import TraceFile
 
 ROOT = Path(__file__).resolve().parents[1]
 OLMOE = ROOT.parent / "shared" / "traces" / "olmoe_1b_7b_nf4gemm_decode_4x512.npz"
@@ -35,34 +30,12 @@ OLMOE = ROOT.parent / "shared" / "traces" / "olmoe_1b_7b_nf4gemm_decode_4x512.np
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--like", type=Path, default=OLMOE)
-    ap.add_argument("--shape", default="qwen2-57b-a14b")
-    ap.add_argument("--budget", default="24GiB")
-    ap.add_argument("--profile", default="rtx4090")
-    ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--prefill", type=int, default=512)
-    ap.add_argument("--decode", type=int, default=128)
+    target_options(ap, OLMOE)
     ap.add_argument("--little-k", default="4,2,resident",
                     help="little-pass sizes: numbers, or 'resident' (experts in slots + top-1)")
     ap.add_argument("--fallback", default="0,0.1,0.2,0.3")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    if not args.like.is_file():
-        raise SystemExit(f"{args.like}: no such trace; give --like a real trace with the "
-                         "shape's expert count and top-k")
-    profile = Profile.load(args.profile)
-    shape = shape_of(args.shape, "q4_k")
-    reqs, meta = synth.synthesize_like(args.like, args.shape, n_requests=args.requests,
-                                       prefill=args.prefill, decode=args.decode, seed=args.seed,
-                                       progress=print)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "target.npz"
-        synth.write_trace(path, reqs, meta)
-        with TraceFile(path) as tf:
-            info = tf.info()
-            fit, replay = split_requests(tf, 0.5)
-    n_slots = slots_for(shape, shape.layers, args.budget, None)
+    shape, profile, n_slots, info, fit, replay, _ = target_replay(args)
     _, pred = fit_predictor("auto", info, fit, 2)
     base = SimConfig("promoe", n_slots, window=2, seed=args.seed)
     nc = run_one(replay, shape, profile, replace(base, policy="ncmoe"), None)

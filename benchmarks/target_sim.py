@@ -15,25 +15,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
 from forecache.cache.choice import PRIOR, Evidence, choose, locality
-from forecache.cache.cost import CostModel, Profile
+from forecache.cache.cost import CostModel
 from forecache.sim.run import (
     decode_shape,
     fit_predictor,
     run_one,
-    slots_for,
     speedup,
-    split_requests,
     static_profile,
+    target_options,
+    target_replay,
 )
-from forecache.sim.shapes import shape_of
 from forecache.sim.simulate import SimConfig
-from forecache.trace import synth
-from forecache.trace.format import TraceFile
 from forecache.trace.stats import lru_hit_rate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,34 +39,11 @@ POLICIES = ("ncmoe", "offload", "lru", "static", "promoe")
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--like", type=Path, default=OLMOE)
-    ap.add_argument("--shape", default="qwen2-57b-a14b")
-    ap.add_argument("--budget", default="24GiB")
-    ap.add_argument("--profile", default="rtx4090")
-    ap.add_argument("--requests", type=int, default=8)
-    ap.add_argument("--prefill", type=int, default=512)
-    ap.add_argument("--decode", type=int, default=128)
+    target_options(ap, OLMOE)
     ap.add_argument("--window", type=int, default=2)
     ap.add_argument("--predictor", default="auto")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    if not args.like.is_file():
-        raise SystemExit(f"{args.like}: no such trace; give --like a real trace with the "
-                         "shape's expert count and top-k")
-    profile = Profile.load(args.profile)
-    shape = shape_of(args.shape, "q4_k")
-    reqs, meta = synth.synthesize_like(args.like, args.shape, n_requests=args.requests,
-                                       prefill=args.prefill, decode=args.decode, seed=args.seed,
-                                       progress=print)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "target.npz"
-        synth.write_trace(path, reqs, meta)
-        with TraceFile(path) as tf:
-            info = tf.info()
-            fit, replay = split_requests(tf, 0.5)
-    layers = list(range(shape.layers))
-    n_slots = slots_for(shape, len(layers), args.budget, None)
+    shape, profile, n_slots, info, fit, replay, meta = target_replay(args)
     pname, pred = fit_predictor(args.predictor, info, fit, args.window)
     base = SimConfig("ncmoe", n_slots, window=args.window,
                      static_profile=static_profile(fit, info))

@@ -5,38 +5,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import numpy as np
-
 from forecache.cache.cost import Profile
 from forecache.cache.prefetcher import Features
 from forecache.predictor.history import HistoryPredictor
 from forecache.sim.shapes import shape_of
 from forecache.sim.simulate import SimConfig, simulate
-from forecache.trace.format import Request
-
-
-def _requests(n_req: int = 3, seed: int = 0) -> list[Request]:
-    rng = np.random.default_rng(seed)
-    L, E, k, T = 8, 32, 4, 48
-    out = []
-    for _ in range(n_req):
-        ex = np.zeros((T, L, k), np.int16)
-        for t in range(T):
-            for il in range(L):
-                keep = ex[t - 1, il, :2] if t else rng.choice(E, 2, replace=False)
-                rest = rng.choice(np.setdiff1d(np.arange(E), keep), k - 2, replace=False)
-                ex[t, il] = np.r_[keep, rest]
-        phase = np.r_[np.zeros(16, np.int8), np.ones(T - 16, np.int8)]
-        out.append(Request(experts=ex, token_ids=rng.integers(0, 100, T).astype(np.int32),
-                           phase=phase))
-    return out
+from tests.test_prefetch import _requests
 
 
 def test_little_passes_and_fallbacks() -> None:
     shape = shape_of("reference", "q8_0")
     profile = Profile.load("rtx4090")
     reqs = _requests()
-    base = SimConfig("promoe", n_slots=10, n_ubatch=16, features=Features(split=False))
+    base = SimConfig("promoe", n_slots=10, n_ubatch=8, features=Features(split=False))
 
     def run(**kw: object) -> dict:
         return simulate(reqs, shape, profile, replace(base, **kw),

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import copy
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from forecache.predictor.metrics import topk_accuracy
 from forecache.predictor.registry import make_predictor, unavailable
 from forecache.sim.shapes import SimShape, shape_of, trace_model_names
 from forecache.sim.simulate import SimConfig, SimResult, simulate
+from forecache.trace import synth
 from forecache.trace.format import Request, TraceFile, TraceInfo
 from forecache.trace.stats import lru_hit_curves
 
@@ -177,3 +180,41 @@ def ablation(replay: Sequence[Request], shape: SimShape, profile: Profile, base:
         cfg = replace(base, policy=policy, features=feats)
         out.append((label, run_one(replay, shape, profile, cfg, predictor)))
     return out
+
+
+def target_options(ap: argparse.ArgumentParser, like: Path) -> None:
+    """A target benchmark's options: the real trace whose routing statistics are synthesized
+    (``--like``), the shape, budget and profile, the requests, and ``--json``."""
+    ap.add_argument("--like", type=Path, default=like)
+    ap.add_argument("--shape", default="qwen2-57b-a14b")
+    ap.add_argument("--budget", default="24GiB")
+    ap.add_argument("--profile", default="rtx4090")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--prefill", type=int, default=512)
+    ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None)
+
+
+def target_replay(args: argparse.Namespace, progress: Callable[[str], None] = print
+                  ) -> tuple[SimShape, Profile, int, TraceInfo, list[Request], list[Request],
+                             dict]:
+    """Routing at ``args.shape`` (q4_k) synthesized like ``args.like``, split into the requests
+    that fit predictors and those replayed: (shape, profile, slots a layer at ``args.budget``,
+    trace info, fit, replay, the synthesis's meta)."""
+    if not args.like.is_file():
+        raise SystemExit(f"{args.like}: no such trace; give --like a real trace with the "
+                         "shape's expert count and top-k")
+    profile = Profile.load(args.profile)
+    shape = shape_of(args.shape, "q4_k")
+    reqs, meta = synth.synthesize_like(args.like, args.shape, n_requests=args.requests,
+                                       prefill=args.prefill, decode=args.decode, seed=args.seed,
+                                       progress=progress)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "target.npz"
+        synth.write_trace(path, reqs, meta)
+        with TraceFile(path) as tf:
+            info = tf.info()
+            fit, replay = split_requests(tf, 0.5)
+    n_slots = slots_for(shape, shape.layers, args.budget, None)
+    return shape, profile, n_slots, info, fit, replay, meta
