@@ -182,6 +182,12 @@ class ExpertCache:
     def stage_slots(self) -> int:
         return self._n_stage
 
+    def set_little(self, m: int) -> None:
+        """MoBiLE's little pass: one-token ubatches route each token to its top ``m`` experts
+        only (the model with ``m`` experts per token; forecache_cache_set_little); 0 for the
+        exact model."""
+        self._lib.forecache_cache_set_little(self._handle, m)
+
     def n_experts(self, layer: int) -> int:
         return self.layers[layer].n_expert
 

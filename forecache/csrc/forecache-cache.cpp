@@ -147,6 +147,7 @@ struct fc_layer {
     uint64_t sch_epoch = 0;           // epoch the schedule belongs to (0: none)
     bool     streams   = false;
     bool     staged    = false;       // some entry reads a stage slot (slot n_slots + j)
+    bool     little    = false;       // routed by a little pass: computed group by group
 
     forecache_cache_stats stats = {};
 
@@ -191,6 +192,8 @@ struct forecache_cache {
     std::unordered_map<const ggml_tensor *, std::pair<int32_t, int32_t>> host_map; // expert tensor -> (layer, proj)
     std::unordered_map<const ggml_tensor *, std::pair<int32_t, int32_t>> pool_map; // pool tensor   -> (layer, proj)
     std::unordered_map<const ggml_tensor *, ggml_tensor *>               weights_of; // routed ids -> router weights
+    std::unordered_map<const ggml_tensor *, bool>                        weights_mul; // router weights -> they multiply the expert outputs
+    int32_t little = 0; // forecache_cache_set_little
 
     ggml_context        * pool_ctx = nullptr;
     ggml_backend_buffer_t pool_buf = nullptr;
@@ -732,10 +735,11 @@ bool fc_all_ready(const forecache_cache * c, const fc_layer & L, int32_t p0, int
     return true;
 }
 
-// the layer is computed group by group (streamed, split between slots and host, or reading stage
-// slots), not as rewritten
+// the layer is computed group by group (streamed, split between slots and host, reading stage slots,
+// or routed by a little pass, whose repeated top-1 ids a gathered group computes as separate rows),
+// not as rewritten
 bool fc_grouped(const fc_layer & L) {
-    return L.streams || L.staged || L.n_dev < (int32_t) L.sch_e.size();
+    return L.streams || L.staged || L.little || L.n_dev < (int32_t) L.sch_e.size();
 }
 
 ggml_tensor * fc_view(forecache_cache * c, int64_t ne0, int64_t ne1) {
@@ -802,6 +806,17 @@ void fc_graph_hook(ggml_cgraph * graph, void * user_data) {
         auto it = first_use.find(node->src[1]);
         if (it != first_use.end() && i < it->second && ggml_is_contiguous(node)) {
             c->weights_of[node->src[1]] = node;
+        }
+    }
+    // router weights that multiply the expert outputs as they are (no renormalization after the top-k)
+    c->weights_mul.clear();
+    for (const auto & [ids, w] : c->weights_of) {
+        c->weights_mul[w] = false;
+    }
+    for (int i = 0; i < n_nodes && !c->weights_mul.empty(); i++) {
+        ggml_tensor * node = ggml_graph_node(graph, i);
+        if (node->op == GGML_OP_MUL && c->weights_mul.count(node->src[1])) {
+            c->weights_mul[node->src[1]] = true;
         }
     }
 }
@@ -1340,6 +1355,27 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
         weights = c->weights.data();
     }
 
+    // little pass: positions after the top m take weight 0 and the top-1's id (read back, they are
+    // the multipliers the graph applies after the down projection)
+    int32_t little = 0;
+    {
+        std::lock_guard<std::mutex> lock(c->mtx);
+        little = c->little;
+    }
+    L.little = false;
+    if (little > 0 && little < n_used && n_tokens == 1 && weights != nullptr) {
+        auto mit = c->weights_mul.find(wit->second);
+        little = mit != c->weights_mul.end() && mit->second ? little : 0;
+    }
+    if (little > 0 && little < n_used && n_tokens == 1 && weights != nullptr) {
+        for (int64_t iu = little; iu < n_used; iu++) {
+            c->ids[iu]     = c->ids[0];
+            c->weights[iu] = 0.0f;
+        }
+        ggml_backend_tensor_set(wit->second, c->weights.data(), 0, ggml_nbytes(wit->second));
+        L.little = true;
+    }
+
     const float * gate_input = nullptr;
     int32_t n_embd = 0;
     ggml_tensor * x = t->src[1];
@@ -1831,6 +1867,11 @@ int32_t forecache_cache_stage_state(const struct forecache_cache * cache, int32_
         state[j]  = fc_stage_state(cache, j);
     }
     return cache->n_stage;
+}
+
+void forecache_cache_set_little(struct forecache_cache * cache, int32_t m) {
+    std::lock_guard<std::mutex> lock(cache->mtx);
+    cache->little = std::max(m, 0);
 }
 
 void forecache_cache_set_reorder(struct forecache_cache * cache, bool reorder) {

@@ -15,7 +15,7 @@ extern "C" {
 
 // Version of this API and of the patches it needs in llama.cpp; bumped whenever either changes.
 // The Python side reads it from this header and refuses a library that reports another.
-#define FORECACHE_PATCH_VERSION 9
+#define FORECACHE_PATCH_VERSION 10
 
 // Returns FORECACHE_PATCH_VERSION of the library the caller is linked against.
 LLAMA_API int32_t forecache_patch_version(void);
@@ -179,6 +179,14 @@ LLAMA_API int32_t forecache_cache_stage(struct forecache_cache * cache, int32_t 
 // Per stage slot: its layer and expert (-1 when free) and its state (enum forecache_slot_state) into
 // arrays of n_stage entries. Returns n_stage (0 without stage slots).
 LLAMA_API int32_t forecache_cache_stage_state(const struct forecache_cache * cache, int32_t * layer, int32_t * expert, int32_t * state);
+
+// Little pass (MoBiLE): with m > 0, a one-token ubatch routes each cached layer's token to its top m
+// experts only (the first m of the router's sorted top-k). The other positions get router weight 0 and are
+// computed from the token's top-1 expert (so they are finite and need no slot), and the gate hook sees
+// the top-1's id in their place: the layer's output is the model's with m experts per token. Only where
+// the router weights are the expert outputs' multipliers (no renormalization after the top-k, as in
+// qwen2moe); elsewhere the layer stays exact. m <= 0 (the default) turns it off.
+LLAMA_API void forecache_cache_set_little(struct forecache_cache * cache, int32_t m);
 
 // Cache-first compute: with `reorder`, a layer's experts are computed in groups as their slots become
 // ready; without it, compute waits for every slot of the layer first (and nothing can be streamed).

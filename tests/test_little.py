@@ -1,0 +1,83 @@
+"""MoBiLE's little pass in the patch: a one-token ubatch routed to its top m experts computes the
+model with m experts per token, equal to stock llama.cpp loaded with that expert count."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pytest
+
+from forecache.cache.setup import CacheConfig
+from forecache.generate import SamplingParams, generate, last_logits
+from forecache.gguf.header import read_model_file
+from forecache.llama import Llama
+from tests.conftest import assert_same_tokens
+
+if TYPE_CHECKING:
+    from conftest import StockReference
+
+PROMPTS = [[7], [301]]  # one token: every ubatch is a one-token ubatch, little when asked
+N_GEN = 12
+
+
+def _run(model: Path, cfg: CacheConfig, little: int) -> tuple[list, dict]:
+    out = []
+    with Llama.open(model, cache=cfg, n_ctx=128, n_threads=2) as llm:
+        cache = llm.expert_cache
+        assert cache is not None
+        cache.set_little(little)
+        for prompt in PROMPTS:
+            res = generate(llm, prompt, N_GEN, SamplingParams(greedy=True), ignore_eos=True)
+            out.append((res.tokens, last_logits(llm)))
+        stats = cache.stats()
+    return out, stats
+
+
+@pytest.mark.parametrize("policy", ["promoe", "lru"])
+@pytest.mark.parametrize("little", [1, 2])
+def test_little_pass_is_the_model_with_fewer_experts(tiny_model: Callable[[str], Path],
+                                                     stock: StockReference, policy: str,
+                                                     little: int) -> None:
+    model = tiny_model("q8_0")
+    k = read_model_file(model).n_expert_used
+    assert little < k
+    key = "qwen2moe.expert_used_count"
+    fewer = stock.run(model, PROMPTS, N_GEN, n_ctx=128, n_threads=2,
+                      kv_overrides={key: little})
+    full = stock.run(model, PROMPTS, N_GEN, n_ctx=128, n_threads=2)
+    cfg = CacheConfig(policy, cache_fraction=0.5, predictor="history")
+    # the model with fewer experts is another model: the comparison below means something
+    assert any(not np.array_equal(a[1], b[1]) for a, b in zip(fewer, full, strict=True))
+    got, stats = _run(model, cfg, little)
+    for (tokens, logits), (ref_tokens, ref_logits) in zip(got, fewer, strict=True):
+        if stock.backend != "cpu":  # the GPU check: equal up to rounding
+            assert_same_tokens(tokens, ref_tokens, ref_logits, f"little {little}")
+            continue
+        assert tokens == ref_tokens
+        assert np.array_equal(logits, ref_logits[-1])
+    # the policy saw only each token's top m experts
+    n_moe = len(read_model_file(model).moe_layers())
+    assert 0 < stats["hits"] + stats["misses"] <= len(PROMPTS) * (N_GEN + 1) * little * n_moe
+
+
+def test_little_off_is_exact(tiny_model: Callable[[str], Path], stock: StockReference) -> None:
+    """After a little pass, m = 0 gives the exact model again."""
+    model = tiny_model("q8_0")
+    full = stock.run(model, PROMPTS, N_GEN, n_ctx=128, n_threads=2)
+    cfg = CacheConfig("promoe", cache_fraction=0.5, predictor="history")
+    with Llama.open(model, cache=cfg, n_ctx=128, n_threads=2) as llm:
+        cache = llm.expert_cache
+        assert cache is not None
+        cache.set_little(1)
+        generate(llm, PROMPTS[0], 4, SamplingParams(greedy=True), ignore_eos=True)
+        cache.set_little(0)
+        for prompt, (ref_tokens, ref_logits) in zip(PROMPTS, full, strict=True):
+            res = generate(llm, prompt, N_GEN, SamplingParams(greedy=True), ignore_eos=True)
+            if stock.backend != "cpu":
+                assert_same_tokens(res.tokens, ref_tokens, ref_logits, "little off")
+                continue
+            assert res.tokens == ref_tokens
+            assert np.array_equal(last_logits(llm), ref_logits[-1])
