@@ -121,11 +121,21 @@ def status_line(turn: Turn) -> str:
              f"{turn.tokens} tokens",
              f"prompt {turn.prompt_tokens - turn.reused_tokens} new + {turn.reused_tokens} cached"]
     parts.append(expert_summary(turn.stats))
+    if turn.stats.get("mode") == "mobile":
+        parts.append(mobile_summary(turn.stats))
     if turn.stopped:
         parts.insert(0, "stopped")
     if turn.dropped_turns:
         parts.append(f"{turn.dropped_turns} earliest turn(s) left out to fit the context")
     return "[" + " | ".join(parts) + "]"
+
+
+def mobile_summary(stats: dict) -> str:
+    """MoBiLE decoding in a few words: lossy, and how often the full model recomputed."""
+    little, big = stats.get("little_passes", 0), stats.get("big_passes", 0)
+    share = f"{big / little * 100:.0f}%" if little else "-"
+    return (f"mode mobile (lossy): {stats['little_k']}-expert little pass, full model for "
+            f"{share} of tokens (gamma {stats['gamma']})")
 
 
 def expert_summary(stats: dict) -> str:

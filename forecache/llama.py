@@ -115,7 +115,10 @@ class Llama(llama_cpp.Llama):
     1.2x faster than ncmoe, else to ncmoe (``policy_choice`` says which and why); a CPU-only
     build given none of them
     keeps llama.cpp's own placement (device and host are the same memory).
-    ``predictor``, ``window`` and ``machine`` tune promoe; ``n_seq_max`` sizes the context for
+    ``predictor``, ``window`` and ``machine`` tune promoe. ``mode="mobile"`` (MoBiLE, lossy)
+    decodes each token with a little pass over ``little_k`` experts (default half the model's)
+    and recomputes it with the full model when the little pass's top probability is below
+    ``gamma``; ``"exact"`` (the default) is the model as it is. ``n_seq_max`` sizes the context for
     that many sequences decoded together, each with n_ctx / n_seq_max of the context
     (``forecache batch``). ``cache`` passes a ready
     ``CacheConfig`` (or None for no cache). Every other keyword goes to ``llama_cpp.Llama``;
@@ -125,17 +128,28 @@ class Llama(llama_cpp.Llama):
     def __init__(self, model_path: str | os.PathLike[str], *, gpu_budget: int | str | None = None,
                  policy: str | None = None, cache_fraction: float | None = None,
                  predictor: str = "auto", window: int | None = None, machine: str | None = None,
+                 mode: str = "exact", gamma: float = 0.7, little_k: int | None = None,
                  n_seq_max: int = 1, cache: CacheConfig | None = AUTO, **kwargs: Any) -> None:
         self.expert_cache: ExpertCache | None = None
+        self._mobile: tuple[int, float] | None = None  # MoBiLE: (little-pass experts, gamma)
+        # little passes, big passes (fallbacks), copies the big passes prefetched: since reset_stats
+        self.mobile_passes = [0, 0, 0]
         for key in ("n_threads", "n_threads_batch"):
             n = kwargs.get(key)
             if n is not None and not 1 <= int(n) <= MAX_THREADS:
                 raise ValueError(f"{key}={n}: use 1 to {MAX_THREADS} (or None: every core)")
         self.model_file: ModelFile = require_moe(model_path)
         patch_version()  # refuses a stock llama-cpp-python before llama.cpp touches the file
+        if mode not in ("exact", "mobile"):
+            raise ValueError(f"{setting('mode')} {mode!r}: use 'exact' or 'mobile'")
+        if mode == "mobile" and cache is not AUTO:
+            raise ValueError(f"{setting('mode')} goes with the policy keywords; with "
+                             f"{setting('cache')} set CacheConfig(little_k=..., gamma=...)")
         if cache is AUTO:
             cache = resolve_cache_config(policy, gpu_budget, cache_fraction, predictor=predictor,
-                                         window=window, machine=machine)
+                                         window=window, machine=machine,
+                                         little_k=(little_k or -1) if mode == "mobile" else 0,
+                                         gamma=gamma)
         self.placement: Placement | None = None
         n_ctx = int(kwargs.get("n_ctx", 512)) or int(self.model_file.arch_kv("context_length",
                                                                             4096))
@@ -166,6 +180,49 @@ class Llama(llama_cpp.Llama):
         self._vocab = low.llama_model_get_vocab(self.model)
         if cache is not None and cache.policy not in ("offload", "ncmoe"):
             self._attach_cache(cache)
+        if cache is not None and cache.little_k:
+            self._mobile = (self._little_k(cache.little_k), cache.gamma)
+
+    def _little_k(self, little_k: int) -> int:
+        """The little pass's experts per token: ``little_k``, or half the top-k for -1."""
+        k = self.model_file.n_expert_used
+        m = k // 2 if little_k < 0 else little_k
+        if self.expert_cache is None:
+            policy = self.cache_config.policy if self.cache_config else "none"
+            self.close()
+            raise ValueError("MoBiLE decoding runs in forecache's expert cache, which this run "
+                             f"does not have (policy {policy}); give {setting('policy')} promoe "
+                             "(or lru, lfu, static, infinity)")
+        if not 1 <= m < k:
+            self.close()
+            raise ValueError(f"{setting('little_k')} {m}: the little pass routes 1 to {k - 1} of "
+                             f"the {k} experts {self.model_file.path.name} routes per token")
+        return m
+
+    @functools.wraps(llama_cpp.Llama.eval)
+    def eval(self, tokens: Sequence[int]) -> None:
+        # in MoBiLE decoding a generated token first runs the little pass and is recomputed by
+        # the full model (its KV entry replaced) when the little pass's top probability is
+        # below gamma
+        if self._mobile is None or len(tokens) != 1 or self.expert_cache is None:
+            return super().eval(tokens)
+        m, gamma = self._mobile
+        n_past = self.n_tokens
+        self.expert_cache.set_little(m)
+        try:
+            super().eval(tokens)
+        finally:
+            self.expert_cache.set_little(0)
+        self.mobile_passes[0] += 1
+        ptr = llama_cpp_module().llama_get_logits_ith(self.ctx, -1)
+        logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab(),)).astype(np.float64)
+        top = float(np.exp(logits.max() - np.logaddexp.reduce(logits)))  # max softmax prob
+        if top < gamma:
+            self.mobile_passes[2] += self.expert_cache.prefetch_little()
+            self.n_tokens = n_past  # eval drops the KV cells from here: the big pass's replace them
+            super().eval(tokens)
+            self.mobile_passes[1] += 1
+        return None
 
     def _load_params(self, n_seq_max: int) -> dict[str, Any]:
         """llama_cpp.Llama keywords of forecache's placement and of ``n_seq_max`` sequences."""
@@ -343,13 +400,18 @@ class Llama(llama_cpp.Llama):
         device slots (total, filled, bytes). Zeros, with policy ``none``, when the model runs
         without a cache."""
         cfg = self.cache_config
-        out: dict = {"policy": cfg.policy if cfg else "none", "hits": 0, "misses": 0,
+        out: dict = {"policy": cfg.policy if cfg else "none",
+                     "mode": "mobile" if self._mobile else "exact", "hits": 0, "misses": 0,
                      "hit_rate": None, "h2d_bytes": 0, "stall_s": 0.0, "copy_s": 0.0,
                      "hook_s": 0.0, "hook_calls": 0, "decode_gate_s": 0.0, "decode_gates": 0,
                      "host_layers": 0, "cache_slots": 0,
                      "slots_filled": 0,
                      "slot_bytes": 0, "device": self.placement.device.name if self.placement
                      else None}
+        if self._mobile:
+            out.update(little_k=self._mobile[0], gamma=self._mobile[1],
+                       little_passes=self.mobile_passes[0], big_passes=self.mobile_passes[1],
+                       little_prefetches=self.mobile_passes[2])
         cache = self.expert_cache
         if cache is None:
             return out
@@ -367,6 +429,7 @@ class Llama(llama_cpp.Llama):
 
     def reset_stats(self) -> None:
         """Zero the expert-cache counters (the cached experts stay)."""
+        self.mobile_passes = [0, 0, 0]
         if self.expert_cache is not None:
             self.expert_cache.reset_stats()
 

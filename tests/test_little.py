@@ -81,3 +81,74 @@ def test_little_off_is_exact(tiny_model: Callable[[str], Path], stock: StockRefe
                 continue
             assert res.tokens == ref_tokens
             assert np.array_equal(last_logits(llm), ref_logits[-1])
+
+
+def _mobile(model: Path, prompts: list[list[int]], gamma: float, little: int) -> tuple[list, dict]:
+    out = []
+    cfg = CacheConfig("promoe", cache_fraction=0.5, predictor="history", little_k=little,
+                      gamma=gamma)
+    with Llama.open(model, cache=cfg, n_ctx=128, n_threads=2) as llm:
+        for prompt in prompts:
+            res = generate(llm, prompt, N_GEN, SamplingParams(greedy=True), ignore_eos=True)
+            out.append((res.tokens, last_logits(llm)))
+        stats = llm.expert_stats()
+    return out, stats
+
+
+def test_mobile_decoding_falls_back_to_the_full_model(tiny_model: Callable[[str], Path],
+                                                      stock: StockReference) -> None:
+    """gamma 1: the full model recomputes every token, its KV entries replacing the little
+    pass's, so the run is the exact model's; gamma 0: never, so it is the model with m experts."""
+    model = tiny_model("q8_0")
+    prompts = [[7, 99, 23, 5], [301]]
+    full = stock.run(model, prompts, N_GEN, n_ctx=128, n_threads=2)
+    got, stats = _mobile(model, prompts, 1.0, 2)
+    assert stats["mode"] == "mobile" and stats["little_k"] == 2
+    assert stats["big_passes"] == stats["little_passes"] > 0
+    assert stats["little_prefetches"] > 0  # the big passes prefetched the little passes' choice
+    for (tokens, logits), (ref_tokens, ref_logits) in zip(got, full, strict=True):
+        if stock.backend != "cpu":
+            assert_same_tokens(tokens, ref_tokens, ref_logits, "gamma 1")
+            continue
+        assert tokens == ref_tokens
+        assert np.array_equal(logits, ref_logits[-1])
+    fewer = stock.run(model, PROMPTS, N_GEN, n_ctx=128, n_threads=2,
+                      kv_overrides={"qwen2moe.expert_used_count": 2})
+    got, stats = _mobile(model, PROMPTS, 0.0, 2)
+    assert stats["big_passes"] == 0 and stats["little_passes"] > 0
+    for (tokens, logits), (ref_tokens, ref_logits) in zip(got, fewer, strict=True):
+        if stock.backend != "cpu":
+            assert_same_tokens(tokens, ref_tokens, ref_logits, "gamma 0")
+            continue
+        assert tokens == ref_tokens
+        assert np.array_equal(logits, ref_logits[-1])
+
+
+def test_mobile_needs_the_cache(tiny_model: Callable[[str], Path]) -> None:
+    from tests.cli_helpers import run_cli, run_cli_json
+
+    model = str(tiny_model("q8_0"))
+    res = run_cli("generate", "-m", model, "-p", "Hello", "-n", "4", "--mode", "mobile")
+    assert res.returncode != 0 and "--policy promoe" in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    res = run_cli("generate", "-m", model, "-p", "Hello", "-n", "4", "--policy", "promoe",
+                  "--cache-fraction", "0.5", "--mode", "mobile", "--little-k", "4")
+    assert res.returncode != 0 and "--little-k 4" in res.stderr, res.stderr
+    out = run_cli_json("generate", "-m", model, "-p", "Hello", "-n", "4", "--policy", "promoe",
+                       "--cache-fraction", "0.5", "--mode", "mobile", "--gamma", "0")
+    assert out["stats"]["mode"] == "mobile" and out["stats"]["little_passes"] > 0
+    exact = run_cli_json("generate", "-m", model, "-p", "Hello", "-n", "4", "--policy",
+                         "promoe", "--cache-fraction", "0.5")
+    assert exact["stats"]["mode"] == "exact"
+    # the drop-in keywords
+    llm = Llama(model, policy="promoe", cache_fraction=0.5, mode="mobile", gamma=0.0,
+                n_ctx=128, verbose=False)
+    try:
+        generate(llm, [7], 3, SamplingParams(greedy=True), ignore_eos=True)
+        stats = llm.expert_stats()
+        assert stats["mode"] == "mobile" and stats["little_passes"] > 0
+        from forecache.chat import mobile_summary
+
+        assert "mobile (lossy)" in mobile_summary(stats)
+    finally:
+        llm.close()

@@ -321,6 +321,27 @@ class Prefetcher(Policy):
             self.prefetch_loads += queued
             return queued
 
+    def warm(self, layer: int, experts: Sequence[int], engine: CopyEngine) -> int:
+        """Queue ``experts`` of ``layer`` (best first) at low priority now, whatever pass the
+        engine is in: a token about to be recomputed routes them (MoBiLE's big pass after its
+        little pass). Returns the copies queued."""
+        if not self.features.prefetch or self.n_slots[layer] == 0:
+            return 0
+        with self.lock:
+            expert_of, _ = engine.layer_state(layer)
+            resident = {int(e) for e in expert_of.tolist() if e >= 0}
+            picked = list(dict.fromkeys(int(e) for e in experts))[:self.n_slots[layer]]
+            victims = self.prefetch_victims(layer, picked, expert_of, engine.resident_order(layer))
+            queued = 0
+            for e in picked:
+                if e in resident or not victims:
+                    continue
+                if engine.load(layer, e, victims.pop(0), LOW) != 0:
+                    break
+                queued += 1
+            self.prefetch_loads += queued
+            return queued
+
     def prefetch_victims(self, layer: int, picked: list[int], expert_of: np.ndarray,
                          oldest: list[int]) -> list[int]:
         """Slots a prefetch of ``picked`` (best first) may fill, in order: free slots, then the

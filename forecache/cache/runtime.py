@@ -182,6 +182,24 @@ class ExpertCache:
     def stage_slots(self) -> int:
         return self._n_stage
 
+    def little_routing(self, layer: int) -> list[int]:
+        """The full top-k ``layer``'s last little pass chose for its token ([] when its last
+        routing was not a little pass)."""
+        k = self.layers[layer].n_expert  # a top-k has at most that many
+        arr = (ctypes.c_int32 * k)()
+        n = self._lib.forecache_cache_little_routing(self._handle, layer, arr, k)
+        return arr[:max(n, 0)]
+
+    def prefetch_little(self) -> int:
+        """Before the full model recomputes a token: every layer's experts its little pass's
+        router chose are queued at low priority where the policy prefetches (MoBiLE's
+        training-free prefetch). Returns the copies queued."""
+        warm = getattr(self.policy, "warm", None)
+        if warm is None:
+            return 0
+        return sum(warm(il, ids, self) for il in self.layers
+                   if (ids := self.little_routing(il)))
+
     def set_little(self, m: int) -> None:
         """MoBiLE's little pass: one-token ubatches route each token to its top ``m`` experts
         only (the model with ``m`` experts per token; forecache_cache_set_little); 0 for the

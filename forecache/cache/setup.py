@@ -66,6 +66,12 @@ class CacheConfig:
     # promoe/infinity: stage slots for prompt passes (None: stage_slots_for on a GPU, none on
     # a CPU build, where slots are host memory too); held back from a gpu_budget
     stage_slots: int | None = None
+    # MoBiLE decoding (lossy; forecache_cache_set_little): each generated token first runs a
+    # little pass over its top ``little_k`` experts (-1: half the model's top-k; 0: exact
+    # decoding), and is recomputed by the full model when the little pass's top probability is
+    # below ``gamma``
+    little_k: int = 0
+    gamma: float = 0.7
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -80,6 +86,8 @@ class CacheConfig:
                              f"{setting('cache_fraction')}")
         if self.policy == "ncmoe" and self.gpu_budget is None:
             raise ValueError(f"policy ncmoe places whole layers and needs {setting('gpu_budget')}")
+        if self.little_k and not 0.0 <= self.gamma <= 1.0:
+            raise ValueError(f"{setting('gamma')} is {self.gamma}: give a probability in [0, 1]")
 
 
 # Device memory left free when the budget is taken from the GPU's free memory: other processes,
@@ -91,8 +99,8 @@ AUTO_BUDGET_MIN_RESERVE = 512 << 20
 def resolve_cache_config(policy: str | None, gpu_budget: int | str | None,
                          cache_fraction: float | None, *, predictor: str = "auto",
                          window: int | None = None, machine: str | None = None,
-                         features: Features | None = None, stage_slots: int | None = None
-                         ) -> CacheConfig | None:
+                         features: Features | None = None, stage_slots: int | None = None,
+                         little_k: int = 0, gamma: float = 0.7) -> CacheConfig | None:
     """The configuration users get from what they gave: promoe unless a policy is named; sized by
     the budget or fraction given, else by the GPU's free memory. With nothing given on a
     CPU-only build, None: llama.cpp's own placement, since device and host are the same memory."""
@@ -103,11 +111,15 @@ def resolve_cache_config(policy: str | None, gpu_budget: int | str | None,
             reserve = max(int(dev.memory_free * AUTO_BUDGET_RESERVE), AUTO_BUDGET_MIN_RESERVE)
             budget = max(dev.memory_free - reserve, 0)
         elif policy is None:
+            if little_k:
+                raise ValueError(f"MoBiLE decoding ({setting('mode')} mobile) runs in "
+                                 "forecache's expert cache: on a CPU-only build give "
+                                 f"{setting('policy')} promoe with {setting('cache_fraction')}")
             return None
     return CacheConfig(policy=policy or "promoe", gpu_budget=budget,
                        cache_fraction=cache_fraction, predictor=predictor, window=window,
                        machine=machine, features=features or Features(), auto=policy is None,
-                       stage_slots=stage_slots)
+                       stage_slots=stage_slots, little_k=little_k, gamma=gamma)
 
 
 def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int

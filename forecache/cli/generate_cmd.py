@@ -51,6 +51,18 @@ def cache_options(fn):  # type: ignore[no-untyped-def]
                        ("prefetch", "predicted prefetch")):
         fn = click.option(f"--no-{name}", f"no_{name}", is_flag=True,
                           help=f"promoe without {what} (for ablations).")(fn)
+    fn = click.option("--little-k", type=click.IntRange(1, 256), default=None,
+                      help="--mode mobile: experts per token of the little pass (default: half "
+                           "the model's).")(fn)
+    fn = click.option("--gamma", type=click.FloatRange(0.0, 1.0), default=0.7,
+                      show_default=True,
+                      help="--mode mobile: a token whose little pass gives its top token a "
+                           "lower probability is recomputed by the full model.")(fn)
+    fn = click.option("--mode", type=click.Choice(["exact", "mobile"]), default="exact",
+                      show_default=True,
+                      help="exact: the model as it is. mobile (MoBiLE, lossy): each generated "
+                           "token runs a little pass over fewer experts, and the full model "
+                           "recomputes the tokens the little pass is unsure of.")(fn)
     fn = click.option("--stage-slots", type=click.IntRange(0, 256), default=None,
                       help="promoe: experts' worth of device memory, held back from the budget, "
                            "into which a long prompt copies the next layer's missing experts "
@@ -86,13 +98,16 @@ def cache_config(policy: str | None, gpu_budget: str | None, cache_fraction: flo
                  predictor: str = "auto", window: int | None = None, no_prefetch: bool = False,
                  no_chunk: bool = False, no_preempt: bool = False,
                  no_reorder: bool = False, no_split: bool = False,
-                 machine: str | None = None, stage_slots: int | None = None
+                 machine: str | None = None, stage_slots: int | None = None,
+                 mode: str = "exact", gamma: float = 0.7, little_k: int | None = None
                  ) -> CacheConfig | None:
     """The CacheConfig the cache options ask for: promoe unless a policy is named, sized by the
     GPU's free memory unless a size is given; None (llama.cpp's own placement) on a CPU-only build
     given no option."""
     return resolve_cache_config(policy, gpu_budget, cache_fraction, predictor=predictor,
                                 window=window, machine=machine, stage_slots=stage_slots,
+                                little_k=(little_k or -1) if mode == "mobile" else 0,
+                                gamma=gamma,
                                 features=Features(prefetch=not no_prefetch, chunk=not no_chunk,
                                                   preempt=not no_preempt,
                                                   reorder=not no_reorder, split=not no_split))

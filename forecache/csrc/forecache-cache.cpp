@@ -148,6 +148,7 @@ struct fc_layer {
     bool     streams   = false;
     bool     staged    = false;       // some entry reads a stage slot (slot n_slots + j)
     bool     little    = false;       // routed by a little pass: computed group by group
+    std::vector<int32_t> little_ids;  // the top-k a little pass routed its token to, before it kept m
 
     forecache_cache_stats stats = {};
 
@@ -1363,11 +1364,13 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
         little = c->little;
     }
     L.little = false;
+    L.little_ids.clear();
     if (little > 0 && little < n_used && n_tokens == 1 && weights != nullptr) {
         auto mit = c->weights_mul.find(wit->second);
         little = mit != c->weights_mul.end() && mit->second ? little : 0;
     }
     if (little > 0 && little < n_used && n_tokens == 1 && weights != nullptr) {
+        L.little_ids.assign(c->ids.begin(), c->ids.begin() + n_used);
         for (int64_t iu = little; iu < n_used; iu++) {
             c->ids[iu]     = c->ids[0];
             c->weights[iu] = 0.0f;
@@ -1872,6 +1875,16 @@ int32_t forecache_cache_stage_state(const struct forecache_cache * cache, int32_
 void forecache_cache_set_little(struct forecache_cache * cache, int32_t m) {
     std::lock_guard<std::mutex> lock(cache->mtx);
     cache->little = std::max(m, 0);
+}
+
+int32_t forecache_cache_little_routing(const struct forecache_cache * cache, int32_t layer, int32_t * ids, int32_t cap) {
+    if (layer < 0 || layer >= (int32_t) cache->layers.size()) {
+        return -1;
+    }
+    const std::vector<int32_t> & src = cache->layers[layer].little_ids;
+    const int32_t n = std::min<int32_t>((int32_t) src.size(), cap);
+    std::copy(src.begin(), src.begin() + n, ids);
+    return n;
 }
 
 void forecache_cache_set_reorder(struct forecache_cache * cache, bool reorder) {

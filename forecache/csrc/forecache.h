@@ -15,7 +15,7 @@ extern "C" {
 
 // Version of this API and of the patches it needs in llama.cpp; bumped whenever either changes.
 // The Python side reads it from this header and refuses a library that reports another.
-#define FORECACHE_PATCH_VERSION 10
+#define FORECACHE_PATCH_VERSION 11
 
 // Returns FORECACHE_PATCH_VERSION of the library the caller is linked against.
 LLAMA_API int32_t forecache_patch_version(void);
@@ -187,6 +187,12 @@ LLAMA_API int32_t forecache_cache_stage_state(const struct forecache_cache * cac
 // the router weights are the expert outputs' multipliers (no renormalization after the top-k, as in
 // qwen2moe); elsewhere the layer stays exact. m <= 0 (the default) turns it off.
 LLAMA_API void forecache_cache_set_little(struct forecache_cache * cache, int32_t m);
+
+// The experts `layer`'s last routing chose for its token before a little pass kept the top m (the full
+// top-k, in the router's order), into `ids` (`cap` entries): what the full model will likely route, for
+// prefetching before it recomputes the token. Returns their number, 0 when the layer's last routing was not
+// a little pass, -1 for a bad layer.
+LLAMA_API int32_t forecache_cache_little_routing(const struct forecache_cache * cache, int32_t layer, int32_t * ids, int32_t cap);
 
 // Cache-first compute: with `reorder`, a layer's experts are computed in groups as their slots become
 // ready; without it, compute waits for every slot of the layer first (and nothing can be streamed).
