@@ -310,16 +310,7 @@ class Prefetcher(Policy):
             if again:
                 engine.touch(layer, again)
                 self.prefetch_refreshed += len(again)
-            victims = self.prefetch_victims(layer, picked, expert_of, engine.resident_order(layer))
-            queued = 0
-            for e in picked:
-                if e in resident or not victims:
-                    continue
-                if engine.load(layer, e, victims.pop(0), LOW) != 0:
-                    break  # the layer is being computed: too late for the rest
-                queued += 1
-            self.prefetch_loads += queued
-            return queued
+            return self._load_picked(layer, picked, resident, expert_of, engine)
 
     def warm(self, layer: int, experts: Sequence[int], engine: CopyEngine) -> int:
         """Queue ``experts`` of ``layer`` (best first) at low priority now, whatever pass the
@@ -331,16 +322,22 @@ class Prefetcher(Policy):
             expert_of, _ = engine.layer_state(layer)
             resident = {int(e) for e in expert_of.tolist() if e >= 0}
             picked = list(dict.fromkeys(int(e) for e in experts))[:self.n_slots[layer]]
-            victims = self.prefetch_victims(layer, picked, expert_of, engine.resident_order(layer))
-            queued = 0
-            for e in picked:
-                if e in resident or not victims:
-                    continue
-                if engine.load(layer, e, victims.pop(0), LOW) != 0:
-                    break
-                queued += 1
-            self.prefetch_loads += queued
-            return queued
+            return self._load_picked(layer, picked, resident, expert_of, engine)
+
+    def _load_picked(self, layer: int, picked: list[int], resident: set[int],
+                     expert_of: np.ndarray, engine: CopyEngine) -> int:
+        """Queue the ``picked`` experts not ``resident`` at LOW into the prefetch victims, in
+        order (the lock held); the copies queued."""
+        victims = self.prefetch_victims(layer, picked, expert_of, engine.resident_order(layer))
+        queued = 0
+        for e in picked:
+            if e in resident or not victims:
+                continue
+            if engine.load(layer, e, victims.pop(0), LOW) != 0:
+                break  # the layer is being computed: too late for the rest
+            queued += 1
+        self.prefetch_loads += queued
+        return queued
 
     def prefetch_victims(self, layer: int, picked: list[int], expert_of: np.ndarray,
                          oldest: list[int]) -> list[int]:
