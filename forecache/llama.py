@@ -215,8 +215,9 @@ class Llama(llama_cpp.Llama):
             self.expert_cache.set_little(0)
         self.mobile_passes[0] += 1
         ptr = llama_cpp_module().llama_get_logits_ith(self.ctx, -1)
-        logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab(),)).astype(np.float64)
-        top = float(np.exp(logits.max() - np.logaddexp.reduce(logits)))  # max softmax prob
+        logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab(),))
+        # the max softmax probability: 1 / sum(exp(z - max z)), one pass over the vocabulary
+        top = 1.0 / float(np.exp(logits - logits.max(), dtype=np.float64).sum())
         if top < gamma:
             self.mobile_passes[2] += self.expert_cache.prefetch_little()
             self.n_tokens = n_past  # eval drops the KV cells from here: the big pass's replace them
