@@ -134,7 +134,9 @@ def mobile_summary(stats: dict) -> str:
     """MoBiLE decoding in a few words: lossy, and how often the full model recomputed."""
     little, big = stats.get("little_passes", 0), stats.get("big_passes", 0)
     share = f"{big / little * 100:.0f}%" if little else "-"
-    return (f"mode mobile (lossy): {stats['little_k']}-expert little pass, full model for "
+    kind = ("resident-expert" if stats.get("little_resident") else
+            f"{stats['little_k']}-expert")
+    return (f"mode mobile (lossy): {kind} little pass, full model for "
             f"{share} of tokens (gamma {stats['gamma']})")
 
 

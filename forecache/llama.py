@@ -118,9 +118,10 @@ class Llama(llama_cpp.Llama):
     ``predictor``, ``window`` and ``machine`` tune promoe. ``mode="mobile"`` (MoBiLE, lossy)
     decodes each token with a little pass over ``little_k`` experts (default half the model's)
     and recomputes it with the full model when the little pass's top probability is below
-    ``gamma``; ``"exact"`` (the default) is the model as it is. ``n_seq_max`` sizes the context for
-    that many sequences decoded together, each with n_ctx / n_seq_max of the context
-    (``forecache batch``). ``cache`` passes a ready
+    ``gamma``; ``little_resident`` keeps only the top expert and those already on the device
+    (of the top ``little_k``, default all); ``"exact"`` (the default) is the model as it is.
+    ``n_seq_max`` sizes the context for that many sequences decoded together, each with
+    n_ctx / n_seq_max of the context (``forecache batch``). ``cache`` passes a ready
     ``CacheConfig`` (or None for no cache). Every other keyword goes to ``llama_cpp.Llama``;
     ``n_gpu_layers`` defaults to all layers when a cache is used.
     """
@@ -129,9 +130,11 @@ class Llama(llama_cpp.Llama):
                  policy: str | None = None, cache_fraction: float | None = None,
                  predictor: str = "auto", window: int | None = None, machine: str | None = None,
                  mode: str = "exact", gamma: float = 0.7, little_k: int | None = None,
-                 n_seq_max: int = 1, cache: CacheConfig | None = AUTO, **kwargs: Any) -> None:
+                 little_resident: bool = False, n_seq_max: int = 1,
+                 cache: CacheConfig | None = AUTO, **kwargs: Any) -> None:
         self.expert_cache: ExpertCache | None = None
-        self._mobile: tuple[int, float] | None = None  # MoBiLE: (little-pass experts, gamma)
+        # MoBiLE: (little-pass experts, gamma, resident experts only)
+        self._mobile: tuple[int, float, bool] | None = None
         # little passes, big passes (fallbacks), copies the big passes prefetched: since reset_stats
         self.mobile_passes = [0, 0, 0]
         for key in ("n_threads", "n_threads_batch"):
@@ -149,7 +152,7 @@ class Llama(llama_cpp.Llama):
             cache = resolve_cache_config(policy, gpu_budget, cache_fraction, predictor=predictor,
                                          window=window, machine=machine,
                                          little_k=(little_k or -1) if mode == "mobile" else 0,
-                                         gamma=gamma)
+                                         gamma=gamma, little_resident=little_resident)
         self.placement: Placement | None = None
         n_ctx = int(kwargs.get("n_ctx", 512)) or int(self.model_file.arch_kv("context_length",
                                                                             4096))
@@ -181,21 +184,24 @@ class Llama(llama_cpp.Llama):
         if cache is not None and cache.policy not in ("offload", "ncmoe"):
             self._attach_cache(cache)
         if cache is not None and cache.little_k:
-            self._mobile = (self._little_k(cache.little_k), cache.gamma)
+            self._mobile = (self._little_k(cache.little_k, cache.little_resident), cache.gamma,
+                            cache.little_resident)
 
-    def _little_k(self, little_k: int) -> int:
-        """The little pass's experts per token: ``little_k``, or half the top-k for -1."""
+    def _little_k(self, little_k: int, resident: bool) -> int:
+        """The little pass's experts per token: ``little_k``, or for -1 half the top-k (all of
+        it when the pass keeps only resident experts, which is what shrinks it then)."""
         k = self.model_file.n_expert_used
-        m = k // 2 if little_k < 0 else little_k
+        top = k if resident else k - 1
+        m = (k if resident else k // 2) if little_k < 0 else little_k
         if self.expert_cache is None:
             policy = self.cache_config.policy if self.cache_config else "none"
             self.close()
             raise ValueError("MoBiLE decoding runs in forecache's expert cache, which this run "
                              f"does not have (policy {policy}); give {setting('policy')} promoe "
                              "(or lru, lfu, static, infinity)")
-        if not 1 <= m < k:
+        if not 1 <= m <= top:
             self.close()
-            raise ValueError(f"{setting('little_k')} {m}: the little pass routes 1 to {k - 1} of "
+            raise ValueError(f"{setting('little_k')} {m}: the little pass routes 1 to {top} of "
                              f"the {k} experts {self.model_file.path.name} routes per token")
         return m
 
@@ -206,9 +212,9 @@ class Llama(llama_cpp.Llama):
         # below gamma
         if self._mobile is None or len(tokens) != 1 or self.expert_cache is None:
             return super().eval(tokens)
-        m, gamma = self._mobile
+        m, gamma, resident = self._mobile
         n_past = self.n_tokens
-        self.expert_cache.set_little(m)
+        self.expert_cache.set_little(m, resident)
         try:
             super().eval(tokens)
         finally:
@@ -411,6 +417,7 @@ class Llama(llama_cpp.Llama):
                      else None}
         if self._mobile:
             out.update(little_k=self._mobile[0], gamma=self._mobile[1],
+                       little_resident=self._mobile[2],
                        little_passes=self.mobile_passes[0], big_passes=self.mobile_passes[1],
                        little_prefetches=self.mobile_passes[2])
         cache = self.expert_cache

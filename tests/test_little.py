@@ -83,6 +83,88 @@ def test_little_off_is_exact(tiny_model: Callable[[str], Path], stock: StockRefe
             assert np.array_equal(last_logits(llm), ref_logits[-1])
 
 
+NUMPY_TOKENS = [7, 301, 1000, 55, 1500, 90]
+# numpy's float64 forward pass and llama.cpp's f16 kernels differ by about 0.2% of the logits'
+# spread; dropping one expert of one layer moves them by far more
+NUMPY_TOL = 0.01
+
+
+def _rel_err(a: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(a - ref).max() / ref.std())
+
+
+def test_numpy_reference_is_the_stock_model(tiny_model: Callable[[str], Path],
+                                            stock: StockReference) -> None:
+    """The numpy forward pass the little pass is checked against computes what stock llama.cpp
+    does, with all k experts and with m."""
+    from tests.numpy_qwen2moe import Qwen2MoeNumpy
+
+    model = tiny_model("f16")
+    ref = Qwen2MoeNumpy(model)
+    prompts = [[t] for t in NUMPY_TOKENS[:3]]
+    full = stock.run(model, prompts, 1, n_ctx=128, n_threads=2)
+    two = stock.run(model, prompts, 1, n_ctx=128, n_threads=2,
+                    kv_overrides={"qwen2moe.expert_used_count": 2})
+    for [tok], (_, a), (_, b) in zip(prompts, full, two, strict=True):
+        assert _rel_err(a[0], ref.logits(tok)) < NUMPY_TOL
+        kept2 = ref.logits(tok, lambda _il, top, _p: list(top[:2]))
+        assert _rel_err(b[0], kept2) < NUMPY_TOL
+        assert _rel_err(kept2, ref.logits(tok)) > 10 * NUMPY_TOL
+
+
+@pytest.mark.parametrize("resident", [False, True], ids=["top-m", "resident"])
+def test_little_pass_is_its_function_of_the_router(tiny_model: Callable[[str], Path],
+                                                   resident: bool) -> None:
+    """A little pass's logits equal numpy's forward pass from the GGUF over the experts it should
+    keep: the top m, or (cache-conditional) the top-1 and those of the top m copied to their
+    slots when the token routed, weighted by their router probabilities."""
+    from forecache.native.cache_api import SLOT_READY
+    from tests.numpy_qwen2moe import Qwen2MoeNumpy
+
+    model = tiny_model("f16")
+    ref = Qwen2MoeNumpy(model)
+    m = ref.k if resident else 2
+    dropped = kept_resident = 0  # the cases that make the resident check mean something
+    cfg = CacheConfig("lru", cache_fraction=0.5)
+    with Llama.open(model, cache=cfg, n_ctx=128, n_threads=2) as llm:
+        cache = llm.expert_cache
+        assert cache is not None
+        for tok in NUMPY_TOKENS:
+            # fills the slots with this run's experts: some of the token's top-k, not all
+            generate(llm, [tok + 1], 3, SamplingParams(greedy=True), ignore_eos=True)
+            cache.wait_idle()
+            ready = []
+            for il in range(ref.n_layer):
+                experts, states = cache.layer_state(il)
+                ready.append({int(e) for e, s in zip(experts, states, strict=True)
+                              if e >= 0 and s == SLOT_READY})
+
+            def keep(il: int, top: np.ndarray, _p: np.ndarray,
+                     ready: list[set[int]] = ready) -> list[int]:
+                nonlocal dropped, kept_resident
+                if not resident:
+                    return list(top[:m])
+                kept = [int(top[0])] + [int(e) for e in top[1:m] if int(e) in ready[il]]
+                dropped += m - len(kept)
+                kept_resident += len(kept) - 1
+                return kept
+
+            before = dropped
+            llm.reset()
+            cache.set_little(m, resident)
+            try:
+                llm.eval([tok])
+            finally:
+                cache.set_little(0)
+            want = ref.logits(tok, keep)
+            got = last_logits(llm)
+            assert _rel_err(got, want) < NUMPY_TOL, tok
+            if not resident or dropped > before:  # the little pass is not the exact model
+                assert _rel_err(got, ref.logits(tok)) > 10 * NUMPY_TOL, tok
+    if resident:
+        assert dropped > 0 and kept_resident > 0, (dropped, kept_resident)
+
+
 def _mobile(model: Path, prompts: list[list[int]], gamma: float, little: int) -> tuple[list, dict]:
     out = []
     cfg = CacheConfig("promoe", cache_fraction=0.5, predictor="history", little_k=little,

@@ -200,11 +200,12 @@ class ExpertCache:
         return sum(warm(il, ids, self) for il in self.layers
                    if (ids := self.little_routing(il)))
 
-    def set_little(self, m: int) -> None:
+    def set_little(self, m: int, resident: bool = False) -> None:
         """MoBiLE's little pass: one-token ubatches route each token to its top ``m`` experts
-        only (the model with ``m`` experts per token; forecache_cache_set_little); 0 for the
-        exact model."""
-        self._lib.forecache_cache_set_little(self._handle, m)
+        only (the model with ``m`` experts per token; forecache_cache_set_little); with
+        ``resident``, to its top-1 and those of its top ``m`` already copied to their slots, so
+        the pass never waits for a copy. 0 for the exact model."""
+        self._lib.forecache_cache_set_little(self._handle, m, resident)
 
     def n_experts(self, layer: int) -> int:
         return self.layers[layer].n_expert

@@ -69,9 +69,11 @@ class CacheConfig:
     # MoBiLE decoding (lossy; forecache_cache_set_little): each generated token first runs a
     # little pass over its top ``little_k`` experts (-1: half the model's top-k; 0: exact
     # decoding), and is recomputed by the full model when the little pass's top probability is
-    # below ``gamma``
+    # below ``gamma``; ``little_resident``: the little pass keeps its top-1 and those of its top
+    # ``little_k`` (-1: the whole top-k) already in device slots, so it never waits for a copy
     little_k: int = 0
     gamma: float = 0.7
+    little_resident: bool = False
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -100,7 +102,8 @@ def resolve_cache_config(policy: str | None, gpu_budget: int | str | None,
                          cache_fraction: float | None, *, predictor: str = "auto",
                          window: int | None = None, machine: str | None = None,
                          features: Features | None = None, stage_slots: int | None = None,
-                         little_k: int = 0, gamma: float = 0.7) -> CacheConfig | None:
+                         little_k: int = 0, gamma: float = 0.7,
+                         little_resident: bool = False) -> CacheConfig | None:
     """The configuration users get from what they gave: promoe unless a policy is named; sized by
     the budget or fraction given, else by the GPU's free memory. With nothing given on a
     CPU-only build, None: llama.cpp's own placement, since device and host are the same memory."""
@@ -119,7 +122,8 @@ def resolve_cache_config(policy: str | None, gpu_budget: int | str | None,
     return CacheConfig(policy=policy or "promoe", gpu_budget=budget,
                        cache_fraction=cache_fraction, predictor=predictor, window=window,
                        machine=machine, features=features or Features(), auto=policy is None,
-                       stage_slots=stage_slots, little_k=little_k, gamma=gamma)
+                       stage_slots=stage_slots, little_k=little_k, gamma=gamma,
+                       little_resident=little_resident)
 
 
 def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int

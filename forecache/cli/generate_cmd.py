@@ -51,6 +51,11 @@ def cache_options(fn):  # type: ignore[no-untyped-def]
                        ("prefetch", "predicted prefetch")):
         fn = click.option(f"--no-{name}", f"no_{name}", is_flag=True,
                           help=f"promoe without {what} (for ablations).")(fn)
+    fn = click.option("--little-resident", is_flag=True,
+                      help="--mode mobile: the little pass keeps each token's top expert and "
+                           "those of its top --little-k (default: all it routes) already on the "
+                           "device, so it never waits for a copy (cache-conditional "
+                           "routing).")(fn)
     fn = click.option("--little-k", type=click.IntRange(1, 256), default=None,
                       help="--mode mobile: experts per token of the little pass (default: half "
                            "the model's).")(fn)
@@ -99,15 +104,15 @@ def cache_config(policy: str | None, gpu_budget: str | None, cache_fraction: flo
                  no_chunk: bool = False, no_preempt: bool = False,
                  no_reorder: bool = False, no_split: bool = False,
                  machine: str | None = None, stage_slots: int | None = None,
-                 mode: str = "exact", gamma: float = 0.7, little_k: int | None = None
-                 ) -> CacheConfig | None:
+                 mode: str = "exact", gamma: float = 0.7, little_k: int | None = None,
+                 little_resident: bool = False) -> CacheConfig | None:
     """The CacheConfig the cache options ask for: promoe unless a policy is named, sized by the
     GPU's free memory unless a size is given; None (llama.cpp's own placement) on a CPU-only build
     given no option."""
     return resolve_cache_config(policy, gpu_budget, cache_fraction, predictor=predictor,
                                 window=window, machine=machine, stage_slots=stage_slots,
                                 little_k=(little_k or -1) if mode == "mobile" else 0,
-                                gamma=gamma,
+                                gamma=gamma, little_resident=little_resident,
                                 features=Features(prefetch=not no_prefetch, chunk=not no_chunk,
                                                   preempt=not no_preempt,
                                                   reorder=not no_reorder, split=not no_split))

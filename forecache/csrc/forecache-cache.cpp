@@ -14,6 +14,7 @@
 #include "ggml-cpu.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdarg>
@@ -194,7 +195,8 @@ struct forecache_cache {
     std::unordered_map<const ggml_tensor *, std::pair<int32_t, int32_t>> pool_map; // pool tensor   -> (layer, proj)
     std::unordered_map<const ggml_tensor *, ggml_tensor *>               weights_of; // routed ids -> router weights
     std::unordered_map<const ggml_tensor *, bool>                        weights_mul; // router weights -> they multiply the expert outputs
-    int32_t little = 0; // forecache_cache_set_little
+    std::atomic<int32_t> little{0};           // forecache_cache_set_little: experts a little pass keeps
+    std::atomic<bool>    little_resident{false}; // ... of those already resident, and the top-1
 
     ggml_context        * pool_ctx = nullptr;
     ggml_backend_buffer_t pool_buf = nullptr;
@@ -480,6 +482,12 @@ void fc_empty_slot(fc_layer & L, int32_t slot) {
     L.last_entry[slot] = -1;
 }
 
+// stage slot j is free (lock held)
+void fc_free_stage(forecache_cache * c, int32_t j) {
+    c->st_layer[j]  = -1;
+    c->st_in_use[j] = 0;
+}
+
 // drops queued chunks matching the predicate (lock held); empties the slots whose copy lost a chunk
 template <typename F>
 int32_t fc_drop_queued(forecache_cache * c, int min_priority, F match) {
@@ -496,9 +504,7 @@ int32_t fc_drop_queued(forecache_cache * c, int min_priority, F match) {
             L.stats.dropped_chunks++;
             const int32_t j = fc_stage_of(L, it->slot);
             if (j >= 0) {
-                // a stage slot whose copy lost a chunk is free again
-                c->st_layer[j]  = -1;
-                c->st_in_use[j] = 0;
+                fc_free_stage(c, j); // its copy lost a chunk
             } else if (it->entry < 0 || L.expert_of[it->slot] == it->expert) {
                 emptied.emplace_back(it->layer, it->slot);
             }
@@ -522,8 +528,7 @@ void fc_release_stage(forecache_cache * c, int32_t j) {
     }
     const int32_t slot = c->layers[il].n_slots + j;
     fc_drop_queued(c, 0, [&](const fc_chunk & ch) { return ch.layer == il && ch.slot == slot; });
-    c->st_layer[j]  = -1;
-    c->st_in_use[j] = 0;
+    fc_free_stage(c, j);
 }
 
 // stage slots lent to layer il that its schedule does not read go back (lock held)
@@ -1356,27 +1361,34 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
         weights = c->weights.data();
     }
 
-    // little pass: positions after the top m take weight 0 and the top-1's id (read back, they are
-    // the multipliers the graph applies after the down projection)
-    int32_t little = 0;
-    {
-        std::lock_guard<std::mutex> lock(c->mtx);
-        little = c->little;
-    }
+    // little pass: the positions it drops take weight 0 and the top-1's id (read back, the weights
+    // are the multipliers the graph applies after the down projection)
     L.little = false;
     L.little_ids.clear();
-    if (little > 0 && little < n_used && n_tokens == 1 && weights != nullptr) {
-        auto mit = c->weights_mul.find(wit->second);
-        little = mit != c->weights_mul.end() && mit->second ? little : 0;
-    }
-    if (little > 0 && little < n_used && n_tokens == 1 && weights != nullptr) {
+    const int64_t little = std::min<int64_t>(c->little.load(), n_used);
+    const bool resident = c->little_resident.load();
+    if (little > 0 && (little < n_used || resident) && n_tokens == 1 && weights != nullptr &&
+            c->weights_mul.count(wit->second) != 0 && c->weights_mul.at(wit->second)) {
         L.little_ids.assign(c->ids.begin(), c->ids.begin() + n_used);
-        for (int64_t iu = little; iu < n_used; iu++) {
-            c->ids[iu]     = c->ids[0];
-            c->weights[iu] = 0.0f;
+        std::unique_lock<std::mutex> lock(c->mtx, std::defer_lock);
+        if (resident) {
+            lock.lock(); // slot states
         }
-        ggml_backend_tensor_set(wit->second, c->weights.data(), 0, ggml_nbytes(wit->second));
-        L.little = true;
+        for (int64_t iu = 1; iu < n_used; iu++) {
+            const int32_t s = L.slot_of[c->ids[iu]];
+            const bool keep = iu < little && (!resident || (s >= 0 && fc_slot_state(L, s) == FORECACHE_SLOT_READY));
+            if (!keep) {
+                c->ids[iu]     = c->ids[0];
+                c->weights[iu] = 0.0f;
+                L.little       = true; // repeated ids: computed group by group
+            }
+        }
+        if (lock.owns_lock()) {
+            lock.unlock();
+        }
+        if (L.little) {
+            ggml_backend_tensor_set(wit->second, c->weights.data(), 0, ggml_nbytes(wit->second));
+        }
     }
 
     const float * gate_input = nullptr;
@@ -1872,9 +1884,9 @@ int32_t forecache_cache_stage_state(const struct forecache_cache * cache, int32_
     return cache->n_stage;
 }
 
-void forecache_cache_set_little(struct forecache_cache * cache, int32_t m) {
-    std::lock_guard<std::mutex> lock(cache->mtx);
-    cache->little = std::max(m, 0);
+void forecache_cache_set_little(struct forecache_cache * cache, int32_t m, bool resident) {
+    cache->little          = std::max(m, 0);
+    cache->little_resident = resident;
 }
 
 int32_t forecache_cache_little_routing(const struct forecache_cache * cache, int32_t layer, int32_t * ids, int32_t cap) {

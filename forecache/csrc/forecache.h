@@ -15,7 +15,7 @@ extern "C" {
 
 // Version of this API and of the patches it needs in llama.cpp; bumped whenever either changes.
 // The Python side reads it from this header and refuses a library that reports another.
-#define FORECACHE_PATCH_VERSION 11
+#define FORECACHE_PATCH_VERSION 12
 
 // Returns FORECACHE_PATCH_VERSION of the library the caller is linked against.
 LLAMA_API int32_t forecache_patch_version(void);
@@ -181,14 +181,17 @@ LLAMA_API int32_t forecache_cache_stage(struct forecache_cache * cache, int32_t 
 LLAMA_API int32_t forecache_cache_stage_state(const struct forecache_cache * cache, int32_t * layer, int32_t * expert, int32_t * state);
 
 // Little pass (MoBiLE): with m > 0, a one-token ubatch routes each cached layer's token to its top m
-// experts only (the first m of the router's sorted top-k). The other positions get router weight 0 and are
-// computed from the token's top-1 expert (so they are finite and need no slot), and the gate hook sees
-// the top-1's id in their place: the layer's output is the model's with m experts per token. Only where
-// the router weights are the expert outputs' multipliers (no renormalization after the top-k, as in
-// qwen2moe); elsewhere the layer stays exact. m <= 0 (the default) turns it off.
-LLAMA_API void forecache_cache_set_little(struct forecache_cache * cache, int32_t m);
+// experts only (the first m of the router's sorted top-k); with `resident` ("cache-conditional"), to its
+// top-1 and those of its top m whose slot holds them, copied (so it never waits for a copy; m may then be
+// the whole top-k). The other positions get router weight 0 and are computed from the token's top-1 expert
+// (so they are finite and need no slot), and the gate hook sees the top-1's id in their place: the layer's
+// output is the model's over the experts kept, with their router weights. Only where the router weights
+// are the expert outputs' multipliers (no renormalization after the top-k, as in qwen2moe: the model with
+// m experts per token renormalizes nothing either); elsewhere the layer stays exact. m <= 0 (the default)
+// turns it off.
+LLAMA_API void forecache_cache_set_little(struct forecache_cache * cache, int32_t m, bool resident);
 
-// The experts `layer`'s last routing chose for its token before a little pass kept the top m (the full
+// The experts `layer`'s last routing chose for its token before a little pass kept some of them (the full
 // top-k, in the router's order), into `ids` (`cap` entries): what the full model will likely route, for
 // prefetching before it recomputes the token. Returns their number, 0 when the layer's last routing was not
 // a little pass, -1 for a bad layer.

@@ -111,7 +111,7 @@ def declare(lib: ctypes.CDLL) -> None:
                                      i32),
         "forecache_cache_set_reorder": ([vp, ctypes.c_bool], None),
         "forecache_cache_set_stage": ([vp, i32, ctypes.c_char_p, sz], i32),
-        "forecache_cache_set_little": ([vp, i32], None),
+        "forecache_cache_set_little": ([vp, i32, ctypes.c_bool], None),
         "forecache_cache_little_routing": ([vp, i32, ctypes.POINTER(i32), i32], i32),
         "forecache_cache_stage": ([vp, i32, i32, i32], i32),
         "forecache_cache_stage_state": ([vp, ctypes.POINTER(i32), ctypes.POINTER(i32),
