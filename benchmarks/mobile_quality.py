@@ -1,11 +1,12 @@
 """MoBiLE decoding on the trained reference model: quality and speed by gamma and little-k.
 
     python benchmarks/mobile_quality.py [--tokens 1024] [--gammas 0.5,0.6,0.7,0.8,0.9]
-        [--little-k 1,2] [--cache-fraction 0.5] [--threads 2] [--json OUT] [--plot OUT.png]
+        [--little-k 1,2,resident] [--cache-fraction 0.5] [--threads 2] [--json OUT] [--plot OUT.png]
 
 The reference model's held-out text (``forecache-ref-valid.txt``, never trained on) is fed one token
 at a time, as decoding feeds generated tokens, under the exact model and under ``--mode mobile``
-at each gamma and little-pass size (promoe at ``--cache-fraction``). At every position the
+at each gamma and little-pass size ("resident": the cache-conditional pass, the top expert and
+those already in device slots; promoe at ``--cache-fraction``). At every position the
 next-token distribution the run ends with (the little pass's, or the full model's after a
 fallback) scores the true next token: perplexity, the mean change in its log-likelihood against
 the exact run (paired, with a 95% interval), and agreement of the top token with the exact run's
@@ -67,7 +68,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     except ImportError as e:
         raise SystemExit("--plot needs matplotlib: pip install 'forecache[plot]'") from e
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for m in sorted({r["little_k"] for r in rows}):
+    for m in dict.fromkeys(r["little_k"] for r in rows):
         rs = [r for r in rows if r["little_k"] == m]
         x = [r["fallback"] for r in rs]
         axes[0].errorbar(x, [r["agree"] for r in rs], yerr=[r["agree_ci"] for r in rs],
@@ -93,7 +94,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--gammas", default="0.5,0.6,0.7,0.8,0.9")
-    ap.add_argument("--little-k", default="1,2")
+    ap.add_argument("--little-k", default="1,2,resident",
+                    help="little-pass sizes: numbers, or 'resident' (top-1 + experts in slots)")
     ap.add_argument("--cache-fraction", type=float, default=0.5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", type=Path, default=None)
@@ -113,10 +115,12 @@ def main() -> None:
           "(95%) | top token agrees (95%) | ms a token | over exact |")
     print("|---|---|---|---|---|---|---|---|")
     rows = []
-    for m in (int(x) for x in args.little_k.split(",")):
+    for m in args.little_k.split(","):
+        resident = m == "resident"
         for gamma in (float(x) for x in args.gammas.split(",")):
             cfg = CacheConfig("promoe", cache_fraction=args.cache_fraction,
-                              predictor="history", little_k=m, gamma=gamma)
+                              predictor="history", little_k=-1 if resident else int(m),
+                              gamma=gamma, little_resident=resident)
             r = _run(cfg, tokens, args.threads)
             d = r["logp"] - exact["logp"]
             half = 1.96 * d.std(ddof=1) / math.sqrt(n)

@@ -21,7 +21,7 @@ import numpy as np
 from forecache.errors import setting
 from forecache.generate import SamplingParams
 from forecache.interrupt import StopFlag
-from forecache.llama import Llama
+from forecache.llama import Llama, top_probability
 from forecache.requests import Request
 
 
@@ -141,6 +141,8 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
     """Decode ``requests`` with up to ``n_parallel`` sequences in each llama.cpp batch
     (continuous batching: a finished sequence's cells are freed and the next request takes its
     sequence id; new prompts are prefilled in the same batches as the others' next tokens).
+    In MoBiLE decoding (``llm.mobile``) the sequences' next tokens first run a little pass of
+    their own; those it is unsure of are recomputed with the prompts, by the full model.
     ``on_done`` gets each record as it finishes; ``stop`` ends the loop at the next step."""
     from llama_cpp import llama_cpp as low
 
@@ -179,6 +181,7 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
                              if len(s.out) > 1 and decode_s > 0 else None}})
 
     tokens: list[int] = []  # of the batch being built
+    mobile = llm.mobile if cache is not None else None
 
     def add(tok: int, pos: int, seq: int, logits: bool) -> None:
         i = len(tokens)
@@ -188,6 +191,50 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
         batch.seq_id[i][0] = seq
         batch.logits[i] = logits
         tokens.append(tok)
+
+    def row_logits(row: int) -> np.ndarray:
+        return np.ctypeslib.as_array(low.llama_get_logits_ith(ctx, row), shape=(n_vocab,))
+
+    def decode() -> None:
+        batch.n_tokens = len(tokens)
+        if cache is not None:
+            cache.begin_ubatch(np.asarray(tokens, dtype=np.int32))
+        rc = low.llama_decode(ctx, batch)
+        if rc != 0:
+            raise RuntimeError(decode_failure(rc, len(active)))
+
+    def little_pass(rows: list[tuple[_Sequence, int]], sampled: list[tuple[_Sequence, int]]
+                    ) -> list[tuple[_Sequence, int]]:
+        """Decode the batch's next tokens (``rows``, the whole batch so far) with the little
+        pass; sample those it is sure of into ``sampled``, drop the others' KV cells and put
+        them back into the batch for the full model, their experts prefetched. Returns their
+        rows."""
+        assert mobile is not None and cache is not None
+        m, gamma, resident = mobile
+        cache.set_little(m, resident)
+        try:
+            decode()
+        finally:
+            cache.set_little(0)
+        unsure = []
+        for s, row in rows:
+            logits = row_logits(row)
+            if top_probability(logits) >= gamma:
+                sampled.append((s, sample(logits, s.req.sampling, s.rng)))
+            else:
+                unsure.append((s, row))
+        llm.mobile_passes[0] += len(rows)
+        llm.mobile_passes[1] += len(unsure)
+        if unsure:
+            llm.mobile_passes[2] += cache.prefetch_little(llm.model_file.n_expert_used)
+        tokens.clear()
+        again = []
+        for s, _ in unsure:
+            pos = len(s.prompt) + len(s.out) - 1
+            low.llama_memory_seq_rm(mem, s.seq, pos, -1)  # the full model's KV replaces it
+            again.append((s, len(tokens)))
+            add(s.out[-1], pos, s.seq, True)
+        return again
 
     try:
         while (pending or active) and not stop:
@@ -208,10 +255,13 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
                 continue
             tokens.clear()
             rows: list[tuple[_Sequence, int]] = []  # sequences sampled from this batch's rows
+            sampled: list[tuple[_Sequence, int]] = []  # and the tokens sampled for them
             for s in active:  # each decoding sequence's last sampled token first
                 if s.out:
                     rows.append((s, len(tokens)))
                     add(s.out[-1], len(s.prompt) + len(s.out) - 1, s.seq, True)
+            if mobile is not None and rows:
+                rows = little_pass(rows, sampled)
             for s in active:  # then prompt chunks, while the batch has room
                 if s.fed < len(s.prompt) and len(tokens) < n_batch:
                     take = min(len(s.prompt) - s.fed, n_batch - len(tokens))
@@ -221,18 +271,13 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
                             rows.append((s, len(tokens)))
                         add(s.prompt[j], j, s.seq, last)
                     s.fed += take
-            batch.n_tokens = len(tokens)
-            if cache is not None:
-                cache.begin_ubatch(np.asarray(tokens, dtype=np.int32))
-            rc = low.llama_decode(ctx, batch)
-            if rc != 0:
-                raise RuntimeError(decode_failure(rc, len(active)))
+            if tokens:
+                decode()
+                for s, row in rows:
+                    sampled.append((s, sample(row_logits(row), s.req.sampling, s.rng)))
             if on_token is not None:
-                on_token(len(rows))
-            for s, row in rows:
-                ptr = low.llama_get_logits_ith(ctx, row)
-                logits = np.ctypeslib.as_array(ptr, shape=(n_vocab,))
-                tok = sample(logits, s.req.sampling, s.rng)
+                on_token(len(sampled))
+            for s, tok in sampled:
                 if not s.out:
                     s.t_first = time.perf_counter()
                 if llm.is_eog(tok):

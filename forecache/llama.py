@@ -105,6 +105,11 @@ def _load_log(enabled: bool) -> Iterator[list[tuple[int, str]]]:
         low.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
 
 
+def top_probability(logits: np.ndarray) -> float:
+    """The largest softmax probability of ``logits``: 1 / sum(exp(z - max z)), in one pass."""
+    return 1.0 / float(np.exp(logits - logits.max(), dtype=np.float64).sum())
+
+
 class Llama(llama_cpp.Llama):
     """A drop-in for ``llama_cpp.Llama`` that runs MoE GGUF models with forecache's expert cache.
 
@@ -187,6 +192,12 @@ class Llama(llama_cpp.Llama):
             self._mobile = (self._little_k(cache.little_k, cache.little_resident), cache.gamma,
                             cache.little_resident)
 
+    @property
+    def mobile(self) -> tuple[int, float, bool] | None:
+        """MoBiLE decoding's settings (little-pass experts, gamma, resident experts only), or
+        None for exact decoding."""
+        return self._mobile
+
     def _little_k(self, little_k: int, resident: bool) -> int:
         """The little pass's experts per token: ``little_k``, or for -1 half the top-k (all of
         it when the pass keeps only resident experts, which is what shrinks it then)."""
@@ -222,10 +233,9 @@ class Llama(llama_cpp.Llama):
         self.mobile_passes[0] += 1
         ptr = llama_cpp_module().llama_get_logits_ith(self.ctx, -1)
         logits = np.ctypeslib.as_array(ptr, shape=(self.n_vocab(),))
-        # the max softmax probability: 1 / sum(exp(z - max z)), one pass over the vocabulary
-        top = 1.0 / float(np.exp(logits - logits.max(), dtype=np.float64).sum())
-        if top < gamma:
-            self.mobile_passes[2] += self.expert_cache.prefetch_little()
+        if top_probability(logits) < gamma:
+            self.mobile_passes[2] += self.expert_cache.prefetch_little(
+                self.model_file.n_expert_used)
             self.n_tokens = n_past  # eval drops the KV cells from here: the big pass's replace them
             super().eval(tokens)
             self.mobile_passes[1] += 1

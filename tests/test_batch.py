@@ -70,6 +70,37 @@ def test_batch_results_equal_single_sequence_greedy_and_errors_do_not_stop_it(
     assert set(recs["a"]["timings"]) == {"ttft_s", "total_s", "tokens_per_s"}
 
 
+@pytest.mark.skipif(not REFERENCE_MODEL.is_file(), reason="reference model not in this checkout")
+def test_mobile_batch_equals_mobile_generation(tmp_path: Path) -> None:
+    """--mode mobile with several sequences: their next tokens share little passes and the
+    unsure ones a full pass (with the prompts), yet each request's text is what one-sequence
+    MoBiLE decoding gives it."""
+    from forecache.generate import SamplingParams, generate
+    from forecache.llama import Llama
+
+    src = _write(tmp_path / "in.jsonl",
+                 [json.dumps({"id": i, "prompt": p, "max_tokens": 16, "temperature": 0})
+                  for i, p in GREEDY])
+    out = tmp_path / "out.jsonl"
+    opts = ["--policy", "promoe", "--cache-fraction", "0.5", "--mode", "mobile", "--gamma", "0.7"]
+    res = run_cli("batch", "-m", str(REFERENCE_MODEL), "--input", str(src), "--output", str(out),
+                  "--parallel", "3", *opts)
+    assert res.returncode == 0, res.stderr
+    summary = res.stderr.strip().splitlines()[-1]
+    assert "mode mobile (lossy)" in summary, summary
+    share = int(summary.split("full model for ")[1].split("%")[0])
+    assert 0 < share < 100, summary  # both kinds of step happened
+    recs = {r["id"]: r for r in _records(out)}
+    llm = Llama(str(REFERENCE_MODEL), policy="promoe", cache_fraction=0.5, mode="mobile",
+                gamma=0.7, n_ctx=512, verbose=False)
+    try:
+        for rid, prompt in GREEDY:
+            want = generate(llm, prompt, 16, SamplingParams(greedy=True))
+            assert recs[rid]["text"] == want.text, rid
+    finally:
+        llm.close()
+
+
 def _job(tmp_path: Path, model: Path, n: int) -> Path:
     return _write(tmp_path / "in.jsonl",
                   [json.dumps({"id": f"r{i}", "prompt": f"request {i} says", "max_tokens": 120,

@@ -219,6 +219,13 @@ def test_mobile_needs_the_cache(tiny_model: Callable[[str], Path]) -> None:
     out = run_cli_json("generate", "-m", model, "-p", "Hello", "-n", "4", "--policy", "promoe",
                        "--cache-fraction", "0.5", "--mode", "mobile", "--gamma", "0")
     assert out["stats"]["mode"] == "mobile" and out["stats"]["little_passes"] > 0
+    assert out["stats"]["little_k"] == 2 and not out["stats"]["little_resident"]
+    # cache-conditional: every resident expert of the top-k (the whole of it) by default
+    out = run_cli_json("generate", "-m", model, "-p", "Hello", "-n", "4", "--policy", "promoe",
+                       "--cache-fraction", "0.5", "--mode", "mobile", "--gamma", "0",
+                       "--little-resident")
+    assert out["stats"]["little_k"] == 4 and out["stats"]["little_resident"]
+    assert out["stats"]["little_passes"] > 0
     exact = run_cli_json("generate", "-m", model, "-p", "Hello", "-n", "4", "--policy",
                          "promoe", "--cache-fraction", "0.5")
     assert exact["stats"]["mode"] == "exact"

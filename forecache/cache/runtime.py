@@ -116,6 +116,7 @@ class ExpertCache:
         self._state = {il: ((ctypes.c_int32 * max(info.n_slots, 1))(),
                             (ctypes.c_int32 * max(info.n_slots, 1))())
                        for il, info in self.layers.items()}
+        self._little_ids = (ctypes.c_int32 * 64)()  # little_routing's buffer, grown on demand
         self._gates = 0
         self._ubatches = 0
         # decode (one-token) gates' hits and misses before the last reset_stats
@@ -183,22 +184,31 @@ class ExpertCache:
         return self._n_stage
 
     def little_routing(self, layer: int) -> list[int]:
-        """The full top-k ``layer``'s last little pass chose for its token ([] when its last
-        routing was not a little pass)."""
-        k = self.layers[layer].n_expert  # a top-k has at most that many
-        arr = (ctypes.c_int32 * k)()
-        n = self._lib.forecache_cache_little_routing(self._handle, layer, arr, k)
-        return arr[:max(n, 0)]
+        """The full top-k of each token the little passes since ``set_little`` turned them on
+        routed through ``layer``, token after token."""
+        cap = len(self._little_ids)
+        n = self._lib.forecache_cache_little_routing(self._handle, layer, self._little_ids, cap)
+        if n > cap:
+            self._little_ids = (ctypes.c_int32 * n)()
+            n = self._lib.forecache_cache_little_routing(self._handle, layer, self._little_ids, n)
+        return self._little_ids[:max(n, 0)]
 
-    def prefetch_little(self) -> int:
-        """Before the full model recomputes a token: every layer's experts its little pass's
-        router chose are queued at low priority where the policy prefetches (MoBiLE's
-        training-free prefetch). Returns the copies queued."""
+    def prefetch_little(self, n_used: int) -> int:
+        """Before the full model recomputes tokens: every layer's experts the little passes'
+        router chose (``n_used`` a token; llama.cpp may have reordered the tokens, so all of
+        them) are queued at low priority where the policy prefetches (MoBiLE's training-free
+        prefetch). Returns the copies queued."""
         warm = getattr(self.policy, "warm", None)
         if warm is None:
             return 0
-        return sum(warm(il, ids, self) for il in self.layers
-                   if (ids := self.little_routing(il)))
+        n = 0
+        for il in self.layers:
+            ids = self.little_routing(il)
+            # rank by rank: every token's top-1 before any token's second
+            best = [ids[r * n_used + i] for i in range(n_used) for r in range(len(ids) // n_used)]
+            if best:
+                n += warm(il, best, self)
+        return n
 
     def set_little(self, m: int, resident: bool = False) -> None:
         """MoBiLE's little pass: one-token ubatches route each token to its top ``m`` experts

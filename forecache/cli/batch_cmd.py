@@ -50,6 +50,7 @@ def batch(model: Path, input_path: Path, output_path: Path, parallel: int, max_t
     from tqdm import tqdm
 
     from forecache.batch import OutputWriter, decode_many, done_ids
+    from forecache.chat import mobile_summary
     from forecache.gguf.header import require_moe
     from forecache.interrupt import deferred_signals
     from forecache.llama import Llama
@@ -123,7 +124,9 @@ def batch(model: Path, input_path: Path, output_path: Path, parallel: int, max_t
         click.echo(f"forecache: {ok} done, {skipped} skipped, {failed} failed of {total}; "
                    f"{generated} tokens in {wall:.1f} s ({generated / wall:.1f} tokens/s); "
                    f"experts: {stats['policy']}"
-                   + (f", hit rate {rate * 100:.0f}%" if rate is not None else ""), err=True)
+                   + (f", hit rate {rate * 100:.0f}%" if rate is not None else "")
+                   + (f"; {mobile_summary(stats)}" if stats["mode"] == "mobile" else ""),
+                   err=True)
         if stop:
             click.echo(f"forecache: interrupted: {ok + skipped} of {total} done; rerun the same "
                        "command to resume", err=True)

@@ -149,7 +149,7 @@ struct fc_layer {
     bool     streams   = false;
     bool     staged    = false;       // some entry reads a stage slot (slot n_slots + j)
     bool     little    = false;       // routed by a little pass: computed group by group
-    std::vector<int32_t> little_ids;  // the top-k a little pass routed its token to, before it kept m
+    std::vector<int32_t> little_ids;  // the top-k little passes routed their tokens to, before they kept some
 
     forecache_cache_stats stats = {};
 
@@ -1364,23 +1364,25 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
     // little pass: the positions it drops take weight 0 and the top-1's id (read back, the weights
     // are the multipliers the graph applies after the down projection)
     L.little = false;
-    L.little_ids.clear();
     const int64_t little = std::min<int64_t>(c->little.load(), n_used);
     const bool resident = c->little_resident.load();
-    if (little > 0 && (little < n_used || resident) && n_tokens == 1 && weights != nullptr &&
+    if (little > 0 && (little < n_used || resident) && weights != nullptr &&
             c->weights_mul.count(wit->second) != 0 && c->weights_mul.at(wit->second)) {
-        L.little_ids.assign(c->ids.begin(), c->ids.begin() + n_used);
+        L.little_ids.insert(L.little_ids.end(), c->ids.begin(), c->ids.end());
         std::unique_lock<std::mutex> lock(c->mtx, std::defer_lock);
         if (resident) {
             lock.lock(); // slot states
         }
-        for (int64_t iu = 1; iu < n_used; iu++) {
-            const int32_t s = L.slot_of[c->ids[iu]];
-            const bool keep = iu < little && (!resident || (s >= 0 && fc_slot_state(L, s) == FORECACHE_SLOT_READY));
-            if (!keep) {
-                c->ids[iu]     = c->ids[0];
-                c->weights[iu] = 0.0f;
-                L.little       = true; // repeated ids: computed group by group
+        for (int64_t i1 = 0; i1 < n_tokens; i1++) {
+            int32_t * row = c->ids.data() + i1*n_used;
+            for (int64_t iu = 1; iu < n_used; iu++) {
+                const int32_t s = L.slot_of[row[iu]];
+                const bool keep = iu < little && (!resident || (s >= 0 && fc_slot_state(L, s) == FORECACHE_SLOT_READY));
+                if (!keep) {
+                    row[iu] = row[0];
+                    c->weights[i1*n_used + iu] = 0.0f;
+                    L.little = true; // repeated ids: computed group by group
+                }
             }
         }
         if (lock.owns_lock()) {
@@ -1885,6 +1887,11 @@ int32_t forecache_cache_stage_state(const struct forecache_cache * cache, int32_
 }
 
 void forecache_cache_set_little(struct forecache_cache * cache, int32_t m, bool resident) {
+    if (m > 0) {
+        for (fc_layer & L : cache->layers) {
+            L.little_ids.clear();
+        }
+    }
     cache->little          = std::max(m, 0);
     cache->little_resident = resident;
 }
@@ -1894,9 +1901,8 @@ int32_t forecache_cache_little_routing(const struct forecache_cache * cache, int
         return -1;
     }
     const std::vector<int32_t> & src = cache->layers[layer].little_ids;
-    const int32_t n = std::min<int32_t>((int32_t) src.size(), cap);
-    std::copy(src.begin(), src.begin() + n, ids);
-    return n;
+    std::copy(src.begin(), src.begin() + std::clamp<int32_t>((int32_t) src.size(), 0, cap), ids);
+    return (int32_t) src.size();
 }
 
 void forecache_cache_set_reorder(struct forecache_cache * cache, bool reorder) {

@@ -180,21 +180,23 @@ LLAMA_API int32_t forecache_cache_stage(struct forecache_cache * cache, int32_t 
 // arrays of n_stage entries. Returns n_stage (0 without stage slots).
 LLAMA_API int32_t forecache_cache_stage_state(const struct forecache_cache * cache, int32_t * layer, int32_t * expert, int32_t * state);
 
-// Little pass (MoBiLE): with m > 0, a one-token ubatch routes each cached layer's token to its top m
-// experts only (the first m of the router's sorted top-k); with `resident` ("cache-conditional"), to its
-// top-1 and those of its top m whose slot holds them, copied (so it never waits for a copy; m may then be
-// the whole top-k). The other positions get router weight 0 and are computed from the token's top-1 expert
-// (so they are finite and need no slot), and the gate hook sees the top-1's id in their place: the layer's
-// output is the model's over the experts kept, with their router weights. Only where the router weights
-// are the expert outputs' multipliers (no renormalization after the top-k, as in qwen2moe: the model with
-// m experts per token renormalizes nothing either); elsewhere the layer stays exact. m <= 0 (the default)
-// turns it off.
+// Little pass (MoBiLE): while m > 0, every ubatch computed routes each token of each cached layer to its
+// top m experts only (the first m of the router's sorted top-k); with `resident` ("cache-conditional"), to
+// its top-1 and those of its top m whose slot holds them, copied (so it never waits for a copy; m may then
+// be the whole top-k). The other positions get router weight 0 and are computed from the token's top-1
+// expert (so they are finite and need no slot), and the gate hook sees the top-1's id in their place: each
+// token's output is the model's over the experts kept, with their router weights. Only where the router
+// weights are the expert outputs' multipliers (no renormalization after the top-k, as in qwen2moe: the
+// model with m experts per token renormalizes nothing either); elsewhere the layer stays exact. Set it
+// around the decodes of generated tokens only: a prompt computed while it is set is computed little too.
+// m <= 0 (the default) turns it off.
 LLAMA_API void forecache_cache_set_little(struct forecache_cache * cache, int32_t m, bool resident);
 
-// The experts `layer`'s last routing chose for its token before a little pass kept some of them (the full
-// top-k, in the router's order), into `ids` (`cap` entries): what the full model will likely route, for
-// prefetching before it recomputes the token. Returns their number, 0 when the layer's last routing was not
-// a little pass, -1 for a bad layer.
+// The experts the little passes since forecache_cache_set_little last turned them on chose for `layer`'s
+// tokens before keeping some of them (each token's full top-k in the router's order, token after token, in
+// the order the ubatches were computed), into `ids` (`cap` entries): what the full model will likely route,
+// for prefetching before it recomputes tokens. Returns their number (more than `cap` when only the first
+// `cap` were written), -1 for a bad layer.
 LLAMA_API int32_t forecache_cache_little_routing(const struct forecache_cache * cache, int32_t layer, int32_t * ids, int32_t cap);
 
 // Cache-first compute: with `reorder`, a layer's experts are computed in groups as their slots become

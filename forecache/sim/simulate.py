@@ -59,7 +59,8 @@ class SimConfig:
     # MoBiLE (issue 20): a decode token's little pass routes its top ``little_k`` experts (0:
     # exact decoding); ``fallback`` of the tokens are then recomputed by the big pass, whose
     # experts the little pass's router output prefetches. ``little_resident``: the little pass
-    # routes the token's experts already in slots, and its top-1 (cache-conditional routing)
+    # routes the token's top-1 and those of its top ``little_k`` already copied to their slots
+    # (cache-conditional routing)
     little_k: int = 0
     fallback: float = 0.0
     little_resident: bool = False
@@ -255,16 +256,18 @@ class Simulator:
     def _little_ids(self, req: Request, row: int, il: int) -> np.ndarray:
         """The experts a little pass routes at layer ``il``: the token's top ``little_k`` (by
         router weight where the trace has it, else in the trace's order, top-1 first), or with
-        ``little_resident`` its experts in slots and its top-1."""
+        ``little_resident`` its top-1 and those of its top ``little_k`` copied to their slots (as
+        forecache_cache_set_little does: a slot still copying is not used)."""
         ids = req.experts[row, il].astype(np.int64)
         if req.weights is not None:
             ids = ids[np.argsort(-req.weights[row, il].astype(np.float32), kind="stable")]
         ids = ids[ids >= 0]
         if not self.cfg.little_resident:
             return ids[:self.cfg.little_k]
-        slot_of = self.engine.layers[il].slot_of
-        return np.array([e for i, e in enumerate(ids.tolist()) if i == 0 or e in slot_of],
-                        np.int64)
+        expert_of, state = self.engine.layer_state(il)
+        ready = set(expert_of[state == SLOT_READY].tolist())
+        return np.array([e for i, e in enumerate(ids[:self.cfg.little_k].tolist())
+                         if i == 0 or e in ready], np.int64)
 
     def _ubatch(self, req: Request, rows: np.ndarray) -> float:
         """Simulate one ubatch; returns its seconds and leaves its floors: in ``_floor`` the
