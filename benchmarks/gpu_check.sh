@@ -152,7 +152,8 @@ step_bench() {
             mv "${model%.gguf}.part.gguf" "$model"
         fi
     fi
-    "$PY" benchmarks/policy_bench.py -m "$model" --policies offload,ncmoe,lru,static,promoe \
+    "$PY" benchmarks/policy_bench.py -m "$model" \
+        --policies offload,ncmoe,lru,static,promoe,promoe+little,promoe+resident \
         "${args[@]}" --json "$OUT/policy_bench.json" 2>&1 | tee "$OUT/policy_bench.log" >&2
 }
 

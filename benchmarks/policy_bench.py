@@ -3,6 +3,10 @@
     python benchmarks/policy_bench.py -m MODEL --gpu-budget 24GiB --prompt-len 512 --gen 128 \
         [--policies offload,ncmoe,lru,static] [--json OUT.json]
 
+A policy name may end in +little or +resident: that policy with MoBiLE's little pass (top half of
+the top-k, or the resident experts and the top-1) on every generated token, never the full
+model: lossy, the speed bound of --mode mobile.
+
 Prints the device, its host-to-device bandwidth and the table; --json also writes the report.
 """
 
