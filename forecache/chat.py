@@ -123,11 +123,22 @@ def status_line(turn: Turn) -> str:
     parts.append(expert_summary(turn.stats))
     if turn.stats.get("mode") == "mobile":
         parts.append(mobile_summary(turn.stats))
+    if "draft" in turn.stats:
+        parts.append(spec_summary(turn.stats))
     if turn.stopped:
         parts.insert(0, "stopped")
     if turn.dropped_turns:
         parts.append(f"{turn.dropped_turns} earliest turn(s) left out to fit the context")
     return "[" + " | ".join(parts) + "]"
+
+
+def spec_summary(stats: dict) -> str:
+    """Speculative decoding in a few words: the draft, how much of it the model accepted."""
+    rate, mean = stats.get("acceptance"), stats.get("mean_accepted")
+    if rate is None:
+        return f"speculative ({stats['draft']} drafts): nothing verified yet"
+    return (f"speculative ({stats['draft']} drafts): {rate * 100:.0f}% of drafted tokens "
+            f"accepted, {mean + 1:.1f} tokens a verification")
 
 
 def mobile_summary(stats: dict) -> str:

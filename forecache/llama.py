@@ -46,6 +46,7 @@ from forecache.gguf.header import ModelFile, require_moe
 from forecache.native import llama_cpp_module, llama_cpp_package, patch_version
 from forecache.native.cache_api import SLOT_EMPTY
 from forecache.native.libs import MAX_THREADS, ModelLoadError
+from forecache.speculative import SpecStats, Speculator, sampler_for
 
 llama_cpp = llama_cpp_package()  # after checking that the build fits this CPU
 
@@ -135,9 +136,11 @@ class Llama(llama_cpp.Llama):
                  policy: str | None = None, cache_fraction: float | None = None,
                  predictor: str = "auto", window: int | None = None, machine: str | None = None,
                  mode: str = "exact", gamma: float = 0.7, little_k: int | None = None,
-                 little_resident: bool = False, n_seq_max: int = 1,
+                 little_resident: bool = False, draft: str | None = None,
+                 draft_k: int | None = None, n_seq_max: int = 1,
                  cache: CacheConfig | None = AUTO, **kwargs: Any) -> None:
         self.expert_cache: ExpertCache | None = None
+        self._spec: Speculator | None = None
         # MoBiLE: (little-pass experts, gamma, resident experts only)
         self._mobile: tuple[int, float, bool] | None = None
         # little passes, big passes (fallbacks), copies the big passes prefetched: since reset_stats
@@ -150,6 +153,10 @@ class Llama(llama_cpp.Llama):
         patch_version()  # refuses a stock llama-cpp-python before llama.cpp touches the file
         if mode not in ("exact", "mobile"):
             raise ValueError(f"{setting('mode')} {mode!r}: use 'exact' or 'mobile'")
+        if draft is not None and (mode == "mobile" or
+                                  isinstance(cache, CacheConfig) and cache.little_k):
+            raise ValueError(f"{setting('draft')} and {setting('mode')} mobile: choose one "
+                             "(speculation is exact, mobile decoding is not)")
         if mode == "mobile" and cache is not AUTO:
             raise ValueError(f"{setting('mode')} goes with the policy keywords; with "
                              f"{setting('cache')} set CacheConfig(little_k=..., gamma=...)")
@@ -191,6 +198,16 @@ class Llama(llama_cpp.Llama):
         if cache is not None and cache.little_k:
             self._mobile = (self._little_k(cache.little_k, cache.little_resident), cache.gamma,
                             cache.little_resident)
+        if draft is not None:
+            self._spec = self._speculator(draft, draft_k)
+
+    def _speculator(self, draft: str, draft_k: int | None) -> Speculator:
+        """Speculative decoding with ``draft`` (closing the model on a bad one)."""
+        try:
+            return Speculator(self, draft, draft_k)
+        except ValueError:
+            self.close()
+            raise
 
     @property
     def mobile(self) -> tuple[int, float, bool] | None:
@@ -353,7 +370,14 @@ class Llama(llama_cpp.Llama):
         if self._sampler is not None:
             self._sampler.close()
             self._sampler = None
+        # with a draft, llama-cpp-python's generator gives way to the speculative one wherever
+        # its sampler settings can be reproduced (no penalties, grammar or processors)
+        sampler = sampler_for(kwargs) if self._spec is not None and not args else None
         try:
+            if self._spec is not None and sampler is not None:
+                return (yield from self._spec.generate(self, tokens, sampler,
+                                                       bool(kwargs.get("reset", True)),
+                                                       self._seed))
             return (yield from super().generate(tokens, *args, **kwargs))
         finally:
             if worker is not None:
@@ -430,6 +454,8 @@ class Llama(llama_cpp.Llama):
                        little_resident=self._mobile[2],
                        little_passes=self.mobile_passes[0], big_passes=self.mobile_passes[1],
                        little_prefetches=self.mobile_passes[2])
+        if self._spec is not None:
+            out.update(self._spec.stats_json())
         cache = self.expert_cache
         if cache is None:
             return out
@@ -448,11 +474,17 @@ class Llama(llama_cpp.Llama):
     def reset_stats(self) -> None:
         """Zero the expert-cache counters (the cached experts stay)."""
         self.mobile_passes = [0, 0, 0]
+        if self._spec is not None:
+            self._spec.stats = SpecStats()
         if self.expert_cache is not None:
             self.expert_cache.reset_stats()
 
     def close(self) -> None:
         """Free the expert cache, then llama.cpp's context and model."""
+        spec = getattr(self, "_spec", None)
+        if spec is not None:
+            spec.close()
+            self._spec = None
         cache = getattr(self, "expert_cache", None)
         if cache is not None:
             self._record_routing(cache)

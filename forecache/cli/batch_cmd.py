@@ -9,7 +9,13 @@ from pathlib import Path
 
 import click
 
-from forecache.cli.generate_cmd import cache_config, cache_options, say_choice, threads_option
+from forecache.cli.generate_cmd import (
+    cache_config,
+    cache_options,
+    draft_args,
+    say_choice,
+    threads_option,
+)
 from forecache.cli.model_arg import model_option
 
 
@@ -56,6 +62,10 @@ def batch(model: Path, input_path: Path, output_path: Path, parallel: int, max_t
     from forecache.llama import Llama
     from forecache.requests import read_requests
 
+    if draft_args(cache_opts):
+        raise click.UsageError("forecache batch decodes its sequences together and does not "
+                               "speculate: leave out --draft (generate, run, chat and serve take "
+                               "it)")
     if output_path.resolve() == input_path.resolve():
         raise click.UsageError("--output must not be the --input file")
     requests, bad = read_requests(input_path, max_tokens)

@@ -12,6 +12,7 @@ import click
 from forecache.cli.generate_cmd import (
     cache_config,
     cache_options,
+    draft_args,
     say_choice,
     threads_option,
     ubatch_args,
@@ -126,9 +127,10 @@ def chat(model: Path, system: str | None, max_tokens: int, temp: float, seed: in
     from forecache.llama import Llama
 
     sampling = SamplingParams(greedy=temp <= 0, temperature=temp)
+    spec = draft_args(cache_opts)
     llm = Llama.open(model, cache=cache_config(**cache_opts),  # type: ignore[arg-type]
                      n_ctx=n_ctx, n_threads=threads, seed=seed, verbose=verbose,
-                     **ubatch_args(ubatch))
+                     **ubatch_args(ubatch), **spec)
     mf = llm.model_file
     try:
         llm.format_chat([{"role": "user", "content": "hi"}])  # refuse a model without template

@@ -51,6 +51,14 @@ def cache_options(fn):  # type: ignore[no-untyped-def]
                        ("prefetch", "predicted prefetch")):
         fn = click.option(f"--no-{name}", f"no_{name}", is_flag=True,
                           help=f"promoe without {what} (for ablations).")(fn)
+    fn = click.option("--draft-k", type=click.IntRange(1, 16), default=None,
+                      help="--draft: tokens drafted before each verification (default: adaptive, "
+                           "from how many the model accepts).")(fn)
+    fn = click.option("--draft", default=None, metavar="MODEL|self-little|self-cached",
+                      help="Speculative decoding (exact): a draft proposes tokens and the model "
+                           "verifies several in one pass. self-little: the model's own little "
+                           "pass (half its experts); self-cached: its experts already on the "
+                           "device; or a GGUF with the same vocabulary.")(fn)
     fn = click.option("--little-resident", is_flag=True,
                       help="--mode mobile: the little pass keeps each token's top expert and "
                            "those of its top --little-k (default: all it routes) already on the "
@@ -97,6 +105,13 @@ def cache_options(fn):  # type: ignore[no-untyped-def]
                            "ncmoe, within the GPU's free memory unless a size is given; a "
                            "CPU-only build given no option keeps llama.cpp's own placement).")(fn)
     return fn
+
+
+def draft_args(cache_opts: dict) -> dict:
+    """Takes --draft and --draft-k out of the cache options: Llama.open's arguments for them
+    (none without a draft)."""
+    draft, draft_k = cache_opts.pop("draft", None), cache_opts.pop("draft_k", None)
+    return {} if draft is None else {"draft": draft, "draft_k": draft_k}
 
 
 def cache_config(policy: str | None, gpu_budget: str | None, cache_fraction: float | None,
@@ -165,9 +180,10 @@ def generate(model: Path, prompt: str, n_predict: int, greedy: bool, seed: int, 
     from forecache.llama import Llama
 
     sampling = SamplingParams(greedy=greedy, temperature=temp)
+    spec = draft_args(cache_opts)
     cfg = cache_config(**cache_opts)  # type: ignore[arg-type]
     with Llama.open(model, cache=cfg, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers,
-                    seed=seed, verbose=verbose, **ubatch_args(ubatch)) as llm, \
+                    seed=seed, verbose=verbose, **ubatch_args(ubatch), **spec) as llm, \
             deferred_signals() as stop:
         res = generate(llm, prompt, n_predict, sampling, on_text=None if as_json else _stream,
                        ignore_eos=ignore_eos, stop=stop)
@@ -187,14 +203,16 @@ def generate(model: Path, prompt: str, n_predict: int, greedy: bool, seed: int, 
 def run(model: Path, prompt: str | None, n_predict: int, **cache_opts: object) -> None:
     """Answer a prompt with the default model (or -m MODEL) and print the speed and the expert
     cache's statistics."""
-    from forecache.chat import expert_summary
+    from forecache.chat import expert_summary, spec_summary
     from forecache.default_model import DEFAULT_PROMPT
     from forecache.generate import SamplingParams, generate
     from forecache.llama import Llama
 
     path = model
     question = prompt or DEFAULT_PROMPT
-    with Llama.open(path, cache=cache_config(**cache_opts)) as llm:  # type: ignore[arg-type]
+    spec = draft_args(cache_opts)
+    with Llama.open(path, cache=cache_config(**cache_opts),  # type: ignore[arg-type]
+                    **spec) as llm:
         text = llm.format_chat([{"role": "user", "content": question}])
         mf = llm.model_file
         click.echo(f"model: {path.name} ({mf.arch}, {mf.n_layer} layers, {mf.n_expert} experts, "
@@ -210,6 +228,8 @@ def run(model: Path, prompt: str | None, n_predict: int, **cache_opts: object) -
     stop.raise_if_set()
     _print_stats(res)
     click.echo(f"[{expert_summary(res.stats)}]", err=True)
+    if "draft" in res.stats:
+        click.echo(f"[{spec_summary(res.stats)}]", err=True)
 
 
 COMMANDS = [generate, run]

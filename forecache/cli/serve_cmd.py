@@ -10,6 +10,7 @@ import click
 from forecache.cli.generate_cmd import (
     cache_config,
     cache_options,
+    draft_args,
     say_choice,
     threads_option,
     ubatch_args,
@@ -42,6 +43,7 @@ def serve(model: Path, host: str, port: int, n_ctx: int, threads: int | None,
     from forecache.serve import serve as run_server
 
     require_moe(model)  # a bad model fails before the port is taken
+    spec = draft_args(cache_opts)
     cfg = cache_config(**cache_opts)  # type: ignore[arg-type]
     sock = bind(host, port)  # before the model loads: a busy port fails at once
     policy = [cfg.policy if cfg else "none"]  # what the loaded model runs (the default chooses)
@@ -49,7 +51,7 @@ def serve(model: Path, host: str, port: int, n_ctx: int, threads: int | None,
         def load(settings: Any) -> Llama:
             llm = Llama.open(settings.model, cache=cfg, n_ctx=n_ctx, n_threads=threads,
                              chat_format=settings.chat_format, verbose=verbose,
-                             **ubatch_args(ubatch))
+                             **ubatch_args(ubatch), **spec)
             say_choice(llm)
             policy[0] = llm.cache_config.policy if llm.cache_config else "none"
             return llm

@@ -1,0 +1,368 @@
+"""Speculative decoding (SP-MoE): a draft proposes k tokens, the model verifies them in one
+k+1-token pass, and the output is exactly the model's.
+
+At batch 1 an offloaded MoE is bound by expert bytes: one verification pass copies each missed
+expert once for all k+1 tokens, and while the draft runs the copy engine can bring in the experts
+the verification will route. Greedy output is the non-speculative greedy output; sampled output
+follows the standard rejection rule (accept a draft token d with probability min(1, p(d)/q(d)),
+else sample from max(p - q, 0)), so every token is distributed as the model's sampler would draw
+it. The sampler is llama.cpp's chain as llama-cpp-python builds it (top-k, top-p, min-p, then
+temperature), computed here in numpy over the full vocabulary.
+
+Drafts:
+
+- ``self-little``: the model's own little pass (each token routed to the top half of its
+  experts; ``forecache_cache_set_little``), whose routing also tells the copy engine which experts
+  the verification needs (MoBiLE's prefetch), so the correspondence is exact.
+- ``self-cached``: the little pass over the top expert and those already in device slots: it
+  never waits for a copy.
+- a GGUF path: a second model with the same vocabulary, in a context of its own whose cache follows
+  the accepted tokens.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from forecache.errors import setting
+
+if TYPE_CHECKING:
+    from forecache.llama import Llama
+
+SELF_DRAFTS = ("self-little", "self-cached")
+DEFAULT_K = 4  # the first draft length of the adaptive schedule
+MAX_K = 16
+
+# llama-cpp-python generate() arguments speculation leaves at their defaults; any other value
+# (penalties, typical sampling, mirostat, grammars, processors) decodes without speculation
+_NEUTRAL = {"typical_p": 1.0, "repeat_penalty": 1.0, "frequency_penalty": 0.0,
+            "presence_penalty": 0.0, "mirostat_mode": 0, "logits_processor": None,
+            "stopping_criteria": None, "grammar": None}
+
+
+@dataclass(frozen=True)
+class Sampler:
+    """llama.cpp's sampling chain (top-k, top-p, min-p over the softmax at temperature 1, then
+    temperature; ``temp`` 0: greedy, < 0: plain softmax) as a distribution over the vocabulary."""
+
+    temp: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+
+    @property
+    def greedy(self) -> bool:
+        return self.temp == 0.0
+
+    def probs(self, logits: np.ndarray) -> np.ndarray:
+        """The distribution the chain samples from (zero outside the tokens it keeps)."""
+        z = logits.astype(np.float64)
+        keep = np.arange(len(z))
+        if self.temp > 0.0:
+            if 0 < self.top_k < len(z):
+                keep = np.argpartition(-z, self.top_k - 1)[:self.top_k]
+            keep = keep[np.argsort(-z[keep], kind="stable")]
+            p = np.exp(z[keep] - z[keep[0]])
+            p /= p.sum()
+            if self.top_p < 1.0:
+                cut = int(np.searchsorted(np.cumsum(p), self.top_p)) + 1
+                keep, p = keep[:cut], p[:cut]
+            if self.min_p > 0.0:
+                n = max(int(np.count_nonzero(p >= self.min_p * p[0])), 1)
+                keep = keep[:n]
+            t = z[keep] / self.temp
+        else:
+            t = z
+        out = np.zeros(len(z))
+        e = np.exp(t - t.max())
+        out[keep] = e / e.sum()
+        return out
+
+    def pick(self, logits: np.ndarray, rng: np.random.Generator
+             ) -> tuple[int, np.ndarray | None]:
+        """A token drawn from ``logits`` and the distribution it was drawn from (None when
+        greedy)."""
+        if self.greedy:
+            return int(np.argmax(logits)), None
+        p = self.probs(logits)
+        return int(rng.choice(len(p), p=p)), p
+
+
+def sampler_for(kwargs: dict[str, Any]) -> Sampler | None:
+    """The Sampler of llama-cpp-python generate() keywords, or None when they ask for something
+    speculation does not reproduce."""
+    for key, neutral in _NEUTRAL.items():
+        if key in kwargs and kwargs[key] != neutral:
+            return None
+    return Sampler(temp=float(kwargs.get("temp", 0.8)), top_k=int(kwargs.get("top_k", 40)),
+                   top_p=float(kwargs.get("top_p", 0.95)), min_p=float(kwargs.get("min_p", 0.05)))
+
+
+def verify(rows: np.ndarray, drafts: Sequence[int], qs: Sequence[np.ndarray | None],
+           sampler: Sampler, rng: np.random.Generator) -> tuple[list[int], int]:
+    """The draft tokens the model accepts and the token it adds: ``rows[i]`` are the model's
+    logits after the i-th token of [x, d1, ..., dk], ``qs[i]`` the distribution d(i+1) was drawn
+    from. Greedy: the drafts that equal the model's argmax, then its argmax. Sampled: the
+    rejection rule, whose output is distributed as the model's sampler."""
+    accepted: list[int] = []
+    for i, d in enumerate(drafts):
+        if sampler.greedy:
+            t = int(np.argmax(rows[i]))
+            if t != d:
+                return accepted, t
+        else:
+            p, q = sampler.probs(rows[i]), qs[i]
+            assert q is not None
+            if rng.random() >= min(1.0, p[d] / q[d]):
+                r = np.maximum(p - q, 0.0)
+                total = r.sum()
+                r = r / total if total > 0 else p
+                return accepted, int(rng.choice(len(r), p=r))
+        accepted.append(d)
+    return accepted, sampler.pick(rows[len(drafts)], rng)[0]
+
+
+@dataclass
+class SpecStats:
+    """Counters of speculative decoding since the last reset."""
+
+    steps: int = 0  # verification passes
+    drafted: int = 0
+    accepted: int = 0
+
+    def to_json(self, kind: str, k: int) -> dict:
+        return {"draft": kind, "draft_k": k, "verify_passes": self.steps,
+                "drafted": self.drafted, "accepted": self.accepted,
+                "acceptance": self.accepted / self.drafted if self.drafted else None,
+                "mean_accepted": self.accepted / self.steps if self.steps else None}
+
+
+class DraftLength:
+    """The draft length: fixed when given, else adaptive from the acceptance (two more after a
+    step that accepted every draft, one fewer after one that did not, within 1..MAX_K)."""
+
+    def __init__(self, k: int | None) -> None:
+        self.fixed = k is not None
+        self.k = k if k is not None else DEFAULT_K
+
+    def update(self, accepted: int, drafted: int) -> None:
+        if not self.fixed:
+            self.k = min(self.k + 2, MAX_K) if accepted == drafted else max(self.k - 1, 1)
+
+
+class _Rows:
+    """One llama_batch of up to MAX_K + 1 tokens of sequence 0, all with logits."""
+
+    def __init__(self, llm: Llama) -> None:
+        from llama_cpp import llama_cpp as low
+
+        self.low, self.llm = low, llm
+        self.batch = low.llama_batch_init(MAX_K + 1, 0, 1)
+        self.n_vocab = llm.n_vocab()
+
+    def decode(self, tokens: Sequence[int], pos: int) -> np.ndarray:
+        """The model's logits after each of ``tokens``, placed at ``pos`` (the KV cells from
+        ``pos`` on are replaced)."""
+        low, llm, b = self.low, self.llm, self.batch
+        low.llama_memory_seq_rm(low.llama_get_memory(llm.ctx), -1, pos, -1)
+        for i, t in enumerate(tokens):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, pos + i, 1, True
+            b.seq_id[i][0] = 0
+        b.n_tokens = len(tokens)
+        if llm.expert_cache is not None:
+            llm.expert_cache.begin_ubatch(np.asarray(tokens, dtype=np.int32))
+        rc = low.llama_decode(llm.ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed ({rc}) verifying {len(tokens)} tokens")
+        llm.input_ids[pos:pos + len(tokens)] = tokens
+        llm.n_tokens = pos + len(tokens)
+        return np.stack([np.ctypeslib.as_array(low.llama_get_logits_ith(llm.ctx, i),
+                                               shape=(self.n_vocab,)).copy()
+                         for i in range(len(tokens))])
+
+    def close(self) -> None:
+        self.low.llama_batch_free(self.batch)
+
+
+def _last_logits(llm: Any) -> np.ndarray:
+    from llama_cpp import llama_cpp as low
+
+    ptr = low.llama_get_logits_ith(llm.ctx, -1)
+    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
+
+
+class SelfDraft:
+    """Drafts with the model's own little pass, in the model's context: the draft tokens' KV
+    cells are dropped before the verification computes them again."""
+
+    def __init__(self, llm: Llama, kind: str) -> None:
+        if llm.expert_cache is None:
+            raise ValueError(f"{setting('draft', kind)} drafts with forecache's expert cache, "
+                             "which this run does not have; give "
+                             f"{setting('policy')} promoe (or lru, lfu, static, infinity)")
+        self.kind = kind
+        self.resident = kind == "self-cached"
+        k = llm.model_file.n_expert_used
+        self.m = k if self.resident else k // 2
+        if self.m < 1:
+            raise ValueError(f"{setting('draft', kind)}: {llm.model_file.path.name} routes "
+                             f"{k} expert a token; a little pass needs at least 2")
+
+    def propose(self, llm: Llama, x: int, pos: int, k: int, sampler: Sampler,
+                rng: np.random.Generator) -> tuple[list[int], list[np.ndarray | None]]:
+        """k draft tokens after ``x`` (at ``pos``) and the distributions they came from."""
+        cache = llm.expert_cache
+        assert cache is not None
+        drafts: list[int] = []
+        qs: list[np.ndarray | None] = []
+        cur = x
+        cache.set_little(self.m, self.resident)
+        try:
+            for _ in range(k):
+                llm.eval([cur])
+                cur, q = sampler.pick(_last_logits(llm), rng)
+                drafts.append(cur)
+                qs.append(q)
+        finally:
+            cache.set_little(0)
+            llm.n_tokens = pos  # the verification replaces the draft's cells
+        # what the little passes routed is what the verification will: copy it meanwhile
+        cache.prefetch_little(llm.model_file.n_expert_used)
+        return drafts, qs
+
+    def close(self) -> None:
+        pass
+
+
+class ModelDraft:
+    """Drafts with a second GGUF that shares the model's vocabulary, in a context of its own,
+    whose KV cache is kept to the accepted tokens."""
+
+    def __init__(self, llm: Llama, path: str) -> None:
+        import llama_cpp
+
+        from forecache.llama import _load_log
+
+        if not os.path.isfile(path):
+            raise ValueError(f"{setting('draft', path)}: no such file; give a GGUF with the "
+                             f"model's vocabulary, or {' or '.join(SELF_DRAFTS)}")
+        self.kind = os.path.basename(path)
+        with _load_log(True):
+            try:
+                self.model = llama_cpp.Llama(path, n_ctx=llm.n_ctx(), n_batch=llm.n_batch,
+                                             n_threads=llm.n_threads, n_gpu_layers=-1,
+                                             verbose=False)
+            except (ValueError, RuntimeError) as e:
+                raise ValueError(f"{setting('draft', path)}: llama.cpp cannot load it ({e})"
+                                 ) from e
+        bad = _vocab_mismatch(llm, self.model)
+        if bad is not None:
+            self.model.close()
+            raise ValueError(f"{setting('draft', path)}: its vocabulary differs from "
+                             f"{llm.model_file.path.name}'s ({bad}); use a draft made with the "
+                             "same tokenizer")
+
+    def propose(self, llm: Llama, x: int, pos: int, k: int, sampler: Sampler,
+                rng: np.random.Generator) -> tuple[list[int], list[np.ndarray | None]]:
+        d = self.model
+        history = list(llm.input_ids[:pos]) + [x]
+        common = 0
+        for a, b in zip(d.input_ids[:d.n_tokens], history, strict=False):
+            if a != b:
+                break
+            common += 1
+        d.n_tokens = min(common, len(history) - 1)  # eval drops the cells from here
+        d.eval(history[d.n_tokens:])
+        drafts: list[int] = []
+        qs: list[np.ndarray | None] = []
+        for i in range(k):
+            t, q = sampler.pick(_last_logits(d), rng)
+            drafts.append(t)
+            qs.append(q)
+            if i + 1 < k:
+                d.eval([t])
+        return drafts, qs
+
+    def close(self) -> None:
+        self.model.close()
+
+
+def _vocab_mismatch(llm: Any, draft: Any) -> str | None:
+    """Why ``draft``'s vocabulary is not ``llm``'s, or None when it is the same."""
+    from llama_cpp import llama_cpp as low
+
+    n, m = llm.n_vocab(), draft.n_vocab()
+    if n != m:
+        return f"{m} tokens against {n}"
+    va, vb = low.llama_model_get_vocab(llm.model), low.llama_model_get_vocab(draft.model)
+    for i in range(n):
+        a, b = low.llama_vocab_get_text(va, i), low.llama_vocab_get_text(vb, i)
+        if a != b:
+            return f"token {i} is {b!r}, not {a!r}"
+    return None
+
+
+class Speculator:
+    """Speculative decoding for one forecache.Llama: the draft, its length and the counters."""
+
+    def __init__(self, llm: Llama, draft: str, draft_k: int | None) -> None:
+        if draft_k is not None and not 1 <= draft_k <= MAX_K:
+            raise ValueError(f"{setting('draft_k', draft_k)}: draft 1 to {MAX_K} tokens")
+        self.draft: SelfDraft | ModelDraft = (SelfDraft(llm, draft) if draft in SELF_DRAFTS
+                                              else ModelDraft(llm, draft))
+        self.length = DraftLength(draft_k)
+        self.stats = SpecStats()
+
+    def stats_json(self) -> dict:
+        return self.stats.to_json(self.draft.kind, self.length.k)
+
+    def generate(self, llm: Llama, tokens: Sequence[int], sampler: Sampler, reset: bool,
+                 seed: int) -> Generator[int, Any, None]:
+        """llama-cpp-python's generate() with speculation: yields the model's tokens after
+        ``tokens`` (reusing the cached prefix, as generate() does) until closed."""
+        rng = np.random.default_rng(seed)
+        tokens = list(tokens)
+        keep = 0
+        if reset and llm.n_tokens > 0:
+            for a, b in zip(llm.input_ids[:llm.n_tokens], tokens, strict=False):
+                if a != b:
+                    break
+                keep += 1
+        llm.n_tokens = min(keep, len(tokens) - 1)  # at least one token evaluated for logits
+        rows = _Rows(llm)
+        try:
+            llm.eval(tokens[llm.n_tokens:])
+            x, _ = sampler.pick(_last_logits(llm), rng)
+            while True:
+                yield x
+                pos = llm.n_tokens
+                k = min(self.length.k, llm.n_ctx() - pos - 1)
+                if k < 1:
+                    llm.eval([x])
+                    x, _ = sampler.pick(_last_logits(llm), rng)
+                    continue
+                drafts, qs = self.draft.propose(llm, x, pos, k, sampler, rng)
+                logits = rows.decode([x, *drafts], pos)
+                accepted, new = verify(logits, drafts, qs, sampler, rng)
+                keep_to = pos + 1 + len(accepted)
+                from llama_cpp import llama_cpp as low
+
+                low.llama_memory_seq_rm(low.llama_get_memory(llm.ctx), -1, keep_to, -1)
+                llm.n_tokens = keep_to
+                self.stats.steps += 1
+                self.stats.drafted += len(drafts)
+                self.stats.accepted += len(accepted)
+                self.length.update(len(accepted), len(drafts))
+                yield from accepted
+                x = new
+        finally:
+            rows.close()
+            llm._requires_eval = True  # the context's logits are not the last token's
+
+    def close(self) -> None:
+        self.draft.close()

@@ -1,0 +1,187 @@
+"""Speculative decoding: greedy output is the model's (against stock llama.cpp), sampled output is
+distributed as the model's sampler, and bad drafts are refused with one line."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pytest
+
+from forecache.cache.setup import CacheConfig
+from forecache.default_model import REFERENCE_MODEL
+from forecache.generate import SamplingParams, generate, last_logits
+from forecache.llama import Llama
+from forecache.speculative import Sampler, sampler_for, verify
+from tests.conftest import assert_same_tokens
+
+if TYPE_CHECKING:
+    from conftest import StockReference
+
+PROMPTS = [[7, 99, 23, 5], [301, 4, 1000]]
+N_GEN = 24
+REF_PROMPT = "In the beginning God created the heaven and the earth. And the earth was"
+
+
+@pytest.fixture(scope="module")
+def other_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny preset with other weights: a draft with the same vocabulary."""
+    from forecache.gguf.maker import make_model
+
+    path = tmp_path_factory.mktemp("draft") / "tiny-seed1.gguf"
+    make_model(path, "tiny", "q8_0", seed=1, workers=1)
+    return path
+
+
+def _greedy(model: Path, draft: str, draft_k: int | None) -> tuple[list[list[int]], dict]:
+    out = []
+    with Llama.open(model, cache=CacheConfig("promoe", cache_fraction=0.5, predictor="history"),
+                    n_ctx=256, n_threads=2, draft=draft, draft_k=draft_k) as llm:
+        for prompt in PROMPTS:
+            res = generate(llm, prompt, N_GEN, SamplingParams(greedy=True), ignore_eos=True)
+            out.append(res.tokens)
+        stats = llm.expert_stats()
+    return out, stats
+
+
+@pytest.mark.parametrize("draft_k", [3, None], ids=["k3", "adaptive"])
+@pytest.mark.parametrize("draft", ["self-little", "self-cached", "same-model", "other-model"])
+def test_greedy_speculation_is_the_model(tiny_model: Callable[[str], Path], other_tiny: Path,
+                                         stock: StockReference, draft: str,
+                                         draft_k: int | None) -> None:
+    model = tiny_model("q8_0")
+    ref = stock.run(model, PROMPTS, N_GEN, n_ctx=256, n_threads=2)
+    path = {"same-model": str(model), "other-model": str(other_tiny)}.get(draft, draft)
+    got, stats = _greedy(model, path, draft_k)
+    for tokens, (ref_tokens, ref_logits) in zip(got, ref, strict=True):
+        if stock.backend != "cpu":
+            assert_same_tokens(tokens, ref_tokens, ref_logits, f"draft {draft}")
+            continue
+        assert tokens == ref_tokens
+    assert stats["verify_passes"] > 0 and stats["drafted"] > 0
+    assert stats["draft"] == (Path(path).name if draft.endswith("model") else draft)
+    if draft == "same-model":  # the model drafting for itself: every draft is taken
+        assert stats["accepted"] == stats["drafted"]
+    elif draft == "other-model":  # other random weights: drafts are turned down
+        assert stats["accepted"] < stats["drafted"]
+    else:  # the little pass: drafts both taken and turned down on the way
+        assert stats["drafted"] > stats["accepted"] > 0
+    if draft_k is not None:
+        assert stats["draft_k"] == draft_k
+        assert stats["drafted"] <= stats["verify_passes"] * draft_k
+
+
+def _chi2_sf(x: float, dof: int) -> float:
+    """P(chi-square with ``dof`` degrees > x), Wilson-Hilferty's normal approximation."""
+    z = ((x / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def _fit(counts: Counter, p: np.ndarray, n: int) -> float:
+    """The p-value of ``counts`` (n draws) against distribution ``p``: tokens expected 5 times or
+    more are bins of their own, the rest one bin."""
+    big = [t for t in np.flatnonzero(p * n >= 5)]
+    obs = [counts.get(int(t), 0) for t in big]
+    exp = [p[t] * n for t in big]
+    obs.append(n - sum(obs))
+    exp.append(n - sum(exp))
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp, strict=True) if e > 0)
+    return _chi2_sf(stat, len(obs) - 1)
+
+
+@pytest.mark.skipif(not REFERENCE_MODEL.is_file(), reason="reference model not in this checkout")
+def test_rejection_rule_samples_the_model() -> None:
+    """With the reference model's distribution after a prompt (p) and its little pass's (q),
+    the token the rule emits for a draft drawn from q is distributed as p, though q is not p."""
+    cfg = CacheConfig("lru", cache_fraction=0.5)
+    with Llama.open(REFERENCE_MODEL, cache=cfg, n_ctx=128, n_threads=2) as llm:
+        cache = llm.expert_cache
+        assert cache is not None
+        tokens = llm.tokenize(REF_PROMPT.encode(), add_bos=True)
+        llm.eval(tokens)
+        big = last_logits(llm)
+        llm.n_tokens -= 1
+        cache.set_little(1)
+        try:
+            llm.eval(tokens[-1:])
+        finally:
+            cache.set_little(0)
+        little = last_logits(llm)
+    sampler = Sampler(temp=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    p, q = sampler.probs(big), sampler.probs(little)
+    rng = np.random.default_rng(0)
+    n = 20000
+    emitted: Counter = Counter()
+    rows = np.stack([big, big])
+    for _ in range(n):
+        d = int(rng.choice(len(q), p=q))
+        accepted, extra = verify(rows, [d], [q], sampler, rng)
+        emitted[accepted[0] if accepted else extra] += 1
+    drafts = Counter(int(t) for t in rng.choice(len(q), size=n, p=q))
+    assert _fit(emitted, p, n) > 1e-3
+    assert _fit(drafts, p, n) < 1e-6  # the drafts alone are told apart from p
+
+
+@pytest.mark.skipif(not REFERENCE_MODEL.is_file(), reason="reference model not in this checkout")
+def test_sampled_speculation_draws_as_the_model_does() -> None:
+    """Over many seeds the first three generated tokens (the first drawn from the prompt's
+    logits by the numpy chain, the others drafted and verified) are distributed as llama.cpp's
+    own sampler draws them without speculation (same temperature, top-k, top-p and min-p)."""
+    sp = SamplingParams(temperature=1.0, top_k=40, top_p=0.95, min_p=0.05)
+    seeds = range(300)
+    runs: dict[str, list[list[int]]] = {}
+    for name, draft in (("plain", None), ("speculative", "self-little")):
+        cfg = CacheConfig("promoe", cache_fraction=0.5, predictor="history")
+        with Llama.open(REFERENCE_MODEL, cache=cfg, n_ctx=128, n_threads=2, draft=draft,
+                        draft_k=2 if draft else None) as llm:
+            runs[name] = []
+            for s in seeds:
+                llm.set_seed(s)
+                runs[name].append(generate(llm, REF_PROMPT, 3, sp, ignore_eos=True).tokens)
+            if draft:
+                assert llm.expert_stats()["verify_passes"] >= len(seeds)
+    for i in (0, 1, 2):
+        a = Counter(r[i] for r in runs["plain"])
+        b = Counter(r[i] for r in runs["speculative"])
+        # two-sample chi-square over tokens seen 10 times or more in both together
+        keys = [t for t in a | b if a[t] + b[t] >= 10]
+        obs = [(a[t], b[t]) for t in keys]
+        obs.append((len(seeds) - sum(x for x, _ in obs), len(seeds) - sum(y for _, y in obs)))
+        stat = sum((x - y) ** 2 / (x + y) for x, y in obs if x + y > 0)
+        assert _chi2_sf(stat, len(obs) - 1) > 1e-3, (i, obs)
+
+
+def test_sampler_settings_speculation_reproduces() -> None:
+    assert sampler_for({"temp": 0.0, "repeat_penalty": 1.0}) == Sampler(temp=0.0)
+    assert sampler_for({"temp": 0.7, "top_k": 10}).top_k == 10
+    for other in ({"repeat_penalty": 1.1}, {"mirostat_mode": 2}, {"grammar": object()}):
+        assert sampler_for({"temp": 0.8, **other}) is None
+    # llama.cpp's chain: top-k, top-p and min-p at temperature 1, then the temperature
+    z = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    p = Sampler(temp=2.0, top_k=3, top_p=0.75, min_p=0.0).probs(z)
+    kept = np.exp(z[:2] / 2.0)
+    assert np.allclose(p, np.r_[kept / kept.sum(), 0, 0])
+    assert np.allclose(Sampler(temp=1.0, top_k=0, top_p=1.0, min_p=0.5).probs(z),
+                       np.r_[0.5, 0.3, 0, 0] / 0.8)
+
+
+def test_bad_drafts_are_refused(tiny_model: Callable[[str], Path]) -> None:
+    from tests.cli_helpers import run_cli
+
+    model = str(tiny_model("q8_0"))
+    cases = [
+        (["--draft", "missing.gguf"], "no such file"),
+        (["--draft", "self-little"], "--policy promoe"),
+        (["--draft", "self-little", "--policy", "promoe", "--cache-fraction", "0.5", "--mode",
+          "mobile"], "choose one"),
+    ]
+    if REFERENCE_MODEL.is_file():  # another vocabulary
+        cases.append((["--draft", str(REFERENCE_MODEL)], "vocabulary differs"))
+    for args, want in cases:
+        res = run_cli("generate", "-m", model, "-p", "Hello", "-n", "4", *args)
+        assert res.returncode != 0 and want in res.stderr, (args, res.stderr)
+        assert len(res.stderr.strip().splitlines()) == 1, res.stderr
