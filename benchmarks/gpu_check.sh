@@ -107,7 +107,8 @@ step_test() {
     local tests=(tests/test_lossless.py tests/test_default_placement.py
                  "tests/test_prefetch.py::test_promoe_is_lossless"
                  "tests/test_stage.py::test_staged_prompt_passes_are_lossless"
-                 tests/test_little.py)
+                 tests/test_little.py
+                 "tests/test_speculative.py::test_greedy_speculation_is_the_model")
     local select=()
     # the dry run takes one weight type of each test: the whole set runs in the suite itself
     [ "$CPU" = 1 ] && { tests=(tests/test_lossless.py); select=(-k "q8_0"); }

@@ -82,7 +82,7 @@ AUTO: Any = _Auto()
 
 
 @contextlib.contextmanager
-def _load_log(enabled: bool) -> Iterator[list[tuple[int, str]]]:
+def load_log(enabled: bool) -> Iterator[list[tuple[int, str]]]:
     """While active, llama.cpp's warnings and errors go to the yielded list instead of the
     terminal (llama-cpp-python discards them when not verbose), so a failed load can be
     explained."""
@@ -181,7 +181,7 @@ class Llama(llama_cpp.Llama):
             kwargs.setdefault("n_gpu_layers", -1)
             self.placement = place(self.model_file, cache, n_ctx=n_ctx, n_ubatch=n_ubatch)
         verbose = bool(kwargs.get("verbose", True))
-        with _load_log(not verbose) as log:
+        with load_log(not verbose) as log:
             try:
                 super().__init__(str(model_path), **kwargs, **self._load_params(n_seq_max))
             except (ValueError, RuntimeError) as e:
@@ -372,7 +372,8 @@ class Llama(llama_cpp.Llama):
             self._sampler = None
         # with a draft, llama-cpp-python's generator gives way to the speculative one wherever
         # its sampler settings can be reproduced (no penalties, grammar or processors)
-        sampler = sampler_for(kwargs) if self._spec is not None and not args else None
+        sampler = sampler_for(kwargs, self.last_n_tokens_size) \
+            if self._spec is not None and not args else None
         try:
             if self._spec is not None and sampler is not None:
                 return (yield from self._spec.generate(self, tokens, sampler,

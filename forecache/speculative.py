@@ -6,8 +6,9 @@ expert once for all k+1 tokens, and while the draft runs the copy engine can bri
 the verification will route. Greedy output is the non-speculative greedy output; sampled output
 follows the standard rejection rule (accept a draft token d with probability min(1, p(d)/q(d)),
 else sample from max(p - q, 0)), so every token is distributed as the model's sampler would draw
-it. The sampler is llama.cpp's chain as llama-cpp-python builds it (top-k, top-p, min-p, then
-temperature), computed here in numpy over the full vocabulary.
+it. The sampler is llama.cpp's chain as llama-cpp-python builds it (repetition penalties over
+the tokens generated so far, top-k, top-p, min-p, then temperature), computed here in numpy over
+the full vocabulary.
 
 Drafts:
 
@@ -39,29 +40,48 @@ DEFAULT_K = 4  # the first draft length of the adaptive schedule
 MAX_K = 16
 
 # llama-cpp-python generate() arguments speculation leaves at their defaults; any other value
-# (penalties, typical sampling, mirostat, grammars, processors) decodes without speculation
-_NEUTRAL = {"typical_p": 1.0, "repeat_penalty": 1.0, "frequency_penalty": 0.0,
-            "presence_penalty": 0.0, "mirostat_mode": 0, "logits_processor": None,
+# (typical sampling, mirostat, grammars, processors, stopping criteria) decodes without it
+_NEUTRAL = {"typical_p": 1.0, "mirostat_mode": 0, "logits_processor": None,
             "stopping_criteria": None, "grammar": None}
 
 
 @dataclass(frozen=True)
 class Sampler:
-    """llama.cpp's sampling chain (top-k, top-p, min-p over the softmax at temperature 1, then
-    temperature; ``temp`` 0: greedy, < 0: plain softmax) as a distribution over the vocabulary."""
+    """llama.cpp's sampling chain as llama-cpp-python builds it, as a distribution over the
+    vocabulary: repetition penalties over the last ``penalty_last_n`` tokens generated, then
+    top-k, top-p and min-p over the softmax at temperature 1, then the temperature (``temp`` 0:
+    greedy, < 0: plain softmax)."""
 
     temp: float = 0.8
     top_k: int = 40
     top_p: float = 0.95
     min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    penalty_last_n: int = 64
 
     @property
     def greedy(self) -> bool:
         return self.temp == 0.0
 
-    def probs(self, logits: np.ndarray) -> np.ndarray:
-        """The distribution the chain samples from (zero outside the tokens it keeps)."""
+    def penalized(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        """``logits`` after the penalties for the tokens in ``history`` (the generated ones)."""
         z = logits.astype(np.float64)
+        neutral = (self.repeat_penalty == 1.0 and self.frequency_penalty == 0.0 and
+                   self.presence_penalty == 0.0)
+        window = list(history)[-self.penalty_last_n:] if self.penalty_last_n > 0 else []
+        if neutral or not window:
+            return z
+        ids, counts = np.unique(np.asarray(window, dtype=np.int64), return_counts=True)
+        v = z[ids]
+        v = np.where(v <= 0, v * self.repeat_penalty, v / self.repeat_penalty)
+        z[ids] = v - counts * self.frequency_penalty - self.presence_penalty
+        return z
+
+    def probs(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
+        """The distribution the chain samples from (zero outside the tokens it keeps)."""
+        z = self.penalized(logits, history)
         keep = np.arange(len(z))
         if self.temp > 0.0:
             if 0 < self.top_k < len(z):
@@ -83,40 +103,47 @@ class Sampler:
         out[keep] = e / e.sum()
         return out
 
-    def pick(self, logits: np.ndarray, rng: np.random.Generator
+    def pick(self, logits: np.ndarray, rng: np.random.Generator, history: Sequence[int] = ()
              ) -> tuple[int, np.ndarray | None]:
-        """A token drawn from ``logits`` and the distribution it was drawn from (None when
-        greedy)."""
+        """A token drawn from ``logits`` after ``history`` and the distribution it was drawn
+        from (None when greedy)."""
         if self.greedy:
-            return int(np.argmax(logits)), None
-        p = self.probs(logits)
+            return int(np.argmax(self.penalized(logits, history))), None
+        p = self.probs(logits, history)
         return int(rng.choice(len(p), p=p)), p
 
 
-def sampler_for(kwargs: dict[str, Any]) -> Sampler | None:
+def sampler_for(kwargs: dict[str, Any], penalty_last_n: int = 64) -> Sampler | None:
     """The Sampler of llama-cpp-python generate() keywords, or None when they ask for something
     speculation does not reproduce."""
     for key, neutral in _NEUTRAL.items():
         if key in kwargs and kwargs[key] != neutral:
             return None
     return Sampler(temp=float(kwargs.get("temp", 0.8)), top_k=int(kwargs.get("top_k", 40)),
-                   top_p=float(kwargs.get("top_p", 0.95)), min_p=float(kwargs.get("min_p", 0.05)))
+                   top_p=float(kwargs.get("top_p", 0.95)), min_p=float(kwargs.get("min_p", 0.05)),
+                   repeat_penalty=float(kwargs.get("repeat_penalty", 1.0)),
+                   frequency_penalty=float(kwargs.get("frequency_penalty", 0.0)),
+                   presence_penalty=float(kwargs.get("presence_penalty", 0.0)),
+                   penalty_last_n=penalty_last_n)
 
 
 def verify(rows: np.ndarray, drafts: Sequence[int], qs: Sequence[np.ndarray | None],
-           sampler: Sampler, rng: np.random.Generator) -> tuple[list[int], int]:
+           sampler: Sampler, rng: np.random.Generator, history: Sequence[int] = ()
+           ) -> tuple[list[int], int]:
     """The draft tokens the model accepts and the token it adds: ``rows[i]`` are the model's
     logits after the i-th token of [x, d1, ..., dk], ``qs[i]`` the distribution d(i+1) was drawn
-    from. Greedy: the drafts that equal the model's argmax, then its argmax. Sampled: the
-    rejection rule, whose output is distributed as the model's sampler."""
+    from, ``history`` the tokens generated up to x (penalties). Greedy: the drafts that equal
+    the model's argmax, then its argmax. Sampled: the rejection rule, whose output is
+    distributed as the model's sampler."""
     accepted: list[int] = []
+    hist = list(history)
     for i, d in enumerate(drafts):
         if sampler.greedy:
-            t = int(np.argmax(rows[i]))
+            t = sampler.pick(rows[i], rng, hist)[0]
             if t != d:
                 return accepted, t
         else:
-            p, q = sampler.probs(rows[i]), qs[i]
+            p, q = sampler.probs(rows[i], hist), qs[i]
             assert q is not None
             if rng.random() >= min(1.0, p[d] / q[d]):
                 r = np.maximum(p - q, 0.0)
@@ -124,7 +151,8 @@ def verify(rows: np.ndarray, drafts: Sequence[int], qs: Sequence[np.ndarray | No
                 r = r / total if total > 0 else p
                 return accepted, int(rng.choice(len(r), p=r))
         accepted.append(d)
-    return accepted, sampler.pick(rows[len(drafts)], rng)[0]
+        hist.append(d)
+    return accepted, sampler.pick(rows[len(drafts)], rng, hist)[0]
 
 
 @dataclass
@@ -214,8 +242,10 @@ class SelfDraft:
                              f"{k} expert a token; a little pass needs at least 2")
 
     def propose(self, llm: Llama, x: int, pos: int, k: int, sampler: Sampler,
-                rng: np.random.Generator) -> tuple[list[int], list[np.ndarray | None]]:
-        """k draft tokens after ``x`` (at ``pos``) and the distributions they came from."""
+                rng: np.random.Generator, history: list[int]
+                ) -> tuple[list[int], list[np.ndarray | None]]:
+        """k draft tokens after ``x`` (at ``pos``; ``history``: the tokens generated up to it)
+        and the distributions they came from."""
         cache = llm.expert_cache
         assert cache is not None
         drafts: list[int] = []
@@ -225,7 +255,7 @@ class SelfDraft:
         try:
             for _ in range(k):
                 llm.eval([cur])
-                cur, q = sampler.pick(_last_logits(llm), rng)
+                cur, q = sampler.pick(_last_logits(llm), rng, history + drafts)
                 drafts.append(cur)
                 qs.append(q)
         finally:
@@ -246,13 +276,13 @@ class ModelDraft:
     def __init__(self, llm: Llama, path: str) -> None:
         import llama_cpp
 
-        from forecache.llama import _load_log
+        from forecache.llama import load_log
 
         if not os.path.isfile(path):
             raise ValueError(f"{setting('draft', path)}: no such file; give a GGUF with the "
                              f"model's vocabulary, or {' or '.join(SELF_DRAFTS)}")
         self.kind = os.path.basename(path)
-        with _load_log(True):
+        with load_log(True):
             try:
                 self.model = llama_cpp.Llama(path, n_ctx=llm.n_ctx(), n_batch=llm.n_batch,
                                              n_threads=llm.n_threads, n_gpu_layers=-1,
@@ -268,7 +298,8 @@ class ModelDraft:
                              "same tokenizer")
 
     def propose(self, llm: Llama, x: int, pos: int, k: int, sampler: Sampler,
-                rng: np.random.Generator) -> tuple[list[int], list[np.ndarray | None]]:
+                rng: np.random.Generator, history: list[int]
+                ) -> tuple[list[int], list[np.ndarray | None]]:
         d = self.model
         history = list(llm.input_ids[:pos]) + [x]
         common = 0
@@ -281,7 +312,7 @@ class ModelDraft:
         drafts: list[int] = []
         qs: list[np.ndarray | None] = []
         for i in range(k):
-            t, q = sampler.pick(_last_logits(d), rng)
+            t, q = sampler.pick(_last_logits(d), rng, history + drafts)
             drafts.append(t)
             qs.append(q)
             if i + 1 < k:
@@ -335,20 +366,22 @@ class Speculator:
                 keep += 1
         llm.n_tokens = min(keep, len(tokens) - 1)  # at least one token evaluated for logits
         rows = _Rows(llm)
+        generated: list[int] = []  # the penalties' history, as the sampler chain accepts tokens
         try:
             llm.eval(tokens[llm.n_tokens:])
             x, _ = sampler.pick(_last_logits(llm), rng)
             while True:
+                generated.append(x)
                 yield x
                 pos = llm.n_tokens
                 k = min(self.length.k, llm.n_ctx() - pos - 1)
                 if k < 1:
                     llm.eval([x])
-                    x, _ = sampler.pick(_last_logits(llm), rng)
+                    x, _ = sampler.pick(_last_logits(llm), rng, generated)
                     continue
-                drafts, qs = self.draft.propose(llm, x, pos, k, sampler, rng)
+                drafts, qs = self.draft.propose(llm, x, pos, k, sampler, rng, generated)
                 logits = rows.decode([x, *drafts], pos)
-                accepted, new = verify(logits, drafts, qs, sampler, rng)
+                accepted, new = verify(logits, drafts, qs, sampler, rng, generated)
                 keep_to = pos + 1 + len(accepted)
                 from llama_cpp import llama_cpp as low
 
@@ -358,7 +391,9 @@ class Speculator:
                 self.stats.drafted += len(drafts)
                 self.stats.accepted += len(accepted)
                 self.length.update(len(accepted), len(drafts))
-                yield from accepted
+                for t in accepted:
+                    generated.append(t)
+                    yield t
                 x = new
         finally:
             rows.close()

@@ -41,3 +41,36 @@ def test_little_passes_and_fallbacks() -> None:
     assert everyone["prefetch_loads"] > exact["prefetch_loads"]
     resident = run(little_k=4, little_resident=True)
     assert resident["hit_rate"] > exact["hit_rate"]
+
+
+def test_speculative_steps() -> None:
+    """Speculative decoding replayed: k drafts and one k+1-row verification a step, accepted
+    until the first rejection; a model draft's memory comes out of the slots."""
+    shape = shape_of("reference", "q8_0")
+    profile = Profile.load("rtx4090")
+    reqs = _requests()
+    base = SimConfig("promoe", n_slots=10, n_ubatch=8, features=Features(split=False))
+
+    def run(**kw: object) -> dict:
+        return simulate(reqs, shape, profile, replace(base, **kw),
+                        HistoryPredictor(8, 32, 4)).to_json()
+
+    n_decode = sum(int((r.phase == 1).sum()) for r in reqs)
+    exact = run()
+    every = run(spec_draft="little", little_k=2, spec_k=3, spec_accept=1.0)
+    # each step yields k + 1 tokens (fewer at a request's end): every decode token is timed once
+    assert every["n_decode_tokens"] == n_decode
+    assert every["spec_accepted"] + every["spec_steps"] == n_decode
+    assert every["tokens_per_step"] > 3.0
+    never = run(spec_draft="little", little_k=2, spec_k=3, spec_accept=0.0)
+    assert never["tokens_per_step"] == 1.0 and never["tpot_s"] > every["tpot_s"]
+    assert run(spec_draft="little", little_k=2, spec_k=3, spec_accept=0.7) == \
+        run(spec_draft="little", little_k=2, spec_k=3, spec_accept=0.7)  # seeded
+    # a model draft: its weights take slots, and it names the verifier's experts while it runs
+    free = run(spec_draft="model", draft_bytes=0.0, spec_k=3, spec_accept=0.8)
+    heavy = run(spec_draft="model", draft_bytes=4 * shape.expert_bytes, spec_k=3,
+                spec_accept=0.8)
+    assert heavy["hit_rate"] < free["hit_rate"]
+    blind = run(spec_draft="model", draft_bytes=0.0, spec_k=3, spec_accept=0.8, spec_cutoff=0)
+    assert blind["prefetch_loads"] < free["prefetch_loads"]
+    assert exact["n_decode_tokens"] == n_decode

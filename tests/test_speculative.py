@@ -130,8 +130,9 @@ def test_rejection_rule_samples_the_model() -> None:
 def test_sampled_speculation_draws_as_the_model_does() -> None:
     """Over many seeds the first three generated tokens (the first drawn from the prompt's
     logits by the numpy chain, the others drafted and verified) are distributed as llama.cpp's
-    own sampler draws them without speculation (same temperature, top-k, top-p and min-p)."""
-    sp = SamplingParams(temperature=1.0, top_k=40, top_p=0.95, min_p=0.05)
+    own sampler draws them without speculation (same temperature, top-k, top-p, min-p and
+    repeat penalty, the server's default)."""
+    sp = SamplingParams(temperature=1.0, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.1)
     seeds = range(300)
     runs: dict[str, list[list[int]]] = {}
     for name, draft in (("plain", None), ("speculative", "self-little")):
@@ -158,8 +159,18 @@ def test_sampled_speculation_draws_as_the_model_does() -> None:
 def test_sampler_settings_speculation_reproduces() -> None:
     assert sampler_for({"temp": 0.0, "repeat_penalty": 1.0}) == Sampler(temp=0.0)
     assert sampler_for({"temp": 0.7, "top_k": 10}).top_k == 10
-    for other in ({"repeat_penalty": 1.1}, {"mirostat_mode": 2}, {"grammar": object()}):
+    for other in ({"typical_p": 0.9}, {"mirostat_mode": 2}, {"grammar": object()}):
         assert sampler_for({"temp": 0.8, **other}) is None
+    assert sampler_for({"repeat_penalty": 1.1}, 32) == Sampler(repeat_penalty=1.1,
+                                                               penalty_last_n=32)
+    # llama.cpp's penalties: a repeated token's logit divided (positive) or multiplied
+    # (negative) by the repeat penalty, less its count times the frequency penalty and the
+    # presence penalty
+    pen = Sampler(temp=0.0, repeat_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25,
+                  penalty_last_n=3)
+    z = np.array([4.0, -2.0, 1.0, 3.0])
+    assert np.allclose(pen.penalized(z, [3, 0, 1, 1]), [2.0 - 0.75, -4.0 - 1.25, 1.0, 3.0])
+    assert pen.pick(z, np.random.default_rng(0), [3, 0, 1, 1])[0] == 3
     # llama.cpp's chain: top-k, top-p and min-p at temperature 1, then the temperature
     z = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
     p = Sampler(temp=2.0, top_k=3, top_p=0.75, min_p=0.0).probs(z)
@@ -167,6 +178,25 @@ def test_sampler_settings_speculation_reproduces() -> None:
     assert np.allclose(p, np.r_[kept / kept.sum(), 0, 0])
     assert np.allclose(Sampler(temp=1.0, top_k=0, top_p=1.0, min_p=0.5).probs(z),
                        np.r_[0.5, 0.3, 0, 0] / 0.8)
+
+
+@pytest.mark.skipif(not REFERENCE_MODEL.is_file(), reason="reference model not in this checkout")
+def test_greedy_speculation_keeps_llama_cpp_penalties() -> None:
+    """Greedy with a repeat penalty: the speculative run's tokens are llama.cpp's own sampler
+    chain's (the penalties computed in numpy over the tokens generated so far)."""
+    out = {}
+    for draft in (None, "self-little"):
+        cfg = CacheConfig("promoe", cache_fraction=0.5, predictor="history")
+        with Llama.open(REFERENCE_MODEL, cache=cfg, n_ctx=256, n_threads=2, draft=draft) as llm:
+            tokens = llm.tokenize(REF_PROMPT.encode(), add_bos=True)
+            for penalty in (1.0, 1.5):
+                done = llm.complete(tokens, 48, temp=0.0, repeat_penalty=penalty)
+                out[draft, penalty] = done.tokens
+            if draft:
+                assert llm.expert_stats()["verify_passes"] > 0
+    assert out[None, 1.5] != out[None, 1.0]  # the penalty changes this text
+    assert out["self-little", 1.5] == out[None, 1.5]
+    assert out["self-little", 1.0] == out[None, 1.0]
 
 
 def test_bad_drafts_are_refused(tiny_model: Callable[[str], Path]) -> None:

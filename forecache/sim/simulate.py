@@ -64,7 +64,20 @@ class SimConfig:
     little_k: int = 0
     fallback: float = 0.0
     little_resident: bool = False
-    seed: int = 0  # which tokens fall back
+    seed: int = 0  # which tokens fall back, and how many drafts are accepted
+    # speculative decoding (SP-MoE, issue 21): each step drafts ``spec_k`` tokens, verifies them
+    # with the next in one ubatch and accepts each draft with probability ``spec_accept`` (until
+    # the first rejection). ``spec_draft`` "little": the model's little pass over ``little_k``
+    # experts (self-little; the verification first prefetches what the little passes routed);
+    # "model": a dense draft of ``draft_bytes`` on the device (its memory taken from the slots),
+    # while which the verifier's experts of layers up to ``spec_cutoff`` (None: all) are copied
+    # in, as SP-MoE's cross-model predictor names them (``draft_recall`` of them, at random)
+    spec_draft: str = ""
+    spec_k: int = 4
+    spec_accept: float = 0.8
+    draft_bytes: float = 0.0
+    spec_cutoff: int | None = None
+    draft_recall: float = 1.0
 
     def slots_at(self, layer: int) -> int:
         """Slots of model layer ``layer``."""
@@ -119,6 +132,12 @@ class Simulator:
             for k in range(stage if cached else 0):
                 self.n_slots[cached[-1 - k % len(cached)]] -= 1
         self.n_stage = stage
+        if cfg.spec_draft == "model" and cfg.draft_bytes > 0:
+            # the draft's weights come out of the slots, as whole experts, a layer at a time
+            cached = [il for il in self.layers if self.n_slots[il] > 1]
+            n = int(np.ceil(cfg.draft_bytes / shape.expert_bytes))
+            for k in range(n if cached else 0):
+                self.n_slots[cached[-1 - k % len(cached)]] -= 1
         self.engine = SimEngine(shape, self.n_slots, profile, whole_expert_chunks=not f.chunk,
                                 n_stage=stage)
         self.policy: Policy | None
@@ -184,6 +203,7 @@ class Simulator:
         self._little = False  # the pass being simulated is a MoBiLE little pass
         self._oracle: np.ndarray | None = None  # the big pass's routing, prefetched at its start
         self.little_passes = self.big_passes = 0
+        self.spec_steps = self.spec_accepted = 0
         self.bus_floor_prefill: list[float] = []
         self.floor_decode: list[float] = []  # per decoded token
 
@@ -225,7 +245,13 @@ class Simulator:
             self.floor_prefill.append(floor)
             self.bus_floor_prefill.append(bus)
         decode = []
-        for r in np.flatnonzero(phase != 0):
+        rows = np.flatnonzero(phase != 0)
+        i = 0
+        while self.cfg.spec_draft and i < len(rows):
+            t, n = self._spec_step(req, rows[i:])
+            decode.extend([t / n] * n)
+            i += n
+        for r in rows if not self.cfg.spec_draft else []:
             if self.cfg.little_k:
                 decode.append(self._mobile_token(req, r))
                 continue
@@ -252,6 +278,50 @@ class Simulator:
             self.big_passes += 1
         self.floor_decode.append(floor)
         return t
+
+    def _spec_step(self, req: Request, rows: np.ndarray) -> tuple[float, int]:
+        """One speculative step from the token at ``rows[0]``: draft ``spec_k`` tokens, verify
+        them in one ubatch of k+1 rows (the trace's next rows: an accepted draft is the token the
+        trace has there), accept each with ``spec_accept`` until the first rejection. Returns
+        the step's seconds and the tokens it yields (accepted + 1)."""
+        cfg, eng = self.cfg, self.engine
+        k = min(cfg.spec_k, len(rows) - 1)
+        t0 = self.t
+        if k < 1:
+            self._ubatch(req, rows[:1])
+            self.floor_decode.append(self._floor)
+            return self.t - t0, 1
+        verify = rows[:k + 1]
+        if cfg.spec_draft == "little":
+            self._little = True
+            for r in rows[:k]:
+                self._ubatch(req, np.array([r]))
+            self._little = False
+            self.little_passes += k
+            # the little passes' routing is the verification's: prefetched at its start
+            self._oracle = np.concatenate([req.experts[r] for r in verify], axis=1)
+        else:
+            draft_s = self._dev(cfg.draft_bytes, 4.0 * cfg.draft_bytes)
+            cutoff = len(self.layers) if cfg.spec_cutoff is None else cfg.spec_cutoff
+            for r in verify[:k]:
+                # the draft reaches each layer and names the verifier's experts there
+                if isinstance(self.policy, Prefetcher):
+                    for il in self.layers[:cutoff]:
+                        ids = req.experts[r, il]
+                        ids = [int(e) for e in ids[ids >= 0]
+                               if self._rng.random() < cfg.draft_recall]
+                        self.policy.warm(il, ids, eng)
+                self.t += draft_s
+                eng.advance_to(self.t)
+        self._ubatch(req, verify)
+        self._oracle = None
+        self.floor_decode.append(self._floor)
+        j = 0
+        while j < k and self._rng.random() < cfg.spec_accept:
+            j += 1
+        self.spec_steps += 1
+        self.spec_accepted += j
+        return self.t - t0, j + 1
 
     def _little_ids(self, req: Request, row: int, il: int) -> np.ndarray:
         """The experts a little pass routes at layer ``il``: the token's top ``little_k`` (by
@@ -527,6 +597,10 @@ class Simulator:
         extra["stage_slots"] = self.n_stage
         if self.cfg.little_k:
             extra.update(little_passes=self.little_passes, big_passes=self.big_passes)
+        if self.cfg.spec_draft:
+            extra.update(spec_steps=self.spec_steps, spec_accepted=self.spec_accepted,
+                         tokens_per_step=(self.spec_accepted + self.spec_steps) /
+                         max(self.spec_steps, 1))
         extra["decode_gate_s"] = self.fast
         extra["decode_gates_in_c"] = self.fast_gates
         if isinstance(self.policy, Prefetcher):

@@ -1,0 +1,105 @@
+"""Speculative decoding (SP-MoE) at the target in simulation: decode by draft, draft length and
+acceptance, over non-speculative promoe and ncmoe; and the cutoff-layer sweep.
+
+    python benchmarks/spec_sim.py [--like TRACE.npz] [--shape qwen2-57b-a14b] [--budget 24GiB]
+        [--profile rtx4090] [--requests 8] [--prefill 512] [--decode 128]
+        [--drafts self-little:0.93,self-cached:0.96,model:0.4e9:0.7,model:4.7e9:0.8]
+        [--ks 2,4,6] [--cutoffs 0,7,14,21] [--seed 0] [--json OUT]
+
+The routing is target_sim's. Each step drafts k tokens, verifies them with the current one in
+one ubatch of k+1 rows, and accepts each draft with the draft's acceptance until the first
+rejection (the trace's next rows stand for the drafts: an accepted draft is the token the trace
+has there). Drafts, as KIND:ACCEPTANCE or model:BYTES:ACCEPTANCE:
+
+- self-little: the model's little pass (top half of the top-k) drafts; the verification first
+  prefetches what the little passes routed, every layer.
+- self-cached: the little pass over the experts already in slots and the top-1.
+- model: a dense draft of BYTES on the device (its weights take slots), whose hidden states name
+  the verifier's experts through the target's gates as it reaches each layer (SP-MoE's
+  cross-model predictor, taken as exact), layers up to the cutoff (all by default), copied while
+  it drafts. Qwen2-0.5B in q4_k is about 0.4e9 bytes, Qwen2-7B 4.7e9.
+
+The acceptances are inputs: the self drafts' defaults are measured on the reference model
+(``spec_bench.py``); a model draft's has to be measured on the pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from forecache.sim.run import fit_predictor, run_one, speedup, target_options, target_replay
+from forecache.sim.simulate import SimConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+OLMOE = ROOT.parent / "shared" / "traces" / "olmoe_1b_7b_nf4gemm_decode_4x512.npz"
+
+
+def _draft_config(base: SimConfig, spec: str, top_k: int) -> tuple[str, SimConfig]:
+    """A draft argument's label and SimConfig."""
+    kind, *rest = spec.split(":")
+    if kind == "model":
+        nbytes, accept = float(rest[0]), float(rest[1])
+        return (f"model {nbytes / 1e9:.1f} GB", replace(base, spec_draft="model",
+                                                         draft_bytes=nbytes, spec_accept=accept))
+    accept = float(rest[0])
+    resident = kind == "self-cached"
+    return kind, replace(base, spec_draft="little", spec_accept=accept,
+                         little_k=top_k if resident else top_k // 2, little_resident=resident)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    target_options(ap, OLMOE)
+    ap.add_argument("--drafts", default="self-little:0.93,self-cached:0.96,model:0.4e9:0.7,"
+                                        "model:4.7e9:0.8")
+    ap.add_argument("--ks", default="2,4,6")
+    ap.add_argument("--cutoffs", default="0,7,14,21",
+                    help="cutoff layers swept for the first model draft at k 4")
+    args = ap.parse_args()
+    shape, profile, n_slots, info, fit, replay, _ = target_replay(args)
+    _, pred = fit_predictor("auto", info, fit, 2)
+    base = SimConfig("promoe", n_slots, window=2, seed=args.seed)
+    nc = run_one(replay, shape, profile, replace(base, policy="ncmoe"), None)
+    exact = run_one(replay, shape, profile, base, pred)
+    print(f"\n{args.shape} q4_k at {args.budget} ({n_slots}/{shape.experts} slots a layer), "
+          f"top-{shape.top_k}, profile {profile.name}, {len(replay)} requests of "
+          f"{args.prefill} + {args.decode} tokens; ncmoe TPOT {nc.tpot_s * 1e3:.2f} ms, "
+          f"promoe {exact.tpot_s * 1e3:.2f} ms ({speedup(nc.tpot_s, exact.tpot_s)})\n")
+    print("| draft | acceptance | k | cutoff | tokens a step | TPOT ms | hit % | over promoe | "
+          "over ncmoe |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
+
+    def one(label: str, cfg: SimConfig, cutoff: str) -> None:
+        r = run_one(replay, shape, profile, cfg, pred).to_json()
+        rows.append({"draft": label, "acceptance": cfg.spec_accept, "k": cfg.spec_k,
+                     "cutoff": cfg.spec_cutoff, **r})
+        print(f"| {label} | {cfg.spec_accept:.2f} | {cfg.spec_k} | {cutoff} | "
+              f"{r['tokens_per_step']:.2f} | {r['tpot_s'] * 1e3:.2f} | "
+              f"{r['hit_rate'] * 100:.1f} | {speedup(exact.tpot_s, r['tpot_s'])} | "
+              f"{speedup(nc.tpot_s, r['tpot_s'])} |", flush=True)
+
+    first_model = None
+    for spec in args.drafts.split(","):
+        label, cfg = _draft_config(base, spec, shape.top_k)
+        if cfg.spec_draft == "model" and first_model is None:
+            first_model = (label, cfg)
+        for k in (int(x) for x in args.ks.split(",")):
+            one(label, replace(cfg, spec_k=k), "all" if cfg.spec_draft == "model" else "-")
+    if first_model is not None:
+        label, cfg = first_model
+        for c in (int(x) for x in args.cutoffs.split(",")):
+            one(label, replace(cfg, spec_k=4, spec_cutoff=c), str(c))
+    if args.json:
+        args.json.write_text(json.dumps({"shape": args.shape, "budget": args.budget,
+                                         "profile": profile.name, "n_slots": n_slots,
+                                         "ncmoe": nc.to_json(), "promoe": exact.to_json(),
+                                         "runs": rows}, indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
