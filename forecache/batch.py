@@ -23,6 +23,7 @@ from forecache.generate import SamplingParams
 from forecache.interrupt import StopFlag
 from forecache.llama import Llama, top_probability
 from forecache.requests import Request
+from forecache.speculative import MAX_K, Sampler, SelfDraft, verify
 
 
 class BatchOutputError(ValueError):
@@ -102,20 +103,17 @@ class _Sequence:
     t_first: float = 0.0
 
 
+def sampler(sp: SamplingParams) -> Sampler:
+    """A request's sampling as llama.cpp's chain (top-k, top-p and min-p at temperature 1, then
+    the temperature), as generate and chat sample."""
+    greedy = sp.greedy or sp.temperature <= 0
+    return Sampler(temp=0.0 if greedy else sp.temperature, top_k=sp.top_k, top_p=sp.top_p,
+                   min_p=sp.min_p)
+
+
 def sample(logits: np.ndarray, sp: SamplingParams, rng: np.random.Generator) -> int:
-    """The next token: argmax when greedy, else temperature, top-k, top-p and min-p."""
-    if sp.greedy or sp.temperature <= 0:
-        return int(np.argmax(logits))
-    x = logits.astype(np.float64) / sp.temperature
-    order = np.argsort(-x, kind="stable")
-    if sp.top_k > 0:
-        order = order[:sp.top_k]
-    p = np.exp(x[order] - x[order[0]])
-    p /= p.sum()
-    keep = int(np.searchsorted(np.cumsum(p), sp.top_p) + 1) if sp.top_p < 1 else len(p)
-    keep = max(1, min(keep, int(np.count_nonzero(p >= sp.min_p * p[0]))))
-    p = p[:keep] / p[:keep].sum()
-    return int(order[rng.choice(keep, p=p)])
+    """The next token: argmax when greedy, else drawn by llama.cpp's chain (``sampler``)."""
+    return sampler(sp).pick(logits, rng)[0]
 
 
 def _ctx_per_seq() -> str:
@@ -142,7 +140,9 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
     (continuous batching: a finished sequence's cells are freed and the next request takes its
     sequence id; new prompts are prefilled in the same batches as the others' next tokens).
     In MoBiLE decoding (``llm.mobile``) the sequences' next tokens first run a little pass of
-    their own; those it is unsure of are recomputed with the prompts, by the full model.
+    their own; those it is unsure of are recomputed with the prompts, by the full model. With a
+    self draft (``llm.speculator``) every decoding sequence drafts up to k tokens with little
+    passes taken together, and one batch verifies them all, with the prompts.
     ``on_done`` gets each record as it finishes; ``stop`` ends the loop at the next step."""
     from llama_cpp import llama_cpp as low
 
@@ -182,6 +182,10 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
 
     tokens: list[int] = []  # of the batch being built
     mobile = llm.mobile if cache is not None else None
+    spec = llm.speculator
+    if spec is not None and not isinstance(spec.draft, SelfDraft):
+        raise ValueError(f"{setting('draft')} {spec.draft.kind}: a batch job drafts with the "
+                         "model's own little pass only (self-little or self-cached)")
 
     def add(tok: int, pos: int, seq: int, logits: bool) -> None:
         i = len(tokens)
@@ -236,6 +240,67 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
             add(s.out[-1], pos, s.seq, True)
         return again
 
+    def speculate(rows: list[tuple[_Sequence, int]]
+                  ) -> tuple[list[tuple[_Sequence, int]], list[tuple[_Sequence, int, list, list]]]:
+        """Draft for the decoding sequences (``rows``, the whole batch so far) with little passes
+        taken together, drop the drafts' KV cells and put each sequence's token and drafts back
+        into the batch for verification. Returns the sequences left to sample as usual and,
+        per speculating sequence, its first row, drafts and their distributions."""
+        assert spec is not None and cache is not None
+        draft = spec.draft
+        assert isinstance(draft, SelfDraft)
+        k = min(spec.length.k, n_batch // len(rows) - 1, MAX_K)
+        pos = {id(s): len(s.prompt) + len(s.out) - 1 for s, _ in rows}
+        ks = {id(s): max(min(k, s.req.max_tokens - len(s.out), per_seq - pos[id(s)] - 1), 0)
+              for s, _ in rows}
+        if max(ks.values()) < 1:
+            return rows, []
+        drafts: dict[int, list[int]] = {id(s): [] for s, _ in rows}
+        qs: dict[int, list] = {id(s): [] for s, _ in rows}
+        cache.set_little(draft.m, draft.resident)
+        try:
+            for r in range(max(ks.values())):
+                tokens.clear()
+                round_rows = []
+                for s, _ in rows:
+                    if ks[id(s)] > r:
+                        d = drafts[id(s)]
+                        round_rows.append((s, len(tokens)))
+                        add(d[-1] if d else s.out[-1], pos[id(s)] + r, s.seq, True)
+                decode()
+                for s, row in round_rows:
+                    t, q = sampler(s.req.sampling).pick(row_logits(row), s.rng,
+                                                        s.out + drafts[id(s)])
+                    drafts[id(s)].append(t)
+                    qs[id(s)].append(q)
+        finally:
+            cache.set_little(0)
+        for s, _ in rows:
+            low.llama_memory_seq_rm(mem, s.seq, pos[id(s)], -1)
+        cache.prefetch_little(llm.model_file.n_expert_used)
+        tokens.clear()
+        checks = []
+        for s, _ in rows:
+            d = drafts[id(s)]
+            checks.append((s, len(tokens), d, qs[id(s)]))
+            for i, t in enumerate([s.out[-1], *d]):
+                add(t, pos[id(s)] + i, s.seq, True)
+        return [], checks
+
+    def check(s: _Sequence, row: int, drafts: list[int], qs: list,
+              sampled: list[tuple[_Sequence, int]]) -> int:
+        """Verify one sequence's drafts: its accepted tokens and the model's next one go to
+        ``sampled``; the rejected drafts' KV cells are dropped. Returns the drafts accepted."""
+        assert spec is not None
+        logits = np.stack([row_logits(row + i).copy() for i in range(len(drafts) + 1)])
+        accepted, new = verify(logits, drafts, qs, sampler(s.req.sampling), s.rng, s.out)
+        low.llama_memory_seq_rm(mem, s.seq, len(s.prompt) + len(s.out) + len(accepted), -1)
+        spec.stats.steps += 1
+        spec.stats.drafted += len(drafts)
+        spec.stats.accepted += len(accepted)
+        sampled.extend((s, t) for t in [*accepted, new])
+        return len(accepted)
+
     try:
         while (pending or active) and not stop:
             while free and pending:  # admit the next requests
@@ -260,8 +325,11 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
                 if s.out:
                     rows.append((s, len(tokens)))
                     add(s.out[-1], len(s.prompt) + len(s.out) - 1, s.seq, True)
+            checks: list[tuple[_Sequence, int, list, list]] = []
             if mobile is not None and rows:
                 rows = little_pass(rows, sampled)
+            elif spec is not None and rows:
+                rows, checks = speculate(rows)
             for s in active:  # then prompt chunks, while the batch has room
                 if s.fed < len(s.prompt) and len(tokens) < n_batch:
                     take = min(len(s.prompt) - s.fed, n_batch - len(tokens))
@@ -275,9 +343,14 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
                 decode()
                 for s, row in rows:
                     sampled.append((s, sample(row_logits(row), s.req.sampling, s.rng)))
+                taken = sum(check(s, row, drafts, qs, sampled) for s, row, drafts, qs in checks)
+                if checks and spec is not None:
+                    spec.length.update(taken, sum(len(c[2]) for c in checks))
             if on_token is not None:
                 on_token(len(sampled))
             for s, tok in sampled:
+                if s not in active:  # finished by an earlier token of this step
+                    continue
                 if not s.out:
                     s.t_first = time.perf_counter()
                 if llm.is_eog(tok):

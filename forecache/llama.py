@@ -210,6 +210,11 @@ class Llama(llama_cpp.Llama):
             raise
 
     @property
+    def speculator(self) -> Speculator | None:
+        """Speculative decoding's draft, draft length and counters, or None without a draft."""
+        return self._spec
+
+    @property
     def mobile(self) -> tuple[int, float, bool] | None:
         """MoBiLE decoding's settings (little-pass experts, gamma, resident experts only), or
         None for exact decoding."""

@@ -101,6 +101,40 @@ def test_mobile_batch_equals_mobile_generation(tmp_path: Path) -> None:
         llm.close()
 
 
+@pytest.mark.skipif(not REFERENCE_MODEL.is_file(), reason="reference model not in this checkout")
+@pytest.mark.parametrize("draft", ["self-little", "self-cached"])
+def test_speculative_batch_is_exact(tmp_path: Path, draft: str) -> None:
+    """--draft with several sequences: their drafts' little passes go together and one batch
+    verifies them with the prompts; each greedy text is the model's, stops and lengths too."""
+    from forecache.generate import SamplingParams, generate
+    from forecache.llama import Llama
+
+    lines = [json.dumps({"id": i, "prompt": p, "max_tokens": 24, "temperature": 0})
+             for i, p in GREEDY]
+    lines.append(json.dumps({"id": "stop", "prompt": "And it came to pass", "max_tokens": 40,
+                             "temperature": 0, "stop": "LORD"}))
+    lines.append(json.dumps({"id": "sampled", "prompt": "And", "max_tokens": 8, "seed": 7}))
+    src = _write(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    res = run_cli("batch", "-m", str(REFERENCE_MODEL), "--input", str(src), "--output", str(out),
+                  "--parallel", "3", "--policy", "promoe", "--cache-fraction", "0.5",
+                  "--draft", draft)
+    assert res.returncode == 0, res.stderr
+    assert f"speculative ({draft} drafts)" in res.stderr.strip().splitlines()[-1], res.stderr
+    recs = {r["id"]: r for r in _records(out)}
+    with Llama.open(REFERENCE_MODEL, cache=None, n_ctx=2048) as llm:
+        for rid, prompt in GREEDY:
+            want = generate(llm, prompt, 24, SamplingParams(greedy=True))
+            assert recs[rid]["text"] == want.text, rid
+            assert recs[rid]["tokens"] == len(want.tokens)
+        full = generate(llm, "And it came to pass", 40, SamplingParams(greedy=True)).text
+    assert recs["stop"]["text"] == full[:full.index("LORD")]
+    assert recs["sampled"]["tokens"] == 8
+    res = run_cli("batch", "-m", str(REFERENCE_MODEL), "--input", str(src), "--output",
+                  str(tmp_path / "other.jsonl"), "--draft", str(REFERENCE_MODEL))
+    assert res.returncode == 2 and "little pass only" in res.stderr
+
+
 def _job(tmp_path: Path, model: Path, n: int) -> Path:
     return _write(tmp_path / "in.jsonl",
                   [json.dumps({"id": f"r{i}", "prompt": f"request {i} says", "max_tokens": 120,

@@ -56,16 +56,17 @@ def batch(model: Path, input_path: Path, output_path: Path, parallel: int, max_t
     from tqdm import tqdm
 
     from forecache.batch import OutputWriter, decode_many, done_ids
-    from forecache.chat import mobile_summary
+    from forecache.chat import mobile_summary, spec_summary
     from forecache.gguf.header import require_moe
     from forecache.interrupt import deferred_signals
     from forecache.llama import Llama
     from forecache.requests import read_requests
+    from forecache.speculative import SELF_DRAFTS
 
-    if draft_args(cache_opts):
-        raise click.UsageError("forecache batch decodes its sequences together and does not "
-                               "speculate: leave out --draft (generate, run, chat and serve take "
-                               "it)")
+    spec = draft_args(cache_opts)
+    if spec and spec["draft"] not in SELF_DRAFTS:
+        raise click.UsageError(f"--draft {spec['draft']}: a batch job drafts with the model's "
+                               f"own little pass only ({' or '.join(SELF_DRAFTS)})")
     if output_path.resolve() == input_path.resolve():
         raise click.UsageError("--output must not be the --input file")
     requests, bad = read_requests(input_path, max_tokens)
@@ -96,7 +97,7 @@ def batch(model: Path, input_path: Path, output_path: Path, parallel: int, max_t
             return
         n_seq = min(parallel, len(todo))
         llm = Llama.open(model, cache=cache_config(**cache_opts),  # type: ignore[arg-type]
-                         n_ctx=ctx_per_seq, n_seq_max=n_seq, n_threads=threads,
+                         **spec, n_ctx=ctx_per_seq, n_seq_max=n_seq, n_threads=threads,
                          verbose=verbose)
         say_choice(llm)
         show = progress if progress is not None else sys.stderr.isatty()
@@ -135,7 +136,8 @@ def batch(model: Path, input_path: Path, output_path: Path, parallel: int, max_t
                    f"{generated} tokens in {wall:.1f} s ({generated / wall:.1f} tokens/s); "
                    f"experts: {stats['policy']}"
                    + (f", hit rate {rate * 100:.0f}%" if rate is not None else "")
-                   + (f"; {mobile_summary(stats)}" if stats["mode"] == "mobile" else ""),
+                   + (f"; {mobile_summary(stats)}" if stats["mode"] == "mobile" else "")
+                   + (f"; {spec_summary(stats)}" if "draft" in stats else ""),
                    err=True)
         if stop:
             click.echo(f"forecache: interrupted: {ok + skipped} of {total} done; rerun the same "
