@@ -56,8 +56,9 @@ def main() -> None:
     ap.add_argument("--drafts", default="self-little:0.93,self-cached:0.96,model:0.4e9:0.7,"
                                         "model:4.7e9:0.8")
     ap.add_argument("--ks", default="2,4,6")
-    ap.add_argument("--cutoffs", default="0,7,14,21",
-                    help="cutoff layers swept for the first model draft at k 4")
+    ap.add_argument("--cutoffs", default="0,7,14,21,auto",
+                    help="cutoff layers swept for the first model draft at k 4 (auto: "
+                         "SP-MoE's rule, as the runtime applies it)")
     args = ap.parse_args()
     shape, profile, n_slots, info, fit, replay, _ = target_replay(args)
     _, pred = fit_predictor("auto", info, fit, 2)
@@ -75,6 +76,8 @@ def main() -> None:
 
     def one(label: str, cfg: SimConfig, cutoff: str) -> None:
         r = run_one(replay, shape, profile, cfg, pred).to_json()
+        if cutoff == "auto":
+            cutoff = f"auto ({r.get('spec_cutoff_mean', 0.0):.1f})"
         rows.append({"draft": label, "acceptance": cfg.spec_accept, "k": cfg.spec_k,
                      "cutoff": cfg.spec_cutoff, **r})
         print(f"| {label} | {cfg.spec_accept:.2f} | {cfg.spec_k} | {cutoff} | "
@@ -91,8 +94,8 @@ def main() -> None:
             one(label, replace(cfg, spec_k=k), "all" if cfg.spec_draft == "model" else "-")
     if first_model is not None:
         label, cfg = first_model
-        for c in (int(x) for x in args.cutoffs.split(",")):
-            one(label, replace(cfg, spec_k=4, spec_cutoff=c), str(c))
+        for c in args.cutoffs.split(","):
+            one(label, replace(cfg, spec_k=4, spec_cutoff=-1 if c == "auto" else int(c)), c)
     if args.json:
         args.json.write_text(json.dumps({"shape": args.shape, "budget": args.budget,
                                          "profile": profile.name, "n_slots": n_slots,

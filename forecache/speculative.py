@@ -24,12 +24,15 @@ Drafts:
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from forecache.draft_model import CrossModelPredictor, DraftContext, vocab_mismatch
 from forecache.errors import setting
 
 if TYPE_CHECKING:
@@ -265,77 +268,133 @@ class SelfDraft:
         cache.prefetch_little(llm.model_file.n_expert_used)
         return drafts, qs
 
+    def observe(self, layer: int, experts: np.ndarray) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
     def close(self) -> None:
         pass
 
 
 class ModelDraft:
-    """Drafts with a second GGUF that shares the model's vocabulary, in a context of its own,
-    whose KV cache is kept to the accepted tokens."""
+    """Drafts with a second GGUF that shares the model's vocabulary, in a context of its own
+    whose KV cache follows the accepted tokens. Where it has the model's width, its per-layer
+    states go through the model's routers as it drafts (SP-MoE's cross-model predictor), and the
+    experts they name for layers up to the cutoff are queued at low priority: copied while the
+    draft runs, before the verification routes them."""
 
     def __init__(self, llm: Llama, path: str) -> None:
-        import llama_cpp
-
-        from forecache.llama import load_log
-
         if not os.path.isfile(path):
             raise ValueError(f"{setting('draft', path)}: no such file; give a GGUF with the "
                              f"model's vocabulary, or {' or '.join(SELF_DRAFTS)}")
         self.kind = os.path.basename(path)
-        with load_log(True):
-            try:
-                self.model = llama_cpp.Llama(path, n_ctx=llm.n_ctx(), n_batch=llm.n_batch,
-                                             n_threads=llm.n_threads, n_gpu_layers=-1,
-                                             verbose=False)
-            except (ValueError, RuntimeError) as e:
-                raise ValueError(f"{setting('draft', path)}: llama.cpp cannot load it ({e})"
-                                 ) from e
-        bad = _vocab_mismatch(llm, self.model)
+        cache = llm.expert_cache
+        try:
+            self.ctx = DraftContext(Path(path), n_ctx=llm.n_ctx(), n_batch=llm.n_batch,
+                                    n_threads=llm.n_threads, capture=cache is not None)
+        except ValueError as e:
+            raise ValueError(f"{setting('draft', path)}: {e}") from e
+        bad = vocab_mismatch(llm, self.ctx)
         if bad is not None:
-            self.model.close()
+            self.ctx.close()
             raise ValueError(f"{setting('draft', path)}: its vocabulary differs from "
                              f"{llm.model_file.path.name}'s ({bad}); use a draft made with the "
                              "same tokenizer")
+        self.predictor: CrossModelPredictor | None = None
+        if cache is not None:
+            mf = llm.model_file
+            pred = CrossModelPredictor(mf.path, mf.moe_layers(), mf.n_layer, mf.n_expert_used,
+                                       self.ctx.n_layer)
+            if pred.layers and pred.width() == self.ctx.n_embd:
+                self.predictor = pred
+        self.cutoff = len(self.predictor.layers) if self.predictor else 0
+        self.token_s = 0.0  # a draft token's decode time (moving average)
+        self._predicted: dict[int, set[int]] = {}
+        self.prefetched = 0  # copies the predictions queued
+        self.hits = self.n_predicted = self.n_routed = 0  # precision and recall counts
 
     def propose(self, llm: Llama, x: int, pos: int, k: int, sampler: Sampler,
                 rng: np.random.Generator, history: list[int]
                 ) -> tuple[list[int], list[np.ndarray | None]]:
-        d = self.model
-        history = list(llm.input_ids[:pos]) + [x]
-        common = 0
-        for a, b in zip(d.input_ids[:d.n_tokens], history, strict=False):
-            if a != b:
-                break
-            common += 1
-        d.n_tokens = min(common, len(history) - 1)  # eval drops the cells from here
-        d.eval(history[d.n_tokens:])
+        self._predicted = {}
+        self.ctx.sync([*llm.input_ids[:pos].tolist(), x])
+        self._prefetch(llm)
         drafts: list[int] = []
         qs: list[np.ndarray | None] = []
         for i in range(k):
-            t, q = sampler.pick(_last_logits(d), rng, history + drafts)
+            t, q = sampler.pick(self.ctx.logits(), rng, history + drafts)
             drafts.append(t)
             qs.append(q)
             if i + 1 < k:
-                d.eval([t])
+                t0 = time.perf_counter()
+                self.ctx.step(t)
+                dt = time.perf_counter() - t0
+                self.token_s = dt if self.token_s == 0 else 0.8 * self.token_s + 0.2 * dt
+                self._prefetch(llm)
+        self.cutoff = self._cutoff(llm, k)
         return drafts, qs
 
+    def _prefetch(self, llm: Llama) -> None:
+        """The experts the draft's last token names for the model's layers up to the cutoff,
+        queued at low priority (one request a layer)."""
+        cache, pred = llm.expert_cache, self.predictor
+        if cache is None or pred is None:
+            return
+        warm = getattr(cache.policy, "warm", None)
+        for il in pred.layers[:self.cutoff]:
+            state = self.ctx.state(pred.source[il])
+            if state is None:
+                continue
+            experts = pred.predict(il, state)
+            self._predicted.setdefault(il, set()).update(experts)
+            if warm is not None:
+                self.prefetched += warm(il, experts, cache)
+
+    def _cutoff(self, llm: Llama, k: int) -> int:
+        """SP-MoE's cutoff layer: the most layers whose predicted misses fit in the layers' spare
+        slots (memory) and whose copies fit in the drafting time (time), from the cost model's
+        copy time and the measured miss rate and draft speed. Every layer without a cost model
+        (a CPU build, where a copy is a memcpy)."""
+        cache, pred = llm.expert_cache, self.predictor
+        if cache is None or pred is None:
+            return 0
+        n = len(pred.layers)
+        cost = getattr(cache.policy, "cost", None)
+        if cost is None or self.token_s <= 0:
+            return n
+        hits, misses = cache.decode_counts()
+        miss = misses / (hits + misses) if hits + misses else 1.0
+        n_used = pred.n_used
+        per_layer = miss * min(n_used * k, cache.n_experts(pred.layers[0]))
+        spare = min(cache.layers[il].n_slots - n_used for il in pred.layers)
+        if per_layer > spare:
+            return 0
+        if per_layer <= 0:
+            return n
+        return min(n, int(k * self.token_s / (per_layer * cost.copy_s())))
+
+    def observe(self, layer: int, experts: np.ndarray) -> None:
+        """A verification's routing of ``layer``: precision and recall of the predictions."""
+        if layer not in self._predicted:
+            return
+        routed = {int(e) for e in experts.tolist()}
+        pred = self._predicted[layer]
+        self.hits += len(pred & routed)
+        self.n_predicted += len(pred)
+        self.n_routed += len(routed)
+
+    def stats(self) -> dict:
+        return {"spec_cutoff": self.cutoff, "spec_prefetched": self.prefetched,
+                "prefetch_precision": self.hits / self.n_predicted if self.n_predicted else None,
+                "prefetch_recall": self.hits / self.n_routed if self.n_routed else None}
+
     def close(self) -> None:
-        self.model.close()
+        self.ctx.close()
 
 
-def _vocab_mismatch(llm: Any, draft: Any) -> str | None:
-    """Why ``draft``'s vocabulary is not ``llm``'s, or None when it is the same."""
-    from llama_cpp import llama_cpp as low
-
-    n, m = llm.n_vocab(), draft.n_vocab()
-    if n != m:
-        return f"{m} tokens against {n}"
-    va, vb = low.llama_model_get_vocab(llm.model), low.llama_model_get_vocab(draft.model)
-    for i in range(n):
-        a, b = low.llama_vocab_get_text(va, i), low.llama_vocab_get_text(vb, i)
-        if a != b:
-            return f"token {i} is {b!r}, not {a!r}"
-    return None
+_vocab_mismatch = vocab_mismatch  # (llama_cpp.Llama objects work too)
 
 
 class Speculator:
@@ -350,7 +409,7 @@ class Speculator:
         self.stats = SpecStats()
 
     def stats_json(self) -> dict:
-        return self.stats.to_json(self.draft.kind, self.length.k)
+        return {**self.stats.to_json(self.draft.kind, self.length.k), **self.draft.stats()}
 
     def generate(self, llm: Llama, tokens: Sequence[int], sampler: Sampler, reset: bool,
                  seed: int) -> Generator[int, Any, None]:
@@ -380,7 +439,14 @@ class Speculator:
                     x, _ = sampler.pick(_last_logits(llm), rng, generated)
                     continue
                 drafts, qs = self.draft.propose(llm, x, pos, k, sampler, rng, generated)
-                logits = rows.decode([x, *drafts], pos)
+                cache = llm.expert_cache
+                if cache is not None:
+                    cache.route_observer = self.draft.observe
+                try:
+                    logits = rows.decode([x, *drafts], pos)
+                finally:
+                    if cache is not None:
+                        cache.route_observer = None
                 accepted, new = verify(logits, drafts, qs, sampler, rng, generated)
                 keep_to = pos + 1 + len(accepted)
                 from llama_cpp import llama_cpp as low

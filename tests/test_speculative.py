@@ -66,8 +66,13 @@ def test_greedy_speculation_is_the_model(tiny_model: Callable[[str], Path], othe
     assert stats["draft"] == (Path(path).name if draft.endswith("model") else draft)
     if draft == "same-model":  # the model drafting for itself: every draft is taken
         assert stats["accepted"] == stats["drafted"]
+        # and its states through the model's routers name the experts the verification
+        # routes: all of them for the rows it drafted (not the last draft's row)
+        assert stats["prefetch_precision"] > 0.95 and stats["prefetch_recall"] > 0.5
+        assert stats["spec_cutoff"] > 0
     elif draft == "other-model":  # other random weights: drafts are turned down
         assert stats["accepted"] < stats["drafted"]
+        assert stats["prefetch_precision"] < 0.9
     else:  # the little pass: drafts both taken and turned down on the way
         assert stats["drafted"] > stats["accepted"] > 0
     if draft_k is not None:

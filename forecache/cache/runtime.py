@@ -117,6 +117,9 @@ class ExpertCache:
                             (ctypes.c_int32 * max(info.n_slots, 1))())
                        for il, info in self.layers.items()}
         self._little_ids = (ctypes.c_int32 * 64)()  # little_routing's buffer, grown on demand
+        # sees (layer, distinct experts) of every gate the hook decides (a speculative
+        # verification's routing, for the draft's prediction counts)
+        self.route_observer: Callable[[int, np.ndarray], None] | None = None
         self._gates = 0
         self._ubatches = 0
         # decode (one-token) gates' hits and misses before the last reset_stats
@@ -304,6 +307,8 @@ class ExpertCache:
                 x = np.ctypeslib.as_array(x_p, shape=(n_tokens, n_embd)) if x_p else None
                 self.on_route(layer, ids.reshape(n_tokens, n_used), w, x)
             experts, counts = first_use(ids)
+            if self.route_observer is not None:
+                self.route_observer(layer, experts)
             on_slots = self.policy.gate(layer, experts, self, counts)
             self._calibrate()
             return 0 if on_slots else 1

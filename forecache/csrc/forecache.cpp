@@ -3,8 +3,11 @@
 #include "ggml.h"
 #include "ggml-backend.h"
 
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
+#include <vector>
 
 int32_t forecache_patch_version(void) {
     return FORECACHE_PATCH_VERSION;
@@ -85,4 +88,67 @@ int32_t forecache_measure_copy(
         free(host);
     }
     return status;
+}
+
+struct forecache_capture {
+    std::string           prefix; // "<name>-"
+    int32_t               n_layer = 0;
+    int32_t               n_embd  = 0;
+    std::vector<float>    rows;   // n_layer x n_embd: the last token's row of each layer
+    std::vector<int64_t>  count;  // captures per layer
+};
+
+struct forecache_capture * forecache_capture_init(const char * name, int32_t n_layer, int32_t n_embd) {
+    if (name == nullptr || n_layer <= 0 || n_embd <= 0) {
+        return nullptr;
+    }
+    auto * c = new forecache_capture();
+    c->prefix  = std::string(name) + "-";
+    c->n_layer = n_layer;
+    c->n_embd  = n_embd;
+    c->rows.assign((size_t) n_layer*n_embd, 0.0f);
+    c->count.assign(n_layer, 0);
+    return c;
+}
+
+void forecache_capture_free(struct forecache_capture * capture) {
+    delete capture;
+}
+
+// layer of a tensor named "<prefix><il>", or -1
+static int32_t fc_capture_layer(const forecache_capture * c, const char * name) {
+    if (strncmp(name, c->prefix.c_str(), c->prefix.size()) != 0) {
+        return -1;
+    }
+    int il = -1;
+    int n  = 0;
+    if (sscanf(name + c->prefix.size(), "%d%n", &il, &n) != 1 || name[c->prefix.size() + n] != '\0') {
+        return -1;
+    }
+    return il >= 0 && il < c->n_layer ? il : -1;
+}
+
+bool forecache_capture_eval(struct ggml_tensor * t, bool ask, void * user_data) {
+    auto * c = (forecache_capture *) user_data;
+    const int32_t il = fc_capture_layer(c, ggml_get_name(t));
+    const bool wanted = il >= 0 && t->type == GGML_TYPE_F32 && t->ne[0] == c->n_embd && t->nb[0] == sizeof(float);
+    if (ask) {
+        return wanted;
+    }
+    if (wanted && t->ne[1] > 0) {
+        const size_t offset = (size_t) (t->ne[1] - 1)*t->nb[1];
+        ggml_backend_tensor_get(t, c->rows.data() + (size_t) il*c->n_embd, offset, (size_t) c->n_embd*sizeof(float));
+        c->count[il]++;
+    }
+    return true;
+}
+
+int64_t forecache_capture_get(const struct forecache_capture * capture, int32_t layer, float * out) {
+    if (capture == nullptr || layer < 0 || layer >= capture->n_layer) {
+        return -1;
+    }
+    if (capture->count[layer] > 0) {
+        memcpy(out, capture->rows.data() + (size_t) layer*capture->n_embd, (size_t) capture->n_embd*sizeof(float));
+    }
+    return capture->count[layer];
 }

@@ -15,7 +15,7 @@ extern "C" {
 
 // Version of this API and of the patches it needs in llama.cpp; bumped whenever either changes.
 // The Python side reads it from this header and refuses a library that reports another.
-#define FORECACHE_PATCH_VERSION 12
+#define FORECACHE_PATCH_VERSION 13
 
 // Returns FORECACHE_PATCH_VERSION of the library the caller is linked against.
 LLAMA_API int32_t forecache_patch_version(void);
@@ -32,6 +32,27 @@ LLAMA_API int32_t forecache_measure_copy(
         bool     pinned,
         double * h2d_gbps,
         double * d2h_gbps);
+
+//
+// Hidden-state capture (a draft model's per-layer states for speculative expert prefetch)
+//
+
+struct forecache_capture;
+
+// A capture of the tensors named "<name>-<il>" (llama.cpp's graph names, e.g. "ffn_norm") for layers
+// il < n_layer: rows of n_embd floats. Install it in a context by setting llama_context_params.cb_eval to
+// forecache_capture_eval and cb_eval_user_data to the capture (before llama_init_from_model).
+LLAMA_API struct forecache_capture * forecache_capture_init(const char * name, int32_t n_layer, int32_t n_embd);
+
+LLAMA_API void forecache_capture_free(struct forecache_capture * capture);
+
+// The eval callback: asks for the named F32 tensors of n_embd columns and copies the last token's row of
+// each into the capture. Never stops the computation.
+LLAMA_API bool forecache_capture_eval(struct ggml_tensor * t, bool ask, void * user_data);
+
+// Copies the last row captured for `layer` into `out` (n_embd floats). Returns how many times that layer
+// was captured so far (0: never, and `out` is untouched), -1 for a bad layer.
+LLAMA_API int64_t forecache_capture_get(const struct forecache_capture * capture, int32_t layer, float * out);
 
 //
 // Expert cache

@@ -71,7 +71,9 @@ class SimConfig:
     # experts (self-little; the verification first prefetches what the little passes routed);
     # "model": a dense draft of ``draft_bytes`` on the device (its memory taken from the slots),
     # while which the verifier's experts of layers up to ``spec_cutoff`` (None: all) are copied
-    # in, as SP-MoE's cross-model predictor names them (``draft_recall`` of them, at random)
+    # in, as SP-MoE's cross-model predictor names them (``draft_recall`` of them, at random);
+    # ``spec_cutoff`` -1: SP-MoE's rule, as the runtime applies it (the predicted misses' copies
+    # fit in the drafting time)
     spec_draft: str = ""
     spec_k: int = 4
     spec_accept: float = 0.8
@@ -204,6 +206,7 @@ class Simulator:
         self._oracle: np.ndarray | None = None  # the big pass's routing, prefetched at its start
         self.little_passes = self.big_passes = 0
         self.spec_steps = self.spec_accepted = 0
+        self.spec_cutoffs: list[int] = []  # SP-MoE's rule's choices
         self.bus_floor_prefill: list[float] = []
         self.floor_decode: list[float] = []  # per decoded token
 
@@ -303,6 +306,13 @@ class Simulator:
         else:
             draft_s = self._dev(cfg.draft_bytes, 4.0 * cfg.draft_bytes)
             cutoff = len(self.layers) if cfg.spec_cutoff is None else cfg.spec_cutoff
+            if cutoff < 0:
+                miss = self.misses / max(self.hits + self.misses, 1)
+                per_layer = miss * min(self.shape.top_k * k, self.shape.experts)
+                copy_s = self._merge.copy_s()
+                cutoff = len(self.layers) if per_layer <= 0 else \
+                    min(len(self.layers), int(k * draft_s / (per_layer * copy_s)))
+                self.spec_cutoffs.append(cutoff)
             for r in verify[:k]:
                 # the draft reaches each layer and names the verifier's experts there
                 if isinstance(self.policy, Prefetcher):
@@ -598,6 +608,8 @@ class Simulator:
         if self.cfg.little_k:
             extra.update(little_passes=self.little_passes, big_passes=self.big_passes)
         if self.cfg.spec_draft:
+            if self.spec_cutoffs:
+                extra["spec_cutoff_mean"] = float(np.mean(self.spec_cutoffs))
             extra.update(spec_steps=self.spec_steps, spec_accepted=self.spec_accepted,
                          tokens_per_step=(self.spec_accepted + self.spec_steps) /
                          max(self.spec_steps, 1))
