@@ -154,7 +154,7 @@ step_bench() {
         fi
     fi
     "$PY" benchmarks/policy_bench.py -m "$model" \
-        --policies offload,ncmoe,lru,static,promoe,promoe+little,promoe+resident \
+        --policies offload,ncmoe,lru,static,promoe,promoe+spec,promoe+little,promoe+resident \
         "${args[@]}" --json "$OUT/policy_bench.json" 2>&1 | tee "$OUT/policy_bench.log" >&2
 }
 

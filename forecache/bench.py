@@ -23,13 +23,22 @@ LITTLE_RUNS = {"+little": {"little_k": -1, "gamma": 0.0},
                "+resident": {"little_k": -1, "gamma": 0.0, "little_resident": True}}
 
 
+# exact runs a benchmark may add to a policy's name: speculative decoding with a self draft
+SPEC_RUNS = {"+spec": "self-little"}
+
+
 def _policy_run(name: str) -> tuple[str, dict]:
     """A benchmark run's policy and extra CacheConfig fields: "promoe+little" ->
     ("promoe", {little_k: -1, gamma: 0})."""
     for suffix, kw in LITTLE_RUNS.items():
         if name.endswith(suffix):
             return name[:-len(suffix)], kw
-    return name, {}
+    return name.split("+")[0] if name.endswith(tuple(SPEC_RUNS)) else name, {}
+
+
+def _draft_of(name: str) -> str | None:
+    """The draft a benchmark run speculates with ("promoe+spec": self-little), or None."""
+    return next((d for suffix, d in SPEC_RUNS.items() if name.endswith(suffix)), None)
 
 
 @dataclass
@@ -80,10 +89,12 @@ def _sized(policy: str, gpu_budget: int | None, fraction: float | None, **kw: ob
 
 
 def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n_gen: int, *,
-               n_ctx: int, n_threads: int | None, decode_gate: bool = True) -> dict:
+               n_ctx: int, n_threads: int | None, decode_gate: bool = True,
+               draft: str | None = None) -> dict:
     """Load the model under ``cfg``, warm up, then generate ``n_gen`` tokens for every prompt
-    (``decode_gate=False``: every gate calls the Python policy)."""
-    with Llama.open(model, cache=cfg, n_ctx=n_ctx, n_threads=n_threads) as llm:
+    (``decode_gate=False``: every gate calls the Python policy; ``draft``: speculative)."""
+    spec = {} if draft is None else {"draft": draft}
+    with Llama.open(model, cache=cfg, n_ctx=n_ctx, n_threads=n_threads, **spec) as llm:
         if llm.expert_cache is not None:
             llm.expert_cache.use_decode_gate(decode_gate)
         generate(llm, prompts[0][:8], 2, SamplingParams(greedy=True), ignore_eos=True)
@@ -126,7 +137,8 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
         progress(f"running {pol} ...")
         base, extra = _policy_run(pol)
         cfg = _sized(base, gpu_budget, cache_fraction, **extra)
-        raw[pol] = run_policy(model, cfg, prompts, n_gen, n_ctx=n_ctx, n_threads=n_threads)
+        raw[pol] = run_policy(model, cfg, prompts, n_gen, n_ctx=n_ctx, n_threads=n_threads,
+                              draft=_draft_of(pol))
     results = []
     for pol, r in raw.items():
         ratios = {}
@@ -166,6 +178,9 @@ def format_table(report: dict) -> str:
     if any(_policy_run(r["policy"])[1] for r in report["results"]):
         lines.append("+little/+resident: MoBiLE's little pass on every generated token (lossy; "
                      "the mode's speed bound)")
+    if any(_draft_of(r["policy"]) for r in report["results"]):
+        lines.append("+spec: speculative decoding with the model's little pass as the draft "
+                     "(exact)")
     return "\n".join(lines)
 
 

@@ -35,8 +35,9 @@ def test_cpu_dry_run_writes_every_result(tmp_path: Path) -> None:
     assert lossless["exit_code"] == 0 and lossless["failed"] == 0 and lossless["passed"] > 0
     bench = json.loads((out / "policy_bench.json").read_text())
     assert {r["policy"] for r in bench["results"]} == {
-        "offload", "ncmoe", "lru", "static", "promoe", "promoe+little", "promoe+resident"}
-    # the exact runs agree; the little passes (lossy) are left out of that
+        "offload", "ncmoe", "lru", "static", "promoe", "promoe+spec", "promoe+little",
+        "promoe+resident"}
+    # the exact runs (speculation among them) agree; the little passes (lossy) are left out
     assert bench["same_tokens"] is True and bench["h2d_gbps"] is not None
     # the device tool returns at most 8 files: these, plus the CPU mode's small model
     assert sorted(p.name for p in out.iterdir()) == [
