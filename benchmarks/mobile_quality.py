@@ -34,6 +34,7 @@ import math
 import os
 import platform
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -151,6 +152,17 @@ def _plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _settings(args: argparse.Namespace) -> Iterator[tuple[str, float, CacheConfig]]:
+    """(little-k, gamma, CacheConfig) of each mobile run the arguments ask for."""
+    for m in args.little_k.split(","):
+        resident = m == "resident"
+        for gamma in (float(x) for x in args.gammas.split(",")):
+            yield m, gamma, CacheConfig("promoe", cache_fraction=args.cache_fraction,
+                                        predictor="history",
+                                        little_k=-1 if resident else int(m), gamma=gamma,
+                                        little_resident=resident)
+
+
 def _lines_table(args: argparse.Namespace, base: CacheConfig) -> list[dict]:
     """The line-completion task, exact and at each setting: printed, and its rows."""
     tasks = _line_tasks(VALID.read_text(), args.lines)
@@ -163,29 +175,24 @@ def _lines_table(args: argparse.Namespace, base: CacheConfig) -> list[dict]:
           "change (95%) | same completion as exact (95%) | ms a token | over exact |")
     print("|---|---|---|---|---|---|---|---|---|")
     rows = []
-    for m in args.little_k.split(","):
-        resident = m == "resident"
-        for gamma in (float(x) for x in args.gammas.split(",")):
-            cfg = CacheConfig("promoe", cache_fraction=args.cache_fraction,
-                              predictor="history", little_k=-1 if resident else int(m),
-                              gamma=gamma, little_resident=resident)
-            r = _complete(cfg, tasks, args.threads)
-            same = float(np.mean([a == b for a, b in zip(r["completions"],
-                                                          exact["completions"], strict=True)]))
-            em = r["exact_match"]
-            d = r["edit_sim"] - exact["edit_sim"]
-            d_half = 1.96 * d.std(ddof=1) / math.sqrt(n) if n > 1 else 0.0
-            s_half = 1.96 * math.sqrt(same * (1 - same) / n)
-            share = r["big_passes"] / max(r["little_passes"], 1)
-            rows.append({"little_k": m, "gamma": gamma, "fallback": share, "exact_match": em,
-                         "edit_sim": float(r["edit_sim"].mean()),
-                         "edit_sim_change": float(d.mean()), "edit_sim_change_ci": d_half,
-                         "same": same, "same_ci": s_half,
-                         "s_per_token": r["s_per_token"]})
-            print(f"| {m} | {gamma:.1f} | {share:.3f} | {em:.3f} | {r['edit_sim'].mean():.1f} | "
-                  f"{d.mean():+.2f} +- {d_half:.2f} | {same:.3f} +- {s_half:.3f} | "
-                  f"{r['s_per_token'] * 1e3:.2f} | "
-                  f"{exact['s_per_token'] / r['s_per_token']:.2f}x |", flush=True)
+    for m, gamma, cfg in _settings(args):
+        r = _complete(cfg, tasks, args.threads)
+        same = float(np.mean([a == b for a, b in zip(r["completions"],
+                                                      exact["completions"], strict=True)]))
+        em = r["exact_match"]
+        d = r["edit_sim"] - exact["edit_sim"]
+        d_half = 1.96 * d.std(ddof=1) / math.sqrt(n) if n > 1 else 0.0
+        s_half = 1.96 * math.sqrt(same * (1 - same) / n)
+        share = r["big_passes"] / max(r["little_passes"], 1)
+        rows.append({"little_k": m, "gamma": gamma, "fallback": share, "exact_match": em,
+                     "edit_sim": float(r["edit_sim"].mean()),
+                     "edit_sim_change": float(d.mean()), "edit_sim_change_ci": d_half,
+                     "same": same, "same_ci": s_half,
+                     "s_per_token": r["s_per_token"]})
+        print(f"| {m} | {gamma:.1f} | {share:.3f} | {em:.3f} | {r['edit_sim'].mean():.1f} | "
+              f"{d.mean():+.2f} +- {d_half:.2f} | {same:.3f} +- {s_half:.3f} | "
+              f"{r['s_per_token'] * 1e3:.2f} | "
+              f"{exact['s_per_token'] / r['s_per_token']:.2f}x |", flush=True)
     return rows
 
 
@@ -216,27 +223,22 @@ def main() -> None:
           "(95%) | top token agrees (95%) | ms a token | over exact |")
     print("|---|---|---|---|---|---|---|---|")
     rows = []
-    for m in args.little_k.split(","):
-        resident = m == "resident"
-        for gamma in (float(x) for x in args.gammas.split(",")):
-            cfg = CacheConfig("promoe", cache_fraction=args.cache_fraction,
-                              predictor="history", little_k=-1 if resident else int(m),
-                              gamma=gamma, little_resident=resident)
-            r = _run(cfg, tokens, args.threads)
-            d = r["logp"] - exact["logp"]
-            half = 1.96 * d.std(ddof=1) / math.sqrt(n)
-            agree = float((r["top"] == exact["top"]).mean())
-            a_half = 1.96 * math.sqrt(agree * (1 - agree) / n)
-            share = r["big_passes"] / max(r["little_passes"], 1)
-            row = {"little_k": m, "gamma": gamma, "fallback": share,
-                   "perplexity": math.exp(-r["logp"].mean()), "dlogp": float(d.mean()),
-                   "dlogp_ci": half, "agree": agree, "agree_ci": a_half,
-                   "s_per_token": r["s_per_token"]}
-            rows.append(row)
-            print(f"| {m} | {gamma:.1f} | {share:.3f} | {row['perplexity']:.3f} | "
-                  f"{d.mean():+.4f} +- {half:.4f} | {agree:.3f} +- {a_half:.3f} | "
-                  f"{r['s_per_token'] * 1e3:.2f} | "
-                  f"{exact['s_per_token'] / r['s_per_token']:.2f}x |", flush=True)
+    for m, gamma, cfg in _settings(args):
+        r = _run(cfg, tokens, args.threads)
+        d = r["logp"] - exact["logp"]
+        half = 1.96 * d.std(ddof=1) / math.sqrt(n)
+        agree = float((r["top"] == exact["top"]).mean())
+        a_half = 1.96 * math.sqrt(agree * (1 - agree) / n)
+        share = r["big_passes"] / max(r["little_passes"], 1)
+        row = {"little_k": m, "gamma": gamma, "fallback": share,
+               "perplexity": math.exp(-r["logp"].mean()), "dlogp": float(d.mean()),
+               "dlogp_ci": half, "agree": agree, "agree_ci": a_half,
+               "s_per_token": r["s_per_token"]}
+        rows.append(row)
+        print(f"| {m} | {gamma:.1f} | {share:.3f} | {row['perplexity']:.3f} | "
+              f"{d.mean():+.4f} +- {half:.4f} | {agree:.3f} +- {a_half:.3f} | "
+              f"{r['s_per_token'] * 1e3:.2f} | "
+              f"{exact['s_per_token'] / r['s_per_token']:.2f}x |", flush=True)
     lines = _lines_table(args, base) if args.lines else []
     if args.json:
         args.json.write_text(json.dumps({"model": MODEL.name, "positions": n,
