@@ -220,3 +220,20 @@ def test_bad_drafts_are_refused(tiny_model: Callable[[str], Path]) -> None:
         res = run_cli("generate", "-m", model, "-p", "Hello", "-n", "4", *args)
         assert res.returncode != 0 and want in res.stderr, (args, res.stderr)
         assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_cli_reports_speculation(tiny_model: Callable[[str], Path]) -> None:
+    from forecache.chat import spec_summary
+    from tests.cli_helpers import run_cli_json
+
+    model = str(tiny_model("q8_0"))
+    opts = ["-m", model, "-p", "Hello there", "-n", "16", "--greedy", "--policy", "promoe",
+            "--cache-fraction", "0.5"]
+    plain = run_cli_json("generate", *opts)
+    spec = run_cli_json("generate", *opts, "--draft", "self-cached", "--draft-k", "2")
+    assert spec["tokens"] == plain["tokens"]
+    s = spec["stats"]
+    assert s["draft"] == "self-cached" and s["draft_k"] == 2 and s["verify_passes"] > 0
+    assert 0.0 <= s["acceptance"] <= 1.0 and "draft" not in plain["stats"]
+    line = spec_summary(s)
+    assert line.startswith("speculative (self-cached drafts): ") and "accepted" in line
