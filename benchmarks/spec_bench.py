@@ -9,9 +9,9 @@ run decodes the same prompts with promoe at ``--cache-fraction``: once without a
 each draft and draft length. Printed per run: the share of drafted tokens the model accepted, the
 tokens each verification pass yields (accepted + 1), for a GGUF draft of the model's width the
 precision and recall of the experts its states named (through the model's routers) against those
-the verifications routed, the time per generated token and the speedup over the run without a
-draft, and whether the tokens equal it (greedy). The acceptance feeds the
-simulator's speculative replay (``sim_spec.py``).
+the verifications routed (and the precision a random guess would have), the time per generated
+token and the speedup over the run without a draft, and whether the tokens equal it (greedy).
+The acceptance feeds the simulator's speculative replay (``spec_sim.py``).
 """
 
 from __future__ import annotations
@@ -80,8 +80,8 @@ def main() -> None:
           f"{args.threads} threads\n")
     base = _run(prompts, args.gen, sp, args.cache_fraction, args.threads, None, None)
     print(f"no draft: {base['tpot_s'] * 1e3:.2f} ms a token\n")
-    print("| draft | k | accepted | tokens a verification | prefetch precision / recall "
-          "(cutoff) | ms a token | over no draft | same tokens |")
+    print("| draft | k | accepted | tokens a verification | prefetch precision (chance) / "
+          "recall (cutoff) | ms a token | over no draft | same tokens |")
     print("|---|---|---|---|---|---|---|---|")
     drafts = args.drafts.split(",") + ([args.draft_model] if args.draft_model else [])
     rows = []
@@ -98,11 +98,12 @@ def main() -> None:
                    "speedup": base["tpot_s"] / r["tpot_s"], "same_tokens": same,
                    "prefetch_precision": s.get("prefetch_precision"),
                    "prefetch_recall": s.get("prefetch_recall"),
+                   "prefetch_precision_chance": s.get("prefetch_precision_chance"),
                    "spec_cutoff": s.get("spec_cutoff")}
             rows.append(row)
             pr = "-" if row["prefetch_precision"] is None else \
-                (f"{row['prefetch_precision']:.2f} / {row['prefetch_recall']:.2f} "
-                 f"({row['spec_cutoff']})")
+                (f"{row['prefetch_precision']:.2f} ({row['prefetch_precision_chance']:.2f}) / "
+                 f"{row['prefetch_recall']:.2f} ({row['spec_cutoff']})")
             print(f"| {row['draft']} | {ks} | {row['acceptance']:.3f} | "
                   f"{row['tokens_per_verify']:.2f} | {pr} | {r['tpot_s'] * 1e3:.2f} | "
                   f"{row['speedup']:.2f}x | {'-' if same is None else 'yes' if same else 'NO'} |",

@@ -314,6 +314,7 @@ class ModelDraft:
         self._predicted: dict[int, set[int]] = {}
         self.prefetched = 0  # copies the predictions queued
         self.hits = self.n_predicted = self.n_routed = 0  # precision and recall counts
+        self._chance: list[float] = []  # a random guess's precision, per layer verified
 
     def propose(self, llm: Llama, x: int, pos: int, k: int, sampler: Sampler,
                 rng: np.random.Generator, history: list[int]
@@ -381,6 +382,8 @@ class ModelDraft:
             return
         routed = {int(e) for e in experts.tolist()}
         pred = self._predicted[layer]
+        if self.predictor is not None:
+            self._chance.append(len(routed) / self.predictor.gates[layer].shape[0])
         self.hits += len(pred & routed)
         self.n_predicted += len(pred)
         self.n_routed += len(routed)
@@ -388,7 +391,10 @@ class ModelDraft:
     def stats(self) -> dict:
         return {"spec_cutoff": self.cutoff, "spec_prefetched": self.prefetched,
                 "prefetch_precision": self.hits / self.n_predicted if self.n_predicted else None,
-                "prefetch_recall": self.hits / self.n_routed if self.n_routed else None}
+                "prefetch_recall": self.hits / self.n_routed if self.n_routed else None,
+                # what guessing would reach: the share of a layer's experts a verification routes
+                "prefetch_precision_chance": float(np.mean(self._chance)) if self._chance
+                else None}
 
     def close(self) -> None:
         self.ctx.close()

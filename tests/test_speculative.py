@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from forecache.cache.setup import CacheConfig
-from forecache.default_model import REFERENCE_MODEL
+from forecache.default_model import REFERENCE_DRAFT, REFERENCE_MODEL
 from forecache.generate import SamplingParams, generate, last_logits
 from forecache.llama import Llama
 from forecache.speculative import Sampler, sampler_for, verify
@@ -202,6 +202,26 @@ def test_greedy_speculation_keeps_llama_cpp_penalties() -> None:
     assert out[None, 1.5] != out[None, 1.0]  # the penalty changes this text
     assert out["self-little", 1.5] == out[None, 1.5]
     assert out["self-little", 1.0] == out[None, 1.0]
+
+
+@pytest.mark.skipif(not REFERENCE_DRAFT.is_file(), reason="reference draft not in this checkout")
+def test_the_shipped_draft_speculates_for_the_reference_model() -> None:
+    """The trained dense draft has the reference model's vocabulary and width: greedy output
+    is the model's, and its states through the model's routers name experts the verifications
+    route."""
+    out = {}
+    for draft in (None, str(REFERENCE_DRAFT)):
+        cfg = CacheConfig("promoe", cache_fraction=0.5, predictor="history")
+        with Llama.open(REFERENCE_MODEL, cache=cfg, n_ctx=256, n_threads=2, draft=draft,
+                        draft_k=3) as llm:
+            out[draft] = generate(llm, REF_PROMPT, 32, SamplingParams(greedy=True)).tokens
+            stats = llm.expert_stats()
+    assert out[str(REFERENCE_DRAFT)] == out[None]
+    assert stats["draft"] == REFERENCE_DRAFT.name and stats["verify_passes"] > 0
+    assert 0 < stats["accepted"] < stats["drafted"]
+    assert stats["spec_cutoff"] > 0 and stats["spec_prefetched"] >= 0
+    assert 0 < stats["prefetch_precision_chance"] < 1
+    assert stats["prefetch_precision"] > 0
 
 
 def test_bad_drafts_are_refused(tiny_model: Callable[[str], Path]) -> None:

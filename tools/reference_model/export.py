@@ -8,39 +8,92 @@ fixed prompt with PyTorch's logits for its last token, the validation loss measu
 and by llama.cpp on forecache-ref-valid.txt (a slice of the held-out split, shipped so the
 figure can be re-measured), and the measured logit differences. Needs torch, tokenizers and
 forecache's environment (the patched llama-cpp-python, gguf).
+
+A dense draft's run (train.py --dense) is written as forecache-ref-draft-q8_0.gguf and
+forecache-ref-draft.json instead: llama.cpp's qwen2, with every tokenizer key copied from
+--reference so that its vocabulary is exactly the reference model's, measured on the shipped
+forecache-ref-valid.txt (which the run's corpus must reproduce).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model import Config, Qwen2Moe, gguf_tensors  # noqa: E402
+from model import DenseConfig, Qwen2Moe, config_from_dict, gguf_tensors  # noqa: E402
 from tokenizer import SPECIAL_TOKENS, vocab_lists  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
+
+if TYPE_CHECKING:
+    from gguf import GGUFWriter
 
 PROMPT = "In the beginning God created the heaven and the earth. And the earth was"
 VALID_BYTES = 24_000
 NAME = "forecache-ref"
+DRAFT_NAME = "forecache-ref-draft"
+REFERENCE = Path(__file__).resolve().parents[2] / "forecache/data/models/forecache-ref-q8_0.gguf"
 
 
-def write_gguf(model: Qwen2Moe, tok: Tokenizer, path: Path, qtype: str, valid_loss: float
-               ) -> None:
-    """Write the model as llama.cpp's qwen2moe with the trained tokenizer and ChatML."""
-    from gguf import GGMLQuantizationType, GGUFWriter, TokenType
-    from gguf.quants import quantize
+def add_dense_hparams(w: GGUFWriter, c: DenseConfig, qtype: str) -> None:
+    """The qwen2 hyperparameter keys, as the HF converter writes them for Qwen2."""
+    from gguf import GGML_QUANT_VERSION
+
+    from forecache.gguf.specs import QTYPES
+
+    w.add_block_count(c.layers)
+    w.add_context_length(c.context_length)
+    w.add_embedding_length(c.d_model)
+    w.add_feed_forward_length(c.ff)
+    w.add_head_count(c.heads)
+    w.add_head_count_kv(c.kv_heads)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_layer_norm_rms_eps(c.rms_eps)
+    w.add_file_type(int(QTYPES[qtype][1]))
+    w.add_quantization_version(GGML_QUANT_VERSION)
+
+
+def copy_tokenizer(w: GGUFWriter, reference: Path) -> None:
+    """Every `tokenizer.*` key of ``reference`` unchanged (tokens, types, merges, special ids,
+    pre-tokenizer, chat template), so llama.cpp tokenizes for the draft as for the model."""
+    from gguf import GGUFReader, GGUFValueType
+
+    for name, f in GGUFReader(reference).fields.items():
+        if name.startswith("tokenizer."):
+            vtype = GGUFValueType(f.types[0])
+            sub = GGUFValueType(f.types[-1]) if vtype == GGUFValueType.ARRAY else None
+            w.add_key_value(name, f.contents(), vtype, sub_type=sub)
+
+
+def write_gguf(model: Qwen2Moe, tok: Tokenizer, path: Path, qtype: str, valid_loss: float,
+               reference: Path = REFERENCE) -> None:
+    """Write the model as llama.cpp's qwen2moe with the trained tokenizer and ChatML, or the
+    dense draft as qwen2 with ``reference``'s tokenizer keys."""
+    from gguf import GGUFWriter, TokenType
 
     from forecache.gguf.maker import add_hparams
     from forecache.gguf.specs import get_spec
     from forecache.gguf.vocab import Vocab
 
+    if isinstance(model.c, DenseConfig):
+        w = GGUFWriter(str(path) + ".tmp", "qwen2")
+        w.add_type("model")
+        w.add_name(DRAFT_NAME)
+        w.add_description(f"a dense draft model for {NAME} (its width, depth and vocabulary), "
+                          "trained on its corpus (tools/reference_model)")
+        w.add_float32("forecache.valid_loss", float(valid_loss))
+        add_dense_hparams(w, model.c, qtype)
+        copy_tokenizer(w, reference)
+        write_tensors(w, model, path, qtype)
+        return
     spec = get_spec("reference")
     mismatch = {k: (v, getattr(spec, k)) for k, v in model.c.to_dict().items()
                 if k != "vocab" and getattr(spec, k) != v}
@@ -61,6 +114,14 @@ def write_gguf(model: Qwen2Moe, tok: Tokenizer, path: Path, qtype: str, valid_lo
     w.add_float32("forecache.valid_loss", float(valid_loss))
     add_hparams(w, spec, qtype)
     vocab.write_to(w)
+    write_tensors(w, model, path, qtype)
+
+
+def write_tensors(w: GGUFWriter, model: Qwen2Moe, path: Path, qtype: str) -> None:
+    """Add the weights to ``w`` (holding the metadata), write it and move it to ``path``."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
     for name, t in gguf_tensors(model).items():
         a = t.detach().float().numpy()
         small = a.ndim == 1 or name.endswith("ffn_gate_inp.weight")  # norms, biases, routers
@@ -119,21 +180,29 @@ def main() -> int:
     ap.add_argument("--run", type=Path, required=True)
     ap.add_argument("--corpus", type=Path, required=True, help="for the validation slice")
     ap.add_argument("--out-dir", type=Path, required=True)
+    ap.add_argument("--reference", type=Path, default=REFERENCE,
+                    help="a dense draft's tokenizer keys come from this GGUF")
     args = ap.parse_args()
     ck = torch.load(args.run / "checkpoint.pt", weights_only=False)
-    cfg = Config(**ck["config"])
+    cfg = config_from_dict(ck["config"])
+    dense = isinstance(cfg, DenseConfig)
+    name = DRAFT_NAME if dense else NAME
     model = Qwen2Moe(cfg)
     model.load_state_dict(ck["model"])
     model.eval()
     tok = Tokenizer.from_file(str(args.run / "tokenizer.json"))
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    f16 = args.run / f"{NAME}-f16.gguf"
-    q8 = args.out_dir / f"{NAME}-q8_0.gguf"
-    write_gguf(model, tok, f16, "f16", ck.get("valid_loss") or 0.0)
+    f16 = args.run / f"{name}-f16.gguf"
+    q8 = args.out_dir / f"{name}-q8_0.gguf"
+    write_gguf(model, tok, f16, "f16", ck.get("valid_loss") or 0.0, args.reference)
 
     # the same tokens in both frameworks
     valid_text = (args.corpus / "valid.txt").read_text(encoding="utf-8")[:VALID_BYTES]
     valid_text = valid_text[:valid_text.rfind("\n") + 1]
+    shipped = args.out_dir / f"{NAME}-valid.txt"
+    if dense and shipped.read_text(encoding="utf-8") != valid_text:
+        raise SystemExit(f"{args.corpus} is not the reference model's corpus: its validation "
+                         f"slice differs from {shipped}")
     for text in (PROMPT, valid_text):
         ours, theirs = tok.encode(text, add_special_tokens=False).ids, llama_tokenize(f16, text)
         if ours != theirs:
@@ -159,12 +228,13 @@ def main() -> int:
     valid_loss_torch = float(np.mean([nll(logits[i:i + 512].numpy(), vids[i:i + 512])
                                       for i in range(0, len(vids), 512)
                                       if len(vids[i:i + 512]) > 1]))
-    write_gguf(model, tok, q8, "q8_0", valid_loss_torch)
+    write_gguf(model, tok, q8, "q8_0", valid_loss_torch, args.reference)
     got = llama_logits(q8, ids)
     diff_q8 = float(np.abs(got[-1] - ref[-1]).max())
     vl_llama = float(np.mean([nll(llama_logits(q8, vids[i:i + 512]), vids[i:i + 512])
                               for i in range(0, len(vids), 512) if len(vids[i:i + 512]) > 1]))
-    (args.out_dir / f"{NAME}-valid.txt").write_text(valid_text, encoding="utf-8")
+    if not dense:
+        shipped.write_text(valid_text, encoding="utf-8")
     meta = {
         "config": cfg.to_dict(), "prompt": PROMPT, "prompt_ids": ids,
         "reference_last_logits": [round(float(v), 5) for v in ref[-1]],
@@ -176,7 +246,12 @@ def main() -> int:
         "checkpoint_valid_loss": ck.get("valid_loss"),
         "q8_0_bytes": q8.stat().st_size,
     }
-    (args.out_dir / f"{NAME}.json").write_text(json.dumps(meta, indent=1))
+    if dense:
+        # the corpus files' hashes show the split is the reference's (README: Measured sizes)
+        meta |= {"architecture": "qwen2", "reference": args.reference.name,
+                 "corpus_sha256": {f: hashlib.sha256((args.corpus / f).read_bytes()).hexdigest()
+                                   for f in ("train.txt", "valid.txt")}}
+    (args.out_dir / f"{name}.json").write_text(json.dumps(meta, indent=1))
     print(json.dumps({k: v for k, v in meta.items() if k not in ("reference_last_logits",
                                                                  "prompt_ids")}, indent=1))
     return 0

@@ -3,6 +3,10 @@
 RMSNorm, GQA attention with q/k/v biases and NEOX-style RoPE, a softmax top-k router over routed
 SwiGLU experts (router weights not renormalised), and one shared SwiGLU expert scaled by a sigmoid
 gate. Parameter shapes are the GGUF tensors' numpy shapes, so export is a rename.
+
+With a ``DenseConfig`` the same code is the dense draft model, llama.cpp's ``qwen2``: the
+reference's attention, width, depth and vocabulary with one SwiGLU feed-forward per layer and the
+output tied to the token embedding.
 """
 
 from __future__ import annotations
@@ -40,6 +44,42 @@ class Config:
         return asdict(self)
 
 
+@dataclass
+class DenseConfig:
+    """The dense draft. Width, depth and heads must equal the reference's: its per-layer FFN
+    inputs are fed to the reference's routers (forecache.draft_model)."""
+
+    vocab: int
+    d_model: int
+    layers: int
+    heads: int
+    kv_heads: int
+    rope_theta: float
+    rms_eps: float
+    context_length: int
+    ff: int = 512
+    tied: bool = True  # llama.cpp's qwen2 uses token_embd as the output without output.weight
+
+    @classmethod
+    def like(cls, ref: Config, ff: int, tied: bool = True) -> DenseConfig:
+        """The reference's shape with a dense feed-forward of width ``ff``."""
+        return cls(**{k: getattr(ref, k) for k in ("vocab", "d_model", "layers", "heads",
+                                                   "kv_heads", "rope_theta", "rms_eps",
+                                                   "context_length")}, ff=ff, tied=tied)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def config_from_dict(d: dict) -> Config | DenseConfig:
+    """A checkpoint's configuration: MoE when it names experts, else the dense draft."""
+    return Config(**d) if "experts" in d else DenseConfig(**d)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, d: int, eps: float) -> None:
         super().__init__()
@@ -62,7 +102,7 @@ def rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, c: Config) -> None:
+    def __init__(self, c: Config | DenseConfig) -> None:
         super().__init__()
         self.c = c
         kv = c.kv_heads * c.head_dim
@@ -122,22 +162,44 @@ class MoE(nn.Module):
         return out.view(shape), ids, aux
 
 
+class SwiGLU(nn.Module):
+    """The dense draft's feed-forward, called like MoE (no routes, no load-balancing loss)."""
+
+    def __init__(self, c: DenseConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(c.d_model, c.ff, bias=False)
+        self.up = nn.Linear(c.d_model, c.ff, bias=False)
+        self.down = nn.Linear(c.ff, c.d_model, bias=False)
+        nn.init.normal_(self.down.weight, std=1 / math.sqrt(c.ff) / math.sqrt(2 * c.layers))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        y = self.down(F.silu(self.gate(x)) * self.up(x))
+        return y, torch.empty(0, dtype=torch.long), torch.zeros(())
+
+
 class Block(nn.Module):
-    def __init__(self, c: Config) -> None:
+    def __init__(self, c: Config | DenseConfig) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(c.d_model, c.rms_eps)
         self.attn = Attention(c)
         self.ffn_norm = RMSNorm(c.d_model, c.rms_eps)
-        self.moe = MoE(c)
+        # separate attribute names keep the MoE checkpoints' `moe.` keys
+        if isinstance(c, DenseConfig):
+            self.ffn = SwiGLU(c)
+        else:
+            self.moe = MoE(c)
 
     def forward(self, x: torch.Tensor, pos: torch.Tensor):  # type: ignore[no-untyped-def]
         x = x + self.attn(self.attn_norm(x), pos)
-        y, ids, aux = self.moe(self.ffn_norm(x))
+        ff = self.ffn if hasattr(self, "ffn") else self.moe
+        y, ids, aux = ff(self.ffn_norm(x))
         return x + y, ids, aux
 
 
 class Qwen2Moe(nn.Module):
-    def __init__(self, c: Config) -> None:
+    """The reference model, or with a DenseConfig the dense draft (llama.cpp's qwen2)."""
+
+    def __init__(self, c: Config | DenseConfig) -> None:
         super().__init__()
         self.c = c
         self.embed = nn.Embedding(c.vocab, c.d_model)
@@ -145,7 +207,10 @@ class Qwen2Moe(nn.Module):
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.layers))
         self.norm = RMSNorm(c.d_model, c.rms_eps)
         self.lm_head = nn.Linear(c.d_model, c.vocab, bias=False)
-        nn.init.normal_(self.lm_head.weight, std=0.02)
+        if getattr(c, "tied", False):
+            self.lm_head.weight = self.embed.weight
+        else:
+            nn.init.normal_(self.lm_head.weight, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor],
                                                      torch.Tensor]:
@@ -162,11 +227,12 @@ class Qwen2Moe(nn.Module):
 
 def gguf_tensors(model: Qwen2Moe) -> dict[str, torch.Tensor]:
     """Parameters under llama.cpp's tensor names, in the GGUF's numpy shapes."""
-    out = {"token_embd.weight": model.embed.weight, "output_norm.weight": model.norm.weight,
-           "output.weight": model.lm_head.weight}
+    out = {"token_embd.weight": model.embed.weight, "output_norm.weight": model.norm.weight}
+    if not getattr(model.c, "tied", False):
+        out["output.weight"] = model.lm_head.weight
     for i, b in enumerate(model.blocks):
         p = f"blk.{i}."
-        a, m = b.attn, b.moe
+        a = b.attn
         out |= {
             p + "attn_norm.weight": b.attn_norm.weight,
             p + "attn_q.weight": a.q.weight, p + "attn_q.bias": a.q.bias,
@@ -174,6 +240,13 @@ def gguf_tensors(model: Qwen2Moe) -> dict[str, torch.Tensor]:
             p + "attn_v.weight": a.v.weight, p + "attn_v.bias": a.v.bias,
             p + "attn_output.weight": a.o.weight,
             p + "ffn_norm.weight": b.ffn_norm.weight,
+        }
+        if hasattr(b, "ffn"):
+            out |= {p + "ffn_gate.weight": b.ffn.gate.weight, p + "ffn_up.weight": b.ffn.up.weight,
+                    p + "ffn_down.weight": b.ffn.down.weight}
+            continue
+        m = b.moe
+        out |= {
             p + "ffn_gate_inp.weight": m.router,
             p + "ffn_gate_exps.weight": m.gate, p + "ffn_up_exps.weight": m.up,
             p + "ffn_down_exps.weight": m.down,

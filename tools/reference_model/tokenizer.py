@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -51,3 +52,24 @@ def vocab_lists(tok: Tokenizer) -> tuple[list[str], list[str]]:
         raise ValueError("token ids are not contiguous")
     merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
     return tokens, merges
+
+
+def tokenizer_from_gguf(path: Path) -> Tokenizer:
+    """The tokenizer stored in a GGUF written by export.py (its tokens and merges), so a model
+    trained later (the draft) gets exactly the shipped model's vocabulary and ids even where
+    retraining the BPE on a changed corpus or `tokenizers` version would not."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+    tokens: list[str] = fields["tokenizer.ggml.tokens"].contents()
+    merges = [tuple(m.split(" ")) for m in fields["tokenizer.ggml.merges"].contents()]
+    n = len(tokens) - len(SPECIAL_TOKENS)
+    if tuple(tokens[n:]) != SPECIAL_TOKENS:
+        raise ValueError(f"{path}: the special tokens are not the last {len(SPECIAL_TOKENS)}")
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens[:n])}, merges=merges))
+    tok.pre_tokenizer = _pre_tokenizer()
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    if vocab_lists(tok) != (tokens, [" ".join(m) for m in merges]):
+        raise ValueError(f"{path}: the rebuilt tokenizer's vocabulary differs from the file's")
+    return tok

@@ -1,13 +1,15 @@
 """Train the reference model: tokenizer, tokenized corpus, then a time-budgeted training run.
 
     python tools/reference_model/train.py --corpus CORPUS_DIR --out RUN_DIR [--minutes 75]
+    python tools/reference_model/train.py --corpus CORPUS_DIR --out RUN_DIR --minutes 15 \
+        --dense 512 --tokenizer-from forecache/data/models/forecache-ref-q8_0.gguf   # the draft
 
 CORPUS_DIR comes from corpus.py (train.txt / valid.txt, documents separated by `<|endoftext|>`
 lines). RUN_DIR receives tokenizer.json, train.bin / valid.bin (uint16 token ids), checkpoint.pt
 (written atomically every few minutes and at the end; a rerun resumes from it) and log.jsonl.
 The learning rate follows warm-up then cosine decay over the time budget, so a run of a given
 length is reproducible in shape if not to the step. Needs torch and tokenizers
-(`pip install torch tokenizers`); nothing else in forecache does.
+(`pip install torch tokenizers`, and gguf for --tokenizer-from); nothing else in forecache does.
 """
 
 from __future__ import annotations
@@ -25,8 +27,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from model import Config, Qwen2Moe  # noqa: E402
-from tokenizer import SPECIAL_TOKENS, train_tokenizer  # noqa: E402
+from model import Config, DenseConfig, Qwen2Moe  # noqa: E402
+from tokenizer import SPECIAL_TOKENS, tokenizer_from_gguf, train_tokenizer  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 EOT = "<|endoftext|>"
@@ -54,11 +56,17 @@ def chat_example(doc: str) -> str:
             f"<|im_start|>assistant\n{rest}<|im_end|>")
 
 
-def tokenize_corpus(corpus: Path, out: Path, vocab: int) -> Tokenizer:
-    """Train (or reuse) the tokenizer and write train.bin / valid.bin."""
+def tokenize_corpus(corpus: Path, out: Path, vocab: int, from_gguf: Path | None = None
+                    ) -> Tokenizer:
+    """Train (or reuse, or take from the GGUF ``from_gguf``) the tokenizer and write
+    train.bin / valid.bin."""
     tok_path = out / "tokenizer.json"
     if tok_path.is_file():
         tok = Tokenizer.from_file(str(tok_path))
+    elif from_gguf is not None:
+        tok = tokenizer_from_gguf(from_gguf)
+        tok.save(str(tok_path))
+        log(f"tokenizer: {tok.get_vocab_size()} tokens from {from_gguf}")
     else:
         t0 = time.time()
         tok = train_tokenizer(documents(corpus / "train.txt"), vocab)
@@ -114,12 +122,18 @@ def main() -> int:
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--dense", type=int, default=0, metavar="FF",
+                    help="train the dense draft (llama.cpp's qwen2, tied embeddings) with this "
+                         "feed-forward width instead of the MoE")
+    ap.add_argument("--tokenizer-from", type=Path, default=None, metavar="GGUF",
+                    help="use this GGUF's vocabulary instead of training one (the draft must "
+                         "have exactly the reference model's)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
-    cfg = Config()
-    tok = tokenize_corpus(args.corpus, args.out, cfg.vocab)
+    cfg = DenseConfig.like(Config(), args.dense) if args.dense else Config()
+    tok = tokenize_corpus(args.corpus, args.out, cfg.vocab, args.tokenizer_from)
     assert tok.get_vocab_size() == cfg.vocab, tok.get_vocab_size()
     assert all(tok.token_to_id(s) is not None for s in SPECIAL_TOKENS)
     train = np.fromfile(args.out / "train.bin", dtype=np.uint16)
