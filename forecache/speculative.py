@@ -439,7 +439,8 @@ class Speculator:
                 generated.append(x)
                 yield x
                 pos = llm.n_tokens
-                k = min(self.length.k, llm.n_ctx() - pos - 1)
+                # the verification is one ubatch, within the context
+                k = min(self.length.k, llm.n_ctx() - pos - 1, llm.n_batch - 1)
                 if k < 1:
                     llm.eval([x])
                     x, _ = sampler.pick(_last_logits(llm), rng, generated)
