@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -25,13 +26,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model) -> Iterator[tuple[str, Path]]:
-    model = tiny_model("q8_0")
+@contextlib.contextmanager
+def _serving(model: Path, *args: str) -> Iterator[str]:
+    """`forecache serve` on ``model`` with ``args``: its base URL while it runs; a clean stop."""
     port = _free_port()
     proc = subprocess.Popen([sys.executable, "-m", "forecache", "serve", "-m", str(model),
-                             "--port", str(port), "--policy", "lru", "--cache-fraction", "0.5",
-                             "--ctx", "1024", "--threads", "2"],
+                             "--port", str(port), "--ctx", "1024", "--threads", "2", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -45,7 +45,7 @@ def server(tiny_model) -> Iterator[tuple[str, Path]]:
                 pass
             assert time.monotonic() < deadline, "server did not start within 60 s"
             time.sleep(0.2)
-        yield base, model
+        yield base
     finally:
         proc.terminate()
         rc = proc.wait(timeout=30)
@@ -56,6 +56,13 @@ def server(tiny_model) -> Iterator[tuple[str, Path]]:
             proc.stdout.close()
         if proc.stderr:
             proc.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model) -> Iterator[tuple[str, Path]]:
+    model = tiny_model("q8_0")
+    with _serving(model, "--policy", "lru", "--cache-fraction", "0.5") as base:
+        yield base, model
 
 
 def test_openai_client_models_completion_and_streaming_chat(server, stock) -> None:
@@ -87,6 +94,20 @@ def test_openai_client_models_completion_and_streaming_chat(server, stock) -> No
             finish = chunk.choices[0].finish_reason or finish
     assert "".join(deltas)
     assert finish in ("length", "stop")
+
+
+def test_speculative_server_answers_as_the_plain_one(server) -> None:
+    """--draft: the server's default sampling (repeat penalty 1.1) speculates, and a greedy
+    completion is the plain server's."""
+    base, model = server
+    body = {"prompt": PROMPT, "max_tokens": 24, "temperature": 0}
+    want = httpx.post(base + "/v1/completions", json=body, timeout=60).json()
+    with _serving(model, "--policy", "lru", "--cache-fraction", "0.5", "--draft",
+                  "self-little") as spec:
+        got = httpx.post(spec + "/v1/completions", json=body, timeout=60).json()
+        stats = httpx.get(spec + "/v1/forecache/stats", timeout=30).json()
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert stats["draft"] == "self-little" and stats["verify_passes"] > 0
 
 
 def test_stats_endpoint_and_reset(server) -> None:
