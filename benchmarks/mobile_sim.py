@@ -21,8 +21,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from forecache.sim.run import fit_predictor, run_one, speedup, target_options, target_replay
-from forecache.sim.simulate import SimConfig
+from forecache.sim.run import run_one, speedup, target_baselines, target_options
 
 ROOT = Path(__file__).resolve().parents[1]
 OLMOE = ROOT.parent / "shared" / "traces" / "olmoe_1b_7b_nf4gemm_decode_4x512.npz"
@@ -35,15 +34,10 @@ def main() -> None:
                     help="little-pass sizes: numbers, or 'resident' (experts in slots + top-1)")
     ap.add_argument("--fallback", default="0,0.1,0.2,0.3")
     args = ap.parse_args()
-    shape, profile, n_slots, info, fit, replay, _ = target_replay(args)
-    _, pred = fit_predictor("auto", info, fit, 2)
-    base = SimConfig("promoe", n_slots, window=2, seed=args.seed)
-    nc = run_one(replay, shape, profile, replace(base, policy="ncmoe"), None)
-    exact = run_one(replay, shape, profile, base, pred)
-    print(f"\n{args.shape} q4_k at {args.budget} ({n_slots}/{shape.experts} slots a layer), "
-          f"top-{shape.top_k}, profile {profile.name}, {len(replay)} requests of "
-          f"{args.prefill} + {args.decode} tokens; ncmoe TPOT {nc.tpot_s * 1e3:.2f} ms, exact "
-          f"promoe {exact.tpot_s * 1e3:.2f} ms ({speedup(nc.tpot_s, exact.tpot_s)})\n")
+    t = target_baselines(args)
+    shape, profile, n_slots, replay, pred = t.shape, t.profile, t.n_slots, t.replay, t.predictor
+    base, nc, exact = t.base, t.ncmoe, t.promoe
+    print(f"\n{t.header(args)}\n")
     print("| little pass | fallback | big passes | TPOT ms | hit % | over exact promoe | "
           "over ncmoe |")
     print("|---|---|---|---|---|---|---|")

@@ -6,7 +6,7 @@ import argparse
 import copy
 import tempfile
 from collections.abc import Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -218,3 +218,38 @@ def target_replay(args: argparse.Namespace, progress: Callable[[str], None] = pr
             fit, replay = split_requests(tf, 0.5)
     n_slots = slots_for(shape, shape.layers, args.budget, None)
     return shape, profile, n_slots, info, fit, replay, meta
+
+
+@dataclass
+class TargetBaselines:
+    """A target benchmark's replay and its two baselines: ncmoe and exact promoe."""
+
+    shape: SimShape
+    profile: Profile
+    n_slots: int
+    replay: list[Request]
+    predictor: Predictor
+    base: SimConfig  # promoe at the budget, window 2
+    ncmoe: SimResult
+    promoe: SimResult
+
+    def header(self, args: argparse.Namespace) -> str:
+        """The line that names the setting and the baselines' decode times."""
+        sh, nc, pro = self.shape, self.ncmoe, self.promoe
+        return (f"{args.shape} q4_k at {args.budget} ({self.n_slots}/{sh.experts} slots a "
+                f"layer), top-{sh.top_k}, profile {self.profile.name}, {len(self.replay)} "
+                f"requests of {args.prefill} + {args.decode} tokens; ncmoe TPOT "
+                f"{nc.tpot_s * 1e3:.2f} ms, exact promoe {pro.tpot_s * 1e3:.2f} ms "
+                f"({speedup(nc.tpot_s, pro.tpot_s)})")
+
+
+def target_baselines(args: argparse.Namespace) -> TargetBaselines:
+    """``target_replay``, a predictor fitted for window 2, and the ncmoe and promoe runs every
+    variant is compared with."""
+    shape, profile, n_slots, info, fit, replay, _ = target_replay(args)
+    _, pred = fit_predictor("auto", info, fit, 2)
+    base = SimConfig("promoe", n_slots, window=2, seed=args.seed)
+    nc = run_one(replay, shape, profile, replace(base, policy="ncmoe"), None)
+    exact = run_one(replay, shape, profile, base, pred)
+    return TargetBaselines(shape, profile, n_slots, replay, pred, base, nc, exact)
+
