@@ -177,13 +177,14 @@ class DraftLength:
     """The draft length: fixed when given, else adaptive from the acceptance (two more after a
     step that accepted every draft, one fewer after one that did not, within 1..MAX_K)."""
 
-    def __init__(self, k: int | None) -> None:
+    def __init__(self, k: int | None, most: int = MAX_K) -> None:
         self.fixed = k is not None
-        self.k = k if k is not None else DEFAULT_K
+        self.most = max(min(most, MAX_K), 1)  # what one verification ubatch can hold
+        self.k = min(k if k is not None else DEFAULT_K, self.most)
 
     def update(self, accepted: int, drafted: int) -> None:
         if not self.fixed:
-            self.k = min(self.k + 2, MAX_K) if accepted == drafted else max(self.k - 1, 1)
+            self.k = min(self.k + 2, self.most) if accepted == drafted else max(self.k - 1, 1)
 
 
 class _Rows:
@@ -411,7 +412,7 @@ class Speculator:
             raise ValueError(f"{setting('draft_k', draft_k)}: draft 1 to {MAX_K} tokens")
         self.draft: SelfDraft | ModelDraft = (SelfDraft(llm, draft) if draft in SELF_DRAFTS
                                               else ModelDraft(llm, draft))
-        self.length = DraftLength(draft_k)
+        self.length = DraftLength(draft_k, llm.n_batch - 1)
         self.stats = SpecStats()
 
     def stats_json(self) -> dict:
