@@ -17,7 +17,6 @@ simulated. Prints decode TPOT and its ratio over exact promoe and over ncmoe; wr
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,7 +34,7 @@ def main() -> None:
     ap.add_argument("--fallback", default="0,0.1,0.2,0.3")
     args = ap.parse_args()
     t = target_baselines(args)
-    shape, profile, n_slots, replay, pred = t.shape, t.profile, t.n_slots, t.replay, t.predictor
+    shape, profile, replay, pred = t.shape, t.profile, t.replay, t.predictor
     base, nc, exact = t.base, t.ncmoe, t.promoe
     print(f"\n{t.header(args)}\n")
     print("| little pass | fallback | big passes | TPOT ms | hit % | over exact promoe | "
@@ -54,12 +53,7 @@ def main() -> None:
             print(f"| {label} | {fb:.2f} | {share:.3f} | {r['tpot_s'] * 1e3:.2f} | "
                   f"{r['hit_rate'] * 100:.1f} | {speedup(exact.tpot_s, r['tpot_s'])} | "
                   f"{speedup(nc.tpot_s, r['tpot_s'])} |", flush=True)
-    if args.json:
-        args.json.write_text(json.dumps({"shape": args.shape, "budget": args.budget,
-                                         "profile": profile.name, "n_slots": n_slots,
-                                         "ncmoe": nc.to_json(), "exact": exact.to_json(),
-                                         "runs": rows}, indent=1))
-        print(f"wrote {args.json}")
+    t.write_json(args, rows, "exact")
 
 
 if __name__ == "__main__":

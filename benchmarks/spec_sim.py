@@ -26,7 +26,6 @@ The acceptances are inputs: the self drafts' defaults are measured on the refere
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -61,7 +60,7 @@ def main() -> None:
                          "SP-MoE's rule, as the runtime applies it)")
     args = ap.parse_args()
     t = target_baselines(args)
-    shape, profile, n_slots, replay, pred = t.shape, t.profile, t.n_slots, t.replay, t.predictor
+    shape, profile, replay, pred = t.shape, t.profile, t.replay, t.predictor
     base, nc, exact = t.base, t.ncmoe, t.promoe
     print(f"\n{t.header(args)}\n")
     print("| draft | acceptance | k | cutoff | tokens a step | TPOT ms | hit % | over promoe | "
@@ -91,12 +90,7 @@ def main() -> None:
         label, cfg = first_model
         for c in args.cutoffs.split(","):
             one(label, replace(cfg, spec_k=4, spec_cutoff=-1 if c == "auto" else int(c)), c)
-    if args.json:
-        args.json.write_text(json.dumps({"shape": args.shape, "budget": args.budget,
-                                         "profile": profile.name, "n_slots": n_slots,
-                                         "ncmoe": nc.to_json(), "promoe": exact.to_json(),
-                                         "runs": rows}, indent=1))
-        print(f"wrote {args.json}")
+    t.write_json(args, rows, "promoe")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from forecache.generate import SamplingParams
 from forecache.interrupt import StopFlag
 from forecache.llama import Llama, top_probability
 from forecache.requests import Request
-from forecache.speculative import MAX_K, Sampler, SelfDraft, verify
+from forecache.speculative import Sampler, SelfDraft, verify
 
 
 class BatchOutputError(ValueError):
@@ -240,64 +240,60 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
             add(s.out[-1], pos, s.seq, True)
         return again
 
-    def speculate(rows: list[tuple[_Sequence, int]]
-                  ) -> tuple[list[tuple[_Sequence, int]], list[tuple[_Sequence, int, list, list]]]:
+    def speculate(rows: list[tuple[_Sequence, int]]) -> list[tuple[_Sequence, int, list, list]]:
         """Draft for the decoding sequences (``rows``, the whole batch so far) with little passes
         taken together, drop the drafts' KV cells and put each sequence's token and drafts back
-        into the batch for verification. Returns the sequences left to sample as usual and,
-        per speculating sequence, its first row, drafts and their distributions."""
+        into the batch for verification: per sequence, its first row, drafts and their
+        distributions (none when no sequence has room to draft: the batch is left as it was)."""
         assert spec is not None and cache is not None
         draft = spec.draft
         assert isinstance(draft, SelfDraft)
-        k = min(spec.length.k, n_batch // len(rows) - 1, MAX_K)
-        pos = {id(s): len(s.prompt) + len(s.out) - 1 for s, _ in rows}
-        ks = {id(s): max(min(k, s.req.max_tokens - len(s.out), per_seq - pos[id(s)] - 1), 0)
-              for s, _ in rows}
-        if max(ks.values()) < 1:
-            return rows, []
-        drafts: dict[int, list[int]] = {id(s): [] for s, _ in rows}
-        qs: dict[int, list] = {id(s): [] for s, _ in rows}
+        k = min(spec.length.k, n_batch // len(rows) - 1)
+        # per sequence: position of its next token, drafts it may make, drafts, distributions
+        plan = []
+        for s, _ in rows:
+            pos = len(s.prompt) + len(s.out) - 1
+            plan.append((s, pos, max(min(k, s.req.max_tokens - len(s.out), per_seq - pos - 1), 0),
+                         [], []))
+        most = max(p[2] for p in plan)
+        if most < 1:
+            return []
         cache.set_little(draft.m, draft.resident)
         try:
-            for r in range(max(ks.values())):
+            for r in range(most):
                 tokens.clear()
                 round_rows = []
-                for s, _ in rows:
-                    if ks[id(s)] > r:
-                        d = drafts[id(s)]
-                        round_rows.append((s, len(tokens)))
-                        add(d[-1] if d else s.out[-1], pos[id(s)] + r, s.seq, True)
+                for s, pos, n, drafts, qs in plan:
+                    if n > r:
+                        round_rows.append((s, len(tokens), drafts, qs))
+                        add(drafts[-1] if drafts else s.out[-1], pos + r, s.seq, True)
                 decode()
-                for s, row in round_rows:
-                    t, q = sampler(s.req.sampling).pick(row_logits(row), s.rng,
-                                                        s.out + drafts[id(s)])
-                    drafts[id(s)].append(t)
-                    qs[id(s)].append(q)
+                for s, row, drafts, qs in round_rows:
+                    t, q = sampler(s.req.sampling).pick(row_logits(row), s.rng, s.out + drafts)
+                    drafts.append(t)
+                    qs.append(q)
         finally:
             cache.set_little(0)
-        for s, _ in rows:
-            low.llama_memory_seq_rm(mem, s.seq, pos[id(s)], -1)
+        for s, pos, *_ in plan:
+            low.llama_memory_seq_rm(mem, s.seq, pos, -1)
         cache.prefetch_little(llm.model_file.n_expert_used)
         tokens.clear()
         checks = []
-        for s, _ in rows:
-            d = drafts[id(s)]
-            checks.append((s, len(tokens), d, qs[id(s)]))
-            for i, t in enumerate([s.out[-1], *d]):
-                add(t, pos[id(s)] + i, s.seq, True)
-        return [], checks
+        for s, pos, _, drafts, qs in plan:
+            checks.append((s, len(tokens), drafts, qs))
+            for i, t in enumerate([s.out[-1], *drafts]):
+                add(t, pos + i, s.seq, True)
+        return checks
 
     def check(s: _Sequence, row: int, drafts: list[int], qs: list,
               sampled: list[tuple[_Sequence, int]]) -> int:
         """Verify one sequence's drafts: its accepted tokens and the model's next one go to
         ``sampled``; the rejected drafts' KV cells are dropped. Returns the drafts accepted."""
         assert spec is not None
-        logits = np.stack([row_logits(row + i).copy() for i in range(len(drafts) + 1)])
+        logits = np.stack([row_logits(row + i) for i in range(len(drafts) + 1)])
         accepted, new = verify(logits, drafts, qs, sampler(s.req.sampling), s.rng, s.out)
         low.llama_memory_seq_rm(mem, s.seq, len(s.prompt) + len(s.out) + len(accepted), -1)
-        spec.stats.steps += 1
-        spec.stats.drafted += len(drafts)
-        spec.stats.accepted += len(accepted)
+        spec.stats.add(len(drafts), len(accepted))
         sampled.extend((s, t) for t in [*accepted, new])
         return len(accepted)
 
@@ -329,7 +325,9 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
             if mobile is not None and rows:
                 rows = little_pass(rows, sampled)
             elif spec is not None and rows:
-                rows, checks = speculate(rows)
+                checks = speculate(rows)
+                if checks:
+                    rows = []
             for s in active:  # then prompt chunks, while the batch has room
                 if s.fed < len(s.prompt) and len(tokens) < n_batch:
                     take = min(len(s.prompt) - s.fed, n_batch - len(tokens))

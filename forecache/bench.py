@@ -16,29 +16,28 @@ from forecache.llama import CALIBRATION_TEXT, Llama
 
 # stock llama.cpp's best (--n-cpu-moe) first: every speedup is stated over it before the others
 BASELINES = ("ncmoe", "offload", "lru")
-# lossy runs a benchmark may add to a policy's name: MoBiLE's little pass on every generated
-# token (gamma 0, so never the full model: the mode's speed bound), over the top half of the
-# top-k ("+little") or over the experts already in slots and the top-1 ("+resident")
-LITTLE_RUNS = {"+little": {"little_k": -1, "gamma": 0.0},
-               "+resident": {"little_k": -1, "gamma": 0.0, "little_resident": True}}
+# runs a benchmark may add to a policy's name, as (extra CacheConfig fields, draft): MoBiLE's
+# little pass on every generated token (gamma 0, never the full model: lossy, the mode's speed
+# bound) over the top half of the top-k ("+little") or the experts in slots and the top-1
+# ("+resident"); speculative decoding with the model's little pass as the draft ("+spec", exact)
+RUN_VARIANTS: dict[str, tuple[dict, str | None]] = {
+    "+little": ({"little_k": -1, "gamma": 0.0}, None),
+    "+resident": ({"little_k": -1, "gamma": 0.0, "little_resident": True}, None),
+    "+spec": ({}, "self-little"),
+}
 
 
-# exact runs a benchmark may add to a policy's name: speculative decoding with a self draft
-SPEC_RUNS = {"+spec": "self-little"}
-
-
-def _policy_run(name: str) -> tuple[str, dict]:
-    """A benchmark run's policy and extra CacheConfig fields: "promoe+little" ->
-    ("promoe", {little_k: -1, gamma: 0})."""
-    for suffix, kw in LITTLE_RUNS.items():
+def _variant(name: str) -> tuple[str, dict, str | None]:
+    """A benchmark run's policy, extra CacheConfig fields and draft: "promoe+little" ->
+    ("promoe", {little_k: -1, gamma: 0}, None)."""
+    for suffix, (kw, draft) in RUN_VARIANTS.items():
         if name.endswith(suffix):
-            return name[:-len(suffix)], kw
-    return name.split("+")[0] if name.endswith(tuple(SPEC_RUNS)) else name, {}
+            return name[:-len(suffix)], kw, draft
+    return name, {}, None
 
 
-def _draft_of(name: str) -> str | None:
-    """The draft a benchmark run speculates with ("promoe+spec": self-little), or None."""
-    return next((d for suffix, d in SPEC_RUNS.items() if name.endswith(suffix)), None)
+def _lossy(name: str) -> bool:
+    return bool(_variant(name)[1])
 
 
 @dataclass
@@ -135,10 +134,10 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
             progress(f"ncmoe skipped: it needs {setting('gpu_budget')}")
             continue
         progress(f"running {pol} ...")
-        base, extra = _policy_run(pol)
+        base, extra, draft = _variant(pol)
         cfg = _sized(base, gpu_budget, cache_fraction, **extra)
         raw[pol] = run_policy(model, cfg, prompts, n_gen, n_ctx=n_ctx, n_threads=n_threads,
-                              draft=_draft_of(pol))
+                              draft=draft)
     results = []
     for pol, r in raw.items():
         ratios = {}
@@ -151,7 +150,7 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
                 }
         fields = {k: v for k, v in r.items() if k not in ("tokens", "stats", "per_prompt")}
         results.append(PolicyResult(policy=pol, ratios=ratios, **fields))
-    exact = [r["tokens"] for pol, r in raw.items() if not _policy_run(pol)[1]]
+    exact = [r["tokens"] for pol, r in raw.items() if not _lossy(pol)]
     return {
         "model": str(model), "prompt_len": prompt_len, "gen": n_gen, "n_prompts": n_prompts,
         "gpu_budget": gpu_budget, "cache_fraction": cache_fraction,
@@ -175,10 +174,10 @@ def format_table(report: dict) -> str:
                                                                   for b in BASELINES))
     lines.append("ratios: prefill (TTFT) speedup / decode (TPOT) speedup; same greedy tokens "
                  f"(exact runs): {'yes' if report['same_tokens'] else 'NO'}")
-    if any(_policy_run(r["policy"])[1] for r in report["results"]):
+    if any(_lossy(r["policy"]) for r in report["results"]):
         lines.append("+little/+resident: MoBiLE's little pass on every generated token (lossy; "
                      "the mode's speed bound)")
-    if any(_draft_of(r["policy"]) for r in report["results"]):
+    if any(_variant(r["policy"])[2] for r in report["results"]):
         lines.append("+spec: speculative decoding with the model's little pass as the draft "
                      "(exact)")
     return "\n".join(lines)

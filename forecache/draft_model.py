@@ -21,6 +21,16 @@ from forecache.native import libllama, llama_cpp_module
 CAPTURED = b"ffn_norm"  # llama.cpp's name of a layer's FFN input after its norm
 
 
+def fill_batch(batch: Any, tokens: Sequence[int], pos: int, every_logit: bool) -> None:
+    """A llama_batch of ``tokens`` of sequence 0 from position ``pos``, with logits for every
+    token or the last one only."""
+    for i, t in enumerate(tokens):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, pos + i, 1
+        batch.seq_id[i][0] = 0
+        batch.logits[i] = every_logit or i == len(tokens) - 1
+    batch.n_tokens = len(tokens)
+
+
 class DraftContext:
     """A GGUF loaded with llama.cpp's C API, one sequence, its KV cache kept in step with a token
     history; with ``capture``, each layer's last FFN input is captured as it is computed."""
@@ -94,14 +104,8 @@ class DraftContext:
         self._decode([token])
 
     def _decode(self, tokens: list[int]) -> None:
-        low, b = self.low, self.batch
-        pos = len(self.tokens)
-        for i, t in enumerate(tokens):
-            b.token[i], b.pos[i], b.n_seq_id[i] = t, pos + i, 1
-            b.seq_id[i][0] = 0
-            b.logits[i] = i == len(tokens) - 1
-        b.n_tokens = len(tokens)
-        rc = low.llama_decode(self.ctx, b)
+        fill_batch(self.batch, tokens, len(self.tokens), every_logit=False)
+        rc = self.low.llama_decode(self.ctx, self.batch)
         if rc != 0:
             raise RuntimeError(f"the draft's llama_decode failed ({rc})")
         self.tokens.extend(tokens)

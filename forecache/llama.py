@@ -376,7 +376,7 @@ class Llama(llama_cpp.Llama):
             self._sampler.close()
             self._sampler = None
         # with a draft, llama-cpp-python's generator gives way to the speculative one wherever
-        # its sampler settings can be reproduced (no penalties, grammar or processors)
+        # its sampler settings can be reproduced (not typical, mirostat, grammars, processors)
         sampler = sampler_for(kwargs, self.last_n_tokens_size) \
             if self._spec is not None and not args else None
         try:

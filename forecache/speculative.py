@@ -32,8 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from forecache.draft_model import CrossModelPredictor, DraftContext, vocab_mismatch
+from forecache.draft_model import CrossModelPredictor, DraftContext, fill_batch, vocab_mismatch
 from forecache.errors import setting
+from forecache.native import llama_cpp_module
 
 if TYPE_CHECKING:
     from forecache.llama import Llama
@@ -166,6 +167,12 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
 
+    def add(self, drafted: int, accepted: int) -> None:
+        """One verification of ``drafted`` tokens that accepted ``accepted``."""
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+
     def to_json(self, kind: str, k: int) -> dict:
         return {"draft": kind, "draft_k": k, "verify_passes": self.steps,
                 "drafted": self.drafted, "accepted": self.accepted,
@@ -191,10 +198,8 @@ class _Rows:
     """One llama_batch of up to MAX_K + 1 tokens of sequence 0, all with logits."""
 
     def __init__(self, llm: Llama) -> None:
-        from llama_cpp import llama_cpp as low
-
-        self.low, self.llm = low, llm
-        self.batch = low.llama_batch_init(MAX_K + 1, 0, 1)
+        self.low, self.llm = llama_cpp_module(), llm
+        self.batch = self.low.llama_batch_init(MAX_K + 1, 0, 1)
         self.n_vocab = llm.n_vocab()
 
     def decode(self, tokens: Sequence[int], pos: int) -> np.ndarray:
@@ -202,10 +207,7 @@ class _Rows:
         ``pos`` on are replaced)."""
         low, llm, b = self.low, self.llm, self.batch
         low.llama_memory_seq_rm(low.llama_get_memory(llm.ctx), -1, pos, -1)
-        for i, t in enumerate(tokens):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = t, pos + i, 1, True
-            b.seq_id[i][0] = 0
-        b.n_tokens = len(tokens)
+        fill_batch(b, tokens, pos, every_logit=True)
         if llm.expert_cache is not None:
             llm.expert_cache.begin_ubatch(np.asarray(tokens, dtype=np.int32))
         rc = low.llama_decode(llm.ctx, b)
@@ -214,7 +216,7 @@ class _Rows:
         llm.input_ids[pos:pos + len(tokens)] = tokens
         llm.n_tokens = pos + len(tokens)
         return np.stack([np.ctypeslib.as_array(low.llama_get_logits_ith(llm.ctx, i),
-                                               shape=(self.n_vocab,)).copy()
+                                               shape=(self.n_vocab,))
                          for i in range(len(tokens))])
 
     def close(self) -> None:
@@ -222,9 +224,7 @@ class _Rows:
 
 
 def _last_logits(llm: Any) -> np.ndarray:
-    from llama_cpp import llama_cpp as low
-
-    ptr = low.llama_get_logits_ith(llm.ctx, -1)
+    ptr = llama_cpp_module().llama_get_logits_ith(llm.ctx, -1)
     return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
 
 
@@ -401,9 +401,6 @@ class ModelDraft:
         self.ctx.close()
 
 
-_vocab_mismatch = vocab_mismatch  # (llama_cpp.Llama objects work too)
-
-
 class Speculator:
     """Speculative decoding for one forecache.Llama: the draft, its length and the counters."""
 
@@ -422,6 +419,7 @@ class Speculator:
                  seed: int) -> Generator[int, Any, None]:
         """llama-cpp-python's generate() with speculation: yields the model's tokens after
         ``tokens`` (reusing the cached prefix, as generate() does) until closed."""
+        low = llama_cpp_module()
         rng = np.random.default_rng(seed)
         tokens = list(tokens)
         keep = 0
@@ -440,8 +438,7 @@ class Speculator:
                 generated.append(x)
                 yield x
                 pos = llm.n_tokens
-                # the verification is one ubatch, within the context
-                k = min(self.length.k, llm.n_ctx() - pos - 1, llm.n_batch - 1)
+                k = min(self.length.k, llm.n_ctx() - pos - 1)  # the drafts fit the context
                 if k < 1:
                     llm.eval([x])
                     x, _ = sampler.pick(_last_logits(llm), rng, generated)
@@ -457,13 +454,9 @@ class Speculator:
                         cache.route_observer = None
                 accepted, new = verify(logits, drafts, qs, sampler, rng, generated)
                 keep_to = pos + 1 + len(accepted)
-                from llama_cpp import llama_cpp as low
-
                 low.llama_memory_seq_rm(low.llama_get_memory(llm.ctx), -1, keep_to, -1)
                 llm.n_tokens = keep_to
-                self.stats.steps += 1
-                self.stats.drafted += len(drafts)
-                self.stats.accepted += len(accepted)
+                self.stats.add(len(drafts), len(accepted))
                 self.length.update(len(accepted), len(drafts))
                 for t in accepted:
                     generated.append(t)

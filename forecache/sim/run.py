@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -241,6 +242,18 @@ class TargetBaselines:
                 f"requests of {args.prefill} + {args.decode} tokens; ncmoe TPOT "
                 f"{nc.tpot_s * 1e3:.2f} ms, exact promoe {pro.tpot_s * 1e3:.2f} ms "
                 f"({speedup(nc.tpot_s, pro.tpot_s)})")
+
+    def write_json(self, args: argparse.Namespace, runs: list[dict], promoe_key: str) -> None:
+        """The setting, both baselines (promoe's under ``promoe_key``) and ``runs`` into
+        ``args.json``, when given."""
+        if not args.json:
+            return
+        args.json.write_text(json.dumps({"shape": args.shape, "budget": args.budget,
+                                         "profile": self.profile.name, "n_slots": self.n_slots,
+                                         "ncmoe": self.ncmoe.to_json(),
+                                         promoe_key: self.promoe.to_json(), "runs": runs},
+                                        indent=1))
+        print(f"wrote {args.json}")
 
 
 def target_baselines(args: argparse.Namespace) -> TargetBaselines:
