@@ -4,7 +4,8 @@ acceptance, over non-speculative promoe and ncmoe; and the cutoff-layer sweep.
     python benchmarks/spec_sim.py [--like TRACE.npz] [--shape qwen2-57b-a14b] [--budget 24GiB]
         [--profile rtx4090] [--requests 8] [--prefill 512] [--decode 128]
         [--drafts self-little:0.93,self-cached:0.96,model:0.4e9:0.7,model:4.7e9:0.8]
-        [--ks 2,4,6] [--cutoffs 0,7,14,21] [--seed 0] [--json OUT]
+        [--ks 2,4,6] [--cutoffs 0,7,14,21,auto] [--accepts 0.5,0.6,0.7,0.8,0.9]
+        [--seed 0] [--json OUT]
 
 The routing is target_sim's. Each step drafts k tokens, verifies them with the current one in
 one ubatch of k+1 rows, and accepts each draft with the draft's acceptance until the first
@@ -16,11 +17,13 @@ has there). Drafts, as KIND:ACCEPTANCE or model:BYTES:ACCEPTANCE:
 - self-cached: the little pass over the experts already in slots and the top-1.
 - model: a dense draft of BYTES on the device (its weights take slots), whose hidden states name
   the verifier's experts through the target's gates as it reaches each layer (SP-MoE's
-  cross-model predictor, taken as exact), layers up to the cutoff (all by default), copied while
-  it drafts. Qwen2-0.5B in q4_k is about 0.4e9 bytes, Qwen2-7B 4.7e9.
+  cross-model predictor, taken as exact), layers up to the cutoff, copied while it drafts. The
+  cutoff is SP-MoE's rule as the runtime applies it (``auto``) unless swept. Qwen2-0.5B in q4_k
+  is about 0.4e9 bytes, Qwen2-7B 4.7e9.
 
 The acceptances are inputs: the self drafts' defaults are measured on the reference model
-(``spec_bench.py``); a model draft's has to be measured on the pair.
+(``spec_bench.py``); a model draft's has to be measured on the pair, so the first model draft is
+also swept over ``--accepts``, which says what acceptance the targets need.
 """
 
 from __future__ import annotations
@@ -49,6 +52,28 @@ def _draft_config(base: SimConfig, spec: str, top_k: int) -> tuple[str, SimConfi
                          little_k=top_k if resident else top_k // 2, little_resident=resident)
 
 
+def _needed(rows: list[dict], promoe_s: float, ncmoe_s: float) -> None:
+    """Print the lowest swept acceptance at which the best k reaches each of the issue's
+    targets (1.5x over promoe, 2.5x over ncmoe), interpolated between swept acceptances."""
+    best: dict[float, float] = {}
+    for r in rows:
+        best[r["acceptance"]] = min(best.get(r["acceptance"], float("inf")), r["tpot_s"])
+    acc = sorted(best)
+    for name, base, target in (("promoe", promoe_s, 1.5), ("ncmoe", ncmoe_s, 2.5)):
+        gain = [base / best[a] for a in acc]
+        at = next((i for i, g in enumerate(gain) if g >= target), None)
+        if at is None:
+            print(f"{target}x over {name}: not reached at acceptance <= {acc[-1]:.2f} "
+                  f"(best {max(gain):.2f}x)")
+        elif at == 0:
+            print(f"{target}x over {name}: reached at acceptance {acc[0]:.2f} already")
+        else:
+            a0, a1, g0, g1 = acc[at - 1], acc[at], gain[at - 1], gain[at]
+            need = a0 + (target - g0) * (a1 - a0) / (g1 - g0)
+            print(f"{target}x over {name}: needs acceptance {need:.2f} with the best k "
+                  f"({g0:.2f}x at {a0:.2f}, {g1:.2f}x at {a1:.2f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     target_options(ap, OLMOE)
@@ -58,6 +83,8 @@ def main() -> None:
     ap.add_argument("--cutoffs", default="0,7,14,21,auto",
                     help="cutoff layers swept for the first model draft at k 4 (auto: "
                          "SP-MoE's rule, as the runtime applies it)")
+    ap.add_argument("--accepts", default="0.5,0.6,0.7,0.8,0.9",
+                    help="acceptances swept for the first model draft at each k, cutoff auto")
     args = ap.parse_args()
     t = target_baselines(args)
     shape, profile, replay, pred = t.shape, t.profile, t.replay, t.predictor
@@ -67,8 +94,12 @@ def main() -> None:
           "over ncmoe |")
     print("|---|---|---|---|---|---|---|---|---|")
     rows = []
+    done: dict[tuple, dict] = {}
 
-    def one(label: str, cfg: SimConfig, cutoff: str) -> None:
+    def one(label: str, cfg: SimConfig, cutoff: str) -> dict:
+        key = (label, cfg.spec_accept, cfg.spec_k, cfg.spec_cutoff)
+        if key in done:  # the sweep meets a row already printed: the same seeded run
+            return done[key]
         r = run_one(replay, shape, profile, cfg, pred).to_json()
         if cutoff == "auto":
             cutoff = f"auto ({r.get('spec_cutoff_mean', 0.0):.1f})"
@@ -78,6 +109,8 @@ def main() -> None:
               f"{r['tokens_per_step']:.2f} | {r['tpot_s'] * 1e3:.2f} | "
               f"{r['hit_rate'] * 100:.1f} | {speedup(exact.tpot_s, r['tpot_s'])} | "
               f"{speedup(nc.tpot_s, r['tpot_s'])} |", flush=True)
+        done[key] = rows[-1]
+        return rows[-1]
 
     first_model = None
     for spec in args.drafts.split(","):
@@ -85,11 +118,18 @@ def main() -> None:
         if cfg.spec_draft == "model" and first_model is None:
             first_model = (label, cfg)
         for k in (int(x) for x in args.ks.split(",")):
-            one(label, replace(cfg, spec_k=k), "all" if cfg.spec_draft == "model" else "-")
+            if cfg.spec_draft == "model":
+                one(label, replace(cfg, spec_k=k, spec_cutoff=-1), "auto")
+            else:
+                one(label, replace(cfg, spec_k=k), "-")
     if first_model is not None:
         label, cfg = first_model
         for c in args.cutoffs.split(","):
             one(label, replace(cfg, spec_k=4, spec_cutoff=-1 if c == "auto" else int(c)), c)
+        swept = [one(label, replace(cfg, spec_accept=float(a), spec_k=int(k), spec_cutoff=-1),
+                     "auto")
+                 for a in args.accepts.split(",") if a for k in args.ks.split(",")]
+        _needed(swept, exact.tpot_s, nc.tpot_s)
     t.write_json(args, rows, "promoe")
 
 
