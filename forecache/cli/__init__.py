@@ -24,6 +24,7 @@ def _register() -> None:
         generate_cmd,
         model_cmds,
         models_cmd,
+        plan_cmd,
         predictor_cmds,
         serve_cmd,
         simulate_cmd,
@@ -31,7 +32,7 @@ def _register() -> None:
     )
 
     for mod in (batch_cmd, bench_cmd, build_cmd, chat_cmd, doctor_cmd, generate_cmd, model_cmds,
-                models_cmd, predictor_cmds, serve_cmd, simulate_cmd, stats_cmd):
+                models_cmd, plan_cmd, predictor_cmds, serve_cmd, simulate_cmd, stats_cmd):
         for cmd in mod.COMMANDS:
             cli.add_command(cmd)
 

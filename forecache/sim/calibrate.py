@@ -16,12 +16,12 @@ import numpy as np
 
 from forecache.cache.cost import Profile
 from forecache.cache.prefetcher import Features
-from forecache.cache.setup import CacheConfig, attach_observer, expert_shape
+from forecache.cache.setup import CacheConfig, attach_observer
 from forecache.generate import SamplingParams, generate
-from forecache.gguf.header import ModelFile, is_expert_tensor
+from forecache.gguf.header import ModelFile
 from forecache.llama import Llama
 from forecache.predictor.history import HistoryPredictor
-from forecache.sim.shapes import SimShape
+from forecache.sim.shapes import SimShape, model_shape
 from forecache.sim.simulate import SimConfig, Simulator
 from forecache.trace.format import Request
 from forecache.trace.record import RouteRecorder, all_rows_computed
@@ -30,20 +30,6 @@ from forecache.trace.record import RouteRecorder, all_rows_computed
 # device and host share their rates.
 FITTED = ("launch_s", "mem_gbps", "gflops", "hook_s", "prefetch_hook_s", "token_s",
           "chunk_latency_s", "group_s")
-
-
-def model_shape(model: ModelFile) -> SimShape:
-    """The simulator's view of a GGUF file: its own sizes, tensor by tensor."""
-    layer = model.moe_layers()[0]
-    blk = [t for t in model.tensors if t.name.startswith(f"blk.{layer}.")]
-    ex = expert_shape(model)
-    qtype = next(t for t in blk if is_expert_tensor(t.name)).type.name.lower()
-    head = sum(t.nbytes for t in model.tensors if t.name.startswith("output"))
-    return SimShape(name=model.path.stem, layers=model.n_layer, experts=model.n_expert,
-                    top_k=model.n_expert_used, d_model=ex.d_model, expert_ff=ex.expert_ff,
-                    proj_bytes=ex.proj_bytes,
-                    layer_bytes=sum(t.nbytes for t in blk if not is_expert_tensor(t.name)),
-                    head_bytes=head, qtype=qtype)
 
 
 def record_routing(llm: Llama, prompts: Sequence[list[int]], n_gen: int) -> list[Request]:

@@ -7,8 +7,10 @@ from dataclasses import dataclass
 import yaml
 from gguf import GGML_QUANT_SIZES
 
+from forecache.cache.budget import kv_cache_bytes
 from forecache.cache.cost import ExpertShape
-from forecache.gguf.header import tensor_nbytes
+from forecache.cache.setup import expert_shape
+from forecache.gguf.header import ModelFile, is_expert_tensor, tensor_nbytes
 from forecache.gguf.specs import get_spec, models_yaml, parse_qtype, tensor_type
 
 
@@ -26,6 +28,7 @@ class SimShape:
     layer_bytes: int  # non-expert weights of one layer (attention, router, shared experts)
     head_bytes: int  # output norm + lm head
     qtype: str
+    kv_bytes: int = 0  # f16 K and V of one token at one layer (llama.cpp's default cache type)
 
     @property
     def expert(self) -> ExpertShape:
@@ -43,6 +46,12 @@ class SimShape:
     @property
     def layer_flops(self) -> float:
         return 2.0 * self.layer_bytes / self.bytes_per_weight
+
+    @property
+    def dense_bytes(self) -> int:
+        """Weights read once a forward pass on the device: every layer's non-expert weights and
+        the head."""
+        return self.layers * self.layer_bytes + self.head_bytes
 
     @property
     def bytes_per_weight(self) -> float:
@@ -77,7 +86,23 @@ def shape_of(name: str, qtype: str = "q4_k") -> SimShape:
     layer = attn + d * e * 4 + 3 * _nbytes(d * sh, d, qtype) if sh else attn + d * e * 4
     return SimShape(name=name, layers=spec["layers"], experts=e, top_k=spec["top_k"],
                     d_model=d, expert_ff=ff, proj_bytes=proj, layer_bytes=layer,
-                    head_bytes=_nbytes(d * spec["vocab"], d, "q8_0"), qtype=qtype.lower())
+                    head_bytes=_nbytes(d * spec["vocab"], d, "q8_0"), qtype=qtype.lower(),
+                    kv_bytes=4 * kv)
+
+
+def model_shape(model: ModelFile) -> SimShape:
+    """The simulator's view of a GGUF file: its own sizes, tensor by tensor."""
+    layer = model.moe_layers()[0]
+    blk = [t for t in model.tensors if t.name.startswith(f"blk.{layer}.")]
+    ex = expert_shape(model)
+    qtype = next(t for t in blk if is_expert_tensor(t.name)).type.name.lower()
+    head = sum(t.nbytes for t in model.tensors if t.name.startswith("output"))
+    return SimShape(name=model.path.stem, layers=model.n_layer, experts=model.n_expert,
+                    top_k=model.n_expert_used, d_model=ex.d_model, expert_ff=ex.expert_ff,
+                    proj_bytes=ex.proj_bytes,
+                    layer_bytes=sum(t.nbytes for t in blk if not is_expert_tensor(t.name)),
+                    head_bytes=head, qtype=qtype,
+                    kv_bytes=kv_cache_bytes(model, 1) // max(model.n_layer, 1))
 
 
 def trace_model_names() -> dict[str, str]:

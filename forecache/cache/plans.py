@@ -1,0 +1,328 @@
+"""Batch-job plans and what they are worth: the cost model's rooflines stage by stage, over the
+whole job (MoE-Lightning's hierarchical roofline model, HRM, for llama.cpp's execution).
+
+A plan is what a batch job can choose: how many sequences decode together, the ubatch size,
+whether the KV cache sits in device memory or in host memory (llama.cpp's ``offload_kqv``; then
+attention runs on the CPU), and where the experts live: forecache's slot cache, or stock
+llama.cpp's ``--n-cpu-moe`` layers. The budget pays the non-expert weights, the KV cache when on
+the device and the compute buffers first; what is left holds expert slots (or whole expert
+layers).
+
+Each op is a roofline on the resource that runs it (``cost.roofline_s``): device matmuls on GPU
+memory or GPU compute, CPU expert and attention compute on DRAM or CPU compute, expert copies on
+the bus. A layer's routed experts are planned as the runtime plans them (``CostModel.best_split``:
+misses copied through the slots or computed on the CPU beside the device). llama.cpp runs a
+ubatch's ops one after the other, so a stage's time is the sum of its ops; its bound is the
+resource whose ops take the most of it. A job is its prompts' ubatches plus its decode steps:
+every decode step computes one token of each of ``n_seq`` sequences at their mean context.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from forecache.cache.budget import compute_buffer_bytes, format_size, parse_size
+from forecache.cache.choice import hit_at
+from forecache.cache.cost import CostModel, Profile, roofline_s
+
+if TYPE_CHECKING:
+    from forecache.sim.shapes import SimShape
+
+EXPERTS = ("cache", "ncmoe")
+# the resources a stage can be bound by
+RESOURCES = ("GPU compute", "GPU memory", "PCIe", "CPU compute", "DRAM")
+# the grid ``search`` tries unless told otherwise
+N_SEQS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+N_UBATCHES = (64, 128, 256, 512, 1024, 2048)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One way to run a batch job."""
+
+    n_seq: int  # sequences decoded together
+    n_ubatch: int  # tokens a ubatch (llama.cpp's n_ubatch; the batch is at least this)
+    kv_host: bool = False  # KV cache in host memory, attention on the CPU (offload_kqv off)
+    experts: str = "cache"  # "cache": forecache's slots; "ncmoe": stock --n-cpu-moe layers
+
+    def __post_init__(self) -> None:
+        if self.n_seq < 1 or self.n_ubatch < 1:
+            raise ValueError(f"a plan needs at least one sequence and one token a ubatch, not "
+                             f"seq={self.n_seq}, ubatch={self.n_ubatch}")
+        if self.experts not in EXPERTS:
+            raise ValueError(f"experts={self.experts}: use one of {', '.join(EXPERTS)}")
+
+    def label(self) -> str:
+        """The plan as ``--plan`` takes it."""
+        return (f"seq={self.n_seq},ubatch={self.n_ubatch},kv={'host' if self.kv_host else 'device'}"
+                + ("" if self.experts == "cache" else f",experts={self.experts}"))
+
+    @classmethod
+    def parse(cls, text: str) -> Plan:
+        """``seq=N,ubatch=U[,kv=device|host][,experts=cache|ncmoe]`` (seq and ubatch required)."""
+        got: dict[str, str] = {}
+        for part in text.split(","):
+            key, eq, value = part.strip().partition("=")
+            if not eq or key not in ("seq", "ubatch", "kv", "experts") or key in got:
+                raise ValueError(f"cannot read plan {text!r}: give seq=N,ubatch=U and optionally "
+                                 "kv=device|host and experts=cache|ncmoe, e.g. "
+                                 "seq=16,ubatch=512,kv=device")
+            got[key] = value.strip()
+        if "seq" not in got or "ubatch" not in got:
+            raise ValueError(f"plan {text!r} needs seq=N and ubatch=U, e.g. seq=16,ubatch=512")
+        if got.get("kv", "device") not in ("device", "host"):
+            raise ValueError(f"plan {text!r}: kv is device or host, not {got['kv']!r}")
+        try:
+            n_seq, n_ubatch = int(got["seq"]), int(got["ubatch"])
+        except ValueError:
+            raise ValueError(f"plan {text!r}: seq and ubatch are whole numbers") from None
+        return cls(n_seq, n_ubatch, got.get("kv") == "host", got.get("experts", "cache"))
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A batch job as the model sees it: mean prompt and answer lengths in tokens."""
+
+    n_requests: int
+    prompt_len: float
+    gen_len: float
+    ctx_per_seq: int  # each sequence's context (the longest prompt + answer the job needs)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A stage's seconds, split by the resource each op ran on."""
+
+    seconds: float
+    parts: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def bound(self) -> str:
+        """The resource whose ops take most of the stage."""
+        return max(self.parts, key=lambda k: self.parts[k]) if self.parts else "GPU memory"
+
+
+class _Clock:
+    """Adds ops' seconds and charges each to its resource."""
+
+    def __init__(self) -> None:
+        self.parts = dict.fromkeys(RESOURCES, 0.0)
+        self.seconds = 0.0
+
+    def op(self, seconds: float, resource: str) -> None:
+        self.seconds += seconds
+        self.parts[resource] += seconds
+
+    def roof(self, launch_s: float, nbytes: float, gbps: float, flops: float, rate: float,
+             where: str, times: float = 1.0) -> None:
+        """A roofline op on the GPU or the CPU, charged to memory or compute, ``times`` over."""
+        t = roofline_s(launch_s, nbytes, gbps, flops, rate) * times
+        mem = nbytes / (gbps * 1e9) >= flops / rate
+        self.op(t, ("GPU memory" if mem else "GPU compute") if where == "gpu" else
+                ("DRAM" if mem else "CPU compute"))
+
+    def stage(self) -> Stage:
+        return Stage(self.seconds, {k: v for k, v in self.parts.items() if v > 0})
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What the model predicts of a plan."""
+
+    plan: Plan
+    slots: int  # expert slots a MoE layer ("cache")
+    host_layers: int  # MoE layers whose experts stay in host memory ("ncmoe")
+    device_bytes: dict[str, int]  # weights, KV cache, compute buffers, experts
+    prefill: Stage  # one full ubatch of prompt tokens
+    decode: Stage  # one decode step: a token of each of n_seq sequences
+    prefill_s: float  # the job's prompts
+    job_s: float
+    tokens_per_s: float  # generated tokens a second over the job
+
+    @property
+    def bound(self) -> str:
+        """The bound of the stage that takes most of the job."""
+        return self.decode.bound if self.prefill_s <= self.job_s / 2 else self.prefill.bound
+
+    def experts_text(self) -> str:
+        if self.plan.experts == "ncmoe":
+            return f"--n-cpu-moe {self.host_layers}"
+        return f"{self.slots} slots a layer"
+
+    def line(self) -> str:
+        """One line: the plan, its predicted throughput and what bounds it."""
+        p = self.plan
+        return (f"plan {p.label()} ({self.experts_text()}, KV "
+                f"{format_size(self.device_bytes['kv'])} on the "
+                f"{'host' if p.kv_host else 'device'}): {self.tokens_per_s:.1f} tokens/s "
+                f"predicted; decode {self.decode.seconds * 1e3:.1f} ms a step, bound by "
+                f"{self.decode.bound}; prefill bound by {self.prefill.bound}")
+
+
+def distinct_experts(n_tokens: float, n_expert: int, top_k: int) -> float:
+    """Expected distinct experts ``n_tokens`` route to, each to ``top_k`` of ``n_expert`` at
+    random."""
+    if n_tokens <= 0:
+        return 0.0
+    return n_expert * (1.0 - (1.0 - top_k / n_expert) ** n_tokens)
+
+
+def _memory(shape: SimShape, budget: int, work: Workload, plan: Plan,
+            non_expert_bytes: int | None) -> tuple[dict[str, int], int, int] | None:
+    """The device bytes of a plan, its slots a layer and ncmoe host layers; None when the
+    fixed needs do not fit."""
+    dense = shape.dense_bytes if non_expert_bytes is None else non_expert_bytes
+    kv = plan.n_seq * work.ctx_per_seq * shape.layers * shape.kv_bytes
+    n_ff = shape.expert_ff
+    vocab = max(1, int(shape.head_bytes / max(shape.bytes_per_weight, 1e-9) / shape.d_model))
+    compute = compute_buffer_bytes(max(plan.n_ubatch, plan.n_seq), shape.top_k, n_ff,
+                                   shape.d_model, vocab)
+    left = budget - dense - (0 if plan.kv_host else kv) - compute
+    per_layer = shape.expert_bytes
+    if left < per_layer * shape.layers:  # not even one slot a layer
+        return None
+    slots = min(shape.experts, left // (per_layer * shape.layers))
+    host_layers = max(0, shape.layers - left // (per_layer * shape.experts))
+    experts = (slots * shape.layers if plan.experts == "cache"
+               else (shape.layers - host_layers) * shape.experts) * per_layer
+    return ({"weights": dense, "kv": kv, "compute": compute, "experts": experts}, slots,
+            host_layers)
+
+
+def _layer_experts(clock: _Clock, shape: SimShape, p: Profile, cost: CostModel, n_tokens: float,
+                   resident: float, host_layer: bool | None) -> None:
+    """One layer's routed experts for ``n_tokens`` rows: forecache's plan over ``resident`` of
+    the distinct experts in slots (``host_layer`` None), or stock llama.cpp's layer, its
+    experts in host memory (``host_layer`` True) or on the device."""
+    k, e = shape.top_k, shape.experts
+    d = max(1, round(distinct_experts(n_tokens, e, k)))
+    pairs = max(d, round(n_tokens * k))
+    nproj = len(shape.expert.proj_bytes)
+    if host_layer is not None:
+        if not host_layer:
+            clock.roof(p.gpu_launch_s, d * shape.expert_bytes / nproj, p.gpu_mem_gbps,
+                       pairs * shape.proj_flops, p.gpu_tflops * 1e12, "gpu", nproj)
+        elif 0 < p.op_offload_min_batch <= n_tokens:
+            # llama.cpp copies the used experts up, then computes them on the device
+            clock.op(d * cost.copy_s(), "PCIe")
+            clock.roof(p.gpu_launch_s, d * shape.expert_bytes / nproj, p.gpu_mem_gbps,
+                       pairs * shape.proj_flops, p.gpu_tflops * 1e12, "gpu", nproj)
+        else:
+            clock.roof(p.cpu_launch_s, d * shape.expert_bytes / nproj, p.cpu_mem_gbps,
+                       pairs * shape.proj_flops, p.cpu_gflops * 1e9, "cpu", nproj)
+        return
+    hits = min(d, round(d * resident))
+    per = pairs / d
+    rows = [(i, max(1, round(per)), i < hits) for i in range(d)]
+    split, t = cost.best_split(rows, 0)
+    n_host = d if split.whole_layer else len(split.host)
+    host_pairs = pairs if split.whole_layer else n_host * per
+    dev = cost.dev_s(d - n_host, pairs - host_pairs) if not split.whole_layer else 0.0
+    copies = 0.0 if split.whole_layer else cost.copy_s() * (d - hits - n_host)
+    # the layer takes ``t`` (its sides overlap): charged to the longest side's resource
+    side = max(dev, copies, split.host_s)
+    if side == split.host_s and n_host:
+        where = "DRAM" if _host_memory_bound(shape, p, host_pairs / max(n_host, 1)) \
+            else "CPU compute"
+    elif side == copies and copies > 0:
+        where = "PCIe"
+    else:
+        mem = (d - n_host) * shape.expert_bytes / (p.gpu_mem_gbps * 1e9) >= \
+            (pairs - host_pairs) * shape.proj_flops * nproj / (p.gpu_tflops * 1e12)
+        where = "GPU memory" if mem else "GPU compute"
+    clock.op(t, where)
+
+
+def _host_memory_bound(shape: SimShape, p: Profile, pairs: float) -> bool:
+    """CPU compute of an expert's ``pairs`` rows is bound by reading it from DRAM."""
+    return shape.expert_bytes / (p.cpu_mem_gbps * 1e9) >= \
+        pairs * shape.proj_flops * len(shape.expert.proj_bytes) / (p.cpu_gflops * 1e9)
+
+
+def _ubatch(shape: SimShape, p: Profile, cost: CostModel, plan: Plan, n_tokens: float,
+            context: float, resident: float, host_layers: int, logits: float) -> Stage:
+    """One ubatch of ``n_tokens`` rows whose attention reads ``context`` tokens each."""
+    clock = _Clock()
+    attn_bytes = n_tokens * context * shape.kv_bytes
+    attn_flops = 4.0 * n_tokens * context * shape.d_model
+    for il in range(shape.layers):
+        clock.roof(p.gpu_launch_s, shape.layer_bytes, p.gpu_mem_gbps,
+                   n_tokens * shape.layer_flops, p.gpu_tflops * 1e12, "gpu")
+        if plan.kv_host:
+            # q, k, v down and the attention's output back up, beside the CPU's attention
+            act = 4.0 * n_tokens * shape.d_model * 4
+            clock.op(2 * p.chunk_latency_s + act / (p.h2d_gbps * 1e9), "PCIe")
+            clock.roof(p.cpu_launch_s, attn_bytes, p.cpu_mem_gbps, attn_flops,
+                       p.cpu_gflops * 1e9, "cpu")
+        else:
+            clock.roof(p.gpu_launch_s, attn_bytes, p.gpu_mem_gbps, attn_flops,
+                       p.gpu_tflops * 1e12, "gpu")
+        host = None if plan.experts == "cache" else il < host_layers
+        _layer_experts(clock, shape, p, cost, n_tokens, resident, host)
+    clock.roof(p.gpu_launch_s, shape.head_bytes, p.gpu_mem_gbps,
+               2.0 * logits * shape.head_bytes / shape.bytes_per_weight, p.gpu_tflops * 1e12,
+               "gpu")
+    clock.op(p.token_s, "CPU compute")
+    return clock.stage()
+
+
+def estimate(shape: SimShape, profile: Profile, budget: int, work: Workload, plan: Plan, *,
+             locality: float = 0.0, non_expert_bytes: int | None = None,
+             cost: CostModel | None = None) -> Estimate | None:
+    """The predicted throughput of ``plan`` for ``work`` at ``budget`` bytes of device memory;
+    None when the plan does not fit. ``locality`` is the model's measured decode locality
+    (``cache.choice``), which raises a single sequence's hit rate above the slots' share;
+    ``cost`` carries measured copy and CPU rates."""
+    mem = _memory(shape, budget, work, plan, non_expert_bytes)
+    if mem is None:
+        return None
+    device, slots, host_layers = mem
+    cost = cost or CostModel.from_profile(profile, shape.expert)
+    share = slots / shape.experts
+    # a prompt's tokens route all over: its ubatches hit at the slots' share; decode steps of
+    # one sequence keep the locality the cache was measured at
+    n_seq = min(plan.n_seq, max(work.n_requests, 1))
+    decode_hit = hit_at(share, locality if n_seq == 1 else 0.0)
+    u = min(plan.n_ubatch, max(work.prompt_len * work.n_requests, 1))
+    prefill = _ubatch(shape, profile, cost, plan, u, work.prompt_len / 2, share, host_layers,
+                      u / max(work.prompt_len, 1))
+    decode = _ubatch(shape, profile, cost, plan, n_seq, work.prompt_len + work.gen_len / 2,
+                     decode_hit, host_layers, n_seq)
+    prompt_tokens = work.prompt_len * work.n_requests
+    generated = work.gen_len * work.n_requests
+    prefill_s = math.ceil(prompt_tokens / u) * prefill.seconds if prompt_tokens else 0.0
+    # every step decodes a token of each running sequence; fewer run at the job's tail
+    steps = generated / n_seq + (work.gen_len if work.n_requests > n_seq else 0) / 2
+    job = prefill_s + steps * decode.seconds
+    return Estimate(plan, slots if plan.experts == "cache" else 0,
+                    host_layers if plan.experts == "ncmoe" else 0, device, prefill, decode,
+                    prefill_s, job, generated / job if job > 0 else 0.0)
+
+
+def search(shape: SimShape, profile: Profile, budget: int, work: Workload, *,
+           experts: Sequence[str] = ("cache",), kv: Sequence[bool] = (False, True),
+           n_seqs: Iterable[int] | None = None, n_ubatches: Iterable[int] | None = None,
+           locality: float = 0.0, non_expert_bytes: int | None = None,
+           cost: CostModel | None = None) -> list[Estimate]:
+    """Every plan of the grid that fits, best predicted throughput first."""
+    seqs = sorted({min(s, max(work.n_requests, 1)) for s in (n_seqs or N_SEQS)})
+    out = []
+    for x in experts:
+        for host in kv:
+            for s in seqs:
+                for u in n_ubatches or N_UBATCHES:
+                    e = estimate(shape, profile, budget, work, Plan(s, u, host, x),
+                                 locality=locality, non_expert_bytes=non_expert_bytes,
+                                 cost=cost)
+                    if e is not None:
+                        out.append(e)
+    out.sort(key=lambda e: -e.tokens_per_s)
+    return out
+
+
+def budget_bytes(text: str | int) -> int:
+    """A budget given as bytes or a size such as ``24GiB``."""
+    return text if isinstance(text, int) else parse_size(text)

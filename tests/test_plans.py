@@ -1,0 +1,137 @@
+"""Batch plans and the roofline model that predicts them (forecache.cache.plans, forecache plan)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from forecache.cache.choice import DecodeShape, ncmoe_decode_s, promoe_decode_s
+from forecache.cache.cost import CostModel, Profile
+from forecache.cache.plans import Plan, Workload, distinct_experts, estimate, search
+from forecache.default_model import REFERENCE_MODEL
+from forecache.sim.shapes import shape_of
+from tests.cli_helpers import run_cli
+
+TARGET = shape_of("qwen2-57b-a14b")
+PROFILE = Profile.load("rtx4090")
+GIB = 1 << 30
+SHAREGPT = Workload(1000, 220, 190, 410)
+
+
+def test_plan_text_round_trip_and_refusals() -> None:
+    p = Plan.parse("seq=16,ubatch=512,kv=host")
+    assert p == Plan(16, 512, True, "cache")
+    assert Plan.parse(p.label()) == p
+    assert Plan.parse("ubatch=64, seq=2, experts=ncmoe") == Plan(2, 64, False, "ncmoe")
+    for bad in ("seq=16", "seq=x,ubatch=2", "seq=1,ubatch=2,kv=gpu", "seq=1,ubatch=2,foo=3",
+                "seq=0,ubatch=2", "seq=1,ubatch=2,experts=lru", "seq=1,seq=2,ubatch=4"):
+        with pytest.raises(ValueError, match="plan|seq|experts"):
+            Plan.parse(bad)
+
+
+def test_distinct_experts() -> None:
+    assert distinct_experts(1, 64, 8) == pytest.approx(8)
+    assert distinct_experts(0, 64, 8) == 0
+    assert 63.9 < distinct_experts(256, 64, 8) <= 64
+    assert distinct_experts(4, 64, 8) < 4 * 8
+
+
+def test_memory_split_and_budgets_that_do_not_fit() -> None:
+    work = Workload(1000, 220, 190, 2048)
+    dev = estimate(TARGET, PROFILE, 24 * GIB, work, Plan(64, 512))
+    host = estimate(TARGET, PROFILE, 24 * GIB, work, Plan(64, 512, kv_host=True))
+    assert dev is not None and host is not None
+    # the KV cache on the host leaves its bytes to expert slots
+    assert host.slots > dev.slots
+    assert dev.device_bytes["kv"] == 64 * 2048 * TARGET.layers * TARGET.kv_bytes
+    used = sum(dev.device_bytes.values())
+    assert used <= 24 * GIB
+    # the weights alone do not fit 4 GiB; 256 sequences' KV does not fit on a 24 GiB device
+    assert estimate(TARGET, PROFILE, 4 * GIB, work, Plan(1, 512)) is None
+    assert estimate(TARGET, PROFILE, 24 * GIB, work, Plan(256, 512)) is None
+    assert estimate(TARGET, PROFILE, 24 * GIB, work, Plan(256, 512, kv_host=True)) is not None
+
+
+def test_one_sequence_agrees_with_the_default_placements_estimates() -> None:
+    """One performance model: a decode step of one sequence costs what cache.choice (the
+    default placement's estimate, from the same cost primitives) says, but for attention."""
+    work = Workload(1, 1, 64, 128)
+    cost = CostModel.from_profile(PROFILE, TARGET.expert)
+    for experts in ("ncmoe", "cache"):
+        e = estimate(TARGET, PROFILE, 24 * GIB, work, Plan(1, 512, experts=experts), cost=cost)
+        assert e is not None
+        shape = DecodeShape(n_moe=TARGET.layers, n_expert=TARGET.experts, top_k=TARGET.top_k,
+                            n_slots=e.slots, ncmoe_host_layers=e.host_layers,
+                            dense_bytes=TARGET.dense_bytes, n_layer=TARGET.layers)
+        want = (ncmoe_decode_s(shape, PROFILE, cost) if experts == "ncmoe" else
+                promoe_decode_s(shape, PROFILE, cost, e.slots / TARGET.experts))
+        # the choice's estimate reads the dense weights in one launch; the plan's per layer,
+        # and its promoe estimate averages the binomial misses: within 15%
+        assert e.decode.seconds == pytest.approx(want, rel=0.15), experts
+
+
+def test_bounds_follow_llama_cpps_rules() -> None:
+    one = estimate(TARGET, PROFILE, 24 * GIB, SHAREGPT, Plan(1, 512, experts="ncmoe"))
+    many = estimate(TARGET, PROFILE, 24 * GIB, SHAREGPT, Plan(64, 512, experts="ncmoe"))
+    assert one is not None and many is not None
+    # under 32 tokens llama.cpp computes host experts on the CPU; from 32 it copies them up
+    assert "PCIe" not in one.decode.parts
+    assert one.decode.bound in ("DRAM", "CPU compute")
+    assert many.decode.parts["PCIe"] > 0
+    assert many.decode.bound == "PCIe"
+    # CPU attention is charged to the host
+    host = estimate(TARGET, PROFILE, 24 * GIB, SHAREGPT, Plan(64, 512, kv_host=True))
+    dev = estimate(TARGET, PROFILE, 24 * GIB, SHAREGPT, Plan(64, 512))
+    assert host is not None and dev is not None
+    assert host.decode.parts.get("DRAM", 0) > dev.decode.parts.get("DRAM", 0)
+
+
+def test_bigger_batches_amortize_the_bus() -> None:
+    rates = [estimate(TARGET, PROFILE, 24 * GIB, SHAREGPT, Plan(n, 512, kv_host=True))
+             for n in (1, 16, 64, 256)]
+    tps = [e.tokens_per_s for e in rates if e is not None]
+    assert len(tps) == 4 and tps == sorted(tps)
+    assert tps[-1] > 5 * tps[0]
+
+
+def test_search_orders_plans_and_respects_the_grid() -> None:
+    got = search(TARGET, PROFILE, 24 * GIB, SHAREGPT, n_seqs=(1, 8, 64), n_ubatches=(256, 512))
+    assert got
+    assert [e.tokens_per_s for e in got] == sorted((e.tokens_per_s for e in got), reverse=True)
+    assert {e.plan.n_seq for e in got} <= {1, 8, 64}
+    assert {e.plan.n_ubatch for e in got} <= {256, 512}
+    assert all(e.plan.experts == "cache" for e in got)
+    # a job of 3 requests never plans more than 3 sequences
+    few = search(TARGET, PROFILE, 24 * GIB, replace(SHAREGPT, n_requests=3))
+    assert max(e.plan.n_seq for e in few) == 3
+
+
+def test_plan_command(tmp_path: Path) -> None:
+    out = tmp_path / "plans.json"
+    res = run_cli("plan", "--shape", "qwen2-57b-a14b", "--gpu-budget", "24GiB", "--prompt-len",
+                  "220", "--gen", "190", "--top", "3", "--json", str(out), check=True)
+    lines = res.stdout.strip().splitlines()
+    assert len(lines) == 1 + 3 + 1
+    assert lines[1].startswith("plan seq=") and "tokens/s predicted" in lines[1]
+    assert lines[-1].startswith("stock llama.cpp's best: plan") and "experts=ncmoe" in lines[-1]
+    data = json.loads(out.read_text())
+    assert data["plans"][0]["line"] == lines[1]
+    assert all(p["plan"].endswith("experts=ncmoe") for p in data["stock"])
+    # a GGUF file: its own sizes
+    res = run_cli("plan", "-m", str(REFERENCE_MODEL), "--gpu-budget", "512MiB", "--prompt-len",
+                  "64", "--gen", "64", "--requests", "32", check=True)
+    assert "forecache-ref" in res.stdout and "seq=" in res.stdout
+
+
+def test_plan_command_refusals() -> None:
+    res = run_cli("plan", "--shape", "qwen2-57b-a14b", "--gpu-budget", "2GiB", "--prompt-len",
+                  "220", "--gen", "190")
+    assert res.returncode != 0 and "no plan fits 2GiB" in res.stderr
+    res = run_cli("plan", "--shape", "qwen2-57b-a14b", "--gpu-budget", "lots", "--prompt-len",
+                  "220", "--gen", "190")
+    assert res.returncode != 0 and "cannot read size" in res.stderr
+    res = run_cli("plan", "--gpu-budget", "24GiB", "--prompt-len", "1", "--gen", "1")
+    assert res.returncode != 0 and "-m FILE" in res.stderr
