@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from forecache.cache.budget import compute_buffer_bytes, format_size, parse_size
 from forecache.cache.choice import hit_at
 from forecache.cache.cost import CostModel, Profile, roofline_s
+from forecache.cache.prefetcher import stage_slots_for
 
 if TYPE_CHECKING:
     from forecache.sim.shapes import SimShape
@@ -193,10 +194,13 @@ def _memory(shape: SimShape, budget: int, work: Workload, plan: Plan,
 
 
 def _layer_experts(clock: _Clock, shape: SimShape, p: Profile, cost: CostModel, n_tokens: float,
-                   resident: float, host_layer: bool | None) -> None:
+                   resident: float, host_layer: bool | None, slots: int = 0,
+                   ahead_s: float = 0.0) -> None:
     """One layer's routed experts for ``n_tokens`` rows: forecache's plan over ``resident`` of
     the distinct experts in slots (``host_layer`` None), or stock llama.cpp's layer, its
-    experts in host memory (``host_layer`` True) or on the device."""
+    experts in host memory (``host_layer`` True) or on the device. A layer that routes more
+    experts than its ``slots`` streams them, and the layer before it has copied up to
+    ``ahead_s`` seconds of its misses into stage slots meanwhile (``Prefetcher._stage_next``)."""
     k, e = shape.top_k, shape.experts
     d = max(1, round(distinct_experts(n_tokens, e, k)))
     pairs = max(d, round(n_tokens * k))
@@ -222,6 +226,11 @@ def _layer_experts(clock: _Clock, shape: SimShape, p: Profile, cost: CostModel, 
     host_pairs = pairs if split.whole_layer else n_host * per
     dev = cost.dev_s(d - n_host, pairs - host_pairs) if not split.whole_layer else 0.0
     copies = 0.0 if split.whole_layer else cost.copy_s() * (d - hits - n_host)
+    if copies > 0 and d > slots:
+        # the staged copies ran under the attention before this layer's experts
+        fixed = t - max(dev, copies, split.host_s)  # the host rows' merge
+        copies -= min(ahead_s, copies)
+        t = max(dev, copies, split.host_s) + fixed
     # the layer takes ``t`` (its sides overlap): charged to the longest side's resource
     side = max(dev, copies, split.host_s)
     if side == split.host_s and n_host:
@@ -243,12 +252,15 @@ def _host_memory_bound(shape: SimShape, p: Profile, pairs: float) -> bool:
 
 
 def _ubatch(shape: SimShape, p: Profile, cost: CostModel, plan: Plan, n_tokens: float,
-            context: float, resident: float, host_layers: int, logits: float) -> Stage:
-    """One ubatch of ``n_tokens`` rows whose attention reads ``context`` tokens each."""
+            context: float, resident: float, host_layers: int, logits: float, slots: int = 0,
+            stage: int = 0) -> Stage:
+    """One ubatch of ``n_tokens`` rows whose attention reads ``context`` tokens each; a cache
+    plan's ``stage`` slots take the next layer's misses while a streaming layer computes."""
     clock = _Clock()
     attn_bytes = n_tokens * context * shape.kv_bytes
     attn_flops = 4.0 * n_tokens * context * shape.d_model
     for il in range(shape.layers):
+        before = clock.seconds
         clock.roof(p.gpu_launch_s, shape.layer_bytes, p.gpu_mem_gbps,
                    n_tokens * shape.layer_flops, p.gpu_tflops * 1e12, "gpu")
         if plan.kv_host:
@@ -261,7 +273,9 @@ def _ubatch(shape: SimShape, p: Profile, cost: CostModel, plan: Plan, n_tokens: 
             clock.roof(p.gpu_launch_s, attn_bytes, p.gpu_mem_gbps, attn_flops,
                        p.gpu_tflops * 1e12, "gpu")
         host = None if plan.experts == "cache" else il < host_layers
-        _layer_experts(clock, shape, p, cost, n_tokens, resident, host)
+        # half the stage slots take the next layer's misses (the other half serve this one)
+        ahead = min((stage + 1) // 2 * cost.copy_s(), clock.seconds - before) if il else 0.0
+        _layer_experts(clock, shape, p, cost, n_tokens, resident, host, slots, ahead)
     clock.roof(p.gpu_launch_s, shape.head_bytes, p.gpu_mem_gbps,
                2.0 * logits * shape.head_bytes / shape.bytes_per_weight, p.gpu_tflops * 1e12,
                "gpu")
@@ -281,16 +295,19 @@ def estimate(shape: SimShape, profile: Profile, budget: int, work: Workload, pla
         return None
     device, slots, host_layers = mem
     cost = cost or CostModel.from_profile(profile, shape.expert)
-    share = slots / shape.experts
+    # the stage slots' memory comes out of the slots, as the runtime takes it
+    stage = stage_slots_for(shape.experts, [slots] * shape.layers) \
+        if plan.experts == "cache" else 0
+    share = (slots * shape.layers - stage) / (shape.layers * shape.experts)
     # a prompt's tokens route all over: its ubatches hit at the slots' share; decode steps of
     # one sequence keep the locality the cache was measured at
     n_seq = min(plan.n_seq, max(work.n_requests, 1))
     decode_hit = hit_at(share, locality if n_seq == 1 else 0.0)
     u = min(plan.n_ubatch, max(work.prompt_len * work.n_requests, 1))
     prefill = _ubatch(shape, profile, cost, plan, u, work.prompt_len / 2, share, host_layers,
-                      u / max(work.prompt_len, 1))
+                      u / max(work.prompt_len, 1), slots, stage)
     decode = _ubatch(shape, profile, cost, plan, n_seq, work.prompt_len + work.gen_len / 2,
-                     decode_hit, host_layers, n_seq)
+                     decode_hit, host_layers, n_seq, slots, stage)
     prompt_tokens = work.prompt_len * work.n_requests
     generated = work.gen_len * work.n_requests
     prefill_s = math.ceil(prompt_tokens / u) * prefill.seconds if prompt_tokens else 0.0
