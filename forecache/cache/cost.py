@@ -40,6 +40,10 @@ class Profile:
     hook_s: float  # gate hook on the critical path
     predictor_s: float  # one prediction on the predictor thread
     token_s: float = 0.0  # per forward pass, outside the graph: sampling, the Python runtime
+    sample_s: float = 0.0  # per row with logits beyond the first: reading and sampling them
+    # per sequence in a pass beyond the first: its KV stream's attention ops (llama.cpp keeps a
+    # stream per sequence; its ops cost more than its context's bytes and flops say)
+    seq_s: float = 0.0
     prefetch_hook_s: float = 0.0  # promoe's gate hook, when it costs more than hook_s (0: same)
     group_s: float = 0.0  # an expert group computed as its own graph (gather, matmul, scatter)
     thread_s: float = 0.0  # starting and joining the CPU thread of a projection's host entries

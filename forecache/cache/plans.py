@@ -193,6 +193,31 @@ def _memory(shape: SimShape, budget: int, work: Workload, plan: Plan,
             host_layers)
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where a plan's budget goes, and what the experts get of it."""
+
+    device_bytes: dict[str, int]  # weights, KV cache, compute buffers, experts
+    slots: int  # expert slots a MoE layer
+    host_layers: int  # ncmoe: MoE layers whose experts stay in host memory
+    stage: int  # cache: stage slots, out of the slots
+    share: float  # of a layer's experts resident (cache) on average
+
+
+def layout(shape: SimShape, budget: int, work: Workload, plan: Plan,
+           non_expert_bytes: int | None = None) -> Layout | None:
+    """The device memory of ``plan`` at ``budget``; None when its fixed needs do not fit."""
+    mem = _memory(shape, budget, work, plan, non_expert_bytes)
+    if mem is None:
+        return None
+    device, slots, host_layers = mem
+    # the stage slots' memory comes out of the slots, as the runtime takes it
+    stage = stage_slots_for(shape.experts, [slots] * shape.layers) \
+        if plan.experts == "cache" else 0
+    share = (slots * shape.layers - stage) / (shape.layers * shape.experts)
+    return Layout(device, slots, host_layers, stage, share)
+
+
 def _layer_experts(clock: _Clock, shape: SimShape, p: Profile, cost: CostModel, n_tokens: float,
                    resident: float, host_layer: bool | None, slots: int = 0,
                    ahead_s: float = 0.0) -> None:
@@ -243,6 +268,18 @@ def _layer_experts(clock: _Clock, shape: SimShape, p: Profile, cost: CostModel, 
             (pairs - host_pairs) * shape.proj_flops * nproj / (p.gpu_tflops * 1e12)
         where = "GPU memory" if mem else "GPU compute"
     clock.op(t, where)
+    # the runtime's own costs: the gate (a one-token gate decided in C), and expert groups
+    # when experts stream in (the hits in one, then each streamed expert as its copy lands)
+    clock.op(p.decode_gate_s if n_tokens == 1 and p.decode_gate_s > 0 else
+             (p.prefetch_hook_s or p.hook_s), "CPU compute")
+    # expected, not rounded: a layer of one token misses a fraction of an expert on average.
+    # Streamed experts are computed in groups as their copies land: one group each where a
+    # copy takes longer than an expert's compute, else together once the copies are in
+    streamed = 0.0 if split.whole_layer else max(0.0, d * (1 - resident) - n_host)
+    if streamed > 0:
+        one = cost.dev_s(1, max(1, round(per)))
+        groups = streamed if cost.copy_s() > one else min(1.0, streamed)
+        clock.op(nproj * p.group_s * (min(1.0, d * resident) + groups), "CPU compute")
 
 
 def _host_memory_bound(shape: SimShape, p: Profile, pairs: float) -> bool:
@@ -251,11 +288,14 @@ def _host_memory_bound(shape: SimShape, p: Profile, pairs: float) -> bool:
         pairs * shape.proj_flops * len(shape.expert.proj_bytes) / (p.cpu_gflops * 1e9)
 
 
-def _ubatch(shape: SimShape, p: Profile, cost: CostModel, plan: Plan, n_tokens: float,
+def ubatch_stage(shape: SimShape, p: Profile, cost: CostModel, plan: Plan, n_tokens: float,
             context: float, resident: float, host_layers: int, logits: float, slots: int = 0,
-            stage: int = 0) -> Stage:
-    """One ubatch of ``n_tokens`` rows whose attention reads ``context`` tokens each; a cache
-    plan's ``stage`` slots take the next layer's misses while a streaming layer computes."""
+            stage: int = 0, n_seqs: float = 1.0) -> Stage:
+    """One ubatch of ``n_tokens`` rows whose attention reads ``context`` tokens each, ``logits``
+    of them sampled, from ``n_seqs`` sequences: ``resident`` of a layer's routed experts in
+    slots (a cache plan, whose
+    ``stage`` slots take the next layer's misses while a streaming layer computes), or the
+    first ``host_layers`` layers' experts in host memory (ncmoe)."""
     clock = _Clock()
     attn_bytes = n_tokens * context * shape.kv_bytes
     attn_flops = 4.0 * n_tokens * context * shape.d_model
@@ -279,7 +319,10 @@ def _ubatch(shape: SimShape, p: Profile, cost: CostModel, plan: Plan, n_tokens: 
     clock.roof(p.gpu_launch_s, shape.head_bytes, p.gpu_mem_gbps,
                2.0 * logits * shape.head_bytes / shape.bytes_per_weight, p.gpu_tflops * 1e12,
                "gpu")
-    clock.op(p.token_s, "CPU compute")
+    # each further sequence's KV stream, where its attention runs
+    clock.op(max(n_seqs - 1.0, 0.0) * p.seq_s, "CPU compute" if plan.kv_host else "GPU compute")
+    # outside the graph: the pass's Python, and sampling each row with logits
+    clock.op(p.token_s + max(logits - 1.0, 0.0) * p.sample_s, "CPU compute")
     return clock.stage()
 
 
@@ -290,24 +333,21 @@ def estimate(shape: SimShape, profile: Profile, budget: int, work: Workload, pla
     None when the plan does not fit. ``locality`` is the model's measured decode locality
     (``cache.choice``), which raises a single sequence's hit rate above the slots' share;
     ``cost`` carries measured copy and CPU rates."""
-    mem = _memory(shape, budget, work, plan, non_expert_bytes)
-    if mem is None:
+    lay = layout(shape, budget, work, plan, non_expert_bytes)
+    if lay is None:
         return None
-    device, slots, host_layers = mem
+    slots, host_layers, stage, share = lay.slots, lay.host_layers, lay.stage, lay.share
     cost = cost or CostModel.from_profile(profile, shape.expert)
-    # the stage slots' memory comes out of the slots, as the runtime takes it
-    stage = stage_slots_for(shape.experts, [slots] * shape.layers) \
-        if plan.experts == "cache" else 0
-    share = (slots * shape.layers - stage) / (shape.layers * shape.experts)
     # a prompt's tokens route all over: its ubatches hit at the slots' share; decode steps of
     # one sequence keep the locality the cache was measured at
     n_seq = min(plan.n_seq, max(work.n_requests, 1))
     decode_hit = hit_at(share, locality if n_seq == 1 else 0.0)
     u = min(plan.n_ubatch, max(work.prompt_len * work.n_requests, 1))
-    prefill = _ubatch(shape, profile, cost, plan, u, work.prompt_len / 2, share, host_layers,
-                      u / max(work.prompt_len, 1), slots, stage)
-    decode = _ubatch(shape, profile, cost, plan, n_seq, work.prompt_len + work.gen_len / 2,
-                     decode_hit, host_layers, n_seq, slots, stage)
+    prefill = ubatch_stage(shape, profile, cost, plan, u, work.prompt_len / 2, share,
+                           host_layers, u / max(work.prompt_len, 1), slots, stage,
+                           max(1.0, u / max(work.prompt_len, 1)))
+    decode = ubatch_stage(shape, profile, cost, plan, n_seq, work.prompt_len + work.gen_len / 2,
+                          decode_hit, host_layers, n_seq, slots, stage, n_seq)
     prompt_tokens = work.prompt_len * work.n_requests
     generated = work.gen_len * work.n_requests
     prefill_s = math.ceil(prompt_tokens / u) * prefill.seconds if prompt_tokens else 0.0
@@ -315,8 +355,8 @@ def estimate(shape: SimShape, profile: Profile, budget: int, work: Workload, pla
     steps = generated / n_seq + (work.gen_len if work.n_requests > n_seq else 0) / 2
     job = prefill_s + steps * decode.seconds
     return Estimate(plan, slots if plan.experts == "cache" else 0,
-                    host_layers if plan.experts == "ncmoe" else 0, device, prefill, decode,
-                    prefill_s, job, generated / job if job > 0 else 0.0)
+                    host_layers if plan.experts == "ncmoe" else 0, lay.device_bytes, prefill,
+                    decode, prefill_s, job, generated / job if job > 0 else 0.0)
 
 
 def search(shape: SimShape, profile: Profile, budget: int, work: Workload, *,

@@ -1,0 +1,244 @@
+"""A batch job's plan on this machine: the roofline model's rates measured on the loaded model,
+and the plan it predicts fastest for the job's requests.
+
+``cache.plans`` predicts a plan from a machine profile. Here the profile's rates are fitted to
+stage times measured on the model itself, as MoE-Lightning profiles peak rates rather than
+trusting a datasheet: decode steps of a few sequences and prompt ubatches of a few sizes, each
+timed around ``llama_decode`` with its rows' sampling. The fitted profile is kept per model and
+device in the cache directory, so a job measures once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+import numpy as np
+
+from forecache.atomic_file import write_atomic
+from forecache.cache.cost import Profile
+from forecache.cache.plans import Plan, Workload, layout, ubatch_stage
+from forecache.cache.setup import DEFAULT_MACHINE
+from forecache.gguf.header import ModelFile
+from forecache.gguf.identity import fingerprint
+from forecache.llama import Llama
+from forecache.paths import cache_dir
+from forecache.sim.shapes import SimShape, model_shape
+
+# what the fit moves: rates and the runtime's fixed costs (log-space)
+FITTED = ("launch_s", "mem_gbps", "gflops", "seq_s", "token_s", "sample_s", "hook_s",
+          "group_s")
+# ^ the profile fields a calibration sets; the rows' sampling is measured, the rest fitted
+DECODE_SIZES = (1, 2, 4, 8, 16)
+PREFILL_SIZES = (32, 64, 128, 256)
+CONTEXT = 32  # tokens each measured sequence holds before its decode steps
+
+
+@dataclass(frozen=True)
+class StageSample:
+    """One measured stage: a decode step of ``n`` sequences, or a prompt ubatch of ``n``
+    tokens, with ``context`` tokens of attention each (a prompt ubatch: its mean):
+    ``seconds`` in ``llama_decode``, ``rows_s`` reading, sampling and detokenizing its rows,
+    ``pass_s`` the rest of the pass in Python."""
+
+    kind: str  # "decode" | "prefill"
+    n: int
+    context: float
+    seconds: float
+    rows_s: float = 0.0
+    pass_s: float = 0.0  # building the batch and starting the pass, outside llama_decode
+
+
+def measure_stages(llm: Llama, *, decode_sizes: Sequence[int] = DECODE_SIZES,
+                   prefill_sizes: Sequence[int] = PREFILL_SIZES, repeats: int = 5
+                   ) -> list[StageSample]:
+    """Median seconds of decode steps (one token of each of n sequences, every row's logits
+    read and its token picked) and of prompt ubatches, on ``llm`` as loaded."""
+    from llama_cpp import llama_cpp as low
+
+    from forecache.batch import sample
+    from forecache.generate import SamplingParams
+
+    ctx = llm.ctx
+    mem = low.llama_get_memory(ctx)
+    n_vocab = llm.n_vocab()
+    greedy = SamplingParams(greedy=True, temperature=0.0)
+    rng = np.random.default_rng(0)
+    most = max(max(decode_sizes, default=1), 1)
+    batch = low.llama_batch_init(max(llm.n_batch, most, *prefill_sizes), 0, 1)
+    cache = llm.expert_cache
+    out: list[StageSample] = []
+    tokens = np.random.default_rng(1).integers(100, min(n_vocab, 1000), 4096).tolist()
+
+    def run(rows: list[tuple[int, int, int, bool]]) -> tuple[float, float, float]:
+        """Decode rows of (token, pos, seq, logits): seconds in the pass, in its rows'
+        sampling and detokenizing (as ``batch.decode_many`` handles them), and building it."""
+        start = time.perf_counter()
+        for i, (tok, pos, seq, want) in enumerate(rows):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = tok, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, want
+        batch.n_tokens = len(rows)
+        if cache is not None:
+            cache.begin_ubatch(np.asarray([r[0] for r in rows], dtype=np.int32))
+        t0 = time.perf_counter()
+        rc = low.llama_decode(ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed ({rc}) while measuring this machine")
+        t1 = time.perf_counter()
+        for i, r in enumerate(rows):
+            if r[3]:
+                logits = np.ctypeslib.as_array(low.llama_get_logits_ith(ctx, i),
+                                               shape=(n_vocab,))
+                llm.detokenize([sample(logits, greedy, rng)], prev_tokens=[r[0]])
+        return t1 - t0, time.perf_counter() - t1, t0 - start
+
+    try:
+        for n in sorted(d for d in decode_sizes if d <= llm.n_seq_max):
+            low.llama_memory_clear(mem, True)
+            for s in range(n):  # each sequence's context, then steps of one token each
+                run([(tokens[(s * 7 + j) % 4096], j, s, False) for j in range(CONTEXT)])
+            times = np.array([run([(tokens[(s + r) % 4096], CONTEXT + r, s, True)
+                                   for s in range(n)])
+                              for r in range(repeats + 1)][1:])  # the first warms the graph
+            out.append(StageSample("decode", n, CONTEXT + repeats / 2,
+                                   *np.median(times, axis=0).tolist()))
+        for u in sorted(x for x in prefill_sizes if x <= llm.n_batch):
+            got = []
+            for r in range(repeats + 1):
+                low.llama_memory_clear(mem, True)
+                got.append(run([(tokens[(r + j) % 4096], j, 0, j == u - 1) for j in range(u)]))
+            out.append(StageSample("prefill", u, u / 2,
+                                   *np.median(np.array(got[1:]), axis=0).tolist()))
+    finally:
+        low.llama_memory_clear(mem, True)
+        low.llama_batch_free(batch)
+    return out
+
+
+def profile_with(base: Profile, x: dict[str, float], on_cpu: bool) -> Profile:
+    """``base`` with the fitted values ``x``: on a CPU build the device's rates are the host's."""
+    p = replace(base, gpu_launch_s=x["launch_s"], gpu_mem_gbps=x["mem_gbps"],
+                gpu_tflops=x["gflops"] / 1e3, token_s=x["token_s"], sample_s=x["sample_s"],
+                hook_s=x["hook_s"], prefetch_hook_s=x["hook_s"], group_s=x["group_s"],
+                seq_s=x["seq_s"])
+    if on_cpu:
+        p = replace(p, cpu_launch_s=x["launch_s"], cpu_mem_gbps=x["mem_gbps"],
+                    cpu_gflops=x["gflops"], op_offload_min_batch=0)
+    return p
+
+
+def predict_stage(shape: SimShape, profile: Profile, plan: Plan, budget: int,
+                  sample_: StageSample, non_expert_bytes: int | None = None) -> float:
+    """The model's seconds for a measured stage under ``plan``'s layout."""
+    from forecache.cache.cost import CostModel
+
+    work = Workload(1, CONTEXT, 1, CONTEXT + 64)
+    lay = layout(shape, budget, work, plan, non_expert_bytes)
+    if lay is None:
+        raise ValueError(f"plan {plan.label()} does not fit {budget} bytes")
+    cost = CostModel.from_profile(profile, shape.expert)
+    rows = sample_.n if sample_.kind == "decode" else 1  # with logits; and sequences
+    return ubatch_stage(shape, profile, cost, plan, sample_.n, sample_.context, lay.share,
+                        lay.host_layers, rows, lay.slots, lay.stage, rows).seconds
+
+
+def fit_profile(shape: SimShape, base: Profile, plan: Plan, budget: int,
+                samples: Sequence[StageSample], *, on_cpu: bool,
+                non_expert_bytes: int | None = None) -> Profile:
+    """The profile whose predictions best match ``samples``: the rows' sampling and the
+    pass's Python are measured (``sample_s`` per row, ``token_s``), the passes' times are
+    fitted (least squares of log ratios) by the device's launch cost, memory and compute rates
+    and a sequence's KV stream."""
+    from forecache.sim.calibrate import nelder_mead
+
+    rows = [(s.rows_s, s.n if s.kind == "decode" else 1) for s in samples if s.rows_s > 0]
+    per_row = sum(t for t, _ in rows) / max(sum(n for _, n in rows), 1)
+    per_pass = float(np.median([s.pass_s for s in samples])) if samples else 0.0
+    # token_s is what a pass costs outside llama_decode with one row sampled (each further
+    # row's sampling is sample_s)
+    start = {"launch_s": 2e-5, "mem_gbps": 20.0, "gflops": 100.0, "seq_s": 2e-5,
+             "token_s": per_pass + per_row, "sample_s": per_row,
+             "hook_s": base.prefetch_hook_s or base.hook_s, "group_s": base.group_s}
+    # the runtime's own costs (gate hooks, expert groups) are the base profile's, measured by
+    # benchmarks/sim_validate.py and hook_cost.py; fitting them beside the rates is ill-posed
+    names = ["launch_s", "mem_gbps", "gflops", "seq_s"]
+    x0 = np.log([start[k] for k in names])
+    outside = per_pass + per_row  # of a pass with one row sampled
+
+    def of(v: np.ndarray) -> Profile:
+        return profile_with(base, {**start, **dict(zip(names, np.exp(v).tolist(),
+                                                       strict=True))}, on_cpu)
+
+    def loss(v: np.ndarray) -> float:
+        p = of(v)
+        err = 0.0
+        for s in samples:
+            pred = predict_stage(shape, p, plan, budget, s, non_expert_bytes)
+            n_rows = s.n if s.kind == "decode" else 1
+            # the measured pass is the prediction less what the runtime spends outside it
+            inside = pred - outside - (n_rows - 1) * per_row
+            err += math.log(max(inside, 1e-7) / s.seconds) ** 2
+        # a weak pull to the start keeps parameters the samples barely constrain in range
+        return err + 1e-3 * float(np.sum((v - x0) ** 2))
+
+    best = nelder_mead(loss, x0, iters=400, tol=1e-7)
+    for _ in range(2):  # restarts: the simplex can stall on a ridge
+        best = nelder_mead(loss, best, step=0.3, iters=400, tol=1e-7)
+    return of(best)
+
+
+def _record(model: ModelFile, device: str) -> Path:
+    return cache_dir() / "measured" / f"plan-{fingerprint(model)[:32]}.json"
+
+
+def load_profile(model: ModelFile, device: str) -> Profile | None:
+    """The profile fitted for ``model`` on ``device`` by an earlier job, if any."""
+    try:
+        raw = json.loads(_record(model, device).read_text()).get(device)
+        names = {f.name for f in fields(Profile)}
+        return Profile(**{k: v for k, v in raw.items() if k in names}) if raw else None
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None  # none yet, or unreadable: measured again
+
+
+def save_profile(model: ModelFile, device: str, profile: Profile) -> None:
+    """Keep ``profile`` for ``model`` on ``device``."""
+    path = _record(model, device)
+    try:
+        data = json.loads(path.read_text())
+        data = data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        data = {}
+    data[device] = asdict(profile)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, json.dumps(data, indent=1).encode())
+
+
+def calibrate(llm: Llama, plan: Plan, budget: int, *,
+              progress: Callable[[str], None] = lambda s: None) -> Profile:
+    """Measure ``llm`` (loaded as ``plan`` places it, at ``budget``) and fit the profile."""
+    dev = llm.placement.device if llm.placement is not None else None
+    on_cpu = dev is None or dev.type == "cpu"
+    progress("measuring this machine for the batch plan (once per model) ...")
+    samples = measure_stages(llm)
+    shape = model_shape(llm.model_file)
+    base = Profile.load(DEFAULT_MACHINE)
+    if on_cpu:
+        from forecache.doctor import host_memory_bandwidth_gbps
+
+        base = replace(base, h2d_gbps=host_memory_bandwidth_gbps() / 2, dram_gbps=0.0,
+                       name="measured", device="this machine (CPU build)")
+    mf = llm.model_file
+    return fit_profile(shape, base, plan, budget, samples, on_cpu=on_cpu,
+                       non_expert_bytes=mf.total_bytes() - mf.expert_bytes())
+
+
+def job_workload(prompt_lens: Sequence[int], max_tokens: Sequence[int],
+                 ctx_per_seq: int) -> Workload:
+    """A job's workload from its requests' prompt lengths and answer limits."""
+    n = max(len(prompt_lens), 1)
+    return Workload(len(prompt_lens), sum(prompt_lens) / n, sum(max_tokens) / n, ctx_per_seq)

@@ -1,0 +1,75 @@
+"""The batch plan's rates measured on the model (forecache.batch_plan), on the reference model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from forecache.batch_plan import (
+    calibrate,
+    job_workload,
+    load_profile,
+    measure_stages,
+    predict_stage,
+    save_profile,
+)
+from forecache.cache.plans import Plan, estimate
+from forecache.default_model import REFERENCE_MODEL
+from forecache.llama import Llama
+from forecache.sim.shapes import model_shape
+
+STOCK = Plan(8, 256, False, "ncmoe")  # llama.cpp's own placement: every expert in place
+BUDGET = 1 << 40
+
+
+@pytest.fixture(scope="module")
+def llm() -> Llama:
+    with Llama.open(REFERENCE_MODEL, cache=None, n_ctx=256, n_seq_max=8, n_batch=256,
+                    n_ubatch=256) as m:
+        yield m
+
+
+def test_stages_are_measured(llm: Llama) -> None:
+    got = measure_stages(llm, decode_sizes=(1, 4, 8, 32), prefill_sizes=(32, 128, 512),
+                         repeats=3)
+    # sizes the context cannot run are left out: 32 sequences, a 512-token ubatch
+    assert [(s.kind, s.n) for s in got] == [("decode", 1), ("decode", 4), ("decode", 8),
+                                            ("prefill", 32), ("prefill", 128)]
+    assert all(s.seconds > 0 and s.rows_s > 0 and s.pass_s >= 0 for s in got)
+    dec = {s.n: s for s in got if s.kind == "decode"}
+    pre = {s.n: s for s in got if s.kind == "prefill"}
+    # more rows take longer, and eight sequences' rows are sampled eight times
+    assert dec[8].seconds > dec[1].seconds
+    assert pre[128].seconds > pre[32].seconds
+    assert dec[8].rows_s > 3 * dec[1].rows_s
+
+
+def test_the_fit_reproduces_the_measured_stages(llm: Llama) -> None:
+    prof = calibrate(llm, STOCK, BUDGET)
+    shape = model_shape(llm.model_file)
+    mf = llm.model_file
+    ne = mf.total_bytes() - mf.expert_bytes()
+    samples = measure_stages(llm, repeats=3)
+    for s in samples:
+        outside = prof.token_s + ((s.n if s.kind == "decode" else 1) - 1) * prof.sample_s
+        inside = predict_stage(shape, prof, STOCK, BUDGET, s, ne) - outside
+        # measured again after the fit: a pass within half of what the fit predicts
+        assert 0.5 < inside / s.seconds < 2.0, s
+    # the CPU build: the device's rates are the host's
+    assert prof.cpu_mem_gbps == prof.gpu_mem_gbps and prof.op_offload_min_batch == 0
+    work = job_workload([30] * 16, [32] * 16, 128)
+    assert work.prompt_len == 30 and work.gen_len == 32 and work.n_requests == 16
+    e1 = estimate(shape, prof, BUDGET, work, Plan(1, 256, False, "ncmoe"), non_expert_bytes=ne)
+    assert e1 is not None and e1.tokens_per_s > 0
+
+
+def test_profiles_are_kept_per_model_and_device(llm: Llama, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FORECACHE_CACHE_DIR", str(tmp_path))
+    mf = llm.model_file
+    assert load_profile(mf, "cpu") is None
+    prof = calibrate(llm, STOCK, BUDGET)
+    save_profile(mf, "cpu", prof)
+    assert load_profile(mf, "cpu") == prof
+    assert load_profile(mf, "other device") is None
