@@ -53,6 +53,12 @@ def test_memory_split_and_budgets_that_do_not_fit() -> None:
     assert estimate(TARGET, PROFILE, 4 * GIB, work, Plan(1, 512)) is None
     assert estimate(TARGET, PROFILE, 24 * GIB, work, Plan(256, 512)) is None
     assert estimate(TARGET, PROFILE, 24 * GIB, work, Plan(256, 512, kv_host=True)) is not None
+    # the host holds every expert the cache copies from, and a host KV cache
+    experts = TARGET.layers * TARGET.experts * TARGET.expert_bytes
+    assert estimate(TARGET, PROFILE, 24 * GIB, work, Plan(1, 512), host_bytes=experts) is not None
+    assert estimate(TARGET, PROFILE, 24 * GIB, work, Plan(1, 512), host_bytes=experts - 1) is None
+    assert estimate(TARGET, PROFILE, 24 * GIB, work, Plan(256, 512, kv_host=True),
+                    host_bytes=experts + 1) is None
 
 
 def test_one_sequence_agrees_with_the_default_placements_estimates() -> None:
@@ -107,12 +113,17 @@ def test_search_orders_plans_and_respects_the_grid() -> None:
     # a job of 3 requests never plans more than 3 sequences
     few = search(TARGET, PROFILE, 24 * GIB, replace(SHAREGPT, n_requests=3))
     assert max(e.plan.n_seq for e in few) == 3
+    # stock llama.cpp decodes at most 256 sequences in a context; forecache's cap is given
+    wide = search(TARGET, PROFILE, 24 * GIB, SHAREGPT, experts=("cache", "ncmoe"),
+                  kv=(True,), n_seqs=(512,), n_ubatches=(1024,), max_seq=1024)
+    assert {(e.plan.experts, e.plan.n_seq) for e in wide} == {("cache", 512), ("ncmoe", 256)}
 
 
 def test_plan_command(tmp_path: Path) -> None:
     out = tmp_path / "plans.json"
     res = run_cli("plan", "--shape", "qwen2-57b-a14b", "--gpu-budget", "24GiB", "--prompt-len",
-                  "220", "--gen", "190", "--top", "3", "--json", str(out), check=True)
+                  "220", "--gen", "190", "--host-memory", "128GiB", "--top", "3", "--json",
+                  str(out), check=True)
     lines = res.stdout.strip().splitlines()
     assert len(lines) == 1 + 3 + 1
     assert lines[1].startswith("plan seq=") and "tokens/s predicted" in lines[1]
@@ -130,6 +141,9 @@ def test_plan_command_refusals() -> None:
     res = run_cli("plan", "--shape", "qwen2-57b-a14b", "--gpu-budget", "2GiB", "--prompt-len",
                   "220", "--gen", "190")
     assert res.returncode != 0 and "no plan fits 2GiB" in res.stderr
+    res = run_cli("plan", "--shape", "qwen2-57b-a14b", "--gpu-budget", "24GiB", "--prompt-len",
+                  "220", "--gen", "190", "--host-memory", "16GiB")
+    assert res.returncode != 0 and "host memory" in res.stderr
     res = run_cli("plan", "--shape", "qwen2-57b-a14b", "--gpu-budget", "lots", "--prompt-len",
                   "220", "--gen", "190")
     assert res.returncode != 0 and "cannot read size" in res.stderr

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from forecache.cache.budget import compute_buffer_bytes, format_size, parse_size
+from forecache.cache.budget import compute_buffer_bytes, format_size
 from forecache.cache.choice import hit_at
 from forecache.cache.cost import CostModel, Profile, roofline_s
 from forecache.cache.prefetcher import stage_slots_for
@@ -37,6 +37,8 @@ EXPERTS = ("cache", "ncmoe")
 RESOURCES = ("GPU compute", "GPU memory", "PCIe", "CPU compute", "DRAM")
 # the grid ``search`` tries unless told otherwise
 N_SEQS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# sequences one llama.cpp context decodes together (LLAMA_MAX_SEQ, llama-cparams.h)
+STOCK_MAX_SEQ = 256
 N_UBATCHES = (64, 128, 256, 512, 1024, 2048)
 
 
@@ -172,9 +174,11 @@ def distinct_experts(n_tokens: float, n_expert: int, top_k: int) -> float:
 
 
 def _memory(shape: SimShape, budget: int, work: Workload, plan: Plan,
-            non_expert_bytes: int | None) -> tuple[dict[str, int], int, int] | None:
+            non_expert_bytes: int | None, host_bytes: int | None
+            ) -> tuple[dict[str, int], int, int] | None:
     """The device bytes of a plan, its slots a layer and ncmoe host layers; None when the
-    fixed needs do not fit."""
+    fixed needs do not fit, or the host's (``host_bytes``: experts kept in host memory and a
+    host KV cache) do not."""
     dense = shape.dense_bytes if non_expert_bytes is None else non_expert_bytes
     kv = plan.n_seq * work.ctx_per_seq * shape.layers * shape.kv_bytes
     n_ff = shape.expert_ff
@@ -189,6 +193,11 @@ def _memory(shape: SimShape, budget: int, work: Workload, plan: Plan,
     host_layers = max(0, shape.layers - left // (per_layer * shape.experts))
     experts = (slots * shape.layers if plan.experts == "cache"
                else (shape.layers - host_layers) * shape.experts) * per_layer
+    if host_bytes is not None:
+        # the cache copies from every expert in host memory; ncmoe keeps its host layers there
+        held = shape.layers if plan.experts == "cache" else host_layers
+        if held * shape.experts * per_layer + (kv if plan.kv_host else 0) > host_bytes:
+            return None
     return ({"weights": dense, "kv": kv, "compute": compute, "experts": experts}, slots,
             host_layers)
 
@@ -205,9 +214,11 @@ class Layout:
 
 
 def layout(shape: SimShape, budget: int, work: Workload, plan: Plan,
-           non_expert_bytes: int | None = None) -> Layout | None:
-    """The device memory of ``plan`` at ``budget``; None when its fixed needs do not fit."""
-    mem = _memory(shape, budget, work, plan, non_expert_bytes)
+           non_expert_bytes: int | None = None, host_bytes: int | None = None
+           ) -> Layout | None:
+    """The device memory of ``plan`` at ``budget``; None when its fixed needs do not fit
+    (or its host memory exceeds ``host_bytes``)."""
+    mem = _memory(shape, budget, work, plan, non_expert_bytes, host_bytes)
     if mem is None:
         return None
     device, slots, host_layers = mem
@@ -328,12 +339,14 @@ def ubatch_stage(shape: SimShape, p: Profile, cost: CostModel, plan: Plan, n_tok
 
 def estimate(shape: SimShape, profile: Profile, budget: int, work: Workload, plan: Plan, *,
              locality: float = 0.0, non_expert_bytes: int | None = None,
-             cost: CostModel | None = None) -> Estimate | None:
+             cost: CostModel | None = None, host_bytes: int | None = None
+             ) -> Estimate | None:
     """The predicted throughput of ``plan`` for ``work`` at ``budget`` bytes of device memory;
-    None when the plan does not fit. ``locality`` is the model's measured decode locality
-    (``cache.choice``), which raises a single sequence's hit rate above the slots' share;
-    ``cost`` carries measured copy and CPU rates."""
-    lay = layout(shape, budget, work, plan, non_expert_bytes)
+    None when the plan does not fit (the device, or ``host_bytes`` of host memory).
+    ``locality`` is the model's measured decode locality (``cache.choice``), which raises a
+    single sequence's hit rate above the slots' share; ``cost`` carries measured copy and CPU
+    rates."""
+    lay = layout(shape, budget, work, plan, non_expert_bytes, host_bytes)
     if lay is None:
         return None
     slots, host_layers, stage, share = lay.slots, lay.host_layers, lay.stage, lay.share
@@ -363,23 +376,21 @@ def search(shape: SimShape, profile: Profile, budget: int, work: Workload, *,
            experts: Sequence[str] = ("cache",), kv: Sequence[bool] = (False, True),
            n_seqs: Iterable[int] | None = None, n_ubatches: Iterable[int] | None = None,
            locality: float = 0.0, non_expert_bytes: int | None = None,
-           cost: CostModel | None = None) -> list[Estimate]:
-    """Every plan of the grid that fits, best predicted throughput first."""
-    seqs = sorted({min(s, max(work.n_requests, 1)) for s in (n_seqs or N_SEQS)})
+           cost: CostModel | None = None, host_bytes: int | None = None,
+           max_seq: int = STOCK_MAX_SEQ) -> list[Estimate]:
+    """Every plan of the grid that fits, best predicted throughput first: forecache's up to
+    ``max_seq`` sequences, stock llama.cpp's (ncmoe) up to its ``STOCK_MAX_SEQ``."""
     out = []
     for x in experts:
+        cap = min(max_seq, STOCK_MAX_SEQ) if x == "ncmoe" else max_seq
+        seqs = sorted({min(s, cap, max(work.n_requests, 1)) for s in (n_seqs or N_SEQS)})
         for host in kv:
             for s in seqs:
                 for u in n_ubatches or N_UBATCHES:
                     e = estimate(shape, profile, budget, work, Plan(s, u, host, x),
                                  locality=locality, non_expert_bytes=non_expert_bytes,
-                                 cost=cost)
+                                 cost=cost, host_bytes=host_bytes)
                     if e is not None:
                         out.append(e)
     out.sort(key=lambda e: -e.tokens_per_s)
     return out
-
-
-def budget_bytes(text: str | int) -> int:
-    """A budget given as bytes or a size such as ``24GiB``."""
-    return text if isinstance(text, int) else parse_size(text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import click
@@ -26,6 +27,9 @@ from forecache.cli.model_arg import MODEL
               help="Requests in the job.")
 @click.option("--ctx-per-seq", type=click.IntRange(16), default=None,
               help="Context of each sequence (default: prompt + answer lengths).")
+@click.option("--host-memory", default=None,
+              help="Host memory the job may use (experts, a host KV cache), e.g. 64GiB; "
+                   "default: this machine's.")
 @click.option("--machine", default=None,
               help="Machine profile (shipped name or JSON); default: the cache's default.")
 @click.option("--top", type=click.IntRange(1), default=5, show_default=True,
@@ -33,11 +37,11 @@ from forecache.cli.model_arg import MODEL
 @click.option("--json", "json_out", type=click.Path(path_type=Path), default=None,
               help="Also write every plan's estimate here.")
 def plan(model: Path | None, shape: str | None, qtype: str, gpu_budget: str, prompt_len: float,
-         gen: float, requests: int, ctx_per_seq: int | None, machine: str | None, top: int,
-         json_out: Path | None) -> None:
+         gen: float, requests: int, ctx_per_seq: int | None, host_memory: str | None,
+         machine: str | None, top: int, json_out: Path | None) -> None:
     """Print the batch plans predicted fastest for a job (sequences together, ubatch, where the
     KV cache lives), with stock llama.cpp's best --n-cpu-moe plan beside them."""
-    from forecache.cache.budget import parse_size
+    from forecache.cache.budget import format_size, parse_size
     from forecache.cache.cost import Profile
     from forecache.cache.plans import Workload, search
     from forecache.cache.setup import DEFAULT_MACHINE
@@ -49,6 +53,11 @@ def plan(model: Path | None, shape: str | None, qtype: str, gpu_budget: str, pro
         budget = parse_size(gpu_budget)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--gpu-budget") from None
+    try:
+        host = parse_size(host_memory) if host_memory else \
+            os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--host-memory") from None
     non_expert = None
     if model is not None:
         from forecache.gguf.header import require_moe
@@ -63,14 +72,17 @@ def plan(model: Path | None, shape: str | None, qtype: str, gpu_budget: str, pro
             raise click.BadParameter(f"{shape}: {e}", param_hint="--shape") from None
     profile = Profile.load(machine or DEFAULT_MACHINE)
     work = Workload(requests, prompt_len, gen, ctx_per_seq or int(prompt_len + gen))
-    ours = search(sh, profile, budget, work, non_expert_bytes=non_expert)
-    stock = search(sh, profile, budget, work, experts=("ncmoe",), non_expert_bytes=non_expert)
+    ours = search(sh, profile, budget, work, non_expert_bytes=non_expert, host_bytes=host)
+    stock = search(sh, profile, budget, work, experts=("ncmoe",), non_expert_bytes=non_expert,
+                   host_bytes=host)
     if not ours:
         raise click.ClickException(
-            f"no plan fits {gpu_budget}: the non-expert weights, one sequence's KV cache and a "
-            f"ubatch's buffers leave no expert slot; raise --gpu-budget or lower --ctx-per-seq")
-    click.echo(f"{sh.name} at {gpu_budget}, profile {profile.name}; {requests} requests of "
-               f"{prompt_len:g} + {gen:g} tokens")
+            f"no plan fits {gpu_budget} and {format_size(host)} of host memory: the non-expert "
+            f"weights, one sequence's KV cache and a ubatch's buffers leave no expert slot, or "
+            f"the experts do not fit in host memory; raise --gpu-budget or --host-memory, or "
+            f"lower --ctx-per-seq")
+    click.echo(f"{sh.name} at {gpu_budget} ({format_size(host)} of host memory), profile "
+               f"{profile.name}; {requests} requests of {prompt_len:g} + {gen:g} tokens")
     for e in ours[:top]:
         click.echo(e.line())
     if stock:
