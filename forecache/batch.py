@@ -2,7 +2,8 @@
 decoded together in one llama.cpp batch.
 
 A killed job loses nothing: every finished record is one ``write`` to a file opened for
-appending, and a rerun skips the ids already in the output.
+appending, and a rerun skips the ids already in the output. A job that ends with every request
+of its input in the output puts the records in the input's order (``rewrite_in_input_order``).
 """
 
 from __future__ import annotations
@@ -10,14 +11,16 @@ from __future__ import annotations
 import codecs
 import json
 import os
+import stat
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from forecache.atomic_file import write_atomic
 from forecache.errors import setting
 from forecache.generate import SamplingParams
 from forecache.interrupt import StopFlag
@@ -83,7 +86,55 @@ class OutputWriter:
         os.fsync(self._fd)
 
     def close(self) -> None:
-        os.close(self._fd)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def rewrite_in_input_order(path: Path, ids: Sequence[str]) -> bool:
+    """Put the records of the output file ``path`` in the order of ``ids`` (the input's ids, in
+    the order of its lines); records of other ids follow them in the order they had. Each record
+    keeps its bytes, and the file is replaced atomically (a temp file beside it, fsync, rename),
+    so an interruption leaves the old file whole.
+
+    Only a complete output is rewritten: with a record of ``ids`` missing, a half-written last
+    record or a line that is not a record, the file is left as it is (a rerun resumes it), as it
+    is when already in order. Returns whether the file was rewritten."""
+    target = path.resolve()  # a symlinked output stays a link to the rewritten file
+    try:
+        data = target.read_bytes()
+    except OSError as e:
+        raise BatchOutputError(f"cannot read {path} to put it in input order: "
+                               f"{e.strerror or e}") from None
+    lines = data.split(b"\n")
+    if lines.pop():  # a record cut short: not a complete output
+        return False
+    rank: dict[str, int] = {}
+    for i, rid in enumerate(ids):
+        rank.setdefault(rid, i)
+    keyed: list[tuple[int, bytes]] = []
+    found: set[str] = set()
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            rid = str(json.loads(line)["id"])
+        except (ValueError, KeyError, TypeError):
+            return False
+        found.add(rid)
+        keyed.append((rank.get(rid, len(ids)), line))
+    if not found.issuperset(rank):
+        return False
+    keyed.sort(key=lambda k: k[0])  # stable: other ids (and any repeats) keep their order
+    ordered = b"".join(line + b"\n" for _, line in keyed)
+    if ordered == data:
+        return False
+    try:
+        write_atomic(target, ordered, mode=stat.S_IMODE(target.stat().st_mode))
+    except OSError as e:
+        raise BatchOutputError(f"cannot put {path} in input order ({e.strerror or e}); every "
+                               "record is in it, in the order they finished") from None
+    return True
 
 
 @dataclass
@@ -133,12 +184,32 @@ def decode_failure(rc: int, n_active: int) -> str:
             f"{setting('verbose', True)} for llama.cpp's reason")
 
 
+PACKINGS = ("longest", "input")
+
+
+def admission_order(requests: Sequence[Request], prompts: Sequence[list[int]],
+                    packing: str = "longest") -> list[int]:
+    """The indices of ``requests`` in the order they take a free sequence. ``"longest"``: the
+    most tokens (prompt + max_tokens) first, ties in input order, so the sequences that take
+    longest start first and the job does not end with a few of them decoding alone (the
+    longest-processing-time rule for makespan); ``"input"``: the input's order."""
+    if packing not in PACKINGS:
+        raise ValueError(f"packing={packing!r}: use one of {', '.join(map(repr, PACKINGS))}")
+    order = list(range(len(requests)))
+    if packing == "longest":
+        order.sort(key=lambda i: -(len(prompts[i]) + requests[i].max_tokens))  # stable
+    return order
+
+
 def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
                 on_done: Callable[[dict], None], stop: StopFlag | None = None,
-                on_token: Callable[[int], None] | None = None) -> None:
+                on_token: Callable[[int], None] | None = None,
+                packing: str = "longest") -> None:
     """Decode ``requests`` with up to ``n_parallel`` sequences in each llama.cpp batch
     (continuous batching: a finished sequence's cells are freed and the next request takes its
-    sequence id; new prompts are prefilled in the same batches as the others' next tokens).
+    sequence id; new prompts are prefilled in the same batches as the others' next tokens, in
+    chunks that fill the batch's ubatches). ``packing`` orders the admissions
+    (``admission_order``: ``"longest"`` first, or ``"input"``).
     In MoBiLE decoding (``llm.mobile``) the sequences' next tokens first run a little pass of
     their own; those it is unsure of are recomputed with the prompts, by the full model. With a
     self draft (``llm.speculator``) every decoding sequence drafts up to k tokens with little
@@ -153,10 +224,18 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
     if n_parallel > llm.n_seq_max:
         raise ValueError(f"{setting('n_parallel', n_parallel)} needs a model loaded with "
                          f"n_seq_max >= {n_parallel}")
+    # llama.cpp computes a batch in ubatches of n_ubatch tokens, each pass copying the missing
+    # experts it routes: prompt chunks fill a batch to whole ubatches, not to a partial last one
+    n_ubatch = max(min(int(low.llama_n_ubatch(ctx)), n_batch), 1)
+    n_fill = n_batch - n_batch % n_ubatch
+    # every prompt up front: the admission order depends on their lengths
+    prompts = [llm.tokenize((llm.format_chat(req.messages) if req.messages is not None
+                             else req.prompt).encode("utf-8"), add_bos=True, special=True)
+               for req in requests]
+    pending = deque((requests[i], prompts[i]) for i in admission_order(requests, prompts, packing))
     mem = low.llama_get_memory(ctx)
     batch = low.llama_batch_init(n_batch, 0, 1)
     cache = llm.expert_cache
-    pending = deque(requests)
     free = list(range(n_parallel))
     active: list[_Sequence] = []
     worker = cache.worker if cache is not None else None
@@ -300,9 +379,7 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
     try:
         while (pending or active) and not stop:
             while free and pending:  # admit the next requests
-                req = pending.popleft()
-                text = llm.format_chat(req.messages) if req.messages is not None else req.prompt
-                prompt = llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+                req, prompt = pending.popleft()
                 if len(prompt) + req.max_tokens > per_seq:
                     on_done({"id": req.id, "line": req.line,
                              "error": f"prompt ({len(prompt)} tokens) + max_tokens "
@@ -328,9 +405,12 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
                 checks = speculate(rows)
                 if checks:
                     rows = []
-            for s in active:  # then prompt chunks, while the batch has room
-                if s.fed < len(s.prompt) and len(tokens) < n_batch:
-                    take = min(len(s.prompt) - s.fed, n_batch - len(tokens))
+            # then prompt chunks, while the batch has room: up to whole ubatches, unless the
+            # decoding rows already take them (then up to n_batch, so the prompts go on)
+            room = n_fill if len(tokens) < n_fill else n_batch
+            for s in active:
+                if s.fed < len(s.prompt) and len(tokens) < room:
+                    take = min(len(s.prompt) - s.fed, room - len(tokens))
                     for j in range(s.fed, s.fed + take):
                         last = j == len(s.prompt) - 1
                         if last:

@@ -1,9 +1,12 @@
-"""forecache batch through the real command line: results, errors, kill and resume."""
+"""forecache batch through the real command line: results, errors, kill and resume, the
+output's input order; and decode_many's packing (admission order, prompt chunks)."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -167,6 +170,8 @@ def test_a_killed_job_resumes_and_loses_nothing(tmp_path: Path, tiny_model) -> N
     proc.wait(timeout=30)
     first = _records(out)
     assert 2 <= len(first) < 24
+    # the longest prompts ("request 10 says" and on) ran first: not the input's order
+    assert [r["id"] for r in first] != [f"r{i}" for i in range(len(first))]
     with open(out, "ab") as f:  # a crash in the middle of writing a record
         f.write(b'{"id": "r23", "text": "half')
     res = run_cli("batch", "-m", str(model), "--input", str(src), "--output", str(out),
@@ -174,8 +179,9 @@ def test_a_killed_job_resumes_and_loses_nothing(tmp_path: Path, tiny_model) -> N
     assert res.returncode == 0, res.stderr
     assert "half-written" in res.stderr and f"{len(first)} of 24" in res.stderr
     got = _records(out)
-    assert sorted(r["id"] for r in got) == sorted(want)  # each id exactly once
-    assert got[:len(first)] == first  # what was written stays as it was
+    assert [r["id"] for r in got] == [f"r{i}" for i in range(24)]  # input order, each id once
+    assert [r["id"] for r in _records(ref)] == [f"r{i}" for i in range(24)]
+    assert all(r in got for r in first)  # what was written before the kill stays as it was
     assert {r["id"]: r["text"] for r in got} == want
 
 
@@ -269,3 +275,127 @@ def test_duplicate_ids_and_surrogates_never_hide_a_request(tmp_path: Path, tiny_
                   "--parallel", "1")
     assert res.returncode == 1, res.stderr
     assert {r["id"] for r in _records(out2)} == set(recs)
+
+
+def test_a_finished_job_writes_its_output_in_input_order(tmp_path: Path, tiny_model) -> None:
+    """Requests finish out of order (the longest, last in the input, starts first; error records
+    are written before any request runs), yet the finished output is in the input's order, an
+    error record at its line's place and a record of another input after them; the file keeps
+    its permissions."""
+    model = str(tiny_model("q8_0"))
+    lines = [json.dumps({"id": f"r{i}", "prompt": f"request {i} says", "max_tokens": n,
+                         "temperature": 0}) for i, n in enumerate([2, 4, 8, 16, 24, 32])]
+    lines.insert(2, '{"id": "r9", "prompt": ')  # malformed: error record line-3
+    src = _write(tmp_path / "in.jsonl", lines)
+    out = tmp_path / "out.jsonl"
+    out.write_text(json.dumps({"id": "other", "text": "from another input"}) + "\n")
+    out.chmod(0o640)
+    res = run_cli("batch", "-m", model, "--input", str(src), "--output", str(out),
+                  "--parallel", "3")
+    assert res.returncode == 1, res.stderr
+    assert res.stderr.strip().splitlines()[-1] == \
+        f"forecache: error: 1 of 7 requests failed (see {out})"
+    recs = _records(out)
+    assert [r["id"] for r in recs] == ["r0", "r1", "line-3", "r2", "r3", "r4", "r5", "other"]
+    assert "not JSON" in recs[2]["error"]
+    assert [r["tokens"] for r in recs[:2] + recs[3:7]] == [2, 4, 8, 16, 24, 32]
+    assert stat.S_IMODE(out.stat().st_mode) == 0o640
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp file
+
+
+def test_rewrite_in_input_order_only_rewrites_a_complete_output(tmp_path: Path) -> None:
+    from forecache.batch import rewrite_in_input_order
+
+    b = b'{"id": "b", "text": "\xc3\xa9t\xc3\xa9",  "tokens": 2}\n'  # bytes kept as they are
+    a = b'{"id": "a", "text": "x"}\n'
+    c = b'{"id": "c", "line": 3, "error": "not JSON"}\n'
+    x = b'{"id": "x", "text": "another input"}\n'
+    y = b'{"id": "y", "text": "another input"}\n'
+    out = tmp_path / "out.jsonl"
+
+    out.write_bytes(y + b + x + a)  # "c" missing: a rerun still has work
+    assert not rewrite_in_input_order(out, ["a", "b", "c"])
+    assert out.read_bytes() == y + b + x + a
+    out.write_bytes(y + b + x + a + c + b'{"id": "d", "te')  # a record cut short
+    assert not rewrite_in_input_order(out, ["a", "b", "c"])
+    assert out.read_bytes().startswith(y + b)
+
+    out.write_bytes(y + b + x + a + c)
+    out.chmod(0o604)
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(out.name)
+    assert rewrite_in_input_order(link, ["a", "b", "c"])
+    assert out.read_bytes() == a + b + c + y + x and link.is_symlink()
+    assert stat.S_IMODE(out.stat().st_mode) == 0o604
+    inode = out.stat().st_ino
+    assert not rewrite_in_input_order(out, ["a", "b", "c"])  # already in order: not touched
+    assert out.stat().st_ino == inode
+    assert sorted(os.listdir(tmp_path)) == ["link.jsonl", "out.jsonl"]
+
+
+def _greedy(rid: str, prompt: str, max_tokens: int) -> object:
+    from forecache.generate import SamplingParams
+    from forecache.requests import Request
+
+    return Request(id=rid, line=0, prompt=prompt, max_tokens=max_tokens,
+                   sampling=SamplingParams(greedy=True))
+
+
+def _decode(llm: object, reqs: list, packing: str, n_parallel: int = 1) -> list[dict]:
+    from forecache.batch import decode_many
+
+    done: list[dict] = []
+    decode_many(llm, reqs, n_parallel, done.append, packing=packing)  # type: ignore[arg-type]
+    return done
+
+
+def test_longest_requests_are_admitted_first(tiny_model) -> None:
+    """With one sequence a request finishes before the next starts, so the records come in
+    admission order: the most tokens (prompt + max_tokens) first, ties in input order, and an
+    over-context request's error record at its turn; packing="input" keeps the input's order."""
+    from forecache.llama import Llama
+
+    reqs = [_greedy(f"r{i}", "request 1 says", n) for i, n in enumerate([3, 9, 5, 9, 1])]
+    reqs.insert(2, _greedy("long", "word " * 20, 2))  # a prompt of 21 tokens: longest to run
+    reqs.append(_greedy("too-long", "hi", 1000))  # more than the sequence's context
+    with Llama.open(tiny_model("q8_0"), cache=None, n_ctx=64) as llm:
+        longest = _decode(llm, reqs, "longest")
+        given = _decode(llm, reqs, "input")
+        with pytest.raises(ValueError, match="packing='shortest'"):
+            _decode(llm, reqs, "shortest")
+    assert [r["id"] for r in longest] == ["too-long", "long", "r1", "r3", "r2", "r0", "r4"]
+    assert [r["id"] for r in given] == [r.id for r in reqs]
+    assert "exceed the context of" in longest[0]["error"]
+    assert longest[1]["prompt_tokens"] > 9 + 1
+
+
+def test_greedy_outputs_do_not_depend_on_packing(tiny_model) -> None:
+    from forecache.llama import Llama
+
+    reqs = [_greedy(f"r{i}", f"request {i} says" * (i % 3 + 1), 4 + 3 * (i % 4))
+            for i in range(8)]
+    with Llama.open(tiny_model("q8_0"), cache=None, n_ctx=128) as llm:
+        runs = [{r["id"]: (r["text"], r["tokens"], r["finish_reason"]) for r in
+                 _decode(llm, reqs, packing)} for packing in ("longest", "input")]
+    assert len(runs[0]) == 8 and runs[0] == runs[1]
+
+
+def test_prompt_chunks_fill_whole_ubatches(tiny_model) -> None:
+    """A batch of n_batch tokens runs as ubatches of n_ubatch: where n_batch is not a multiple
+    of it, prompt chunks stop at whole ubatches, so a prompt takes as many passes (each one
+    routing, and copying, its experts) as with n_batch = n_ubatch."""
+    from forecache.llama import Llama
+
+    reqs = [_greedy("p", "word " * 40, 1)]  # 41 prompt tokens
+    calls = {}
+    for n_batch in (8, 12, 16):
+        llm = Llama(str(tiny_model("q8_0")), policy="lru", cache_fraction=0.5, n_ctx=256,
+                    n_batch=n_batch, n_ubatch=8, verbose=False)
+        try:
+            llm.reset_stats()
+            text = _decode(llm, reqs, "longest")[0]["text"]
+            calls[n_batch] = (llm.expert_stats()["hook_calls"], text)
+        finally:
+            llm.close()
+    # routed layers x ubatches: 12 tokens a batch would add a 4-token ubatch to each step
+    assert calls[12] == calls[8] == calls[16], calls

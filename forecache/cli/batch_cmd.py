@@ -32,7 +32,8 @@ class BatchFailed(click.ClickException):
               help='JSONL requests: {"id", "prompt" | "messages", "max_tokens", "temperature", '
                    '"top_p", "top_k", "min_p", "seed", "stop"} a line.')
 @click.option("--output", "output_path", type=click.Path(path_type=Path), required=True,
-              help="JSONL results, appended as requests finish; ids already there are skipped.")
+              help="JSONL results, appended as requests finish; ids already there are skipped. "
+                   "Once every request is there, the file is put in input order.")
 @click.option("--parallel", default=4, show_default=True, type=click.IntRange(1, 64),
               help="Sequences decoded together in one llama.cpp batch.")
 @click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(1),
@@ -51,11 +52,12 @@ def batch(model: Path, input_path: Path, output_path: Path, parallel: int, max_t
 
     Temperature 0 is greedy; sampled requests are reproducible for a given "seed". A malformed
     line becomes an error record and the job goes on; a killed job is resumed by running the
-    same command again.
+    same command again. The longest requests start first; once every request is in OUTPUT, its
+    records are put in the input's order.
     """
     from tqdm import tqdm
 
-    from forecache.batch import OutputWriter, decode_many, done_ids
+    from forecache.batch import OutputWriter, decode_many, done_ids, rewrite_in_input_order
     from forecache.chat import mobile_summary, spec_summary
     from forecache.gguf.header import require_moe
     from forecache.interrupt import deferred_signals
@@ -77,7 +79,10 @@ def batch(model: Path, input_path: Path, output_path: Path, parallel: int, max_t
         click.echo(f"forecache: dropped a half-written last record of {output_path}; it will be "
                    "redone", err=True)
     todo = [r for r in requests if r.id not in done]
-    ids = {r.id for r in requests} | {b["id"] for b in bad}
+    # every id of the input, in the order of its lines: the output's order once it is complete
+    order = [rid for _, rid in sorted([(r.line, r.id) for r in requests]
+                                      + [(b["line"], b["id"]) for b in bad])]
+    ids = set(order)
     bad = [b for b in bad if b["id"] not in done]
     failed = len(done_failed & ids)  # a resumed job still reports the failures it wrote before
     if total - len(todo) - len(bad):
@@ -85,11 +90,17 @@ def batch(model: Path, input_path: Path, output_path: Path, parallel: int, max_t
                    f"in {output_path}; skipping them", err=True)
     skipped = total - len(todo) - len(bad) - failed  # done before, not failed
     writer = OutputWriter(output_path)
+
+    def finish_in_order() -> None:
+        writer.close()  # nothing more to append; the rewrite replaces the file
+        rewrite_in_input_order(output_path, order)
+
     try:
         for record in bad:
             writer.write(record)
             failed += 1
         if not todo:
+            finish_in_order()
             click.echo(f"forecache: nothing to do ({total} requests, {skipped} done, "
                        f"{failed} failed)", err=True)
             if failed:
@@ -143,6 +154,7 @@ def batch(model: Path, input_path: Path, output_path: Path, parallel: int, max_t
             click.echo(f"forecache: interrupted: {ok + skipped} of {total} done; rerun the same "
                        "command to resume", err=True)
             sys.exit(128 + (stop.signum or signal.SIGINT))
+        finish_in_order()  # missing records (none expected here) leave the file as it is
         if failed:
             raise BatchFailed(f"{failed} of {total} requests failed (see {output_path})")
     finally:
