@@ -184,6 +184,18 @@ def decode_failure(rc: int, n_active: int) -> str:
             f"{setting('verbose', True)} for llama.cpp's reason")
 
 
+def prompt_lengths(model: str | os.PathLike[str], requests: Sequence[Request]) -> list[int]:
+    """Each request's prompt tokens (its chat template applied), from the model's vocabulary
+    alone: what a job's plan is chosen by, before the model is loaded."""
+    vocab = Llama(os.fspath(model), cache=None, vocab_only=True, verbose=False)
+    try:
+        return [len(vocab.tokenize((vocab.format_chat(r.messages) if r.messages is not None
+                                    else r.prompt).encode("utf-8"), add_bos=True, special=True))
+                for r in requests]
+    finally:
+        vocab.close()
+
+
 PACKINGS = ("longest", "input")
 
 

@@ -20,9 +20,20 @@ from pathlib import Path
 import numpy as np
 
 from forecache.atomic_file import write_atomic
+from forecache.cache.budget import format_size
 from forecache.cache.cost import Profile
-from forecache.cache.plans import Plan, Workload, layout, ubatch_stage
-from forecache.cache.setup import DEFAULT_MACHINE
+from forecache.cache.plans import (
+    STOCK_MAX_SEQ,
+    Estimate,
+    Layout,
+    Plan,
+    Workload,
+    layout,
+    search,
+    ubatch_stage,
+)
+from forecache.cache.setup import DEFAULT_MACHINE, CacheConfig
+from forecache.errors import setting
 from forecache.gguf.header import ModelFile
 from forecache.gguf.identity import fingerprint
 from forecache.llama import Llama
@@ -36,6 +47,7 @@ FITTED = ("launch_s", "mem_gbps", "gflops", "seq_s", "token_s", "sample_s", "hoo
 DECODE_SIZES = (1, 2, 4, 8, 16)
 PREFILL_SIZES = (32, 64, 128, 256)
 CONTEXT = 32  # tokens each measured sequence holds before its decode steps
+STOCK_BUDGET = 1 << 50  # llama.cpp's own placement: no budget binds
 
 
 @dataclass(frozen=True)
@@ -131,15 +143,22 @@ def profile_with(base: Profile, x: dict[str, float], on_cpu: bool) -> Profile:
     return p
 
 
+def stage_layout(shape: SimShape, plan: Plan, budget: int,
+                 non_expert_bytes: int | None = None) -> Layout:
+    """The layout the measured stages ran under: ``plan`` at ``budget``."""
+    lay = layout(shape, budget, Workload(1, CONTEXT, 1, CONTEXT + 64), plan, non_expert_bytes)
+    if lay is None:
+        raise ValueError(f"plan {plan.label()} does not fit {format_size(budget)}")
+    return lay
+
+
 def predict_stage(shape: SimShape, profile: Profile, plan: Plan, budget: int,
-                  sample_: StageSample, non_expert_bytes: int | None = None) -> float:
-    """The model's seconds for a measured stage under ``plan``'s layout."""
+                  sample_: StageSample, non_expert_bytes: int | None = None,
+                  lay: Layout | None = None) -> float:
+    """The model's seconds for a measured stage under ``plan``'s layout (``lay``, when known)."""
     from forecache.cache.cost import CostModel
 
-    work = Workload(1, CONTEXT, 1, CONTEXT + 64)
-    lay = layout(shape, budget, work, plan, non_expert_bytes)
-    if lay is None:
-        raise ValueError(f"plan {plan.label()} does not fit {budget} bytes")
+    lay = lay or stage_layout(shape, plan, budget, non_expert_bytes)
     cost = CostModel.from_profile(profile, shape.expert)
     rows = sample_.n if sample_.kind == "decode" else 1  # with logits; and sequences
     return ubatch_stage(shape, profile, cost, plan, sample_.n, sample_.context, lay.share,
@@ -173,11 +192,13 @@ def fit_profile(shape: SimShape, base: Profile, plan: Plan, budget: int,
         return profile_with(base, {**start, **dict(zip(names, np.exp(v).tolist(),
                                                        strict=True))}, on_cpu)
 
+    lay = stage_layout(shape, plan, budget, non_expert_bytes)
+
     def loss(v: np.ndarray) -> float:
         p = of(v)
         err = 0.0
         for s in samples:
-            pred = predict_stage(shape, p, plan, budget, s, non_expert_bytes)
+            pred = predict_stage(shape, p, plan, budget, s, non_expert_bytes, lay)
             n_rows = s.n if s.kind == "decode" else 1
             # the measured pass is the prediction less what the runtime spends outside it
             inside = pred - outside - (n_rows - 1) * per_row
@@ -185,9 +206,8 @@ def fit_profile(shape: SimShape, base: Profile, plan: Plan, budget: int,
         # a weak pull to the start keeps parameters the samples barely constrain in range
         return err + 1e-3 * float(np.sum((v - x0) ** 2))
 
-    best = nelder_mead(loss, x0, iters=400, tol=1e-7)
-    for _ in range(2):  # restarts: the simplex can stall on a ridge
-        best = nelder_mead(loss, best, step=0.3, iters=400, tol=1e-7)
+    best = nelder_mead(loss, x0, iters=300, tol=1e-6)
+    best = nelder_mead(loss, best, step=0.3, iters=300, tol=1e-6)  # the simplex can stall
     return of(best)
 
 
@@ -242,3 +262,82 @@ def job_workload(prompt_lens: Sequence[int], max_tokens: Sequence[int],
     """A job's workload from its requests' prompt lengths and answer limits."""
     n = max(len(prompt_lens), 1)
     return Workload(len(prompt_lens), sum(prompt_lens) / n, sum(max_tokens) / n, ctx_per_seq)
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """The plan a job runs, what the model predicts of it, and the placement it opens with."""
+
+    plan: Plan
+    estimate: Estimate
+    cache: CacheConfig | None  # None: llama.cpp's own placement (a CPU build given no size)
+
+    def line(self) -> str:
+        """The plan's one line, as the job prints it."""
+        return self.estimate.line("llama.cpp's own placement" if self.cache is None else None)
+
+
+def plan_cache(cfg: CacheConfig | None, plan: Plan) -> CacheConfig | None:
+    """The placement ``plan`` asks of ``cfg``: its experts in forecache's cache (the policy
+    asked for, promoe by default) or stock llama.cpp's ncmoe layers."""
+    if cfg is None:
+        return None
+    if plan.experts == "ncmoe":
+        if cfg.gpu_budget is None:
+            raise ValueError(f"plan {plan.label()}: ncmoe places whole layers and needs "
+                             f"{setting('gpu_budget')}")
+        return replace(cfg, policy="ncmoe", auto=False)
+    if cfg.policy in ("ncmoe", "offload") and not cfg.auto:
+        raise ValueError(f"plan {plan.label()} caches experts, but {setting('policy')} is "
+                         f"{cfg.policy}: add experts=ncmoe to the plan or name a cache policy")
+    return replace(cfg, policy="promoe" if cfg.auto else cfg.policy, auto=False)
+
+
+def choose_plan(model_path: str | Path, cfg: CacheConfig | None, prompt_lens: Sequence[int],
+                max_tokens: Sequence[int], ctx_per_seq: int, *, n_threads: int | None = None,
+                max_seq: int = STOCK_MAX_SEQ,
+                progress: Callable[[str], None] = lambda s: None) -> Chosen:
+    """The plan predicted fastest for a job of these prompt lengths and answer limits, under
+    the placement options ``cfg``: the sequences decoded together, the ubatch, where the KV
+    cache lives (on a GPU), and, where no policy was named, forecache's cache or stock
+    llama.cpp's ncmoe layers. This machine's rates come from an earlier job's measurement, or
+    are measured now on the model (a few seconds) and kept."""
+    from forecache.cache.budget import fraction_slots
+    from forecache.gguf.header import require_moe
+    from forecache.native.ggml_devices import cache_device
+
+    mf = require_moe(model_path)
+    shape = model_shape(mf)
+    ne = mf.total_bytes() - mf.expert_bytes()
+    dev = cache_device()
+    on_cpu = dev.type == "cpu"
+    work = job_workload(prompt_lens, max_tokens, ctx_per_seq)
+    if cfg is None:  # llama.cpp's own placement: every expert where the weights are
+        experts: tuple[str, ...] = ("ncmoe",)
+        budget = STOCK_BUDGET
+    elif cfg.policy == "offload":
+        raise ValueError(f"{setting('policy')} offload has no plan to search: give "
+                         f"{setting('n_parallel')} or a cache policy")
+    else:
+        experts = ("cache", "ncmoe") if cfg.auto and cfg.gpu_budget is not None else \
+            ("ncmoe",) if cfg.policy == "ncmoe" else ("cache",)
+        budget = cfg.gpu_budget if cfg.gpu_budget is not None else STOCK_BUDGET
+    slots = fraction_slots(mf.n_expert, cfg.cache_fraction) \
+        if cfg is not None and cfg.cache_fraction is not None else None
+    key = f"{dev.name} ({dev.type})"
+    profile = load_profile(mf, key)
+    if profile is None:
+        first = Plan(min(16, max_seq, max(len(prompt_lens), 1)), 512, False, experts[0])
+        with Llama.open(model_path, cache=plan_cache(cfg, first), n_ctx=ctx_per_seq,
+                        n_seq_max=first.n_seq, n_threads=n_threads, n_batch=first.n_ubatch,
+                        n_ubatch=first.n_ubatch) as llm:
+            profile = calibrate(llm, first, budget, progress=progress)
+        save_profile(mf, key, profile)
+    found = search(shape, profile, budget, work, experts=experts,
+                   kv=(False,) if on_cpu else (False, True), non_expert_bytes=ne,
+                   max_seq=max_seq, slots=slots)
+    if not found:
+        raise ValueError(f"no batch plan fits {format_size(budget)} for {mf.path.name}: "
+                         f"raise {setting('gpu_budget')} or lower {setting('ctx_per_seq')}")
+    best = found[0]
+    return Chosen(best.plan, best, plan_cache(cfg, best.plan))

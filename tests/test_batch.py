@@ -399,3 +399,46 @@ def test_prompt_chunks_fill_whole_ubatches(tiny_model) -> None:
             llm.close()
     # routed layers x ubatches: 12 tokens a batch would add a 4-token ubatch to each step
     assert calls[12] == calls[8] == calls[16], calls
+
+
+@pytest.mark.skipif(not REFERENCE_MODEL.is_file(), reason="reference model not in this checkout")
+def test_the_plan_is_chosen_once_measured_and_runs(tmp_path: Path) -> None:
+    env = dict(os.environ, FORECACHE_CACHE_DIR=str(tmp_path / "cache"))
+    lines = [json.dumps({"id": i, "prompt": p, "max_tokens": 12, "temperature": 0})
+             for i, p in GREEDY]
+    src = _write(tmp_path / "in.jsonl", lines)
+
+    def run(out: str, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "forecache", "batch", "-m",
+                               str(REFERENCE_MODEL), "--input", str(src), "--output",
+                               str(tmp_path / out), *args], capture_output=True, text=True,
+                              env=env, timeout=300)
+
+    first = run("auto.jsonl")  # --plan auto is the default
+    assert first.returncode == 0, first.stderr
+    assert "measuring this machine for the batch plan" in first.stderr
+    plan_lines = [x for x in first.stderr.splitlines() if x.startswith("forecache: plan seq=")]
+    assert len(plan_lines) == 1 and "tokens/s predicted" in plan_lines[0]
+    assert "llama.cpp's own placement" in plan_lines[0]  # a CPU build given no size
+    assert list((tmp_path / "cache" / "measured").glob("plan-*.json"))
+    again = run("auto2.jsonl", "--plan", "auto")
+    assert again.returncode == 0 and "measuring" not in again.stderr  # kept from the first
+    assert [x for x in again.stderr.splitlines() if x.startswith("forecache: plan seq=")] == \
+        plan_lines
+    # a plan of one sequence gives --parallel 1's greedy text, whatever its ubatch
+    by_plan = run("one.jsonl", "--plan", "seq=1,ubatch=16")
+    by_parallel = run("par.jsonl", "--parallel", "1")
+    assert by_plan.returncode == 0 and by_parallel.returncode == 0, by_plan.stderr
+    assert "plan seq=" not in by_plan.stderr
+    texts = [r["text"] for r in _records(tmp_path / "par.jsonl")]
+    assert [r["text"] for r in _records(tmp_path / "one.jsonl")] == texts
+    assert [r["id"] for r in _records(tmp_path / "auto.jsonl")] == [i for i, _ in GREEDY]
+    # a cache plan under --policy ncmoe, a plan that cannot be read, --plan with --parallel
+    bad = run("bad.jsonl", "--plan", "seq=2,ubatch=64", "--policy", "ncmoe", "--gpu-budget",
+              "1GiB")
+    assert bad.returncode == 2 and "experts=ncmoe" in bad.stderr
+    bad = run("bad.jsonl", "--plan", "seq=2")
+    assert bad.returncode == 2 and "needs seq=N and ubatch=U" in bad.stderr
+    bad = run("bad.jsonl", "--plan", "auto", "--parallel", "2")
+    assert bad.returncode == 2 and "--plan or --parallel" in bad.stderr
+    assert not (tmp_path / "bad.jsonl").exists()  # refused before the output is touched

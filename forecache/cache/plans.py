@@ -155,10 +155,11 @@ class Estimate:
             return f"--n-cpu-moe {self.host_layers}"
         return f"{self.slots} slots a layer"
 
-    def line(self) -> str:
-        """One line: the plan, its predicted throughput and what bounds it."""
+    def line(self, placement: str | None = None) -> str:
+        """One line: the plan, its predicted throughput and what bounds it (``placement``
+        names the experts' placement instead of the slots or layers)."""
         p = self.plan
-        return (f"plan {p.label()} ({self.experts_text()}, KV "
+        return (f"plan {p.label()} ({placement or self.experts_text()}, KV "
                 f"{format_size(self.device_bytes['kv'])} on the "
                 f"{'host' if p.kv_host else 'device'}): {self.tokens_per_s:.1f} tokens/s "
                 f"predicted; decode {self.decode.seconds * 1e3:.1f} ms a step, bound by "
@@ -174,7 +175,7 @@ def distinct_experts(n_tokens: float, n_expert: int, top_k: int) -> float:
 
 
 def _memory(shape: SimShape, budget: int, work: Workload, plan: Plan,
-            non_expert_bytes: int | None, host_bytes: int | None
+            non_expert_bytes: int | None, host_bytes: int | None, slots_given: int | None = None
             ) -> tuple[dict[str, int], int, int] | None:
     """The device bytes of a plan, its slots a layer and ncmoe host layers; None when the
     fixed needs do not fit, or the host's (``host_bytes``: experts kept in host memory and a
@@ -190,6 +191,8 @@ def _memory(shape: SimShape, budget: int, work: Workload, plan: Plan,
     if left < per_layer * shape.layers:  # not even one slot a layer
         return None
     slots = min(shape.experts, left // (per_layer * shape.layers))
+    if slots_given is not None:  # a cache sized by a share of the experts, not by the budget
+        slots = min(shape.experts, slots_given)
     host_layers = max(0, shape.layers - left // (per_layer * shape.experts))
     experts = (slots * shape.layers if plan.experts == "cache"
                else (shape.layers - host_layers) * shape.experts) * per_layer
@@ -214,11 +217,12 @@ class Layout:
 
 
 def layout(shape: SimShape, budget: int, work: Workload, plan: Plan,
-           non_expert_bytes: int | None = None, host_bytes: int | None = None
-           ) -> Layout | None:
+           non_expert_bytes: int | None = None, host_bytes: int | None = None,
+           slots: int | None = None) -> Layout | None:
     """The device memory of ``plan`` at ``budget``; None when its fixed needs do not fit
-    (or its host memory exceeds ``host_bytes``)."""
-    mem = _memory(shape, budget, work, plan, non_expert_bytes, host_bytes)
+    (or its host memory exceeds ``host_bytes``). ``slots``: a layer's slots as given (a cache
+    sized by a share of the experts) instead of what the budget leaves."""
+    mem = _memory(shape, budget, work, plan, non_expert_bytes, host_bytes, slots)
     if mem is None:
         return None
     device, slots, host_layers = mem
@@ -339,14 +343,14 @@ def ubatch_stage(shape: SimShape, p: Profile, cost: CostModel, plan: Plan, n_tok
 
 def estimate(shape: SimShape, profile: Profile, budget: int, work: Workload, plan: Plan, *,
              locality: float = 0.0, non_expert_bytes: int | None = None,
-             cost: CostModel | None = None, host_bytes: int | None = None
-             ) -> Estimate | None:
+             cost: CostModel | None = None, host_bytes: int | None = None,
+             slots: int | None = None) -> Estimate | None:
     """The predicted throughput of ``plan`` for ``work`` at ``budget`` bytes of device memory;
     None when the plan does not fit (the device, or ``host_bytes`` of host memory).
     ``locality`` is the model's measured decode locality (``cache.choice``), which raises a
     single sequence's hit rate above the slots' share; ``cost`` carries measured copy and CPU
-    rates."""
-    lay = layout(shape, budget, work, plan, non_expert_bytes, host_bytes)
+    rates; ``slots`` fixes a layer's slots (``layout``)."""
+    lay = layout(shape, budget, work, plan, non_expert_bytes, host_bytes, slots)
     if lay is None:
         return None
     slots, host_layers, stage, share = lay.slots, lay.host_layers, lay.stage, lay.share
@@ -377,7 +381,7 @@ def search(shape: SimShape, profile: Profile, budget: int, work: Workload, *,
            n_seqs: Iterable[int] | None = None, n_ubatches: Iterable[int] | None = None,
            locality: float = 0.0, non_expert_bytes: int | None = None,
            cost: CostModel | None = None, host_bytes: int | None = None,
-           max_seq: int = STOCK_MAX_SEQ) -> list[Estimate]:
+           max_seq: int = STOCK_MAX_SEQ, slots: int | None = None) -> list[Estimate]:
     """Every plan of the grid that fits, best predicted throughput first: forecache's up to
     ``max_seq`` sequences, stock llama.cpp's (ncmoe) up to its ``STOCK_MAX_SEQ``."""
     out = []
@@ -389,7 +393,7 @@ def search(shape: SimShape, profile: Profile, budget: int, work: Workload, *,
                 for u in n_ubatches or N_UBATCHES:
                     e = estimate(shape, profile, budget, work, Plan(s, u, host, x),
                                  locality=locality, non_expert_bytes=non_expert_bytes,
-                                 cost=cost, host_bytes=host_bytes)
+                                 cost=cost, host_bytes=host_bytes, slots=slots)
                     if e is not None:
                         out.append(e)
     out.sort(key=lambda e: -e.tokens_per_s)

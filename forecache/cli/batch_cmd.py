@@ -34,8 +34,15 @@ class BatchFailed(click.ClickException):
 @click.option("--output", "output_path", type=click.Path(path_type=Path), required=True,
               help="JSONL results, appended as requests finish; ids already there are skipped. "
                    "Once every request is there, the file is put in input order.")
-@click.option("--parallel", default=4, show_default=True, type=click.IntRange(1, 64),
-              help="Sequences decoded together in one llama.cpp batch.")
+@click.option("--plan", "plan_text", default=None, metavar="auto|seq=N,ubatch=U[,kv=host]",
+              help="How the job runs: auto (the default) measures this machine once per model "
+                   "and picks the sequences decoded together, the ubatch, where the KV cache "
+                   "lives and, with no --policy, the expert placement that a roofline model "
+                   "predicts fastest for these requests (`forecache plan` lists them); or a plan "
+                   "such as seq=16,ubatch=512,kv=host[,experts=cache|ncmoe].")
+@click.option("--parallel", default=None, type=click.IntRange(1, 64),
+              help="Sequences decoded together in one llama.cpp batch, ubatch 512 (a "
+                   "hand-picked plan, instead of --plan).")
 @click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(1),
               help="max_tokens of requests that do not give one.")
 @click.option("--ctx-per-seq", default=2048, show_default=True, type=click.IntRange(16),
@@ -45,9 +52,9 @@ class BatchFailed(click.ClickException):
               help="Progress bar on stderr (default: when stderr is a terminal).")
 @click.option("--verbose", is_flag=True, help="Show llama.cpp's own log.")
 @cache_options
-def batch(model: Path, input_path: Path, output_path: Path, parallel: int, max_tokens: int,
-          ctx_per_seq: int, threads: int | None, progress: bool | None, verbose: bool,
-          **cache_opts: object) -> None:
+def batch(model: Path, input_path: Path, output_path: Path, plan_text: str | None,
+          parallel: int | None, max_tokens: int, ctx_per_seq: int, threads: int | None,
+          progress: bool | None, verbose: bool, **cache_opts: object) -> None:
     """Run every request of a JSONL file, appending one JSON result a line to OUTPUT.
 
     Temperature 0 is greedy; sampled requests are reproducible for a given "seed". A malformed
@@ -57,7 +64,15 @@ def batch(model: Path, input_path: Path, output_path: Path, parallel: int, max_t
     """
     from tqdm import tqdm
 
-    from forecache.batch import OutputWriter, decode_many, done_ids, rewrite_in_input_order
+    from forecache.batch import (
+        OutputWriter,
+        decode_many,
+        done_ids,
+        prompt_lengths,
+        rewrite_in_input_order,
+    )
+    from forecache.batch_plan import choose_plan, plan_cache
+    from forecache.cache.plans import Plan
     from forecache.chat import mobile_summary, spec_summary
     from forecache.gguf.header import require_moe
     from forecache.interrupt import deferred_signals
@@ -66,11 +81,27 @@ def batch(model: Path, input_path: Path, output_path: Path, parallel: int, max_t
     from forecache.speculative import SELF_DRAFTS
 
     spec = draft_args(cache_opts)
+    if plan_text is not None and parallel is not None:
+        raise click.UsageError("give --plan or --parallel, not both")
+    plan = None
+    if plan_text is not None and plan_text != "auto":
+        try:
+            plan = Plan.parse(plan_text)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--plan") from None
+    elif parallel is not None:
+        plan = Plan(parallel, 512)
     if spec and spec["draft"] not in SELF_DRAFTS:
         raise click.UsageError(f"--draft {spec['draft']}: a batch job drafts with the model's "
                                f"own little pass only ({' or '.join(SELF_DRAFTS)})")
     if output_path.resolve() == input_path.resolve():
         raise click.UsageError("--output must not be the --input file")
+    cfg = cache_config(**cache_opts)  # type: ignore[arg-type]
+    if plan is not None and parallel is None:  # --parallel keeps the placement options' own
+        try:
+            cfg = plan_cache(cfg, plan)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--plan") from None
     requests, bad = read_requests(input_path, max_tokens)
     require_moe(model)  # before OUT is touched
     done, done_failed, cut = done_ids(output_path)
@@ -106,10 +137,18 @@ def batch(model: Path, input_path: Path, output_path: Path, parallel: int, max_t
             if failed:
                 raise BatchFailed(f"{failed} of {total} requests failed (see {output_path})")
             return
-        n_seq = min(parallel, len(todo))
-        llm = Llama.open(model, cache=cache_config(**cache_opts),  # type: ignore[arg-type]
-                         **spec, n_ctx=ctx_per_seq, n_seq_max=n_seq, n_threads=threads,
-                         verbose=verbose)
+        if plan is None:  # auto: the plan the model predicts fastest for these requests
+            lens = prompt_lengths(model, todo)
+            per_seq = require_moe(model).fit_context(ctx_per_seq)
+            chosen = choose_plan(model, cfg, lens, [r.max_tokens for r in todo], per_seq,
+                                 n_threads=threads, progress=lambda m: click.echo(
+                                     f"forecache: {m}", err=True))
+            plan, cfg = chosen.plan, chosen.cache
+            click.echo(f"forecache: {chosen.line()}", err=True)
+        n_seq = min(plan.n_seq, len(todo))
+        llm = Llama.open(model, cache=cfg, **spec, n_ctx=ctx_per_seq, n_seq_max=n_seq,
+                         n_threads=threads, verbose=verbose, n_batch=max(plan.n_ubatch, n_seq),
+                         n_ubatch=plan.n_ubatch, offload_kqv=not plan.kv_host)
         say_choice(llm)
         show = progress if progress is not None else sys.stderr.isatty()
         bar = tqdm(total=len(todo), unit="req", disable=not show, file=sys.stderr,
