@@ -23,7 +23,6 @@ from forecache.atomic_file import write_atomic
 from forecache.cache.budget import format_size
 from forecache.cache.cost import Profile
 from forecache.cache.plans import (
-    STOCK_MAX_SEQ,
     Estimate,
     Layout,
     Plan,
@@ -37,6 +36,7 @@ from forecache.errors import setting
 from forecache.gguf.header import ModelFile
 from forecache.gguf.identity import fingerprint
 from forecache.llama import Llama
+from forecache.native.libs import MAX_SEQUENCES
 from forecache.paths import cache_dir
 from forecache.sim.shapes import SimShape, model_shape
 
@@ -295,7 +295,7 @@ def plan_cache(cfg: CacheConfig | None, plan: Plan) -> CacheConfig | None:
 
 def choose_plan(model_path: str | Path, cfg: CacheConfig | None, prompt_lens: Sequence[int],
                 max_tokens: Sequence[int], ctx_per_seq: int, *, n_threads: int | None = None,
-                max_seq: int = STOCK_MAX_SEQ,
+                max_seq: int = MAX_SEQUENCES,
                 progress: Callable[[str], None] = lambda s: None) -> Chosen:
     """The plan predicted fastest for a job of these prompt lengths and answer limits, under
     the placement options ``cfg``: the sequences decoded together, the ubatch, where the KV

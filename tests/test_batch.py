@@ -442,3 +442,28 @@ def test_the_plan_is_chosen_once_measured_and_runs(tmp_path: Path) -> None:
     bad = run("bad.jsonl", "--plan", "auto", "--parallel", "2")
     assert bad.returncode == 2 and "--plan or --parallel" in bad.stderr
     assert not (tmp_path / "bad.jsonl").exists()  # refused before the output is touched
+
+
+@pytest.mark.skipif(not REFERENCE_MODEL.is_file(), reason="reference model not in this checkout")
+def test_more_sequences_than_stock_llama_cpp_decode_together() -> None:
+    """Patch 0004 raises llama.cpp's 256 sequences a context to MAX_SEQUENCES."""
+    from forecache.batch import decode_many
+    from forecache.generate import SamplingParams
+    from forecache.llama import Llama
+    from forecache.native.libs import MAX_SEQUENCES
+    from forecache.requests import Request
+
+    assert MAX_SEQUENCES > 256
+    greedy = SamplingParams(greedy=True, temperature=0.0)
+    reqs = [Request(id=str(i), line=i + 1, prompt=GREEDY[i % len(GREEDY)][1], max_tokens=4,
+                    sampling=greedy) for i in range(300)]
+    done: list[dict] = []
+    with Llama.open(REFERENCE_MODEL, cache=None, n_ctx=32, n_seq_max=300, n_batch=512,
+                    n_ubatch=512) as llm:
+        decode_many(llm, reqs, 300, done.append)
+    assert len(done) == 300 and not [r for r in done if "error" in r]
+    alone: list[dict] = []
+    with Llama.open(REFERENCE_MODEL, cache=None, n_ctx=32) as llm:
+        decode_many(llm, reqs[:len(GREEDY)], 1, alone.append)
+    texts = {r["id"]: r["text"] for r in done}
+    assert all(texts[r["id"]] == r["text"] for r in alone)

@@ -36,8 +36,9 @@ EXPERTS = ("cache", "ncmoe")
 # the resources a stage can be bound by
 RESOURCES = ("GPU compute", "GPU memory", "PCIe", "CPU compute", "DRAM")
 # the grid ``search`` tries unless told otherwise
-N_SEQS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# sequences one llama.cpp context decodes together (LLAMA_MAX_SEQ, llama-cparams.h)
+N_SEQS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+# sequences one stock llama.cpp context decodes together (LLAMA_MAX_SEQ, llama-cparams.h);
+# forecache's patch series raises it (forecache.native.libs.MAX_SEQUENCES)
 STOCK_MAX_SEQ = 256
 N_UBATCHES = (64, 128, 256, 512, 1024, 2048)
 

@@ -17,6 +17,7 @@ from forecache.cli.generate_cmd import (
     threads_option,
 )
 from forecache.cli.model_arg import model_option
+from forecache.native.libs import MAX_SEQUENCES
 
 
 class BatchFailed(click.ClickException):
@@ -40,7 +41,7 @@ class BatchFailed(click.ClickException):
                    "lives and, with no --policy, the expert placement that a roofline model "
                    "predicts fastest for these requests (`forecache plan` lists them); or a plan "
                    "such as seq=16,ubatch=512,kv=host[,experts=cache|ncmoe].")
-@click.option("--parallel", default=None, type=click.IntRange(1, 64),
+@click.option("--parallel", default=None, type=click.IntRange(1, MAX_SEQUENCES),
               help="Sequences decoded together in one llama.cpp batch, ubatch 512 (a "
                    "hand-picked plan, instead of --plan).")
 @click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(1),

@@ -45,6 +45,7 @@ def plan(model: Path | None, shape: str | None, qtype: str, gpu_budget: str, pro
     from forecache.cache.cost import Profile
     from forecache.cache.plans import Workload, search
     from forecache.cache.setup import DEFAULT_MACHINE
+    from forecache.native.libs import MAX_SEQUENCES
     from forecache.sim.shapes import model_shape, shape_of
 
     if (model is None) == (shape is None):
@@ -72,7 +73,8 @@ def plan(model: Path | None, shape: str | None, qtype: str, gpu_budget: str, pro
             raise click.BadParameter(f"{shape}: {e}", param_hint="--shape") from None
     profile = Profile.load(machine or DEFAULT_MACHINE)
     work = Workload(requests, prompt_len, gen, ctx_per_seq or int(prompt_len + gen))
-    ours = search(sh, profile, budget, work, non_expert_bytes=non_expert, host_bytes=host)
+    ours = search(sh, profile, budget, work, non_expert_bytes=non_expert, host_bytes=host,
+                  max_seq=MAX_SEQUENCES)
     stock = search(sh, profile, budget, work, experts=("ncmoe",), non_expert_bytes=non_expert,
                    host_bytes=host)
     if not ours:

@@ -23,6 +23,8 @@ def _header_patch_version(header: Path = CSRC_DIR / "forecache.h") -> int:
 EXPECTED_PATCH_VERSION = _header_patch_version()
 
 MAX_THREADS = 512  # GGML_MAX_N_THREADS (ggml.h): more would overrun ggml's thread arrays
+# Sequences one context decodes together: LLAMA_MAX_SEQ as patch 0004 sets it (stock: 256)
+MAX_SEQUENCES = 1024
 
 _FIX = "run `forecache build` (or `make setup`) to install forecache's patched llama-cpp-python"
 
