@@ -108,6 +108,15 @@ class Stage:
         """The resource whose ops take most of the stage."""
         return max(self.parts, key=lambda k: self.parts[k]) if self.parts else "GPU memory"
 
+    @property
+    def overlapped_s(self) -> float:
+        """The stage if the device, the bus and the CPU each ran their ops alongside the
+        others (MoE-Lightning's CGOPipe across micro-batches), instead of llama.cpp's one op
+        after another: the busiest of the three."""
+        p = self.parts
+        return max(p.get("GPU compute", 0.0) + p.get("GPU memory", 0.0), p.get("PCIe", 0.0),
+                   p.get("CPU compute", 0.0) + p.get("DRAM", 0.0))
+
 
 class _Clock:
     """Adds ops' seconds and charges each to its resource."""
@@ -145,6 +154,16 @@ class Estimate:
     prefill_s: float  # the job's prompts
     job_s: float
     tokens_per_s: float  # generated tokens a second over the job
+
+    @property
+    def overlapped_tokens_per_s(self) -> float:
+        """The job's throughput with every stage overlapped (``Stage.overlapped_s``): what a
+        pipeline across micro-batches could reach at this plan."""
+        gen = self.tokens_per_s * self.job_s
+        pre = self.prefill_s * self.prefill.overlapped_s / max(self.prefill.seconds, 1e-12)
+        dec = (self.job_s - self.prefill_s) * self.decode.overlapped_s / \
+            max(self.decode.seconds, 1e-12)
+        return gen / (pre + dec) if pre + dec > 0 else 0.0
 
     @property
     def bound(self) -> str:
