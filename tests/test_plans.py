@@ -149,3 +149,13 @@ def test_plan_command_refusals() -> None:
     assert res.returncode != 0 and "cannot read size" in res.stderr
     res = run_cli("plan", "--gpu-budget", "24GiB", "--prompt-len", "1", "--gen", "1")
     assert res.returncode != 0 and "-m FILE" in res.stderr
+
+
+def test_overlap_bounds_what_a_pipeline_could_reach() -> None:
+    e = estimate(TARGET, PROFILE, 24 * GIB, SHAREGPT, Plan(256, 1024, kv_host=True))
+    assert e is not None
+    for st in (e.prefill, e.decode):
+        # the busiest resource alone, never more than the ops one after another
+        assert 0 < st.overlapped_s <= st.seconds
+        assert st.overlapped_s >= max(st.parts.values())
+    assert e.overlapped_tokens_per_s >= e.tokens_per_s
