@@ -30,11 +30,11 @@ from forecache.batch import decode_many
 from forecache.batch_plan import calibrate, job_workload
 from forecache.cache.plans import Plan, Workload, estimate, layout
 from forecache.cache.setup import resolve_cache_config
+from forecache.cache.shape import model_shape
 from forecache.default_model import ensure_default_model
 from forecache.generate import SamplingParams
 from forecache.llama import Llama
 from forecache.requests import Request
-from forecache.sim.shapes import model_shape
 
 PROMPTS = Path(__file__).resolve().parent.parent / "forecache" / "data" / "prompts" / \
     "default.jsonl"

@@ -22,6 +22,7 @@ import numpy as np
 from forecache.atomic_file import write_atomic
 from forecache.cache.budget import format_size
 from forecache.cache.cost import Profile
+from forecache.cache.fit import nelder_mead
 from forecache.cache.plans import (
     Estimate,
     Layout,
@@ -32,13 +33,13 @@ from forecache.cache.plans import (
     ubatch_stage,
 )
 from forecache.cache.setup import DEFAULT_MACHINE, CacheConfig
+from forecache.cache.shape import SimShape, model_shape
 from forecache.errors import setting
 from forecache.gguf.header import ModelFile
 from forecache.gguf.identity import fingerprint
 from forecache.llama import Llama
 from forecache.native.libs import MAX_SEQUENCES
 from forecache.paths import cache_dir
-from forecache.sim.shapes import SimShape, model_shape
 
 # what the fit moves: rates and the runtime's fixed costs (log-space)
 FITTED = ("launch_s", "mem_gbps", "gflops", "seq_s", "token_s", "sample_s", "hook_s",
@@ -172,8 +173,6 @@ def fit_profile(shape: SimShape, base: Profile, plan: Plan, budget: int,
     pass's Python are measured (``sample_s`` per row, ``token_s``), the passes' times are
     fitted (least squares of log ratios) by the device's launch cost, memory and compute rates
     and a sequence's KV stream."""
-    from forecache.sim.calibrate import nelder_mead
-
     rows = [(s.rows_s, s.n if s.kind == "decode" else 1) for s in samples if s.rows_s > 0]
     per_row = sum(t for t, _ in rows) / max(sum(n for _, n in rows), 1)
     per_pass = float(np.median([s.pass_s for s in samples])) if samples else 0.0

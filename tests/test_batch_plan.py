@@ -15,9 +15,9 @@ from forecache.batch_plan import (
     save_profile,
 )
 from forecache.cache.plans import Plan, estimate
+from forecache.cache.shape import model_shape
 from forecache.default_model import REFERENCE_MODEL
 from forecache.llama import Llama
-from forecache.sim.shapes import model_shape
 
 STOCK = Plan(8, 256, False, "ncmoe")  # llama.cpp's own placement: every expert in place
 BUDGET = 1 << 40

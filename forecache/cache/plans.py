@@ -30,7 +30,7 @@ from forecache.cache.cost import CostModel, Profile, roofline_s
 from forecache.cache.prefetcher import stage_slots_for
 
 if TYPE_CHECKING:
-    from forecache.sim.shapes import SimShape
+    from forecache.cache.shape import SimShape
 
 EXPERTS = ("cache", "ncmoe")
 # the resources a stage can be bound by

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from forecache.cache.cost import Profile
+from forecache.cache.fit import nelder_mead
 from forecache.cache.prefetcher import Features
 from forecache.cache.setup import CacheConfig, attach_observer
 from forecache.generate import SamplingParams, generate
@@ -107,37 +108,6 @@ def simulate_measured(m: Measured, shape: SimShape, profile: Profile,
         ttft.append(p)
         tpot.append(float(np.mean(d)) if d else 0.0)
     return float(np.median(ttft)), float(np.median(tpot))
-
-
-def nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, *, step: float = 0.5,
-                iters: int = 120, tol: float = 1e-3) -> np.ndarray:
-    """Minimise ``f`` from ``x0`` (a small, dependency-free Nelder-Mead)."""
-    n = len(x0)
-    pts = [x0] + [x0 + step * np.eye(n)[i] for i in range(n)]
-    vals = [f(p) for p in pts]
-    for _ in range(iters):
-        order = np.argsort(vals)
-        pts, vals = [pts[i] for i in order], [vals[i] for i in order]
-        if vals[-1] - vals[0] < tol:
-            break
-        c = np.mean(pts[:-1], axis=0)
-        xr = c + (c - pts[-1])
-        fr = f(xr)
-        if fr < vals[0]:
-            xe = c + 2 * (c - pts[-1])
-            fe = f(xe)
-            pts[-1], vals[-1] = (xe, fe) if fe < fr else (xr, fr)
-        elif fr < vals[-2]:
-            pts[-1], vals[-1] = xr, fr
-        else:
-            xc = c + 0.5 * (pts[-1] - c)
-            fc = f(xc)
-            if fc < vals[-1]:
-                pts[-1], vals[-1] = xc, fc
-            else:
-                pts = [pts[0]] + [pts[0] + 0.5 * (p - pts[0]) for p in pts[1:]]
-                vals = [vals[0]] + [f(p) for p in pts[1:]]
-    return pts[int(np.argmin(vals))]
 
 
 def fit_profile(base: Profile, shape: SimShape, runs: Sequence[Measured], warmup: Request,

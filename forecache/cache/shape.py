@@ -1,0 +1,106 @@
+"""Model shapes at a quantization, as the timing models see them: the cost model's batch plans
+(``cache.plans``) and the simulator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import yaml
+from gguf import GGML_QUANT_SIZES
+
+from forecache.cache.budget import kv_cache_bytes
+from forecache.cache.cost import ExpertShape
+from forecache.cache.setup import expert_shape
+from forecache.gguf.header import ModelFile, is_expert_tensor, tensor_nbytes
+from forecache.gguf.specs import get_spec, models_yaml, parse_qtype, tensor_type
+
+
+@dataclass(frozen=True)
+class SimShape:
+    """What the timing model needs of a model: expert and per-layer sizes at a quantization."""
+
+    name: str
+    layers: int
+    experts: int
+    top_k: int
+    d_model: int
+    expert_ff: int
+    proj_bytes: tuple[int, int, int]  # one expert's gate, up, down
+    layer_bytes: int  # non-expert weights of one layer (attention, router, shared experts)
+    head_bytes: int  # output norm + lm head
+    qtype: str
+    kv_bytes: int = 0  # f16 K and V of one token at one layer (llama.cpp's default cache type)
+
+    @property
+    def expert(self) -> ExpertShape:
+        return ExpertShape(self.d_model, self.expert_ff, self.proj_bytes)
+
+    @property
+    def expert_bytes(self) -> int:
+        return self.expert.nbytes
+
+    @property
+    def proj_flops(self) -> float:
+        """Multiply-adds x2 of one projection for one token."""
+        return self.expert.proj_flops
+
+    @property
+    def layer_flops(self) -> float:
+        return 2.0 * self.layer_bytes / self.bytes_per_weight
+
+    @property
+    def dense_bytes(self) -> int:
+        """Weights read once a forward pass on the device: every layer's non-expert weights and
+        the head."""
+        return self.layers * self.layer_bytes + self.head_bytes
+
+    @property
+    def bytes_per_weight(self) -> float:
+        bs, ts = GGML_QUANT_SIZES[parse_qtype(self.qtype)]
+        return ts / bs
+
+
+def _nbytes(n_elements: int, row: int, qtype: str) -> int:
+    """Bytes of a matrix of ``row``-long rows written as ``qtype``, with the type llama.cpp's
+    quantizer falls back to where a row does not fit the block (as ``make-model`` writes it)."""
+    ne = (row, n_elements // row)
+    return tensor_nbytes(ne, tensor_type("", ne, qtype))
+
+
+def shape_of(name: str, qtype: str = "q4_k") -> SimShape:
+    """The shape of a models.yaml model (``models`` or ``trace_models``) at ``qtype``."""
+    raw = yaml.safe_load(models_yaml(None).read_text())
+    extra = (raw.get("trace_models") or {}).get(name)
+    if extra is not None and "preset" not in extra:
+        spec = dict(extra)
+    else:
+        s = get_spec(extra["preset"] if extra is not None else name)
+        spec = {"layers": s.layers, "experts": s.experts, "top_k": s.top_k,
+                "d_model": s.d_model, "expert_ff": s.expert_ff, "heads": s.heads,
+                "kv_heads": s.kv_heads, "vocab": s.vocab,
+                "shared_ff": s.shared_expert_ff * s.shared_experts}
+    d, ff, e = spec["d_model"], spec["expert_ff"], spec["experts"]
+    kv = d // spec["heads"] * spec["kv_heads"]
+    sh = spec.get("shared_ff", 0)
+    proj = (_nbytes(d * ff, d, qtype), _nbytes(d * ff, d, qtype), _nbytes(d * ff, ff, qtype))
+    attn = 2 * _nbytes(d * d, d, qtype) + 2 * _nbytes(d * kv, d, qtype)
+    layer = attn + d * e * 4 + 3 * _nbytes(d * sh, d, qtype) if sh else attn + d * e * 4
+    return SimShape(name=name, layers=spec["layers"], experts=e, top_k=spec["top_k"],
+                    d_model=d, expert_ff=ff, proj_bytes=proj, layer_bytes=layer,
+                    head_bytes=_nbytes(d * spec["vocab"], d, "q8_0"), qtype=qtype.lower(),
+                    kv_bytes=4 * kv)
+
+
+def model_shape(model: ModelFile) -> SimShape:
+    """The simulator's view of a GGUF file: its own sizes, tensor by tensor."""
+    layer = model.moe_layers()[0]
+    blk = [t for t in model.tensors if t.name.startswith(f"blk.{layer}.")]
+    ex = expert_shape(model)
+    qtype = next(t for t in blk if is_expert_tensor(t.name)).type.name.lower()
+    head = sum(t.nbytes for t in model.tensors if t.name.startswith("output"))
+    return SimShape(name=model.path.stem, layers=model.n_layer, experts=model.n_expert,
+                    top_k=model.n_expert_used, d_model=ex.d_model, expert_ff=ex.expert_ff,
+                    proj_bytes=ex.proj_bytes,
+                    layer_bytes=sum(t.nbytes for t in blk if not is_expert_tensor(t.name)),
+                    head_bytes=head, qtype=qtype,
+                    kv_bytes=kv_cache_bytes(model, 1) // max(model.n_layer, 1))
