@@ -379,15 +379,17 @@ def estimate(shape: SimShape, profile: Profile, budget: int, work: Workload, pla
     # one sequence keep the locality the cache was measured at
     n_seq = min(plan.n_seq, max(work.n_requests, 1))
     decode_hit = hit_at(share, locality if n_seq == 1 else 0.0)
-    u = min(plan.n_ubatch, max(work.prompt_len * work.n_requests, 1))
+    # llama.cpp keeps a KV stream per sequence and splits a batch into ubatches with as many
+    # tokens of each sequence: prompts are not packed together, a ubatch holds (a chunk of) one
+    u = max(min(float(plan.n_ubatch), work.prompt_len), 1.0)
     prefill = ubatch_stage(shape, profile, cost, plan, u, work.prompt_len / 2, share,
-                           host_layers, u / max(work.prompt_len, 1), slots, stage,
-                           max(1.0, u / max(work.prompt_len, 1)))
+                           host_layers, u / max(work.prompt_len, 1), slots, stage, 1.0)
     decode = ubatch_stage(shape, profile, cost, plan, n_seq, work.prompt_len + work.gen_len / 2,
                           decode_hit, host_layers, n_seq, slots, stage, n_seq)
     prompt_tokens = work.prompt_len * work.n_requests
     generated = work.gen_len * work.n_requests
-    prefill_s = math.ceil(prompt_tokens / u) * prefill.seconds if prompt_tokens else 0.0
+    prefill_s = work.n_requests * math.ceil(work.prompt_len / u) * prefill.seconds \
+        if prompt_tokens else 0.0
     # every step decodes a token of each running sequence; fewer run at the job's tail
     steps = generated / n_seq + (work.gen_len if work.n_requests > n_seq else 0) / 2
     job = prefill_s + steps * decode.seconds
