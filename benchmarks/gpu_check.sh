@@ -155,7 +155,10 @@ step_bench() {
     fi
     "$PY" benchmarks/policy_bench.py -m "$model" \
         --policies offload,ncmoe,lru,static,promoe,promoe+spec,promoe+little,promoe+resident \
-        "${args[@]}" --json "$OUT/policy_bench.json" 2>&1 | tee "$OUT/policy_bench.log" >&2
+        "${args[@]}" --json "$OUT/policy_bench.json" >&2  # its table: the run's output
+    # batch plans: the roofline model's predictions next to measured batch jobs (issue 22)
+    "$PY" benchmarks/batch_plans.py --requests 32 --max-tokens 32 --repeats 2 \
+        --json "$OUT/batch_plans.json" >&2
 }
 
 case "$STEP" in

@@ -39,10 +39,13 @@ def test_cpu_dry_run_writes_every_result(tmp_path: Path) -> None:
         "promoe+resident"}
     # the exact runs (speculation among them) agree; the little passes (lossy) are left out
     assert bench["same_tokens"] is True and bench["h2d_gbps"] is not None
+    plans = json.loads((out / "batch_plans.json").read_text())
+    assert {r["placement"] for r in plans["rows"]} == {"stock", "cache"}
+    assert all(r["predicted_tps"] > 0 and r["measured_tps"] > 0 for r in plans["rows"])
     # the device tool returns at most 8 files: these, plus the CPU mode's small model
     assert sorted(p.name for p in out.iterdir()) == [
-        "build.json", "build.log", "doctor.json", "lossless.json", "lossless.log",
-        "policy_bench.json", "policy_bench.log", "tiny-q4_k.gguf"]
+        "batch_plans.json", "build.json", "build.log", "doctor.json", "lossless.json",
+        "lossless.log", "policy_bench.json", "tiny-q4_k.gguf"]
 
 
 def test_usage_errors(tmp_path: Path) -> None:
