@@ -266,3 +266,62 @@ def target_baselines(args: argparse.Namespace) -> TargetBaselines:
     exact = run_one(replay, shape, profile, base, pred)
     return TargetBaselines(shape, profile, n_slots, replay, pred, base, nc, exact)
 
+
+@dataclass(frozen=True)
+class LengthModel:
+    """Prompt and answer lengths of a chat workload: lognormal, each at least ``min_len``
+    tokens, the prompt at most ``max_prompt`` and both within ``context`` (draws outside are
+    drawn again)."""
+
+    prompt_median: float
+    prompt_sigma: float
+    answer_median: float
+    answer_sigma: float
+    max_prompt: int
+    context: int
+    min_len: int = 4
+
+    def draw(self, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """``n`` (prompt, answer) lengths in tokens."""
+        prompts, answers = np.empty(n, np.int64), np.empty(n, np.int64)
+        got = 0
+        while got < n:
+            p = np.rint(rng.lognormal(np.log(self.prompt_median), self.prompt_sigma, n))
+            a = np.rint(rng.lognormal(np.log(self.answer_median), self.answer_sigma, n))
+            ok = (p >= self.min_len) & (a >= self.min_len) & (p <= self.max_prompt) & \
+                (p + a <= self.context)
+            take = min(int(ok.sum()), n - got)
+            prompts[got:got + take] = p[ok][:take]
+            answers[got:got + take] = a[ok][:take]
+            got += take
+        return prompts, answers
+
+
+# ShareGPT as serving benchmarks use it (vLLM's benchmark: prompts of at most 1024 tokens,
+# prompt + answer at most 2048), its published means about 161 prompt and 338 answer tokens;
+# the lognormal shapes (medians and sigmas) are assumed, chosen to give those means
+SHAREGPT = LengthModel(prompt_median=100.0, prompt_sigma=1.15, answer_median=250.0,
+                       answer_sigma=0.85, max_prompt=1024, context=2048)
+
+
+def window_requests(pool: Sequence[Request], prompts: Sequence[int], answers: Sequence[int],
+                    rng: np.random.Generator) -> list[Request]:
+    """Requests of ``prompts[i]`` + ``answers[i]`` rows, each the routing of a window of a
+    ``pool`` entry (drawn at random, at a random offset), its first rows the prompt: a few
+    long synthesized requests stand for many, the windows' offsets keeping requests that run
+    together from routing alike."""
+    out = []
+    for p, a in zip(prompts, answers, strict=True):
+        n = int(p) + int(a)
+        fits = [r for r in pool if r.n_tokens >= n]
+        if not fits:
+            raise ValueError(f"no pool entry holds a request of {n} tokens")
+        src = fits[int(rng.integers(len(fits)))]
+        at = int(rng.integers(src.n_tokens - n + 1))
+
+        def cut(x: np.ndarray | None, at: int = at, n: int = n) -> np.ndarray | None:
+            return None if x is None else x[at:at + n]
+        out.append(Request(experts=src.experts[at:at + n], token_ids=cut(src.token_ids),
+                           weights=cut(src.weights), gate_input=cut(src.gate_input),
+                           phase=np.r_[np.zeros(int(p), np.int8), np.ones(int(a), np.int8)]))
+    return out

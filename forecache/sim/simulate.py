@@ -6,10 +6,15 @@ at a time) through the SAME policy (``cache.policies`` / ``cache.prefetcher``) a
 llama.cpp and the C expert cache: compute time (the ``cache.cost`` roofline) and the copy engine
 (``sim.engine.SimEngine``). Virtual time only:
 the result depends on the trace, shape, profile and options, never on this machine.
+
+``simulate`` replays requests one at a time; ``simulate_batch`` replays them as one batch job
+(``forecache batch``: continuous batching of ``n_seq`` sequences), whose ubatches hold rows of
+several requests and also pay attention over each row's context.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -80,6 +85,15 @@ class SimConfig:
     draft_bytes: float = 0.0
     spec_cutoff: int | None = None
     draft_recall: float = 1.0
+    # batch jobs (``simulate_batch``): sequences decoded together, tokens a llama batch holds
+    # (None: max(n_ubatch, n_seq)), and the KV cache in host memory (llama.cpp's offload_kqv
+    # off), where the CPU computes attention
+    n_seq: int = 1
+    n_batch: int | None = None
+    kv_host: bool = False
+    # how llama.cpp splits a batch into ubatches (``split_batch``): "simple", n_ubatch rows at a
+    # time (a unified KV cache); "equal", as with a KV stream per sequence (forecache batch)
+    split: str = "simple"
 
     def slots_at(self, layer: int) -> int:
         """Slots of model layer ``layer``."""
@@ -194,6 +208,10 @@ class Simulator:
         self._decode_gates: dict[int, tuple | None] = {}
         self.hits = self.misses = self.host_layers = 0
         self.stall = self.hook = self.fast = 0.0
+        # critical-path seconds by what they wait for, beyond the device's compute: the CPU
+        # (host experts, host attention), the bus (activations to a host KV cache; copy waits
+        # are ``stall``) and the runtime's own steps (hooks, gates, passes, expert groups)
+        self.cpu_s = self.bus_s = self.runtime_s = self.attn_s = 0.0
         self.fast_gates = 0
         L = n_layers
         self.lay = {k: np.zeros(L) for k in ("predicted", "correct", "in_time", "good", "stall")}
@@ -349,12 +367,16 @@ class Simulator:
         return np.array([e for i, e in enumerate(ids[:self.cfg.little_k].tolist())
                          if i == 0 or e in ready], np.int64)
 
-    def _ubatch(self, req: Request, rows: np.ndarray) -> float:
+    def _ubatch(self, req: Request, rows: np.ndarray,
+                attention: tuple[float, float] | None = None, logits: int = 1) -> float:
         """Simulate one ubatch; returns its seconds and leaves its floors: in ``_floor`` the
         device's compute with every routed expert resident, plus the bytes of this run's misses
         at the host's best rate (copies and CPU compute together, within DRAM), one after the
         other as a layer-by-layer schedule has them; in ``_bus_floor`` the misses' bytes over
-        the bus with all compute hidden under them (or the compute, if longer)."""
+        the bus with all compute hidden under them (or the compute, if longer).
+        ``attention``: (KV bytes read, flops) of every layer's attention over the rows'
+        contexts (batch replays; single requests leave attention out); ``logits``: rows the
+        head computes and the runtime samples."""
         sh, eng, n = self.shape, self.engine, len(rows)
         t0 = self.t
         eng.new_pass()
@@ -377,6 +399,8 @@ class Simulator:
                 # logged layers (a partial trace's figures hold for them, not for the rest)
                 continue
             dense = self._dev(sh.layer_bytes, n * sh.layer_flops)
+            if attention is not None:
+                dense += self._attention(attention[0], attention[1], n)
             self.t += dense
             floor += dense
             compute += dense
@@ -411,9 +435,11 @@ class Simulator:
                 self.t += self.profile.decode_gate_s
                 self.fast += self.profile.decode_gate_s
                 self.fast_gates += 1
+                self.runtime_s += self.profile.decode_gate_s
             else:
                 self.t += self._hook_s
                 self.hook += self._hook_s
+                self.runtime_s += self._hook_s
             eng.advance_to(self.t)
             on_slots = self.policy.gate(il, experts, eng, counts)
             if on_slots and not L.sch_e:
@@ -425,17 +451,38 @@ class Simulator:
             if not on_slots:
                 eng.end_route_host(il)
                 self.host_layers += 1
-                self.t += self._host_layer(experts, known.size)
+                host = self._host_layer(experts, known.size)
+                self.t += host
+                self.cpu_s += host
                 eng.advance_to(self.t)
                 continue
-            self._slot_compute(il, ids)
-        head = self._dev(sh.head_bytes, 2.0 * sh.head_bytes / sh.bytes_per_weight)
+            self._slot_compute(il, dict(zip(experts.tolist(), counts.tolist(), strict=True)))
+        head = self._dev(sh.head_bytes, 2.0 * logits * sh.head_bytes / sh.bytes_per_weight)
         self.t += head
-        self.t += self.profile.token_s
+        # outside the graph: the pass's Python, and reading and sampling each further row
+        self.t += self.profile.token_s + max(logits - 1, 0) * self.profile.sample_s
+        self.runtime_s += self.profile.token_s + max(logits - 1, 0) * self.profile.sample_s
         self._floor = floor + head
         self._bus_floor = max(compute + head, missed_bytes / (p.h2d_gbps * 1e9))
         eng.advance_to(self.t)
         return self.t - t0
+
+    def _attention(self, nbytes: float, flops: float, n_rows: int) -> float:
+        """One layer's attention over the ubatch's contexts: on the device, or with the KV cache
+        in host memory on the CPU (sharing DRAM with copies), its rows' q, k and v copied down
+        and its output back up."""
+        if not self.cfg.kv_host:
+            t = self._dev(nbytes, flops)
+        else:
+            p = self.profile
+            act = 4.0 * n_rows * self.shape.d_model * 4  # f32 q, k, v down; the output up
+            bus = 2 * p.chunk_latency_s + act / (p.h2d_gbps * 1e9)
+            host = self._host(nbytes, flops)
+            self.cpu_s += host
+            self.bus_s += bus
+            t = bus + host
+        self.attn_s += t
+        return t
 
     def _in_c(self, il: int, experts: np.ndarray, n_tokens: int) -> bool:
         """The gate is one the C decode gate decides (forecache_cache_set_decode_gate)."""
@@ -480,7 +527,9 @@ class Simulator:
             self.stall += copy
             self.lay["stall"][il] += copy
         else:
-            self.t += self._host_layer(experts, pairs)
+            host = self._host_layer(experts, pairs)
+            self.t += host
+            self.cpu_s += host
         self.engine.advance_to(self.t)
 
     def _host_layer(self, experts: np.ndarray, pairs: int) -> float:
@@ -499,10 +548,10 @@ class Simulator:
             self.lay["stall"][il] += t - self.t
             self.t = t
 
-    def _slot_compute(self, il: int, ids: np.ndarray) -> None:
+    def _slot_compute(self, il: int, rows_of: dict[int, int]) -> None:
+        """Compute layer ``il``'s schedule (``rows_of``: token rows routed to each expert)."""
         eng = self.engine
         L = eng.layers[il]
-        rows_of = {e: int((ids == e).sum()) for e in L.sch_e}
         n = L.n_dev
         on_host = L.sch_e[n:]
         host_rows = sum(rows_of[e] for e in on_host)
@@ -514,6 +563,7 @@ class Simulator:
                 dev = self._node(L.sch_e[:n], sum(rows_of[e] for e in L.sch_e[:n]), p)
                 if on_host:  # computed meanwhile on the CPU, then written into the result
                     host = self._host(len(on_host) * sh.proj_bytes[p], host_rows * sh.proj_flops)
+                    self.cpu_s += max(host - dev, 0.0)
                     dev = max(dev, host) + self._merge.merge_proj_s(host_rows)
                 self.t += dev
             eng.advance_to(self.t)
@@ -532,6 +582,7 @@ class Simulator:
                 eng.advance_to(self.t)
                 eng.consume(il, range(n), p)
                 if on_host:
+                    self.cpu_s += max(host_end - self.t, 0.0)
                     self.t = max(self.t, host_end) + self._merge.merge_proj_s(host_rows)
                     eng.advance_to(self.t)
                 continue
@@ -545,10 +596,12 @@ class Simulator:
                 group = L.sch_e[i:j]
                 self.t += self._node(group, sum(rows_of[e] for e in group), p) + \
                     self.profile.group_s
+                self.runtime_s += self.profile.group_s
                 eng.advance_to(self.t)
                 eng.consume(il, range(i, j), p)
                 i = j
             if on_host:
+                self.cpu_s += max(host_end - self.t, 0.0)
                 self.t = max(self.t, host_end) + self._merge.merge_proj_s(host_rows)
                 eng.advance_to(self.t)
 
@@ -642,3 +695,263 @@ def simulate(requests: Sequence[Request], shape: SimShape, profile: Profile, cfg
             n_prefill += int((req.phase == 0).sum())
         decode.extend(d)
     return sim.result(prefill, decode, n_prefill)
+
+
+# what a batch job's critical path waits on: the device's compute, the CPU (host experts,
+# host attention), the bus (copies the compute waits for) and the runtime's own steps
+RESOURCES = ("GPU", "CPU", "PCIe", "runtime")
+
+
+@dataclass
+class BatchResult:
+    """A batch job replayed by ``simulate_batch``."""
+
+    n_requests: int
+    n_seq: int
+    job_s: float  # virtual time from the first admission to the last finish (or the drain)
+    generated: int  # tokens sampled: the requests' answer lengths (up to the drain)
+    complete: bool  # every request finished (not stopped at the drain)
+    prompt_tokens: int  # prompt rows fed
+    prefill_s: float  # ubatches with prompt rows (the decode rows beside them included)
+    decode_s: float  # ubatches of decode rows only
+    n_steps: int  # llama batches
+    n_ubatches: int
+    hits: int
+    misses: int
+    decode_hits: int  # in the ubatches of decode rows only
+    decode_misses: int
+    h2d_bytes: int
+    stall_s: float  # compute waiting for copies
+    host_layers: int  # layers computed wholly on the CPU by the policy
+    attention_s: float
+    latency_s: float  # mean time from a request's admission to its last token (finished ones)
+    busy: dict[str, float]  # critical-path seconds by resource (RESOURCES)
+    extra: dict
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens a second over the job (up to the drain, for a steady replay)."""
+        return self.generated / self.job_s if self.job_s > 0 else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return hit_rate(self.hits, self.misses) or 0.0
+
+    @property
+    def bound(self) -> str:
+        """The resource the job's critical path spends most of its time on."""
+        return max(RESOURCES, key=lambda k: self.busy.get(k, 0.0))
+
+    def to_json(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        out.update(self.extra)
+        out.update(tokens_per_s=self.tokens_per_s, hit_rate=self.hit_rate,
+                   decode_hit_rate=hit_rate(self.decode_hits, self.decode_misses) or 0.0,
+                   bound=self.bound)
+        return out
+
+
+SPLITS = ("simple", "equal")
+
+
+def split_batch(seqs: Sequence[int], n_ubatch: int, split: str = "simple") -> list[np.ndarray]:
+    """The ubatches llama.cpp makes of a batch whose rows belong to sequences ``seqs``: row
+    indices, each ubatch's in the order it computes them. ``simple`` (a unified KV cache,
+    llama_batch_allocr::split_simple): ``n_ubatch`` consecutive rows at a time. ``equal`` (a
+    KV stream per sequence, as forecache batch loads the model; split_equal with sequential
+    ids): from the first unused row, the sequences whose ids follow each other (in batch
+    order), then as many rows of each as all of them have, within ``n_ubatch``, grouped by
+    sequence; rows of sequences whose ids do not follow go to later ubatches."""
+    n = len(seqs)
+    if split == "simple":
+        return [np.arange(a, min(a + n_ubatch, n)) for a in range(0, n, n_ubatch)]
+    if split != "equal":
+        raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    rows_of: dict[int, list[int]] = {}
+    for i, q in enumerate(seqs):
+        rows_of.setdefault(q, []).append(i)
+    taken = dict.fromkeys(rows_of, 0)  # a sequence's rows are taken in order
+    used = [False] * n
+    out = []
+    start = 0
+    while start < n:
+        chain: list[int] = []
+        for i in range(start, n):
+            q = seqs[i]
+            # a sequence already in the chain has q <= chain[-1]: only the next id joins
+            if used[i] or (chain and q != chain[-1] + 1):
+                continue
+            chain.append(q)
+            if len(chain) == n_ubatch:
+                break
+        per = min(len(rows_of[q]) - taken[q] for q in chain)
+        per = max(1, min(per, n_ubatch // len(chain)))
+        u = []
+        for q in chain:
+            got = rows_of[q][taken[q]:taken[q] + per]
+            taken[q] += per
+            u.extend(got)
+            for i in got:
+                used[i] = True
+        out.append(np.array(u))
+        while start < n and used[start]:
+            start += 1
+    return out
+
+
+@dataclass
+class _Seq:
+    """A request decoding in sequence ``seq`` of a batch job (``batch.decode_many``'s)."""
+
+    req: int
+    seq: int
+    first_row: int  # of the request's rows in the merged request
+    prompt: int
+    answer: int
+    admitted: float
+    fed: int = 0  # prompt rows already in a batch
+    out: int = 0  # tokens sampled; the last one is fed in the next batch
+
+
+def merge_requests(requests: Sequence[Request]) -> tuple[Request, np.ndarray]:
+    """One request whose rows are ``requests``' rows one after the other, and where each
+    starts: a ubatch of a batch job takes rows of several requests from it."""
+    starts = np.cumsum([0] + [r.n_tokens for r in requests])
+
+    def cat(name: str) -> np.ndarray | None:
+        parts = [getattr(r, name) for r in requests]
+        return None if any(p is None for p in parts) else np.concatenate(parts)
+
+    merged = Request(experts=np.concatenate([r.experts for r in requests]),
+                     token_ids=cat("token_ids"), weights=cat("weights"),
+                     gate_input=cat("gate_input"), phase=cat("phase"))
+    return merged, starts[:-1]
+
+
+def simulate_batch(requests: Sequence[Request], shape: SimShape, profile: Profile,
+                   cfg: SimConfig, predictor: Predictor | None = None, *,
+                   steady: bool = False) -> BatchResult:
+    """Replay ``requests`` as one batch job, as ``forecache batch`` decodes it
+    (``batch.decode_many``): up to ``cfg.n_seq`` sequences; each step's llama batch holds
+    every decoding sequence's next token, then prompt chunks of the sequences still prefilling
+    up to ``n_batch`` tokens, and runs as the ubatches llama.cpp splits it into
+    (``split_batch`` by ``cfg.split``: ``n_ubatch`` consecutive rows by default); a finished
+    sequence frees its slot for the next request, longest first (prompt + answer, ties in
+    input order). A request's prefill rows are its prompt and its decode rows its answer: the
+    last prompt row samples the first answer token, each answer token but the last is fed
+    back. Every layer's attention reads each sequence's KV cache once a ubatch (its context so
+    far) and computes every row against its own context, on the device or, with
+    ``cfg.kv_host``, on the CPU. The policy and predictor see one job, as at run time.
+    ``steady``: stop when no request is left to admit and a sequence finishes (the batch would
+    drain from there): the throughput of a full batch, without the job's tail."""
+    if not requests:
+        raise ValueError("no requests to simulate")
+    if cfg.little_k or cfg.spec_draft:
+        raise ValueError("a batch replay decodes exactly: no MoBiLE little passes or drafts")
+    n_batch = cfg.n_batch if cfg.n_batch is not None else max(cfg.n_ubatch, cfg.n_seq)
+    if cfg.n_seq < 1 or n_batch < cfg.n_seq:
+        raise ValueError(f"a batch of {n_batch} tokens cannot hold the next tokens of "
+                         f"{cfg.n_seq} sequences")
+    prompt, answer = [], []
+    for i, r in enumerate(requests):
+        phase = r.phase if r.phase is not None else np.ones(r.n_tokens, np.int8)
+        p = int((phase == 0).sum())
+        if p < 1 or p == r.n_tokens or (phase[:p] != 0).any():
+            raise ValueError(f"request {i}: a batch replay needs prompt rows, then answer rows")
+        prompt.append(p)
+        answer.append(r.n_tokens - p)
+    merged, starts = merge_requests(requests)
+    sim = Simulator(shape, profile, cfg, logged_layers(requests, shape.layers), predictor)
+    # one job for the policy and the predictor, as decode_many runs it
+    if sim.policy is not None:
+        sim.policy.begin_request()
+    if sim.forecaster is not None:
+        sim.forecaster.begin_request()
+    pending = deque(sorted(range(len(requests)), key=lambda i: -requests[i].n_tokens))
+    free = list(range(cfg.n_seq))
+    active: list[_Seq] = []
+    t0 = sim.t
+    latency = 0.0
+    generated = finished = prompt_fed = 0
+    prefill_s = decode_s = 0.0
+    n_steps = n_ubatches = 0
+    dec_hits = dec_misses = 0
+    kv, d = shape.kv_bytes, shape.d_model
+    while pending or active:
+        while free and pending:
+            i = pending.popleft()
+            active.append(_Seq(i, free.pop(0), int(starts[i]), prompt[i], answer[i], sim.t))
+        rows: list[int] = []
+        ctx: list[int] = []  # each row's context: its sequence's tokens up to it
+        seqs: list[int] = []
+        sampled: list[int] = []  # batch rows with logits
+        done: list[_Seq] = []  # sequences sampled from this batch, in row order
+        for s in active:  # each decoding sequence's last sampled token first
+            if s.out:
+                sampled.append(len(rows))
+                done.append(s)
+                rows.append(s.first_row + s.prompt + s.out - 1)
+                ctx.append(s.prompt + s.out)
+                seqs.append(s.seq)
+        n_decode = len(rows)
+        for s in active:  # then prompt chunks, while the batch has room
+            if s.fed < s.prompt and len(rows) < n_batch:
+                take = min(s.prompt - s.fed, n_batch - len(rows))
+                rows.extend(range(s.first_row + s.fed, s.first_row + s.fed + take))
+                ctx.extend(range(s.fed + 1, s.fed + take + 1))
+                seqs.extend([s.seq] * take)
+                s.fed += take
+                prompt_fed += take
+                if s.fed == s.prompt:
+                    sampled.append(len(rows) - 1)
+                    done.append(s)
+        n_steps += 1
+        rows_a, ctx_a, seqs_a = np.array(rows), np.array(ctx, np.float64), np.array(seqs)
+        logit = np.zeros(len(rows), bool)
+        logit[sampled] = True
+        for u in split_batch(seqs, cfg.n_ubatch, cfg.split):
+            c, q = ctx_a[u], seqs_a[u]
+            # a sequence's rows are contiguous: its last row in the ubatch has its longest
+            # context, the KV the ubatch reads for it
+            last = np.r_[q[1:] != q[:-1], True]
+            attention = (float(c[last].sum()) * kv, 4.0 * d * float(c.sum()))
+            hits, misses = sim.hits, sim.misses
+            t = sim._ubatch(merged, rows_a[u], attention, int(logit[u].sum()))
+            n_ubatches += 1
+            if u.max() < n_decode:
+                decode_s += t
+                dec_hits += sim.hits - hits
+                dec_misses += sim.misses - misses
+            else:
+                prefill_s += t
+        generated += len(done)
+        for s in done:
+            s.out += 1
+            if s.out >= s.answer:
+                active.remove(s)
+                free.append(s.seq)
+                latency += sim.t - s.admitted
+                finished += 1
+        if steady and not pending and len(active) < cfg.n_seq:
+            break
+    if sim.forecaster is not None:
+        sim.forecaster.end_request()
+    job = sim.t - t0
+    eng = sim.engine
+    busy = {"CPU": sim.cpu_s, "PCIe": sim.stall + sim.bus_s, "runtime": sim.runtime_s}
+    busy["GPU"] = max(job - sum(busy.values()), 0.0)
+    extra = {k: v for k, v in eng.stats.items() if k != "h2d_bytes"}
+    extra.update(layers_simulated=len(sim.layers), stage_slots=sim.n_stage,
+                 decode_gates_in_c=sim.fast_gates, n_batch=n_batch, n_ubatch=cfg.n_ubatch,
+                 kv_host=cfg.kv_host, policy=cfg.policy, split=cfg.split)
+    if isinstance(sim.policy, Prefetcher):
+        extra.update(prefetch_loads=sim.policy.prefetch_loads,
+                     stale_predictions=sim.policy.stale_predictions)
+    return BatchResult(
+        n_requests=len(requests), n_seq=cfg.n_seq, job_s=job, generated=generated,
+        complete=finished == len(requests), prompt_tokens=prompt_fed, prefill_s=prefill_s,
+        decode_s=decode_s, n_steps=n_steps,
+        n_ubatches=n_ubatches, hits=sim.hits, misses=sim.misses, decode_hits=dec_hits,
+        decode_misses=dec_misses, h2d_bytes=int(eng.stats["h2d_bytes"]), stall_s=sim.stall,
+        host_layers=sim.host_layers, attention_s=sim.attn_s,
+        latency_s=latency / max(finished, 1), busy=busy, extra=extra)

@@ -1,0 +1,347 @@
+"""Batch jobs at the target in simulation: stock llama.cpp's best batch plan against forecache's.
+
+    python benchmarks/batch_sim.py [--shape qwen2-57b-a14b] [--budget 24GiB] [--profile rtx4090]
+        [--requests 1000] [--seed 0] [--pool 16] [--seqs 1,4,16,32,64,128,256,512]
+        [--ubatches 128,256,512,1024,2048] [--screen-fill 2] [--widen 2] [--finalists 2]
+        [--split simple|equal] [--jobs N] [--quick] [--json OUT]
+
+A job of ``--requests`` chat requests is replayed as ``forecache batch`` runs it (continuous
+batching: ``sim.simulate.simulate_batch``) under each plan: sequences decoded together, ubatch
+size, the KV cache on the device or in host memory (attention then on the CPU), and where the
+experts live: stock llama.cpp's ``--n-cpu-moe`` (policy ncmoe: whole layers on the device, the
+first layers' experts in host memory, copied up by a ubatch of 32 tokens or more) or forecache's
+cache (policy promoe, without a predictor: prefetch adds nothing at this shape, BENCHMARKS.md).
+
+Each plan's device memory is the non-expert weights, the KV cache when on the device (every
+sequence's context), the compute buffers of its largest ubatch (``cache.budget``), then the
+experts: whole layers for ncmoe, slots a layer for promoe; plans that do not fit are left out.
+Where ``cache.plans`` (the hierarchical roofline model, HRM) is importable, its estimate gives
+the split and the predicted tokens/s beside the simulated ones.
+
+Each layer's attention reads every sequence's own KV cache once a ubatch and computes each row
+against its context. Batches become ubatches of ``n_ubatch`` consecutive rows (llama.cpp's
+simple split); ``--split equal`` splits them as llama.cpp does with a KV stream per sequence,
+which is how ``forecache batch`` loads the model: only sequences whose ids follow each other in
+the batch share a ubatch.
+
+Workload, assumed: no dataset is downloaded. Prompt and answer lengths are drawn from lognormals
+matched to ShareGPT's published means as serving benchmarks cap it (about 161 prompt and 338
+answer tokens, prompts at most 1024 tokens, prompt + answer at most 2048: ``sim.run.SHAREGPT``);
+the shapes of the distributions are assumed. Routing is synthesized with the parameters fitted
+to the OLMoE-1B-7B trace (``trace.synth.OLMOE_FIT``, as ``target_sim.py``); synthesizing every
+request would take minutes, so ``--pool`` requests of a whole context are synthesized and each
+request routes as a window of one of them at a random offset (``sim.run.window_requests``).
+
+A replay of every plan on the whole job would take hours, so the search narrows as it goes.
+Screens first: a plan replays a random ``--screen-fill`` x n_seq of the requests (at least 4)
+until none is left to admit and a sequence finishes, which gives its throughput while the batch
+is full (``simulate_batch``'s ``steady``); every n_seq,
+KV placement and policy at a ubatch of 512, then every ubatch size for the ``--widen`` best of
+each policy. Then the whole job, first admission to last token, for each policy's best
+screened plan at each of its ``--finalists`` best n_seq (a screen's full batch flatters the
+largest n_seq, whose whole job is mostly ramp and tail); the best whole job of each policy
+gives the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from forecache.cache.budget import compute_buffer_bytes, parse_size
+from forecache.cache.choice import locality
+from forecache.cache.cost import Profile
+from forecache.sim.run import SHAREGPT, speedup, window_requests
+from forecache.sim.shapes import SimShape, shape_of
+from forecache.sim.simulate import SPLITS, SimConfig, simulate_batch
+from forecache.trace import synth
+from forecache.trace.format import Request
+from forecache.trace.stats import lru_hit_rate
+
+try:
+    from forecache.cache import plans as hrm
+except ImportError:  # the model is optional: the table then has no predicted column
+    hrm = None  # type: ignore[assignment]
+
+POLICIES = ("ncmoe", "promoe")
+BASE_UBATCH = 512
+QUICK = {"seqs": "1,4", "ubatches": "32,128", "requests": 12, "pool": 2, "widen": 1,
+         "finalists": 1}
+
+
+@dataclass(frozen=True)
+class Spec:
+    """A plan and the policy that places its experts."""
+
+    policy: str
+    n_seq: int
+    n_ubatch: int
+    kv_host: bool
+
+    def label(self) -> str:
+        return f"seq={self.n_seq},ubatch={self.n_ubatch},kv={'host' if self.kv_host else 'device'}"
+
+
+@dataclass
+class Placement:
+    """Where a plan's budget goes: experts as slots a layer (promoe) or ncmoe's host layers,
+    and the HRM's estimate when the model is there."""
+
+    n_slots: int | list[int]
+    experts: str
+    predicted: float | None = None
+    hrm_bound: str | None = None
+
+
+def vocab_of(shape: SimShape) -> int:
+    """The vocabulary the head's bytes imply (as ``cache.plans`` estimates it)."""
+    return max(1, int(shape.head_bytes / max(shape.bytes_per_weight, 1e-9) / shape.d_model))
+
+
+def place(shape: SimShape, profile: Profile, budget: int, spec: Spec, work: Any, ctx: int,
+          loc: float) -> Placement | None:
+    """``spec``'s expert memory at ``budget``, or None when it does not fit: the HRM's split
+    for ``work`` (a ``cache.plans.Workload``) when ``cache.plans`` is importable, else the same
+    rule here."""
+    if hrm is not None:
+        est = hrm.estimate(shape, profile, budget, work,
+                           hrm.Plan(spec.n_seq, spec.n_ubatch, spec.kv_host,
+                                    "ncmoe" if spec.policy == "ncmoe" else "cache"),
+                           locality=loc)
+        if est is None:
+            return None
+        slots, host_layers = est.slots, est.host_layers
+        predicted, bound = est.tokens_per_s, est.decode.bound
+    else:
+        kv = 0 if spec.kv_host else spec.n_seq * ctx * shape.layers * shape.kv_bytes
+        compute = compute_buffer_bytes(max(spec.n_ubatch, spec.n_seq), shape.top_k,
+                                       shape.expert_ff, shape.d_model, vocab_of(shape))
+        left = budget - shape.dense_bytes - kv - compute
+        if left < shape.expert_bytes * shape.layers:
+            return None
+        slots = min(shape.experts, left // (shape.expert_bytes * shape.layers))
+        host_layers = max(0, shape.layers - left // (shape.expert_bytes * shape.experts))
+        predicted = bound = None
+    if spec.policy == "ncmoe":
+        on_gpu = shape.layers - host_layers
+        return Placement([shape.experts] * on_gpu + [0] * host_layers,
+                         f"--n-cpu-moe {host_layers}", predicted, bound)
+    return Placement(int(slots), f"{slots} slots", predicted, bound)
+
+
+# the job every worker replays: set before the workers fork
+_JOB: dict = {}
+
+
+# (plan, its experts' memory, requests replayed, whole job: else a screen)
+Task = tuple[Spec, int | list[int], int, bool]
+
+
+def _replay(task: Task) -> dict:
+    spec, n_slots, n_requests, whole = task
+    reqs = _JOB["requests"]
+    # a screen: the first ``n_requests`` of a fixed shuffle, in input order
+    chosen = sorted(_JOB["order"][:n_requests].tolist())
+    cfg = SimConfig(spec.policy, n_slots, n_ubatch=spec.n_ubatch, n_seq=spec.n_seq,
+                    kv_host=spec.kv_host, split=_JOB["split"])
+    t = time.perf_counter()
+    r = simulate_batch([reqs[i] for i in chosen], _JOB["shape"], _JOB["profile"], cfg,
+                       steady=not whole)
+    out = r.to_json()
+    out["wall_s"] = time.perf_counter() - t
+    return out
+
+
+def run_all(tasks: list[Task], jobs: int) -> list[dict]:
+    """Replay ``tasks`` on ``jobs`` processes (forked, sharing the job)."""
+    if jobs <= 1 or len(tasks) <= 1 or "fork" not in multiprocessing.get_all_start_methods():
+        return [_replay(t) for t in tasks]
+    # the largest first, so that no worker is left with one at the end
+    order = sorted(range(len(tasks)), key=lambda i: (not tasks[i][3], -tasks[i][2]))
+    with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        got = pool.map(_replay, [tasks[i] for i in order], chunksize=1)
+    out: list[dict] = [{}] * len(tasks)
+    for i, r in zip(order, got, strict=True):
+        out[i] = r
+    return out
+
+
+def screen_size(n_seq: int, n_requests: int, fill: int) -> int:
+    """Requests of a plan's screen: ``fill`` times its sequences, at least 4."""
+    return min(n_requests, max(4, fill * n_seq))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen2-57b-a14b")
+    ap.add_argument("--budget", default="24GiB")
+    ap.add_argument("--profile", default="rtx4090")
+    ap.add_argument("--requests", type=int, default=None, help="default 1000 (--quick: 12)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--pool", type=int, default=None,
+                    help="synthesized requests the job's routing is cut from (default 16)")
+    ap.add_argument("--seqs", default=None,
+                    help="n_seq grid (default 1,4,16,32,64,128,256,512)")
+    ap.add_argument("--ubatches", default=None, help="n_ubatch grid (default 128,...,2048)")
+    ap.add_argument("--screen-fill", type=int, default=2,
+                    help="a plan's screen replays this many times its sequences' requests")
+    ap.add_argument("--finalists", type=int, default=None,
+                    help="n_seq values of each policy whose best plan replays the whole job "
+                         "(default 2)")
+    ap.add_argument("--widen", type=int, default=None,
+                    help="plans of each policy whose every ubatch size is replayed (default 2)")
+    ap.add_argument("--split", choices=SPLITS, default="simple",
+                    help="how llama.cpp splits a batch into ubatches: simple (n_ubatch rows at "
+                         "a time) or equal (a KV stream per sequence, as forecache batch loads "
+                         "the model)")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--quick", action="store_true", help="a small grid and job, for tests")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    quick = QUICK if args.quick else {}
+    n_req = args.requests or quick.get("requests", 1000)
+    seqs = [int(x) for x in
+            (args.seqs or quick.get("seqs", "1,4,16,32,64,128,256,512")).split(",")]
+    ubatches = [int(x) for x in
+                (args.ubatches or quick.get("ubatches", "128,256,512,1024,2048")).split(",")]
+    n_pool = args.pool or quick.get("pool", 16)
+    widen = args.widen if args.widen is not None else quick.get("widen", 2)
+    finalists = args.finalists if args.finalists is not None else quick.get("finalists", 2)
+    base_u = BASE_UBATCH if BASE_UBATCH in ubatches else ubatches[-1]
+    t_start = time.perf_counter()
+
+    shape = shape_of(args.shape, "q4_k")
+    profile = Profile.load(args.profile)
+    budget = parse_size(args.budget)
+    lengths = SHAREGPT
+    ctx = lengths.context
+    rng = np.random.default_rng(args.seed)
+    prompts, answers = lengths.draw(n_req, rng)
+    pool = synth.synthesize(synth.OLMOE_FIT, n_layers=shape.layers, n_expert=shape.experts,
+                            top_k=shape.top_k, tokens=[ctx] * n_pool, seed=args.seed + 1)
+    requests: list[Request] = window_requests(pool, prompts, answers, rng)
+    order = np.random.default_rng(args.seed + 2).permutation(n_req)
+    _JOB.update(requests=requests, order=order, shape=shape, profile=profile, split=args.split)
+    work = hrm.Workload(n_req, float(prompts.mean()), float(answers.mean()), ctx) \
+        if hrm is not None else None
+    # the routing's decode locality, as a trace of it would record it (cache.choice), at the
+    # slots a one-sequence plan gets: what the HRM's hit rate of one sequence rests on
+    one = place(shape, profile, budget, Spec("promoe", 1, base_u, False), work, ctx, 0.0)
+    loc = 0.0
+    if one is not None:
+        n1 = int(one.n_slots)  # type: ignore[arg-type]
+        sample = [requests[i] for i in order[:16]]
+        loc = locality(lru_hit_rate(sample, n1, phase=1), n1 / shape.experts)
+    print(f"{shape.name} q4_k at {args.budget}, profile {profile.name}: {n_req} requests, "
+          f"prompts {prompts.mean():.0f} tokens on average (median {np.median(prompts):.0f}, "
+          f"max {prompts.max()}), answers {answers.mean():.0f} (median "
+          f"{np.median(answers):.0f}, max {answers.max()}), context {ctx} a sequence; routing "
+          f"synthesized ({synth.OLMOE_FIT}), {n_pool} pool requests; decode locality "
+          f"{loc:.2f}; ubatches split {args.split}; HRM "
+          f"{'cache.plans' if hrm is not None else 'not available'}", flush=True)
+
+    placed: dict[Spec, Placement] = {}
+    screens: dict[Spec, dict] = {}  # steady throughput of a full batch, on a share of the job
+    jobs_: dict[Spec, dict] = {}  # the whole job
+
+    def replay(specs: list[Spec], whole: bool) -> None:
+        tasks: list[Task] = []
+        for s in dict.fromkeys(specs):
+            pl = placed.get(s) or place(shape, profile, budget, s, work, ctx, loc)
+            if pl is None:  # does not fit
+                continue
+            placed[s] = pl
+            if s not in (jobs_ if whole else screens):
+                n = n_req if whole else screen_size(s.n_seq, n_req, args.screen_fill)
+                tasks.append((s, pl.n_slots, n, whole))
+        t = time.perf_counter()
+        for task, r in zip(tasks, run_all(tasks, args.jobs), strict=True):
+            (jobs_ if whole else screens)[task[0]] = r
+        print(f"{len(tasks)} {'whole jobs' if whole else 'screens'} replayed in "
+              f"{time.perf_counter() - t:.0f} s", flush=True)
+
+    def best(policy: str, k: int) -> list[Spec]:
+        got = [s for s in screens if s.policy == policy]
+        return sorted(got, key=lambda s: -screens[s]["tokens_per_s"])[:k]
+
+    # 1. every n_seq and KV placement at the base ubatch
+    replay([Spec(p, n, base_u, kv) for p in POLICIES for kv in (False, True) for n in seqs],
+           False)
+    # 2. every ubatch size for the best of each policy
+    replay([Spec(p, s.n_seq, u, s.kv_host) for p in POLICIES for s in best(p, widen)
+            for u in ubatches], False)
+    # 3. the whole job for each policy's best screened plan at each of its ``--finalists``
+    # best n_seq: a screen's full batch flatters the largest n_seq, whose job is mostly
+    # ramp and tail
+    finals = []
+    for p in POLICIES:
+        per_seq: dict[int, Spec] = {}
+        for s in best(p, len(screens)):
+            per_seq.setdefault(s.n_seq, s)
+        finals += list(per_seq.values())[:finalists]
+    replay(finals, True)
+
+    rows = sorted(screens, key=lambda s: (POLICIES.index(s.policy), s not in jobs_,
+                                          -jobs_.get(s, screens[s])["tokens_per_s"]))
+    hrm_col = hrm is not None
+    print(f"\n| plan | policy | experts |{' HRM tokens/s |' if hrm_col else ''} screen "
+          "tokens/s | job tokens/s | hit % | bound |")
+    print("|---|---|---|" + ("---|" if hrm_col else "") + "---|---|---|---|")
+    for s in rows:
+        sc, pl = screens[s], placed[s]
+        r = jobs_.get(s, sc)
+        pred = (f" {pl.predicted:.1f} |" if pl.predicted is not None else " - |") \
+            if hrm_col else ""
+        job = f"**{r['tokens_per_s']:.1f}**" if s in jobs_ else "-"
+        print(f"| {s.label()} | {s.policy} | {pl.experts} |{pred} {sc['tokens_per_s']:.1f} "
+              f"({sc['n_requests']}) | {job} | {r['hit_rate'] * 100:.1f} | {r['bound']} |")
+    by = {p: max((b for b in finals if b.policy == p), key=lambda b: jobs_[b]["tokens_per_s"])
+          for p in POLICIES if any(b.policy == p for b in finals)}
+    ratio = None
+    if len(by) == 2:
+        nc, pm = jobs_[by["ncmoe"]], jobs_[by["promoe"]]
+        ratio = pm["tokens_per_s"] / nc["tokens_per_s"] if nc["tokens_per_s"] > 0 else None
+        print(f"\nforecache's best ({by['promoe'].label()}, {placed[by['promoe']].experts}): "
+              f"{pm['tokens_per_s']:.1f} tokens/s; stock llama.cpp's best "
+              f"({by['ncmoe'].label()}, {placed[by['ncmoe']].experts}): "
+              f"{nc['tokens_per_s']:.1f} tokens/s; "
+              f"{speedup(pm['tokens_per_s'], nc['tokens_per_s'])} over the whole job of "
+              f"{n_req} requests")
+    print("screen: generated tokens a second while the batch is full, on a random share of "
+          "the requests (how many in brackets), stopped once none is left to admit and a "
+          "sequence finishes; "
+          "job: over the whole job, first admission to last token (its tail of a few long "
+          "answers included); hit % and bound of the job where replayed, else of the screen; "
+          "bound: what the critical path spent most time on (GPU: the device's compute; CPU: "
+          "experts and attention on the host; PCIe: waiting for copies; runtime: the "
+          "runtime's own steps)" + ("; HRM: cache.plans's prediction for the whole job"
+                                   if hrm_col else ""))
+    wall = time.perf_counter() - t_start
+    print(f"{len(screens)} plans screened, {len(jobs_)} replayed whole, in {wall:.0f} s")
+    if args.json:
+        report = {
+            "shape": shape.name, "budget": args.budget, "profile": profile.name,
+            "requests": n_req, "seed": args.seed, "lengths": lengths.__dict__,
+            "prompt_mean": float(prompts.mean()), "answer_mean": float(answers.mean()),
+            "routing": {"params": synth.OLMOE_FIT.__dict__, "pool": n_pool},
+            "locality": loc, "split": args.split, "hrm": hrm_col, "wall_s": wall,
+            "plans": [{"policy": s.policy, "n_seq": s.n_seq, "n_ubatch": s.n_ubatch,
+                       "kv_host": s.kv_host, "experts": placed[s].experts,
+                       "hrm_tokens_per_s": placed[s].predicted,
+                       "hrm_bound": placed[s].hrm_bound, "screen": screens[s],
+                       "job": jobs_.get(s)} for s in rows],
+            "best": {p: b.label() for p, b in by.items()}, "ratio": ratio}
+        args.json.write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,218 @@
+"""Batch jobs in the simulator: continuous batching of many requests, attention over each row's
+context on the device or the CPU, stock llama.cpp's copy rule for ubatches of many rows; and
+single-request replays left as they were."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from forecache.cache.cost import Profile
+from forecache.predictor.history import HistoryPredictor
+from forecache.sim.run import SHAREGPT, window_requests
+from forecache.sim.shapes import shape_of
+from forecache.sim.simulate import (
+    SimConfig,
+    Simulator,
+    simulate,
+    simulate_batch,
+    split_batch,
+)
+from forecache.trace.format import Request
+from forecache.trace.synth import OLMOE_FIT, synthesize
+
+SHAPE = shape_of("tiny", "q8_0")  # 4 layers, 16 experts, top-4
+PROFILE = Profile.load("rtx4090")
+
+
+def _requests(n: int = 24, seed: int = 0, decode: tuple[int, int] = (2, 40)) -> list[Request]:
+    rng = np.random.default_rng(seed)
+    prompts = rng.integers(4, 60, n)
+    answers = rng.integers(*decode, n)
+    return synthesize(OLMOE_FIT, n_layers=SHAPE.layers, n_expert=SHAPE.experts,
+                      top_k=SHAPE.top_k, tokens=(prompts + answers).tolist(),
+                      prefill=prompts.tolist(), seed=seed + 5)
+
+
+def _answers(reqs: list[Request]) -> int:
+    return sum(int((r.phase == 1).sum()) for r in reqs)
+
+
+def test_single_request_replays_unchanged() -> None:
+    """The figures one-request-at-a-time replays gave before batch jobs were modelled."""
+    reqs = synthesize(OLMOE_FIT, n_layers=4, n_expert=16, top_k=4, tokens=[60, 50, 45],
+                      prefill=[40, 34, 20], seed=5)
+    want = {
+        "promoe": (0.0018730552502857136, 0.0008081652821233466, 842, 382, 56193024, 0.0, 82),
+        "ncmoe": (0.001177704868571428, 0.0005527106742857156, 613, 611, 12533760,
+                  0.0006213504, 0),
+        "lru": (0.0018083395169523776, 0.000955706340421531, 767, 457, 61833216,
+                0.011353328639998737, 16),
+    }
+    for policy, (ttft, tpot, hits, misses, h2d, stall, host) in want.items():
+        pred = HistoryPredictor(4, 16, 4) if policy == "promoe" else None
+        r = simulate(reqs, SHAPE, PROFILE, SimConfig(policy, n_slots=8, n_ubatch=32), pred)
+        assert (r.hits, r.misses, r.h2d_bytes, r.host_layers) == (hits, misses, h2d, host)
+        assert r.ttft_s == pytest.approx(ttft, rel=1e-12)
+        assert r.tpot_s == pytest.approx(tpot, rel=1e-12)
+        assert r.stall_s == pytest.approx(stall, rel=1e-12, abs=1e-15)
+
+
+@pytest.mark.parametrize("policy", ["promoe", "ncmoe"])
+def test_every_row_fed_once_and_every_token_generated(policy: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each request's rows go through the model once, prompt first, the last answer token
+    never fed back; the job generates every answer token; the longest request is admitted
+    first."""
+    reqs = _requests()
+    seen: list[np.ndarray] = []
+    real = Simulator._ubatch
+
+    def spy(self: Simulator, req: Request, rows: np.ndarray, *a: object) -> float:
+        seen.append(np.array(rows))
+        return real(self, req, rows, *a)
+
+    monkeypatch.setattr(Simulator, "_ubatch", spy)
+    starts = np.cumsum([0] + [r.n_tokens for r in reqs])
+    for n_seq, n_ubatch, split in ((1, 16, "simple"), (5, 8, "simple"), (8, 64, "simple"),
+                                   (5, 8, "equal")):
+        seen.clear()
+        cfg = SimConfig(policy, n_slots=8, n_ubatch=n_ubatch, n_seq=n_seq, split=split)
+        r = simulate_batch(reqs, SHAPE, PROFILE, cfg)
+        assert r.generated == _answers(reqs) and r.n_ubatches == len(seen)
+        assert all(len(u) <= n_ubatch for u in seen)
+        fed = np.concatenate(seen)
+        want = np.concatenate([np.arange(a, b - 1)
+                               for a, b in zip(starts[:-1], starts[1:], strict=True)])
+        assert np.array_equal(np.sort(fed), want)  # each row once
+        owner = np.searchsorted(starts, fed, side="right") - 1
+        for i in range(len(reqs)):  # a request's rows in order
+            assert (np.diff(fed[owner == i]) > 0).all()
+        longest = max(range(len(reqs)), key=lambda i: (reqs[i].n_tokens, -i))
+        assert owner[0] == longest
+
+
+def test_split_batch_as_llama_cpp_splits() -> None:
+    """llama.cpp's ubatches of a batch: consecutive rows with a unified KV cache; with a KV
+    stream per sequence, sequences of consecutive ids, as many rows of each as all have."""
+    assert [u.tolist() for u in split_batch([0, 1, 2, 3, 3], 2)] == [[0, 1], [2, 3], [4]]
+    # sequence 3 (a new prompt) after 7: 0-3 go first, one row each, then 4-7, then 3's rest
+    seqs = [0, 1, 2, 4, 5, 6, 7, 3, 3, 3, 3, 3]
+    assert [u.tolist() for u in split_batch(seqs, 8, "equal")] == \
+        [[0, 1, 2, 7], [3, 4, 5, 6], [8, 9, 10, 11]]
+    seqs = [0, 1, 2, 3] + [4] * 10 + [5] * 3
+    assert [u.tolist() for u in split_batch(seqs, 8, "equal")] == \
+        [[0, 1, 2, 3, 4, 14], [5, 6, 15, 16], list(range(7, 14))]
+    with pytest.raises(ValueError, match="unknown split"):
+        split_batch([0], 4, "balanced")
+
+
+def test_equal_split_fragments_decode_batches() -> None:
+    """Once finished sequences' ids are reused out of order, a KV stream per sequence splits
+    the decode rows into several ubatches: the same tokens, in more passes, more slowly."""
+    reqs = _requests(32, seed=4, decode=(10, 60))
+    cfg = SimConfig("ncmoe", [SHAPE.experts] * 2 + [0] * 2, n_ubatch=64, n_seq=8)
+    simple = simulate_batch(reqs, SHAPE, PROFILE, cfg)
+    equal = simulate_batch(reqs, SHAPE, PROFILE, replace(cfg, split="equal"))
+    assert equal.generated == simple.generated and equal.n_steps == simple.n_steps
+    assert equal.n_ubatches > simple.n_ubatches
+    assert equal.tokens_per_s < simple.tokens_per_s
+
+
+def test_steady_replay_stops_where_the_batch_drains() -> None:
+    reqs = _requests(24)
+    cfg = SimConfig("ncmoe", 8, n_ubatch=32, n_seq=4)
+    whole = simulate_batch(reqs, SHAPE, PROFILE, cfg)
+    steady = simulate_batch(reqs, SHAPE, PROFILE, cfg, steady=True)
+    assert whole.complete and not steady.complete
+    assert steady.generated < whole.generated and steady.job_s < whole.job_s
+
+
+def test_throughput_grows_with_sequences() -> None:
+    """Decoding more sequences together reads each layer's weights once for all of them."""
+    reqs = _requests(32, seed=1, decode=(30, 60))
+    for policy in ("promoe", "ncmoe"):
+        tps = [simulate_batch(reqs, SHAPE, PROFILE,
+                              SimConfig(policy, n_slots=10, n_ubatch=64, n_seq=n)).tokens_per_s
+               for n in (1, 4, 16)]
+        assert tps[0] < tps[1] < tps[2], (policy, tps)
+
+
+def test_host_kv_cache_pays_cpu_attention() -> None:
+    """With the KV cache in host memory the CPU computes attention: slower than on the device
+    at the same slots, and the time shows as CPU and attention time."""
+    reqs = _requests(16, seed=2, decode=(60, 120))
+    cfg = SimConfig("promoe", n_slots=16, n_ubatch=64, n_seq=8)
+    dev = simulate_batch(reqs, SHAPE, PROFILE, cfg)
+    host = simulate_batch(reqs, SHAPE, PROFILE, replace(cfg, kv_host=True))
+    assert host.tokens_per_s < dev.tokens_per_s
+    assert host.attention_s > dev.attention_s > 0
+    assert host.busy["CPU"] > dev.busy["CPU"]
+    # routing and placement are the same: only time differs
+    assert (host.hits, host.misses) == (dev.hits, dev.misses)
+
+
+def test_ncmoe_copies_host_experts_for_ubatches_of_32() -> None:
+    """Stock llama.cpp computes a host layer of a ubatch of 32 rows or more on the device after
+    copying the experts it uses; a smaller ubatch computes it on the CPU."""
+    reqs = _requests(48, seed=3, decode=(20, 40))
+    half = [SHAPE.experts] * 2 + [0] * 2  # --n-cpu-moe 2
+    big = simulate_batch(reqs, SHAPE, PROFILE, SimConfig("ncmoe", half, n_ubatch=64, n_seq=32))
+    small = simulate_batch(reqs, SHAPE, PROFILE, SimConfig("ncmoe", half, n_ubatch=16, n_seq=8))
+    assert big.h2d_bytes > 0 and small.h2d_bytes == 0
+    assert small.busy["CPU"] > 0
+    # every expert of the device layers hits, none of the host layers'
+    assert 0 < big.hit_rate < 1 and 0 < small.hit_rate < 1
+
+
+def test_batch_replay_refuses_what_it_cannot_model() -> None:
+    reqs = _requests(4)
+    with pytest.raises(ValueError, match="exactly"):
+        simulate_batch(reqs, SHAPE, PROFILE, SimConfig("promoe", 8, little_k=2, n_seq=2))
+    with pytest.raises(ValueError, match="cannot hold"):
+        simulate_batch(reqs, SHAPE, PROFILE, SimConfig("promoe", 8, n_seq=8, n_batch=4))
+    no_prompt = replace(reqs[0], phase=np.ones(reqs[0].n_tokens, np.int8))
+    with pytest.raises(ValueError, match="prompt rows"):
+        simulate_batch([no_prompt], SHAPE, PROFILE, SimConfig("ncmoe", 8, n_seq=2))
+
+
+def test_sharegpt_lengths_and_windows() -> None:
+    rng = np.random.default_rng(0)
+    p, a = SHAREGPT.draw(4000, rng)
+    assert p.min() >= 4 and a.min() >= 4 and p.max() <= 1024 and (p + a).max() <= 2048
+    assert 140 < p.mean() < 180 and 310 < a.mean() < 370
+    pool = synthesize(OLMOE_FIT, n_layers=2, n_expert=16, top_k=4, tokens=[64] * 2, seed=0)
+    reqs = window_requests(pool, [5, 30], [7, 34], rng)
+    assert [r.n_tokens for r in reqs] == [12, 64]
+    assert [int((r.phase == 0).sum()) for r in reqs] == [5, 30]
+    assert any(np.array_equal(reqs[1].experts, e.experts) for e in pool)
+    with pytest.raises(ValueError, match="no pool entry"):
+        window_requests(pool, [60], [10], rng)
+
+
+def test_batch_sim_benchmark_quick(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import batch_sim
+
+    out = tmp_path / "b.json"
+    batch_sim.main(["--quick", "--shape", "tiny", "--budget", "282MiB", "--jobs", "1",
+                    "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "| plan | policy |" in text and "over the whole job" in text
+    got = json.loads(out.read_text())
+    assert {p["policy"] for p in got["plans"]} == {"ncmoe", "promoe"}
+    # the best screened plan of each policy replays the whole job, which gives the ratio
+    whole = {p["policy"]: p for p in got["plans"] if p["job"] is not None}
+    assert set(whole) == {"ncmoe", "promoe"}
+    for policy, plan in whole.items():
+        job = plan["job"]
+        assert job["complete"] and job["n_requests"] == got["requests"]
+        assert plan["screen"]["tokens_per_s"] == max(
+            p["screen"]["tokens_per_s"] for p in got["plans"] if p["policy"] == policy)
+    assert got["ratio"] == pytest.approx(whole["promoe"]["job"]["tokens_per_s"] /
+                                         whole["ncmoe"]["job"]["tokens_per_s"])
