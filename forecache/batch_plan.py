@@ -238,12 +238,15 @@ def save_profile(model: ModelFile, device: str, profile: Profile) -> None:
 
 
 def calibrate(llm: Llama, plan: Plan, budget: int, *,
+              samples: Sequence[StageSample] | None = None,
               progress: Callable[[str], None] = lambda s: None) -> Profile:
-    """Measure ``llm`` (loaded as ``plan`` places it, at ``budget``) and fit the profile."""
+    """Measure ``llm`` (loaded as ``plan`` places it, at ``budget``) and fit the profile;
+    ``samples`` already measured on it are fitted instead of measuring again."""
     dev = llm.placement.device if llm.placement is not None else None
     on_cpu = dev is None or dev.type == "cpu"
-    progress("measuring this machine for the batch plan (once per model) ...")
-    samples = measure_stages(llm)
+    if samples is None:
+        progress("measuring this machine for the batch plan (once per model) ...")
+        samples = measure_stages(llm)
     shape = model_shape(llm.model_file)
     base = Profile.load(DEFAULT_MACHINE)
     if on_cpu:
