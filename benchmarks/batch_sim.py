@@ -1,7 +1,7 @@
 """Batch jobs at the target in simulation: stock llama.cpp's best batch plan against forecache's.
 
     python benchmarks/batch_sim.py [--shape qwen2-57b-a14b] [--budget 24GiB] [--profile rtx4090]
-        [--requests 1000] [--seed 0] [--pool 16] [--seqs 1,4,16,32,64,128,256,512]
+        [--requests 1000] [--seed 0] [--pool 16] [--seqs 1,4,16,32,64,128,256,512,1024]
         [--ubatches 128,256,512,1024,2048] [--screen-fill 2] [--widen 2] [--finalists 2]
         [--split simple|equal] [--jobs N] [--quick] [--json OUT]
 
@@ -15,8 +15,9 @@ cache (policy promoe, without a predictor: prefetch adds nothing at this shape, 
 Each plan's device memory is the non-expert weights, the KV cache when on the device (every
 sequence's context), the compute buffers of its largest ubatch (``cache.budget``), then the
 experts: whole layers for ncmoe, slots a layer for promoe; plans that do not fit are left out.
-Where ``cache.plans`` (the hierarchical roofline model, HRM) is importable, its estimate gives
-the split and the predicted tokens/s beside the simulated ones.
+``cache.plans`` (the hierarchical roofline model, HRM) gives the split and the predicted
+tokens/s beside the simulated ones. Stock llama.cpp's plans stop at its 256 sequences a
+context; forecache's go to 1,024 (patch 0004).
 
 Each layer's attention reads every sequence's own KV cache once a ubatch and computes each row
 against its context. Batches become ubatches of ``n_ubatch`` consecutive rows (llama.cpp's
@@ -52,11 +53,11 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
-from forecache.cache.budget import compute_buffer_bytes, parse_size
+from forecache.cache import plans as hrm
+from forecache.cache.budget import parse_size
 from forecache.cache.choice import locality
 from forecache.cache.cost import Profile
 from forecache.sim.run import SHAREGPT, speedup, window_requests
@@ -65,11 +66,6 @@ from forecache.sim.simulate import SPLITS, SimConfig, simulate_batch
 from forecache.trace import synth
 from forecache.trace.format import Request
 from forecache.trace.stats import lru_hit_rate
-
-try:
-    from forecache.cache import plans as hrm
-except ImportError:  # the model is optional: the table then has no predicted column
-    hrm = None  # type: ignore[assignment]
 
 POLICIES = ("ncmoe", "promoe")
 BASE_UBATCH = 512
@@ -93,43 +89,28 @@ class Spec:
 @dataclass
 class Placement:
     """Where a plan's budget goes: experts as slots a layer (promoe) or ncmoe's host layers,
-    and the HRM's estimate when the model is there."""
+    and the HRM's estimate."""
 
     n_slots: int | list[int]
     experts: str
-    predicted: float | None = None
-    hrm_bound: str | None = None
+    predicted: float
+    hrm_bound: str
 
 
-def vocab_of(shape: SimShape) -> int:
-    """The vocabulary the head's bytes imply (as ``cache.plans`` estimates it)."""
-    return max(1, int(shape.head_bytes / max(shape.bytes_per_weight, 1e-9) / shape.d_model))
-
-
-def place(shape: SimShape, profile: Profile, budget: int, spec: Spec, work: Any, ctx: int,
+def place(shape: SimShape, profile: Profile, budget: int, spec: Spec, work: hrm.Workload,
           loc: float) -> Placement | None:
-    """``spec``'s expert memory at ``budget``, or None when it does not fit: the HRM's split
-    for ``work`` (a ``cache.plans.Workload``) when ``cache.plans`` is importable, else the same
-    rule here."""
-    if hrm is not None:
-        est = hrm.estimate(shape, profile, budget, work,
-                           hrm.Plan(spec.n_seq, spec.n_ubatch, spec.kv_host,
-                                    "ncmoe" if spec.policy == "ncmoe" else "cache"),
-                           locality=loc)
-        if est is None:
-            return None
-        slots, host_layers = est.slots, est.host_layers
-        predicted, bound = est.tokens_per_s, est.decode.bound
-    else:
-        kv = 0 if spec.kv_host else spec.n_seq * ctx * shape.layers * shape.kv_bytes
-        compute = compute_buffer_bytes(max(spec.n_ubatch, spec.n_seq), shape.top_k,
-                                       shape.expert_ff, shape.d_model, vocab_of(shape))
-        left = budget - shape.dense_bytes - kv - compute
-        if left < shape.expert_bytes * shape.layers:
-            return None
-        slots = min(shape.experts, left // (shape.expert_bytes * shape.layers))
-        host_layers = max(0, shape.layers - left // (shape.expert_bytes * shape.experts))
-        predicted = bound = None
+    """``spec``'s expert memory at ``budget`` (the HRM's split for ``work``), or None when it
+    does not fit or stock llama.cpp cannot run it (more than its 256 sequences a context)."""
+    if spec.policy == "ncmoe" and spec.n_seq > hrm.STOCK_MAX_SEQ:
+        return None
+    est = hrm.estimate(shape, profile, budget, work,
+                       hrm.Plan(spec.n_seq, spec.n_ubatch, spec.kv_host,
+                                "ncmoe" if spec.policy == "ncmoe" else "cache"),
+                       locality=loc)
+    if est is None:
+        return None
+    slots, host_layers = est.slots, est.host_layers
+    predicted, bound = est.tokens_per_s, est.decode.bound
     if spec.policy == "ncmoe":
         on_gpu = shape.layers - host_layers
         return Placement([shape.experts] * on_gpu + [0] * host_layers,
@@ -189,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pool", type=int, default=None,
                     help="synthesized requests the job's routing is cut from (default 16)")
     ap.add_argument("--seqs", default=None,
-                    help="n_seq grid (default 1,4,16,32,64,128,256,512)")
+                    help="n_seq grid (default 1,4,16,32,64,128,256,512,1024)")
     ap.add_argument("--ubatches", default=None, help="n_ubatch grid (default 128,...,2048)")
     ap.add_argument("--screen-fill", type=int, default=2,
                     help="a plan's screen replays this many times its sequences' requests")
@@ -209,7 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     quick = QUICK if args.quick else {}
     n_req = args.requests or quick.get("requests", 1000)
     seqs = [int(x) for x in
-            (args.seqs or quick.get("seqs", "1,4,16,32,64,128,256,512")).split(",")]
+            (args.seqs or quick.get("seqs", "1,4,16,32,64,128,256,512,1024")).split(",")]
     ubatches = [int(x) for x in
                 (args.ubatches or quick.get("ubatches", "128,256,512,1024,2048")).split(",")]
     n_pool = args.pool or quick.get("pool", 16)
@@ -230,11 +211,10 @@ def main(argv: list[str] | None = None) -> None:
     requests: list[Request] = window_requests(pool, prompts, answers, rng)
     order = np.random.default_rng(args.seed + 2).permutation(n_req)
     _JOB.update(requests=requests, order=order, shape=shape, profile=profile, split=args.split)
-    work = hrm.Workload(n_req, float(prompts.mean()), float(answers.mean()), ctx) \
-        if hrm is not None else None
+    work = hrm.Workload(n_req, float(prompts.mean()), float(answers.mean()), ctx)
     # the routing's decode locality, as a trace of it would record it (cache.choice), at the
     # slots a one-sequence plan gets: what the HRM's hit rate of one sequence rests on
-    one = place(shape, profile, budget, Spec("promoe", 1, base_u, False), work, ctx, 0.0)
+    one = place(shape, profile, budget, Spec("promoe", 1, base_u, False), work, 0.0)
     loc = 0.0
     if one is not None:
         n1 = int(one.n_slots)  # type: ignore[arg-type]
@@ -245,8 +225,7 @@ def main(argv: list[str] | None = None) -> None:
           f"max {prompts.max()}), answers {answers.mean():.0f} (median "
           f"{np.median(answers):.0f}, max {answers.max()}), context {ctx} a sequence; routing "
           f"synthesized ({synth.OLMOE_FIT}), {n_pool} pool requests; decode locality "
-          f"{loc:.2f}; ubatches split {args.split}; HRM "
-          f"{'cache.plans' if hrm is not None else 'not available'}", flush=True)
+          f"{loc:.2f}; ubatches split {args.split}", flush=True)
 
     placed: dict[Spec, Placement] = {}
     screens: dict[Spec, dict] = {}  # steady throughput of a full batch, on a share of the job
@@ -255,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     def replay(specs: list[Spec], whole: bool) -> None:
         tasks: list[Task] = []
         for s in dict.fromkeys(specs):
-            pl = placed.get(s) or place(shape, profile, budget, s, work, ctx, loc)
+            pl = placed.get(s) or place(shape, profile, budget, s, work, loc)
             if pl is None:  # does not fit
                 continue
             placed[s] = pl
@@ -291,17 +270,15 @@ def main(argv: list[str] | None = None) -> None:
 
     rows = sorted(screens, key=lambda s: (POLICIES.index(s.policy), s not in jobs_,
                                           -jobs_.get(s, screens[s])["tokens_per_s"]))
-    hrm_col = hrm is not None
-    print(f"\n| plan | policy | experts |{' HRM tokens/s |' if hrm_col else ''} screen "
-          "tokens/s | job tokens/s | hit % | bound |")
-    print("|---|---|---|" + ("---|" if hrm_col else "") + "---|---|---|---|")
+    print("\n| plan | policy | experts | HRM tokens/s | screen tokens/s | job tokens/s | hit % "
+          "| bound |")
+    print("|---|---|---|---|---|---|---|---|")
     for s in rows:
         sc, pl = screens[s], placed[s]
         r = jobs_.get(s, sc)
-        pred = (f" {pl.predicted:.1f} |" if pl.predicted is not None else " - |") \
-            if hrm_col else ""
         job = f"**{r['tokens_per_s']:.1f}**" if s in jobs_ else "-"
-        print(f"| {s.label()} | {s.policy} | {pl.experts} |{pred} {sc['tokens_per_s']:.1f} "
+        print(f"| {s.label()} | {s.policy} | {pl.experts} | {pl.predicted:.1f} "
+              f"| {sc['tokens_per_s']:.1f} "
               f"({sc['n_requests']}) | {job} | {r['hit_rate'] * 100:.1f} | {r['bound']} |")
     by = {p: max((b for b in finals if b.policy == p), key=lambda b: jobs_[b]["tokens_per_s"])
           for p in POLICIES if any(b.policy == p for b in finals)}
@@ -322,8 +299,7 @@ def main(argv: list[str] | None = None) -> None:
           "answers included); hit % and bound of the job where replayed, else of the screen; "
           "bound: what the critical path spent most time on (GPU: the device's compute; CPU: "
           "experts and attention on the host; PCIe: waiting for copies; runtime: the "
-          "runtime's own steps)" + ("; HRM: cache.plans's prediction for the whole job"
-                                   if hrm_col else ""))
+          "runtime's own steps); HRM: cache.plans's prediction for the whole job")
     wall = time.perf_counter() - t_start
     print(f"{len(screens)} plans screened, {len(jobs_)} replayed whole, in {wall:.0f} s")
     if args.json:
@@ -332,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
             "requests": n_req, "seed": args.seed, "lengths": lengths.__dict__,
             "prompt_mean": float(prompts.mean()), "answer_mean": float(answers.mean()),
             "routing": {"params": synth.OLMOE_FIT.__dict__, "pool": n_pool},
-            "locality": loc, "split": args.split, "hrm": hrm_col, "wall_s": wall,
+            "locality": loc, "split": args.split, "wall_s": wall,
             "plans": [{"policy": s.policy, "n_seq": s.n_seq, "n_ubatch": s.n_ubatch,
                        "kv_host": s.kv_host, "experts": placed[s].experts,
                        "hrm_tokens_per_s": placed[s].predicted,

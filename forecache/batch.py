@@ -272,6 +272,13 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
                              if len(s.out) > 1 and decode_s > 0 else None}})
 
     tokens: list[int] = []  # of the batch being built
+    entries: list[tuple[int, int, bool]] = []  # each row's position, sequence, logits
+    where: list[int] = []  # each row's index in the llama batch last decoded
+
+    def clear() -> None:
+        tokens.clear()
+        entries.clear()
+
     mobile = llm.mobile if cache is not None else None
     spec = llm.speculator
     if spec is not None and not isinstance(spec.draft, SelfDraft):
@@ -279,21 +286,30 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
                          "model's own little pass only (self-little or self-cached)")
 
     def add(tok: int, pos: int, seq: int, logits: bool) -> None:
-        i = len(tokens)
-        batch.token[i] = tok
-        batch.pos[i] = pos
-        batch.n_seq_id[i] = 1
-        batch.seq_id[i][0] = seq
-        batch.logits[i] = logits
         tokens.append(tok)
+        entries.append((pos, seq, logits))
 
     def row_logits(row: int) -> np.ndarray:
-        return np.ctypeslib.as_array(low.llama_get_logits_ith(ctx, row), shape=(n_vocab,))
+        return np.ctypeslib.as_array(low.llama_get_logits_ith(ctx, where[row]),
+                                     shape=(n_vocab,))
 
     def decode() -> None:
+        # rows go to llama.cpp in sequence-id order: with a KV stream per sequence it splits a
+        # batch into ubatches of sequences whose ids follow each other in the batch
+        # (split_equal), so rows in any other order would be computed a few at a time
+        order = sorted(range(len(tokens)), key=lambda r: entries[r][1])
+        where[:] = [0] * len(order)
+        for i, r in enumerate(order):
+            pos, seq, logits = entries[r]
+            where[r] = i
+            batch.token[i] = tokens[r]
+            batch.pos[i] = pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = logits
         batch.n_tokens = len(tokens)
         if cache is not None:
-            cache.begin_ubatch(np.asarray(tokens, dtype=np.int32))
+            cache.begin_ubatch(np.asarray([tokens[r] for r in order], dtype=np.int32))
         rc = low.llama_decode(ctx, batch)
         if rc != 0:
             raise RuntimeError(decode_failure(rc, len(active)))
@@ -322,7 +338,7 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
         llm.mobile_passes[1] += len(unsure)
         if unsure:
             llm.mobile_passes[2] += cache.prefetch_little(llm.model_file.n_expert_used)
-        tokens.clear()
+        clear()
         again = []
         for s, _ in unsure:
             pos = len(s.prompt) + len(s.out) - 1
@@ -352,7 +368,7 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
         cache.set_little(draft.m, draft.resident)
         try:
             for r in range(most):
-                tokens.clear()
+                clear()
                 round_rows = []
                 for s, pos, n, drafts, qs in plan:
                     if n > r:
@@ -368,7 +384,7 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
         for s, pos, *_ in plan:
             low.llama_memory_seq_rm(mem, s.seq, pos, -1)
         cache.prefetch_little(llm.model_file.n_expert_used)
-        tokens.clear()
+        clear()
         checks = []
         for s, pos, _, drafts, qs in plan:
             checks.append((s, len(tokens), drafts, qs))
@@ -399,11 +415,12 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
                                       f"sequence; raise {_ctx_per_seq()} or lower "
                                       "max_tokens"})
                     continue
-                active.append(_Sequence(req, free.pop(0), prompt,
-                                        np.random.default_rng(req.seed)))
+                # the lowest free id: the decoding sequences' ids stay close together
+                seq = free.pop(free.index(min(free)))
+                active.append(_Sequence(req, seq, prompt, np.random.default_rng(req.seed)))
             if not active:
                 continue
-            tokens.clear()
+            clear()
             rows: list[tuple[_Sequence, int]] = []  # sequences sampled from this batch's rows
             sampled: list[tuple[_Sequence, int]] = []  # and the tokens sampled for them
             for s in active:  # each decoding sequence's last sampled token first

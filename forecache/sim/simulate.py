@@ -834,7 +834,8 @@ def simulate_batch(requests: Sequence[Request], shape: SimShape, profile: Profil
     """Replay ``requests`` as one batch job, as ``forecache batch`` decodes it
     (``batch.decode_many``): up to ``cfg.n_seq`` sequences; each step's llama batch holds
     every decoding sequence's next token, then prompt chunks of the sequences still prefilling
-    up to ``n_batch`` tokens, and runs as the ubatches llama.cpp splits it into
+    up to ``n_batch`` tokens, handed over in sequence-id order (a new request takes the lowest
+    free id), and runs as the ubatches llama.cpp splits it into
     (``split_batch`` by ``cfg.split``: ``n_ubatch`` consecutive rows by default); a finished
     sequence frees its slot for the next request, longest first (prompt + answer, ties in
     input order). A request's prefill rows are its prompt and its decode rows its answer: the
@@ -880,7 +881,8 @@ def simulate_batch(requests: Sequence[Request], shape: SimShape, profile: Profil
     while pending or active:
         while free and pending:
             i = pending.popleft()
-            active.append(_Seq(i, free.pop(0), int(starts[i]), prompt[i], answer[i], sim.t))
+            seq = free.pop(free.index(min(free)))  # the lowest free id, as decode_many
+            active.append(_Seq(i, seq, int(starts[i]), prompt[i], answer[i], sim.t))
         rows: list[int] = []
         ctx: list[int] = []  # each row's context: its sequence's tokens up to it
         seqs: list[int] = []
@@ -906,10 +908,14 @@ def simulate_batch(requests: Sequence[Request], shape: SimShape, profile: Profil
                     sampled.append(len(rows) - 1)
                     done.append(s)
         n_steps += 1
-        rows_a, ctx_a, seqs_a = np.array(rows), np.array(ctx, np.float64), np.array(seqs)
         logit = np.zeros(len(rows), bool)
         logit[sampled] = True
-        for u in split_batch(seqs, cfg.n_ubatch, cfg.split):
+        decoding = np.arange(len(rows)) < n_decode
+        # the rows go to llama.cpp in sequence-id order, as decode_many hands them over
+        order = np.argsort(np.array(seqs), kind="stable")
+        rows_a, ctx_a = np.array(rows)[order], np.array(ctx, np.float64)[order]
+        seqs_a, logit, decoding = np.array(seqs)[order], logit[order], decoding[order]
+        for u in split_batch(seqs_a.tolist(), cfg.n_ubatch, cfg.split):
             c, q = ctx_a[u], seqs_a[u]
             # a sequence's rows are contiguous: its last row in the ubatch has its longest
             # context, the KV the ubatch reads for it
@@ -918,7 +924,7 @@ def simulate_batch(requests: Sequence[Request], shape: SimShape, profile: Profil
             hits, misses = sim.hits, sim.misses
             t = sim._ubatch(merged, rows_a[u], attention, int(logit[u].sum()))
             n_ubatches += 1
-            if u.max() < n_decode:
+            if decoding[u].all():
                 decode_s += t
                 dec_hits += sim.hits - hits
                 dec_misses += sim.misses - misses
