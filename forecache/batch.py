@@ -216,7 +216,7 @@ def admission_order(requests: Sequence[Request], prompts: Sequence[list[int]],
 def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
                 on_done: Callable[[dict], None], stop: StopFlag | None = None,
                 on_token: Callable[[int], None] | None = None,
-                packing: str = "longest") -> None:
+                packing: str = "longest", compact: bool = True) -> None:
     """Decode ``requests`` with up to ``n_parallel`` sequences in each llama.cpp batch
     (continuous batching: a finished sequence's cells are freed and the next request takes its
     sequence id; new prompts are prefilled in the same batches as the others' next tokens, in
@@ -226,6 +226,9 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
     their own; those it is unsure of are recomputed with the prompts, by the full model. With a
     self draft (``llm.speculator``) every decoding sequence drafts up to k tokens with little
     passes taken together, and one batch verifies them all, with the prompts.
+    Once no request waits, a sequence that finishes hands its id to the sequence with the
+    highest id (``compact``: its KV stream is copied down), so that the decoding sequences'
+    ids stay one run and a step stays one ubatch as the job drains.
     ``on_done`` gets each record as it finishes; ``stop`` ends the loop at the next step."""
     from llama_cpp import llama_cpp as low
 
@@ -288,6 +291,20 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
     def add(tok: int, pos: int, seq: int, logits: bool) -> None:
         tokens.append(tok)
         entries.append((pos, seq, logits))
+
+    def move_down() -> None:
+        """Move the highest sequences into the lowest free ids below them (exact: the KV
+        stream's bytes are copied by llama.cpp before the next pass)."""
+        while free and active:
+            low_id = min(free)
+            top = max(active, key=lambda x: x.seq)
+            if low_id > top.seq:
+                return
+            low.llama_memory_seq_cp(mem, top.seq, low_id, -1, -1)
+            low.llama_memory_seq_rm(mem, top.seq, -1, -1)
+            free.remove(low_id)
+            free.append(top.seq)
+            top.seq = low_id
 
     def row_logits(row: int) -> np.ndarray:
         return np.ctypeslib.as_array(low.llama_get_logits_ith(ctx, where[row]),
@@ -470,6 +487,8 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
                     finish(s, "stop")
                 elif len(s.out) >= s.req.max_tokens:
                     finish(s, "length")
+            if compact and not pending:
+                move_down()
     finally:
         for s in list(active):  # interrupted: free their cells; nothing is written for them
             low.llama_memory_seq_rm(mem, s.seq, -1, -1)

@@ -471,29 +471,43 @@ def test_more_sequences_than_stock_llama_cpp_decode_together() -> None:
 
 def test_decoding_sequences_share_one_ubatch(tiny_model) -> None:
     """With a KV stream per sequence llama.cpp puts into one ubatch only sequences whose ids
-    follow each other in the batch; as finished sequences hand their ids to new requests, a
-    step of every sequence's next token still runs as one ubatch (one routing of each layer)."""
+    follow each other in the batch. As finished sequences hand their ids to new requests, and
+    once none waits to the sequences left (their KV streams copied down), a step of every
+    sequence's next token still runs as one ubatch (one routing of each layer)."""
     from forecache.batch import decode_many
     from forecache.cache.setup import CacheConfig
     from forecache.llama import Llama
 
-    reqs = [_greedy(f"r{i}", f"request {i} says", n)
-            for i, n in enumerate([30, 24, 18, 12, 20, 16, 22, 14, 26, 10])]
-    steps: list[tuple[int, int]] = []  # each step's records finished before it, hook calls
-    done: list[dict] = []
-    with Llama.open(tiny_model("q8_0"), cache=CacheConfig("lru", cache_fraction=0.5),
-                    n_ctx=128, n_seq_max=4, n_batch=64, n_ubatch=64) as llm:
+    def job(llm: Llama, reqs: list, compact: bool) -> tuple[dict, list[int], int]:
+        """Texts, the hook calls of each step after one in which nothing finished (no prompt,
+        only decoding sequences), and the fewest of any step (one ubatch)."""
+        steps: list[tuple[int, int]] = []  # each step's records finished before it, hooks
+        done: list[dict] = []
         llm.reset_stats()
 
         def on_token(_: int) -> None:
             steps.append((len(done), llm.expert_stats()["hook_calls"]))
 
-        decode_many(llm, reqs, 4, done.append, on_token=on_token)
-    assert len(done) == len(reqs) and not any("error" in r for r in done)
-    calls = [b[1] - a[1] for a, b in zip([(0, 0), *steps[:-1]], steps, strict=True)]
-    per_ubatch = min(calls)
-    # steps after one in which nothing finished, while requests wait: four decoding sequences
-    full = [i for i in range(1, len(steps)) if steps[i][0] == steps[i - 1][0]
-            and steps[i][0] + 4 < len(reqs)]
-    assert len(full) > 20 and steps[-1][0] >= 4
-    assert all(calls[i] == per_ubatch for i in full), [calls[i] // per_ubatch for i in full]
+        decode_many(llm, reqs, 4, done.append, on_token=on_token, compact=compact)
+        assert [r.get("finish_reason") for r in done] == ["length"] * len(reqs), done
+        calls = [b[1] - a[1] for a, b in zip([(0, 0), *steps[:-1]], steps, strict=True)]
+        quiet = [calls[i] for i in range(1, len(steps)) if steps[i][0] == steps[i - 1][0]]
+        return {r["id"]: r["text"] for r in done}, quiet, min(calls)
+
+    admitted = [_greedy(f"r{i}", f"request {i} says", n)
+                for i, n in enumerate([30, 24, 18, 12, 20, 16, 22, 14, 26, 10])]
+    # longest first: "b" (a long prompt, two tokens) takes id 1 and finishes first, leaving
+    # ids 0, 2 and 3 decoding
+    draining = [_greedy("a", "request a says", 40), _greedy("b", "word " * 40, 2),
+                _greedy("c", "request c says", 30), _greedy("d", "request d says", 25)]
+    with Llama.open(tiny_model("q8_0"), cache=CacheConfig("lru", cache_fraction=0.5),
+                    n_ctx=128, n_seq_max=4, n_batch=64, n_ubatch=64) as llm:
+        _, quiet, one = job(llm, admitted, True)
+        assert len(quiet) > 20 and all(c == one for c in quiet), [c // one for c in quiet]
+        texts, quiet, one = job(llm, draining, True)
+        assert len(quiet) > 20 and all(c == one for c in quiet), [c // one for c in quiet]
+        kept, apart, one = job(llm, draining, False)
+    # without moving "d" down to id 1, ids 0 and 2-3 take a ubatch each
+    assert sum(c == 2 * one for c in apart) > 10, [c // one for c in apart]
+    # a sequence moved to another id decodes on from its copied KV: the text is unchanged
+    assert texts == kept

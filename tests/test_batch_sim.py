@@ -112,16 +112,20 @@ def test_split_batch_as_llama_cpp_splits() -> None:
         split_batch([0], 4, "balanced")
 
 
-def test_equal_split_fragments_decode_batches() -> None:
-    """Once finished sequences' ids are reused out of order, a KV stream per sequence splits
-    the decode rows into several ubatches: the same tokens, in more passes, more slowly."""
+def test_equal_split_fragments_prompts_not_decode_steps() -> None:
+    """With a KV stream per sequence a new prompt's rows beside the decoding rows take
+    ubatches of their own (llama.cpp's equal split); a step of decoding rows only stays one
+    ubatch, also as the job drains (the sequences left moved down to free ids)."""
     reqs = _requests(32, seed=4, decode=(10, 60))
     cfg = SimConfig("ncmoe", [SHAPE.experts] * 2 + [0] * 2, n_ubatch=64, n_seq=8)
     simple = simulate_batch(reqs, SHAPE, PROFILE, cfg)
     equal = simulate_batch(reqs, SHAPE, PROFILE, replace(cfg, split="equal"))
     assert equal.generated == simple.generated and equal.n_steps == simple.n_steps
-    assert equal.n_ubatches > simple.n_ubatches
-    assert equal.tokens_per_s < simple.tokens_per_s
+    assert equal.n_ubatches > simple.n_ubatches and equal.tokens_per_s < simple.tokens_per_s
+    assert equal.extra["moves"] > 0 and simple.extra["moves"] == 0
+    for r in (simple, equal):
+        assert r.extra["decode_steps"] > 100
+        assert r.extra["decode_step_ubatches"] == r.extra["decode_steps"]
 
 
 def test_steady_replay_stops_where_the_batch_drains() -> None:

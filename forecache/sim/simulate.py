@@ -838,7 +838,8 @@ def simulate_batch(requests: Sequence[Request], shape: SimShape, profile: Profil
     free id), and runs as the ubatches llama.cpp splits it into
     (``split_batch`` by ``cfg.split``: ``n_ubatch`` consecutive rows by default); a finished
     sequence frees its slot for the next request, longest first (prompt + answer, ties in
-    input order). A request's prefill rows are its prompt and its decode rows its answer: the
+    input order); with ``split="equal"``, once none is left to admit, the highest sequence
+    moves into a freed lower id, its KV stream copied (``decode_many``'s ``move_down``). A request's prefill rows are its prompt and its decode rows its answer: the
     last prompt row samples the first answer token, each answer token but the last is fed
     back. Every layer's attention reads each sequence's KV cache once a ubatch (its context so
     far) and computes every row against its own context, on the device or, with
@@ -875,7 +876,10 @@ def simulate_batch(requests: Sequence[Request], shape: SimShape, profile: Profil
     latency = 0.0
     generated = finished = prompt_fed = 0
     prefill_s = decode_s = 0.0
-    n_steps = n_ubatches = 0
+    n_steps = n_ubatches = moves = 0
+    decode_steps = decode_step_ubatches = 0  # steps of decoding rows only, and their ubatches
+    # each sequence's KV stream: its share of the context llama.cpp is loaded with
+    ctx_per_seq = max(p + a for p, a in zip(prompt, answer, strict=True))
     dec_hits = dec_misses = 0
     kv, d = shape.kv_bytes, shape.d_model
     while pending or active:
@@ -915,7 +919,11 @@ def simulate_batch(requests: Sequence[Request], shape: SimShape, profile: Profil
         order = np.argsort(np.array(seqs), kind="stable")
         rows_a, ctx_a = np.array(rows)[order], np.array(ctx, np.float64)[order]
         seqs_a, logit, decoding = np.array(seqs)[order], logit[order], decoding[order]
-        for u in split_batch(seqs_a.tolist(), cfg.n_ubatch, cfg.split):
+        parts = split_batch(seqs_a.tolist(), cfg.n_ubatch, cfg.split)
+        if decoding.all():
+            decode_steps += 1
+            decode_step_ubatches += len(parts)
+        for u in parts:
             c, q = ctx_a[u], seqs_a[u]
             # a sequence's rows are contiguous: its last row in the ubatch has its longest
             # context, the KV the ubatch reads for it
@@ -931,6 +939,7 @@ def simulate_batch(requests: Sequence[Request], shape: SimShape, profile: Profil
             else:
                 prefill_s += t
         generated += len(done)
+        ended = False
         for s in done:
             s.out += 1
             if s.out >= s.answer:
@@ -938,8 +947,25 @@ def simulate_batch(requests: Sequence[Request], shape: SimShape, profile: Profil
                 free.append(s.seq)
                 latency += sim.t - s.admitted
                 finished += 1
-        if steady and not pending and len(active) < cfg.n_seq:
+                ended = True
+        if steady and not pending and ended:
             break
+        while not pending and cfg.split == "equal" and free and active:
+            # decode_many's move_down: the highest sequence takes the lowest free id below
+            # it, its whole KV stream copied (read and written) where the cache lives
+            top = max(active, key=lambda x: x.seq)
+            low_id = min(free)
+            if low_id > top.seq:
+                break
+            free.remove(low_id)
+            free.append(top.seq)
+            top.seq = low_id
+            stream = 2.0 * ctx_per_seq * shape.layers * kv
+            dt = stream / ((profile.cpu_mem_gbps if cfg.kv_host else profile.gpu_mem_gbps) * 1e9)
+            sim.t += dt
+            sim.runtime_s += dt
+            sim.engine.advance_to(sim.t)
+            moves += 1
     if sim.forecaster is not None:
         sim.forecaster.end_request()
     job = sim.t - t0
@@ -949,7 +975,8 @@ def simulate_batch(requests: Sequence[Request], shape: SimShape, profile: Profil
     extra = {k: v for k, v in eng.stats.items() if k != "h2d_bytes"}
     extra.update(layers_simulated=len(sim.layers), stage_slots=sim.n_stage,
                  decode_gates_in_c=sim.fast_gates, n_batch=n_batch, n_ubatch=cfg.n_ubatch,
-                 kv_host=cfg.kv_host, policy=cfg.policy, split=cfg.split)
+                 kv_host=cfg.kv_host, policy=cfg.policy, split=cfg.split, moves=moves,
+                 decode_steps=decode_steps, decode_step_ubatches=decode_step_ubatches)
     if isinstance(sim.policy, Prefetcher):
         extra.update(prefetch_loads=sim.policy.prefetch_loads,
                      stale_predictions=sim.policy.stale_predictions)
