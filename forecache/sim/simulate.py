@@ -839,11 +839,12 @@ def simulate_batch(requests: Sequence[Request], shape: SimShape, profile: Profil
     (``split_batch`` by ``cfg.split``: ``n_ubatch`` consecutive rows by default); a finished
     sequence frees its slot for the next request, longest first (prompt + answer, ties in
     input order); with ``split="equal"``, once none is left to admit, the highest sequence
-    moves into a freed lower id, its KV stream copied (``decode_many``'s ``move_down``). A request's prefill rows are its prompt and its decode rows its answer: the
-    last prompt row samples the first answer token, each answer token but the last is fed
-    back. Every layer's attention reads each sequence's KV cache once a ubatch (its context so
-    far) and computes every row against its own context, on the device or, with
-    ``cfg.kv_host``, on the CPU. The policy and predictor see one job, as at run time.
+    moves into a freed lower id, its KV stream copied (``decode_many``'s ``move_down``). A
+    request's prefill rows are its prompt and its decode rows its answer: the last prompt row
+    samples the first answer token, each answer token but the last is fed back. Every layer's
+    attention reads each sequence's KV cache once a ubatch (its context so far) and computes
+    every row against its own context, on the device or, with ``cfg.kv_host``, on the CPU.
+    The policy and predictor see one job, as at run time.
     ``steady``: stop when no request is left to admit and a sequence finishes (the batch would
     drain from there): the throughput of a full batch, without the job's tail."""
     if not requests:
