@@ -56,7 +56,8 @@ class StageSample:
     """One measured stage: a decode step of ``n`` sequences, or a prompt ubatch of ``n``
     tokens, with ``context`` tokens of attention each (a prompt ubatch: its mean):
     ``seconds`` in ``llama_decode``, ``rows_s`` reading, sampling and detokenizing its rows,
-    ``pass_s`` the rest of the pass in Python."""
+    ``pass_s`` the rest of the pass in Python; ``hit`` the share of a layer's distinct routed
+    experts the cache found in its slots (None without a cache)."""
 
     kind: str  # "decode" | "prefill"
     n: int
@@ -64,6 +65,7 @@ class StageSample:
     seconds: float
     rows_s: float = 0.0
     pass_s: float = 0.0  # building the batch and starting the pass, outside llama_decode
+    hit: float | None = None
 
 
 def measure_stages(llm: Llama, *, decode_sizes: Sequence[int] = DECODE_SIZES,
@@ -109,23 +111,38 @@ def measure_stages(llm: Llama, *, decode_sizes: Sequence[int] = DECODE_SIZES,
                 llm.detokenize([sample(logits, greedy, rng)], prev_tokens=[r[0]])
         return t1 - t0, time.perf_counter() - t1, t0 - start
 
+    def hits() -> tuple[int, int]:
+        s = cache.stats() if cache is not None else {"hits": 0, "misses": 0}
+        return s["hits"], s["misses"]
+
+    def share(before: tuple[int, int]) -> float | None:
+        h, m = (a - b for a, b in zip(hits(), before, strict=True))
+        return h / (h + m) if cache is not None and h + m else None
+
     try:
         for n in sorted(d for d in decode_sizes if d <= llm.n_seq_max):
             low.llama_memory_clear(mem, True)
             for s in range(n):  # each sequence's context, then steps of one token each
                 run([(tokens[(s * 7 + j) % 4096], j, s, False) for j in range(CONTEXT)])
-            times = np.array([run([(tokens[(s + r) % 4096], CONTEXT + r, s, True)
-                                   for s in range(n)])
-                              for r in range(repeats + 1)][1:])  # the first warms the graph
+            got = []
+            before = hits()
+            for r in range(repeats + 1):  # the first warms the graph
+                got.append(run([(tokens[(s + r) % 4096], CONTEXT + r, s, True)
+                                for s in range(n)]))
+                before = hits() if r == 0 else before
+            times = np.array(got[1:])
             out.append(StageSample("decode", n, CONTEXT + repeats / 2,
-                                   *np.median(times, axis=0).tolist()))
+                                   *np.median(times, axis=0).tolist(), hit=share(before)))
         for u in sorted(x for x in prefill_sizes if x <= llm.n_batch):
             got = []
+            before = hits()
             for r in range(repeats + 1):
                 low.llama_memory_clear(mem, True)
                 got.append(run([(tokens[(r + j) % 4096], j, 0, j == u - 1) for j in range(u)]))
+                before = hits() if r == 0 else before
             out.append(StageSample("prefill", u, u / 2,
-                                   *np.median(np.array(got[1:]), axis=0).tolist()))
+                                   *np.median(np.array(got[1:]), axis=0).tolist(),
+                                   hit=share(before)))
     finally:
         low.llama_memory_clear(mem, True)
         low.llama_batch_free(batch)
@@ -156,13 +173,15 @@ def stage_layout(shape: SimShape, plan: Plan, budget: int,
 def predict_stage(shape: SimShape, profile: Profile, plan: Plan, budget: int,
                   sample_: StageSample, non_expert_bytes: int | None = None,
                   lay: Layout | None = None) -> float:
-    """The model's seconds for a measured stage under ``plan``'s layout (``lay``, when known)."""
+    """The model's seconds for a measured stage under ``plan``'s layout (``lay``, when known),
+    at the hit share the stage measured."""
     from forecache.cache.cost import CostModel
 
     lay = lay or stage_layout(shape, plan, budget, non_expert_bytes)
     cost = CostModel.from_profile(profile, shape.expert)
     rows = sample_.n if sample_.kind == "decode" else 1  # with logits; and sequences
-    return ubatch_stage(shape, profile, cost, plan, sample_.n, sample_.context, lay.share,
+    resident = lay.share if sample_.hit is None else sample_.hit
+    return ubatch_stage(shape, profile, cost, plan, sample_.n, sample_.context, resident,
                         lay.host_layers, rows, lay.slots, lay.stage, rows).seconds
 
 
@@ -172,7 +191,8 @@ def fit_profile(shape: SimShape, base: Profile, plan: Plan, budget: int,
     """The profile whose predictions best match ``samples``: the rows' sampling and the
     pass's Python are measured (``sample_s`` per row, ``token_s``), the passes' times are
     fitted (least squares of log ratios) by the device's launch cost, memory and compute rates
-    and a sequence's KV stream."""
+    and a sequence's KV stream, and, where the stages missed experts, an expert group's cost
+    (each stage at the hit share it measured)."""
     rows = [(s.rows_s, s.n if s.kind == "decode" else 1) for s in samples if s.rows_s > 0]
     per_row = sum(t for t, _ in rows) / max(sum(n for _, n in rows), 1)
     per_pass = float(np.median([s.pass_s for s in samples])) if samples else 0.0
@@ -181,9 +201,12 @@ def fit_profile(shape: SimShape, base: Profile, plan: Plan, budget: int,
     start = {"launch_s": 2e-5, "mem_gbps": 20.0, "gflops": 100.0, "seq_s": 2e-5,
              "token_s": per_pass + per_row, "sample_s": per_row,
              "hook_s": base.prefetch_hook_s or base.hook_s, "group_s": base.group_s}
-    # the runtime's own costs (gate hooks, expert groups) are the base profile's, measured by
-    # benchmarks/sim_validate.py and hook_cost.py; fitting them beside the rates is ill-posed
+    # the gate hooks' cost is the base profile's, measured by benchmarks/hook_cost.py: fitted
+    # beside the rates it is ill-posed
     names = ["launch_s", "mem_gbps", "gflops", "seq_s"]
+    if any(s.hit is not None and s.hit < 1 for s in samples):
+        # stages that streamed experts in measure what an expert group costs on this machine
+        names.append("group_s")
     x0 = np.log([start[k] for k in names])
     outside = per_pass + per_row  # of a pass with one row sampled
 

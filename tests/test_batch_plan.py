@@ -14,7 +14,9 @@ from forecache.batch_plan import (
     predict_stage,
     save_profile,
 )
+from forecache.cache.cost import Profile
 from forecache.cache.plans import Plan, estimate
+from forecache.cache.setup import DEFAULT_MACHINE, CacheConfig
 from forecache.cache.shape import model_shape
 from forecache.default_model import REFERENCE_MODEL
 from forecache.llama import Llama
@@ -43,6 +45,30 @@ def test_stages_are_measured(llm: Llama) -> None:
     assert dec[8].seconds > dec[1].seconds
     assert pre[128].seconds > pre[32].seconds
     assert dec[8].rows_s > 3 * dec[1].rows_s
+    assert all(s.hit is None for s in got)  # no cache, no hit share
+
+
+def test_cache_stages_carry_their_hit_share() -> None:
+    """Stages run through a cache holding half the experts record the share of routed experts
+    they found in slots, and the fit learns an expert group's cost from them."""
+    cfg = CacheConfig("lru", cache_fraction=0.5)
+    with Llama.open(REFERENCE_MODEL, cache=cfg, n_ctx=256, n_seq_max=8, n_batch=256,
+                    n_ubatch=256) as m:
+        got = measure_stages(m, decode_sizes=(1, 8), prefill_sizes=(128,), repeats=3)
+        assert all(s.hit is not None and 0.0 <= s.hit < 1.0 for s in got), got
+        pre = next(s for s in got if s.kind == "prefill")
+        # a prompt ubatch routes nearly every expert: about the slots' share of them hits
+        assert 0.3 < pre.hit < 0.8, pre  # type: ignore[operator]
+        plan = Plan(8, 256, False, "cache")
+        prof = calibrate(m, plan, BUDGET, samples=got)
+    base = Profile.load(DEFAULT_MACHINE)
+    assert prof.group_s != base.group_s  # fitted, not the base profile's
+    shape = model_shape(m.model_file)
+    ne = m.model_file.total_bytes() - m.model_file.expert_bytes()
+    for s in got:
+        outside = prof.token_s + ((s.n if s.kind == "decode" else 1) - 1) * prof.sample_s
+        inside = predict_stage(shape, prof, plan, BUDGET, s, ne) - outside
+        assert 0.5 < inside / s.seconds < 2.0, s
 
 
 def test_the_fit_reproduces_the_measured_stages(llm: Llama) -> None:
