@@ -19,11 +19,12 @@ experts: whole layers for ncmoe, slots a layer for promoe; plans that do not fit
 tokens/s beside the simulated ones. Stock llama.cpp's plans stop at its 256 sequences a
 context; forecache's go to 1,024 (patch 0004).
 
-Each layer's attention reads every sequence's own KV cache once a ubatch and computes each row
-against its context. Batches become ubatches of ``n_ubatch`` consecutive rows (llama.cpp's
-simple split); ``--split equal`` splits them as llama.cpp does with a KV stream per sequence,
-which is how ``forecache batch`` loads the model: only sequences whose ids follow each other in
-the batch share a ubatch.
+Batches become ubatches as llama.cpp splits them with a KV stream per sequence, which is how
+``forecache batch`` loads the model (``--split equal``, the default): only sequences whose ids
+follow each other in the batch share a ubatch, and each layer's attention reads each of a
+ubatch's sequences' KV once and computes each row against its own context. ``--split simple``
+replays llama.cpp's unified KV cache instead (``--kv-unified``, stock llama.cpp's other choice):
+ubatches of ``n_ubatch`` consecutive rows, each row attending over every cell in use.
 
 Workload, assumed: no dataset is downloaded. Prompt and answer lengths are drawn from lognormals
 matched to ShareGPT's published means as serving benchmarks cap it (about 161 prompt and 338
@@ -180,10 +181,10 @@ def main(argv: list[str] | None = None) -> None:
                          "(default 2)")
     ap.add_argument("--widen", type=int, default=None,
                     help="plans of each policy whose every ubatch size is replayed (default 2)")
-    ap.add_argument("--split", choices=SPLITS, default="simple",
-                    help="how llama.cpp splits a batch into ubatches: simple (n_ubatch rows at "
-                         "a time) or equal (a KV stream per sequence, as forecache batch loads "
-                         "the model)")
+    ap.add_argument("--split", choices=SPLITS, default="equal",
+                    help="the KV cache llama.cpp runs with: equal (a KV stream per sequence, "
+                         "as forecache batch loads the model) or simple (a unified cache, "
+                         "n_ubatch rows a ubatch, each row attending over every cell in use)")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--quick", action="store_true", help="a small grid and job, for tests")
     ap.add_argument("--json", type=Path, default=None)

@@ -128,6 +128,19 @@ def test_equal_split_fragments_prompts_not_decode_steps() -> None:
         assert r.extra["decode_step_ubatches"] == r.extra["decode_steps"]
 
 
+def test_unified_cache_attends_over_every_cell() -> None:
+    """With a unified KV cache (the simple split) each row attends over every sequence's cells:
+    a step's attention computes n_seq times the products it computes with a stream per
+    sequence, which binds once attention is bound by its compute (at hundreds of sequences at
+    the target; here a slow device stands in)."""
+    reqs = _requests(16, seed=5, decode=(40, 80))
+    prof = replace(PROFILE, gpu_launch_s=0.0, gpu_tflops=PROFILE.gpu_tflops / 1e4)
+    cfg = SimConfig("promoe", n_slots=16, n_ubatch=64, n_seq=8)
+    simple = simulate_batch(reqs, SHAPE, prof, cfg)
+    equal = simulate_batch(reqs, SHAPE, prof, replace(cfg, split="equal"))
+    assert simple.attention_s > 3 * equal.attention_s
+
+
 def test_steady_replay_stops_where_the_batch_drains() -> None:
     reqs = _requests(24)
     cfg = SimConfig("ncmoe", 8, n_ubatch=32, n_seq=4)

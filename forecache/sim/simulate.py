@@ -842,8 +842,10 @@ def simulate_batch(requests: Sequence[Request], shape: SimShape, profile: Profil
     moves into a freed lower id, its KV stream copied (``decode_many``'s ``move_down``). A
     request's prefill rows are its prompt and its decode rows its answer: the last prompt row
     samples the first answer token, each answer token but the last is fed back. Every layer's
-    attention reads each sequence's KV cache once a ubatch (its context so far) and computes
-    every row against its own context, on the device or, with ``cfg.kv_host``, on the CPU.
+    attention, on the device or, with ``cfg.kv_host``, on the CPU: with a KV stream per
+    sequence (``split="equal"``) a ubatch reads each of its sequences' KV once (its context so
+    far) and computes every row against its own context; with a unified KV cache
+    (``"simple"``) every row attends over all the cells in use, as llama.cpp masks the others.
     The policy and predictor see one job, as at run time.
     ``steady``: stop when no request is left to admit and a sequence finishes (the batch would
     drain from there): the throughput of a full batch, without the job's tail."""
@@ -924,12 +926,18 @@ def simulate_batch(requests: Sequence[Request], shape: SimShape, profile: Profil
         if decoding.all():
             decode_steps += 1
             decode_step_ubatches += len(parts)
+        # a unified KV cache (the simple split) holds every sequence's cells in one stream,
+        # and each row attends over all the cells in use, the others masked
+        cells = float(ctx_a[np.r_[seqs_a[1:] != seqs_a[:-1], True]].sum())
         for u in parts:
             c, q = ctx_a[u], seqs_a[u]
-            # a sequence's rows are contiguous: its last row in the ubatch has its longest
-            # context, the KV the ubatch reads for it
-            last = np.r_[q[1:] != q[:-1], True]
-            attention = (float(c[last].sum()) * kv, 4.0 * d * float(c.sum()))
+            if cfg.split == "simple":
+                attention = (cells * kv, 4.0 * d * len(u) * cells)
+            else:
+                # a sequence's rows are contiguous: its last row in the ubatch has its longest
+                # context, the KV the ubatch reads for it
+                last = np.r_[q[1:] != q[:-1], True]
+                attention = (float(c[last].sum()) * kv, 4.0 * d * float(c.sum()))
             hits, misses = sim.hits, sim.misses
             t = sim._ubatch(merged, rows_a[u], attention, int(logit[u].sum()))
             n_ubatches += 1
