@@ -141,7 +141,7 @@ def main() -> int:
         print(f"| {name} | {plan.n_seq} | {plan.n_ubatch} | {est.slots or '-'} | "
               f"{est.tokens_per_s:.0f} | {tps:.0f} | {est.tokens_per_s / tps - 1:+.0%} | "
               f"{est.bound} |")
-    auto = max(rows, key=lambda r: r["predicted_tps"])
+    auto = max(rows, key=lambda r: (r["predicted_tps"], r["n_ubatch"]))  # as plans.search
     best = max(rows, key=lambda r: r["measured_tps"])
     stock = max((r for r in rows if r["placement"] == "stock"), key=lambda r: r["measured_tps"])
     worst = max(abs(r["predicted_tps"] / r["measured_tps"] - 1) for r in rows)

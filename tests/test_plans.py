@@ -119,6 +119,16 @@ def test_search_orders_plans_and_respects_the_grid() -> None:
     assert {(e.plan.experts, e.plan.n_seq) for e in wide} == {("cache", 512), ("ncmoe", 256)}
 
 
+def test_search_breaks_ties_toward_the_larger_ubatch() -> None:
+    """Prompts shorter than both ubatches predict alike; the larger one admits more prompts a
+    step, so it goes first."""
+    tiny = shape_of("tiny", "q8_0")
+    got = search(tiny, PROFILE, 1 << 40, Workload(16, 30, 32, 128), experts=("ncmoe",),
+                 kv=(False,), n_seqs=(4,), n_ubatches=(64, 512))
+    assert [e.plan.n_ubatch for e in got] == [512, 64]
+    assert got[0].tokens_per_s == got[1].tokens_per_s
+
+
 def test_plan_command(tmp_path: Path) -> None:
     out = tmp_path / "plans.json"
     res = run_cli("plan", "--shape", "qwen2-57b-a14b", "--gpu-budget", "24GiB", "--prompt-len",

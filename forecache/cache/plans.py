@@ -404,8 +404,9 @@ def search(shape: SimShape, profile: Profile, budget: int, work: Workload, *,
            locality: float = 0.0, non_expert_bytes: int | None = None,
            cost: CostModel | None = None, host_bytes: int | None = None,
            max_seq: int = STOCK_MAX_SEQ, slots: int | None = None) -> list[Estimate]:
-    """Every plan of the grid that fits, best predicted throughput first: forecache's up to
-    ``max_seq`` sequences, stock llama.cpp's (ncmoe) up to its ``STOCK_MAX_SEQ``."""
+    """Every plan of the grid that fits, best predicted throughput first (ties: the larger
+    ubatch first): forecache's up to ``max_seq`` sequences, stock llama.cpp's (ncmoe) up to
+    its ``STOCK_MAX_SEQ``."""
     out = []
     for x in experts:
         cap = min(max_seq, STOCK_MAX_SEQ) if x == "ncmoe" else max_seq
@@ -418,5 +419,7 @@ def search(shape: SimShape, profile: Profile, budget: int, work: Workload, *,
                                  cost=cost, host_bytes=host_bytes, slots=slots)
                     if e is not None:
                         out.append(e)
-    out.sort(key=lambda e: -e.tokens_per_s)
+    # plans predicted alike (a ubatch past the prompts changes nothing here) go larger ubatch
+    # first: a llama batch of more tokens admits more prompts a step, which the model leaves out
+    out.sort(key=lambda e: (-e.tokens_per_s, -e.plan.n_ubatch))
     return out
