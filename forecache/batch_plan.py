@@ -66,6 +66,7 @@ class StageSample:
     rows_s: float = 0.0
     pass_s: float = 0.0  # building the batch and starting the pass, outside llama_decode
     hit: float | None = None
+    hook_s: float | None = None  # the cache's gate hooks, a pass (mean)
 
 
 def measure_stages(llm: Llama, *, decode_sizes: Sequence[int] = DECODE_SIZES,
@@ -111,13 +112,19 @@ def measure_stages(llm: Llama, *, decode_sizes: Sequence[int] = DECODE_SIZES,
                 llm.detokenize([sample(logits, greedy, rng)], prev_tokens=[r[0]])
         return t1 - t0, time.perf_counter() - t1, t0 - start
 
-    def hits() -> tuple[int, int]:
-        s = cache.stats() if cache is not None else {"hits": 0, "misses": 0}
-        return s["hits"], s["misses"]
+    def hits() -> tuple[float, float, float]:
+        """The cache's hits, misses and seconds in gate hooks (in Python or decided in C)."""
+        if cache is None:
+            return 0, 0, 0.0
+        s = cache.stats()
+        return s["hits"], s["misses"], s["hook_s"] + s["fast_s"]
 
-    def share(before: tuple[int, int]) -> float | None:
-        h, m = (a - b for a, b in zip(hits(), before, strict=True))
-        return h / (h + m) if cache is not None and h + m else None
+    def share(before: tuple[float, float, float]) -> dict[str, float | None]:
+        """The measured passes' hit share and gate-hook seconds a pass."""
+        h, m, g = (a - b for a, b in zip(hits(), before, strict=True))
+        if cache is None or not h + m:
+            return {"hit": None, "hook_s": None}
+        return {"hit": h / (h + m), "hook_s": g / repeats}
 
     try:
         for n in sorted(d for d in decode_sizes if d <= llm.n_seq_max):
@@ -132,7 +139,7 @@ def measure_stages(llm: Llama, *, decode_sizes: Sequence[int] = DECODE_SIZES,
                 before = hits() if r == 0 else before
             times = np.array(got[1:])
             out.append(StageSample("decode", n, CONTEXT + repeats / 2,
-                                   *np.median(times, axis=0).tolist(), hit=share(before)))
+                                   *np.median(times, axis=0).tolist(), **share(before)))
         for u in sorted(x for x in prefill_sizes if x <= llm.n_batch):
             got = []
             before = hits()
@@ -142,7 +149,7 @@ def measure_stages(llm: Llama, *, decode_sizes: Sequence[int] = DECODE_SIZES,
                 before = hits() if r == 0 else before
             out.append(StageSample("prefill", u, u / 2,
                                    *np.median(np.array(got[1:]), axis=0).tolist(),
-                                   hit=share(before)))
+                                   **share(before)))
     finally:
         low.llama_memory_clear(mem, True)
         low.llama_batch_free(batch)
@@ -155,6 +162,8 @@ def profile_with(base: Profile, x: dict[str, float], on_cpu: bool) -> Profile:
                 gpu_tflops=x["gflops"] / 1e3, token_s=x["token_s"], sample_s=x["sample_s"],
                 hook_s=x["hook_s"], prefetch_hook_s=x["hook_s"], group_s=x["group_s"],
                 seq_s=x["seq_s"])
+    if "hook_row_s" in x:  # the gate hooks as measured
+        p = replace(p, hook_row_s=x["hook_row_s"], decode_gate_s=x["decode_gate_s"])
     if on_cpu:
         p = replace(p, cpu_launch_s=x["launch_s"], cpu_mem_gbps=x["mem_gbps"],
                     cpu_gflops=x["gflops"], op_offload_min_batch=0)
@@ -185,11 +194,33 @@ def predict_stage(shape: SimShape, profile: Profile, plan: Plan, budget: int,
                         lay.host_layers, rows, lay.slots, lay.stage, rows).seconds
 
 
+def measured_hooks(samples: Sequence[StageSample], layers: int) -> dict[str, float]:
+    """The gate hooks' cost a layer as the stages measured it: a one-token decode step's
+    (``decode_gate_s``), and a line through the larger passes' by the rows they route
+    (``hook_s`` + rows x ``hook_row_s``). Empty where nothing was measured (no cache): the
+    base profile's, measured by benchmarks/hook_cost.py, stand (fitted beside the rates they
+    are ill-posed)."""
+    got = [(s.n, s.hook_s / max(layers, 1)) for s in samples if s.hook_s is not None]
+    many = [(n, h) for n, h in got if n > 1]
+    if not many:
+        return {}
+    one = [h for n, h in got if n == 1]
+    n = np.array([x for x, _ in many], np.float64)
+    h = np.array([y for _, y in many], np.float64)
+    slope = 0.0
+    if len(set(n.tolist())) > 1:
+        slope = max(float(np.polyfit(n, h, 1)[0]), 0.0)
+    base = max(float(np.mean(h - slope * n)), 0.0)
+    return {"hook_s": base, "hook_row_s": slope,
+            "decode_gate_s": float(np.median(one)) if one else 0.0}
+
+
 def fit_profile(shape: SimShape, base: Profile, plan: Plan, budget: int,
                 samples: Sequence[StageSample], *, on_cpu: bool,
                 non_expert_bytes: int | None = None) -> Profile:
-    """The profile whose predictions best match ``samples``: the rows' sampling and the
-    pass's Python are measured (``sample_s`` per row, ``token_s``), the passes' times are
+    """The profile whose predictions best match ``samples``: the rows' sampling, the pass's
+    Python and the cache's gate hooks are measured (``sample_s`` per row, ``token_s``,
+    ``measured_hooks``), the passes' times are
     fitted (least squares of log ratios) by the device's launch cost, memory and compute rates
     and a sequence's KV stream, and, where the stages missed experts, an expert group's cost
     (each stage at the hit share it measured)."""
@@ -201,8 +232,7 @@ def fit_profile(shape: SimShape, base: Profile, plan: Plan, budget: int,
     start = {"launch_s": 2e-5, "mem_gbps": 20.0, "gflops": 100.0, "seq_s": 2e-5,
              "token_s": per_pass + per_row, "sample_s": per_row,
              "hook_s": base.prefetch_hook_s or base.hook_s, "group_s": base.group_s}
-    # the gate hooks' cost is the base profile's, measured by benchmarks/hook_cost.py: fitted
-    # beside the rates it is ill-posed
+    start.update(measured_hooks(samples, shape.layers))
     names = ["launch_s", "mem_gbps", "gflops", "seq_s"]
     if any(s.hit is not None and s.hit < 1 for s in samples):
         # stages that streamed experts in measure what an expert group costs on this machine

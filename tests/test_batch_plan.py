@@ -7,10 +7,12 @@ from pathlib import Path
 import pytest
 
 from forecache.batch_plan import (
+    StageSample,
     calibrate,
     job_workload,
     load_profile,
     measure_stages,
+    measured_hooks,
     predict_stage,
     save_profile,
 )
@@ -56,6 +58,7 @@ def test_cache_stages_carry_their_hit_share() -> None:
                     n_ubatch=256) as m:
         got = measure_stages(m, decode_sizes=(1, 8), prefill_sizes=(128,), repeats=3)
         assert all(s.hit is not None and 0.0 <= s.hit < 1.0 for s in got), got
+        assert all(s.hook_s is not None and 0.0 < s.hook_s < s.seconds for s in got), got
         pre = next(s for s in got if s.kind == "prefill")
         # a prompt ubatch routes nearly every expert: about the slots' share of them hits
         assert 0.3 < pre.hit < 0.8, pre  # type: ignore[operator]
@@ -63,6 +66,7 @@ def test_cache_stages_carry_their_hit_share() -> None:
         prof = calibrate(m, plan, BUDGET, samples=got)
     base = Profile.load(DEFAULT_MACHINE)
     assert prof.group_s != base.group_s  # fitted, not the base profile's
+    assert prof.hook_s == measured_hooks(got, model_shape(m.model_file).layers)["hook_s"]
     shape = model_shape(m.model_file)
     ne = m.model_file.total_bytes() - m.model_file.expert_bytes()
     for s in got:
@@ -100,3 +104,18 @@ def test_profiles_are_kept_per_model_and_device(llm: Llama, tmp_path: Path,
     save_profile(mf, "cpu", prof)
     assert load_profile(mf, "cpu") == prof
     assert load_profile(mf, "other device") is None
+
+
+def test_gate_hooks_are_taken_as_measured() -> None:
+    """A one-token step's hooks give the decode gate's cost; larger passes a line by rows."""
+    def stage(kind: str, n: int, hook: float | None) -> StageSample:
+        return StageSample(kind, n, 32.0, 0.01, hook_s=hook)
+
+    layers = 4
+    got = [stage("decode", 1, 4 * 20e-6)] + \
+        [stage("decode", n, 4 * (100e-6 + 5e-6 * n)) for n in (2, 4, 8)] + \
+        [stage("prefill", n, 4 * (100e-6 + 5e-6 * n)) for n in (32, 64)]
+    h = measured_hooks(got, layers)
+    assert h["decode_gate_s"] == pytest.approx(20e-6)
+    assert h["hook_s"] == pytest.approx(100e-6) and h["hook_row_s"] == pytest.approx(5e-6)
+    assert measured_hooks([stage("decode", 4, None)], layers) == {}  # no cache: none measured

@@ -45,6 +45,7 @@ class Profile:
     # stream per sequence; its ops cost more than its context's bytes and flops say)
     seq_s: float = 0.0
     prefetch_hook_s: float = 0.0  # promoe's gate hook, when it costs more than hook_s (0: same)
+    hook_row_s: float = 0.0  # a gate hook's further cost per row it routes (batch plans)
     group_s: float = 0.0  # an expert group computed as its own graph (gather, matmul, scatter)
     thread_s: float = 0.0  # starting and joining the CPU thread of a projection's host entries
     # a one-token gate decided in C from the policy's tables (forecache_cache_set_decode_gate)

@@ -306,7 +306,7 @@ def _layer_experts(clock: _Clock, shape: SimShape, p: Profile, cost: CostModel, 
     # the runtime's own costs: the gate (a one-token gate decided in C), and expert groups
     # when experts stream in (the hits in one, then each streamed expert as its copy lands)
     clock.op(p.decode_gate_s if n_tokens == 1 and p.decode_gate_s > 0 else
-             (p.prefetch_hook_s or p.hook_s), "CPU compute")
+             (p.prefetch_hook_s or p.hook_s) + n_tokens * p.hook_row_s, "CPU compute")
     # expected, not rounded: a layer of one token misses a fraction of an expert on average.
     # Streamed experts are computed in groups as their copies land: one group each where a
     # copy takes longer than an expert's compute, else together once the copies are in
