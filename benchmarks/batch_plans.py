@@ -137,7 +137,8 @@ def main() -> int:
                      "measured_all": got, "bound": est.bound, "hit_rate": hit,
                      "profile": {k: getattr(profile, k) for k in (
                          "gpu_launch_s", "gpu_mem_gbps", "gpu_tflops", "token_s", "sample_s",
-                         "hook_s", "group_s", "seq_s", "h2d_gbps")}})
+                         "hook_s", "hook_row_s", "decode_gate_s", "group_s", "seq_s",
+                         "h2d_gbps")}})
         print(f"| {name} | {plan.n_seq} | {plan.n_ubatch} | {est.slots or '-'} | "
               f"{est.tokens_per_s:.0f} | {tps:.0f} | {est.tokens_per_s / tps - 1:+.0%} | "
               f"{est.bound} |")
