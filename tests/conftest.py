@@ -14,19 +14,20 @@ import pytest
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """tiny_model(qtype) -> path of the `tiny` preset in that type (seed 0), made on first use."""
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """tiny_model(qtype, preset="tiny") -> path of that preset in that type (seed 0), made on
+    first use."""
     from forecache.gguf.maker import make_model
 
     root = tmp_path_factory.mktemp("tiny")
-    made: dict[str, Path] = {}
+    made: dict[tuple[str, str], Path] = {}
 
-    def get(qtype: str = "q8_0") -> Path:
-        if qtype not in made:
-            path = root / f"tiny-{qtype}.gguf"
-            make_model(path, "tiny", qtype, seed=0, workers=1)
-            made[qtype] = path
-        return made[qtype]
+    def get(qtype: str = "q8_0", preset: str = "tiny") -> Path:
+        if (qtype, preset) not in made:
+            path = root / f"{preset}-{qtype}.gguf"
+            make_model(path, preset, qtype, seed=0, workers=1)
+            made[qtype, preset] = path
+        return made[qtype, preset]
 
     return get
 

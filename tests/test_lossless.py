@@ -1,6 +1,7 @@
 """Lossless against the unpatched llama-cpp-python of the same sdist (``forecache build
 --reference``), not against forecache's own build with its hooks off: every policy, four weight
-types, n_batch > n_ubatch, prompts longer than 512 tokens, and batch jobs.
+types, qwen2moe and qwen3moe, n_batch > n_ubatch, prompts longer than 512 tokens, and batch
+jobs.
 
 The reference loads as forecache's policies do, with CPU weight repacking off (use_extra_bufts =
 false); test_default_placement covers llama.cpp's default (repacking) placement. On a CPU build
@@ -58,10 +59,13 @@ def _configs(model: Path) -> list[CacheConfig]:
         CacheConfig(pol, cache_fraction=0.5) for pol in ("lru", "static", "promoe")]
 
 
-@pytest.mark.parametrize("qtype", ["f16", "q4_0", "q4_k", "q8_0"])
-def test_every_policy_equals_unpatched(qtype: str, tiny_model: Callable[[str], Path],
+@pytest.mark.parametrize(("preset", "qtype"), [
+    ("tiny", "f16"), ("tiny", "q4_0"), ("tiny", "q4_k"), ("tiny", "q8_0"),
+    ("tiny-qwen3moe", "q8_0"), ("tiny-qwen3moe", "q4_k")])
+def test_every_policy_equals_unpatched(preset: str, qtype: str,
+                                       tiny_model: Callable[..., Path],
                                        stock: StockReference) -> None:
-    model = tiny_model(qtype)
+    model = tiny_model(qtype, preset)
     ref: list[tuple[list[int], np.ndarray]] | None = None
     for cfg in _configs(model):
         with Llama(str(model), cache=cfg, verbose=False, **PARAMS) as llm:
@@ -71,10 +75,11 @@ def test_every_policy_equals_unpatched(qtype: str, tiny_model: Callable[[str], P
             for n, p, (ref_tokens, ref_logits) in zip(PROMPT_LENS, prompts, ref, strict=True):
                 tokens, logits = greedy(llm, p, N_GEN)
                 assert_same_greedy(tokens, logits, ref_tokens, ref_logits,
-                                   f"{qtype} {cfg.policy} prompt={n}", stock.backend == "cpu")
+                                   f"{preset} {qtype} {cfg.policy} prompt={n}",
+                                   stock.backend == "cpu")
             stats = llm.expert_stats()
         if cfg.cache_fraction is not None:
-            assert stats["cache_slots"] > 0 and stats["hits"] > 0, (qtype, cfg.policy)
+            assert stats["cache_slots"] > 0 and stats["hits"] > 0, (preset, qtype, cfg.policy)
 
 
 def test_batch_jobs_equal_unpatched(tiny_model: Callable[[str], Path], stock: StockReference,

@@ -193,6 +193,31 @@ def test_qwen2_57b_two_layers_matches_models_yaml(tmp_path: Path) -> None:
     assert values.std() == pytest.approx(1 / np.sqrt(fe), rel=0.03)
 
 
+def test_qwen3_30b_two_layers_matches_its_config(tmp_path: Path) -> None:
+    """qwen3moe as the HF converter writes it: heads of 128 (not d_model / heads), q and k
+    norms of a head's width, no attention biases, no shared expert."""
+    spec = get_spec("qwen3-30b-a3b")
+    assert (spec.layers, spec.d_model, spec.heads, spec.kv_heads, spec.head_dim) == (
+        48, 2048, 32, 4, 128)
+    assert (spec.experts, spec.top_k, spec.expert_ff, spec.ff) == (128, 8, 768, 6144)
+    info = make_model(tmp_path / "q3.gguf", "qwen3-30b-a3b", "q4_k", n_layers=2, workers=2)
+    reader = GGUFReader(info.path)
+    assert _field(reader, "general.architecture") == "qwen3moe"
+    for key, value in {"attention.key_length": 128, "attention.value_length": 128,
+                       "expert_count": 128, "expert_used_count": 8,
+                       "expert_feed_forward_length": 768, "embedding_length": 2048}.items():
+        assert _field(reader, f"qwen3moe.{key}") == value, key
+    assert "qwen3moe.expert_shared_feed_forward_length" not in reader.fields
+    shapes = {t.name: tuple(int(x) for x in t.shape) for t in reader.tensors}
+    assert shapes["blk.1.attn_q.weight"] == (2048, 4096)
+    assert shapes["blk.1.attn_output.weight"] == (4096, 2048)
+    assert shapes["blk.1.attn_k.weight"] == (2048, 512)
+    assert shapes["blk.1.attn_q_norm.weight"] == shapes["blk.1.attn_k_norm.weight"] == (128,)
+    assert shapes["blk.1.ffn_up_exps.weight"] == (2048, 768, 128)
+    assert not [n for n in shapes if "shexp" in n or n.endswith(".bias")]
+    assert len(shapes) == 3 + 2 * 12
+
+
 # --- tokenizer ---------------------------------------------------------------------------
 
 def test_vocab_structure() -> None:

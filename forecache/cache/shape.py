@@ -77,13 +77,14 @@ def shape_of(name: str, qtype: str = "q4_k") -> SimShape:
         s = get_spec(extra["preset"] if extra is not None else name)
         spec = {"layers": s.layers, "experts": s.experts, "top_k": s.top_k,
                 "d_model": s.d_model, "expert_ff": s.expert_ff, "heads": s.heads,
-                "kv_heads": s.kv_heads, "vocab": s.vocab,
+                "kv_heads": s.kv_heads, "vocab": s.vocab, "head_dim": s.head_dim,
                 "shared_ff": s.shared_expert_ff * s.shared_experts}
     d, ff, e = spec["d_model"], spec["expert_ff"], spec["experts"]
-    kv = d // spec["heads"] * spec["kv_heads"]
+    head = spec.get("head_dim") or d // spec["heads"]
+    q, kv = head * spec["heads"], head * spec["kv_heads"]
     sh = spec.get("shared_ff", 0)
     proj = (_nbytes(d * ff, d, qtype), _nbytes(d * ff, d, qtype), _nbytes(d * ff, ff, qtype))
-    attn = 2 * _nbytes(d * d, d, qtype) + 2 * _nbytes(d * kv, d, qtype)
+    attn = _nbytes(d * q, d, qtype) + _nbytes(q * d, q, qtype) + 2 * _nbytes(d * kv, d, qtype)
     layer = attn + d * e * 4 + 3 * _nbytes(d * sh, d, qtype) if sh else attn + d * e * 4
     return SimShape(name=name, layers=spec["layers"], experts=e, top_k=spec["top_k"],
                     d_model=d, expert_ff=ff, proj_bytes=proj, layer_bytes=layer,

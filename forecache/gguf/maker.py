@@ -237,7 +237,7 @@ def _run_job(job: _Job) -> int:
 
 def _add_metadata(writer: GGUFWriter, spec: ModelSpec, qtype: str, seed: int,
                   vocab: Vocab) -> None:
-    """Hyperparameter and tokenizer keys, as convert_hf_to_gguf.py writes them for Qwen2-MoE."""
+    """Hyperparameter and tokenizer keys, as convert_hf_to_gguf.py writes them."""
     writer.add_type("model")
     writer.add_name(f"forecache-{spec.name}-random")
     writer.add_description(
@@ -251,7 +251,7 @@ def _add_metadata(writer: GGUFWriter, spec: ModelSpec, qtype: str, seed: int,
 
 def add_hparams(writer: GGUFWriter, spec: ModelSpec, qtype: str) -> None:
     """The architecture's hyperparameter keys and the file type, as the HF converter writes
-    them for Qwen2-MoE."""
+    them for Qwen2-MoE and Qwen3-MoE."""
     writer.add_block_count(spec.layers)
     writer.add_context_length(spec.context_length)
     writer.add_embedding_length(spec.d_model)
@@ -263,7 +263,11 @@ def add_hparams(writer: GGUFWriter, spec: ModelSpec, qtype: str) -> None:
     writer.add_expert_count(spec.experts)
     writer.add_expert_used_count(spec.top_k)
     writer.add_expert_feed_forward_length(spec.expert_ff)
-    writer.add_expert_shared_feed_forward_length(spec.shared_expert_ff)
+    if spec.shared_experts:
+        writer.add_expert_shared_feed_forward_length(spec.shared_expert_ff)
+    if spec.key_length is not None:
+        writer.add_key_length(spec.key_length)
+        writer.add_value_length(spec.key_length)
     writer.add_file_type(int(QTYPES[qtype][1]))
     writer.add_quantization_version(GGML_QUANT_VERSION)
 

@@ -92,11 +92,17 @@ class ModelSpec:
     rope_theta: float
     rms_eps: float
     typical_q4_gb: float | None = None
+    key_length: int | None = None  # head_dim where it is not d_model / heads (qwen3moe)
 
     @property
     def head_dim(self) -> int:
         """Size of one attention head."""
-        return self.d_model // self.heads
+        return self.key_length or self.d_model // self.heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the Q projection (all heads)."""
+        return self.head_dim * self.heads
 
     @property
     def kv_dim(self) -> int:
@@ -114,14 +120,18 @@ class ModelSpec:
     def validate(self) -> None:
         """Raise ValueError if the shape is inconsistent."""
         problems = []
-        if self.d_model % self.heads:
-            problems.append("d_model is not a multiple of heads")
+        if self.key_length is None and self.d_model % self.heads:
+            problems.append("d_model is not a multiple of heads (give key_length)")
         if self.heads % self.kv_heads:
             problems.append("heads is not a multiple of kv_heads")
         if not 0 < self.top_k <= self.experts:
             problems.append("top_k must be in 1..experts")
         if self.arch == "qwen2moe" and self.shared_experts != 1:
             problems.append("qwen2moe has exactly one shared expert")
+        if self.arch == "qwen3moe" and self.shared_experts:
+            problems.append("qwen3moe has no shared expert")
+        if self.arch not in ARCHES:
+            problems.append(f"make-model writes {', '.join(ARCHES)}, not {self.arch}")
         if not 256 + 1 <= self.text_tokens <= self.vocab - 3:
             problems.append("text_tokens must leave room for 3 special tokens in vocab")
         if problems:
@@ -204,17 +214,25 @@ def tensor_type(name: str, ne: tuple[int, ...], qtype: str) -> GGMLQuantizationT
     return GGMLQuantizationType.F16
 
 
+#: The architectures make-model writes (general.architecture names).
+ARCHES = (MODEL_ARCH_NAMES[MODEL_ARCH.QWEN2MOE], MODEL_ARCH_NAMES[MODEL_ARCH.QWEN3MOE])
+
+
 def tensor_plan(spec: ModelSpec, qtype: str) -> list[TensorPlan]:
     """List the tensors of `spec` in file order, with the shapes llama.cpp's loader expects.
 
     Expert tensors hold all experts of a layer: gate/up are {d_model, expert_ff, experts} and
     down is {expert_ff, d_model, experts} in ggml order, so one expert is a contiguous slab.
+    qwen2moe has q/k/v biases and a sigmoid-gated shared expert; qwen3moe neither, but RMS
+    norms of each head's q and k, and heads that need not split d_model.
     """
-    if spec.arch != MODEL_ARCH_NAMES[MODEL_ARCH.QWEN2MOE]:
-        raise ValueError(f"cannot lay out architecture {spec.arch!r}; supported: qwen2moe")
+    if spec.arch not in ARCHES:
+        raise ValueError(f"cannot lay out architecture {spec.arch!r}; supported: "
+                         f"{', '.join(ARCHES)}")
     parse_qtype(qtype)
     d, kv, n_exp = spec.d_model, spec.kv_dim, spec.experts
-    fe, fs = spec.expert_ff, spec.shared_expert_ff
+    fe, fs, q = spec.expert_ff, spec.shared_expert_ff, spec.q_dim
+    qwen2 = spec.arch == MODEL_ARCH_NAMES[MODEL_ARCH.QWEN2MOE]
     out: list[TensorPlan] = []
 
     def add(tensor: MODEL_TENSOR, suffix: str, shape: tuple[int, ...], kind: str,
@@ -226,22 +244,24 @@ def tensor_plan(spec: ModelSpec, qtype: str) -> list[TensorPlan]:
     add(T.TOKEN_EMBD, "weight", (d, spec.vocab), "embedding")
     for b in range(spec.layers):
         add(T.ATTN_NORM, "weight", (d,), "norm", b)
-        add(T.ATTN_Q, "weight", (d, d), "attention", b)
-        add(T.ATTN_Q, "bias", (d,), "attention", b)
-        add(T.ATTN_K, "weight", (d, kv), "attention", b)
-        add(T.ATTN_K, "bias", (kv,), "attention", b)
-        add(T.ATTN_V, "weight", (d, kv), "attention", b)
-        add(T.ATTN_V, "bias", (kv,), "attention", b)
-        add(T.ATTN_OUT, "weight", (d, d), "attention", b)
+        for t, width in ((T.ATTN_Q, q), (T.ATTN_K, kv), (T.ATTN_V, kv)):
+            add(t, "weight", (d, width), "attention", b)
+            if qwen2:
+                add(t, "bias", (width,), "attention", b)
+        add(T.ATTN_OUT, "weight", (q, d), "attention", b)
+        if not qwen2:
+            add(T.ATTN_K_NORM, "weight", (spec.head_dim,), "norm", b)
+            add(T.ATTN_Q_NORM, "weight", (spec.head_dim,), "norm", b)
         add(T.FFN_NORM, "weight", (d,), "norm", b)
         add(T.FFN_GATE_INP, "weight", (d, n_exp), "router", b)
         add(T.FFN_GATE_EXP, "weight", (d, fe, n_exp), "expert", b)
         add(T.FFN_UP_EXP, "weight", (d, fe, n_exp), "expert", b)
         add(T.FFN_DOWN_EXP, "weight", (fe, d, n_exp), "expert", b)
-        add(T.FFN_GATE_INP_SHEXP, "weight", (d,), "shared_expert", b)
-        add(T.FFN_GATE_SHEXP, "weight", (d, fs), "shared_expert", b)
-        add(T.FFN_UP_SHEXP, "weight", (d, fs), "shared_expert", b)
-        add(T.FFN_DOWN_SHEXP, "weight", (fs, d), "shared_expert", b)
+        if qwen2:
+            add(T.FFN_GATE_INP_SHEXP, "weight", (d,), "shared_expert", b)
+            add(T.FFN_GATE_SHEXP, "weight", (d, fs), "shared_expert", b)
+            add(T.FFN_UP_SHEXP, "weight", (d, fs), "shared_expert", b)
+            add(T.FFN_DOWN_SHEXP, "weight", (fs, d), "shared_expert", b)
     add(T.OUTPUT_NORM, "weight", (d,), "norm")
     add(T.OUTPUT, "weight", (d, spec.vocab), "embedding")
     return out
