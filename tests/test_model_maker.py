@@ -218,6 +218,28 @@ def test_qwen3_30b_two_layers_matches_its_config(tmp_path: Path) -> None:
     assert len(shapes) == 3 + 2 * 12
 
 
+def test_mixtral_is_llama_with_experts(tmp_path: Path) -> None:
+    """Mixtral as the HF converter writes it: architecture llama, experts as wide as
+    feed_forward_length (no expert_feed_forward_length key), no biases, norms or shared
+    expert beyond llama's."""
+    big = get_spec("mixtral-8x7b")
+    assert (big.layers, big.experts, big.top_k, big.d_model, big.ff) == (32, 8, 2, 4096, 14336)
+    assert (big.heads, big.kv_heads, big.vocab, big.rms_eps) == (32, 8, 32000, 1e-5)
+    info = make_model(tmp_path / "mx.gguf", "tiny-mixtral", "q8_0", workers=1)
+    reader = GGUFReader(info.path)
+    assert _field(reader, "general.architecture") == "llama"
+    assert _field(reader, "llama.feed_forward_length") == 512
+    assert _field(reader, "llama.expert_count") == 8
+    assert "llama.expert_feed_forward_length" not in reader.fields
+    shapes = {t.name: tuple(int(x) for x in t.shape) for t in reader.tensors}
+    assert shapes["blk.3.ffn_down_exps.weight"] == (512, 256, 8)
+    assert {n.split(".", 2)[2] for n in shapes if n.startswith("blk.0.")} == {
+        f"{t}.weight" for t in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+                                "ffn_norm", "ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps",
+                                "ffn_down_exps")}
+    assert len(shapes) == 3 + 4 * 10
+
+
 # --- tokenizer ---------------------------------------------------------------------------
 
 def test_vocab_structure() -> None:

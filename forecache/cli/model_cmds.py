@@ -13,7 +13,7 @@ from forecache.gguf.specs import QTYPES
 @click.command("make-model")
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--preset", required=True, help="Model shape from models.yaml (e.g. tiny, "
-              "qwen1.5-moe-a2.7b, qwen2-57b-a14b).")
+              "qwen2-57b-a14b, qwen3-30b-a3b, mixtral-8x7b).")
 @click.option("--type", "qtype", type=click.Choice(list(QTYPES)),
               default="f16", show_default=True, help="Type of the weight matrices.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random weights.")

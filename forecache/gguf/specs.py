@@ -128,8 +128,10 @@ class ModelSpec:
             problems.append("top_k must be in 1..experts")
         if self.arch == "qwen2moe" and self.shared_experts != 1:
             problems.append("qwen2moe has exactly one shared expert")
-        if self.arch == "qwen3moe" and self.shared_experts:
-            problems.append("qwen3moe has no shared expert")
+        if self.arch in ("qwen3moe", "llama") and self.shared_experts:
+            problems.append(f"{self.arch} has no shared expert")
+        if self.arch == "llama" and self.ff != self.expert_ff:
+            problems.append("llama's experts are feed_forward_length wide: ff = expert_ff")
         if self.arch not in ARCHES:
             problems.append(f"make-model writes {', '.join(ARCHES)}, not {self.arch}")
         if not 256 + 1 <= self.text_tokens <= self.vocab - 3:
@@ -215,7 +217,8 @@ def tensor_type(name: str, ne: tuple[int, ...], qtype: str) -> GGMLQuantizationT
 
 
 #: The architectures make-model writes (general.architecture names).
-ARCHES = (MODEL_ARCH_NAMES[MODEL_ARCH.QWEN2MOE], MODEL_ARCH_NAMES[MODEL_ARCH.QWEN3MOE])
+ARCHES = tuple(MODEL_ARCH_NAMES[a] for a in (MODEL_ARCH.QWEN2MOE, MODEL_ARCH.QWEN3MOE,
+                                             MODEL_ARCH.LLAMA))
 
 
 def tensor_plan(spec: ModelSpec, qtype: str) -> list[TensorPlan]:
@@ -224,7 +227,8 @@ def tensor_plan(spec: ModelSpec, qtype: str) -> list[TensorPlan]:
     Expert tensors hold all experts of a layer: gate/up are {d_model, expert_ff, experts} and
     down is {expert_ff, d_model, experts} in ggml order, so one expert is a contiguous slab.
     qwen2moe has q/k/v biases and a sigmoid-gated shared expert; qwen3moe neither, but RMS
-    norms of each head's q and k, and heads that need not split d_model.
+    norms of each head's q and k, and heads that need not split d_model; llama (Mixtral) has
+    neither biases nor norms nor a shared expert.
     """
     if spec.arch not in ARCHES:
         raise ValueError(f"cannot lay out architecture {spec.arch!r}; supported: "
@@ -249,7 +253,7 @@ def tensor_plan(spec: ModelSpec, qtype: str) -> list[TensorPlan]:
             if qwen2:
                 add(t, "bias", (width,), "attention", b)
         add(T.ATTN_OUT, "weight", (q, d), "attention", b)
-        if not qwen2:
+        if spec.arch == MODEL_ARCH_NAMES[MODEL_ARCH.QWEN3MOE]:
             add(T.ATTN_K_NORM, "weight", (spec.head_dim,), "norm", b)
             add(T.ATTN_Q_NORM, "weight", (spec.head_dim,), "norm", b)
         add(T.FFN_NORM, "weight", (d,), "norm", b)
