@@ -240,6 +240,19 @@ def test_mixtral_is_llama_with_experts(tmp_path: Path) -> None:
     assert len(shapes) == 3 + 4 * 10
 
 
+def test_olmoe_norms_the_whole_of_q_and_k(tmp_path: Path) -> None:
+    big = get_spec("olmoe-1b-7b")
+    assert (big.layers, big.experts, big.top_k, big.d_model, big.ff) == (16, 64, 8, 2048, 1024)
+    assert (big.heads, big.kv_heads, big.vocab, big.rope_theta) == (16, 16, 50304, 10000.0)
+    info = make_model(tmp_path / "ol.gguf", "tiny-olmoe", "q8_0", workers=1)
+    reader = GGUFReader(info.path)
+    assert _field(reader, "general.architecture") == "olmoe"
+    assert "olmoe.expert_feed_forward_length" not in reader.fields
+    shapes = {t.name: tuple(int(x) for x in t.shape) for t in reader.tensors}
+    assert shapes["blk.0.attn_q_norm.weight"] == shapes["blk.0.attn_k_norm.weight"] == (256,)
+    assert len(shapes) == 3 + 4 * 12
+
+
 # --- tokenizer ---------------------------------------------------------------------------
 
 def test_vocab_structure() -> None:

@@ -128,10 +128,13 @@ class ModelSpec:
             problems.append("top_k must be in 1..experts")
         if self.arch == "qwen2moe" and self.shared_experts != 1:
             problems.append("qwen2moe has exactly one shared expert")
-        if self.arch in ("qwen3moe", "llama") and self.shared_experts:
+        if self.arch in ("qwen3moe", "llama", "olmoe") and self.shared_experts:
             problems.append(f"{self.arch} has no shared expert")
-        if self.arch == "llama" and self.ff != self.expert_ff:
-            problems.append("llama's experts are feed_forward_length wide: ff = expert_ff")
+        if self.arch in ("llama", "olmoe") and self.ff != self.expert_ff:
+            problems.append(f"{self.arch}'s experts are feed_forward_length wide: "
+                            f"ff = expert_ff")
+        if self.arch == "olmoe" and (self.kv_heads != self.heads or self.key_length):
+            problems.append("olmoe norms q and k over d_model: kv_heads = heads")
         if self.arch not in ARCHES:
             problems.append(f"make-model writes {', '.join(ARCHES)}, not {self.arch}")
         if not 256 + 1 <= self.text_tokens <= self.vocab - 3:
@@ -218,7 +221,7 @@ def tensor_type(name: str, ne: tuple[int, ...], qtype: str) -> GGMLQuantizationT
 
 #: The architectures make-model writes (general.architecture names).
 ARCHES = tuple(MODEL_ARCH_NAMES[a] for a in (MODEL_ARCH.QWEN2MOE, MODEL_ARCH.QWEN3MOE,
-                                             MODEL_ARCH.LLAMA))
+                                             MODEL_ARCH.LLAMA, MODEL_ARCH.OLMOE))
 
 
 def tensor_plan(spec: ModelSpec, qtype: str) -> list[TensorPlan]:
@@ -228,7 +231,7 @@ def tensor_plan(spec: ModelSpec, qtype: str) -> list[TensorPlan]:
     down is {expert_ff, d_model, experts} in ggml order, so one expert is a contiguous slab.
     qwen2moe has q/k/v biases and a sigmoid-gated shared expert; qwen3moe neither, but RMS
     norms of each head's q and k, and heads that need not split d_model; llama (Mixtral) has
-    neither biases nor norms nor a shared expert.
+    neither biases nor norms nor a shared expert; olmoe norms the whole of q and k.
     """
     if spec.arch not in ARCHES:
         raise ValueError(f"cannot lay out architecture {spec.arch!r}; supported: "
@@ -256,6 +259,9 @@ def tensor_plan(spec: ModelSpec, qtype: str) -> list[TensorPlan]:
         if spec.arch == MODEL_ARCH_NAMES[MODEL_ARCH.QWEN3MOE]:
             add(T.ATTN_K_NORM, "weight", (spec.head_dim,), "norm", b)
             add(T.ATTN_Q_NORM, "weight", (spec.head_dim,), "norm", b)
+        elif spec.arch == MODEL_ARCH_NAMES[MODEL_ARCH.OLMOE]:
+            add(T.ATTN_Q_NORM, "weight", (q,), "norm", b)
+            add(T.ATTN_K_NORM, "weight", (kv,), "norm", b)
         add(T.FFN_NORM, "weight", (d,), "norm", b)
         add(T.FFN_GATE_INP, "weight", (d, n_exp), "router", b)
         add(T.FFN_GATE_EXP, "weight", (d, fe, n_exp), "expert", b)
