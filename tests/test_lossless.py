@@ -1,7 +1,7 @@
 """Lossless against the unpatched llama-cpp-python of the same sdist (``forecache build
 --reference``), not against forecache's own build with its hooks off: every policy, four weight
-types, qwen2moe, qwen3moe, llama (Mixtral) and olmoe, n_batch > n_ubatch, prompts longer than
-512 tokens, and batch jobs.
+types, qwen2moe, qwen3moe, llama (Mixtral), olmoe and granitemoe, n_batch > n_ubatch, prompts
+longer than 512 tokens, and batch jobs.
 
 The reference loads as forecache's policies do, with CPU weight repacking off (use_extra_bufts =
 false); test_default_placement covers llama.cpp's default (repacking) placement. On a CPU build
@@ -63,7 +63,8 @@ def _configs(model: Path) -> list[CacheConfig]:
     ("tiny", "f16"), ("tiny", "q4_0"), ("tiny", "q4_k"), ("tiny", "q8_0"),
     ("tiny-qwen3moe", "q8_0"), ("tiny-qwen3moe", "q4_k"),
     ("tiny-mixtral", "q8_0"), ("tiny-mixtral", "q4_k"),
-    ("tiny-olmoe", "q8_0"), ("tiny-olmoe", "q4_k")])
+    ("tiny-olmoe", "q8_0"), ("tiny-olmoe", "q4_k"),
+    ("tiny-granitemoe", "q8_0"), ("tiny-granitemoe", "q4_k")])
 def test_every_policy_equals_unpatched(preset: str, qtype: str,
                                        tiny_model: Callable[..., Path],
                                        stock: StockReference) -> None:

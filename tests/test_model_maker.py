@@ -253,6 +253,18 @@ def test_olmoe_norms_the_whole_of_q_and_k(tmp_path: Path) -> None:
     assert len(shapes) == 3 + 4 * 12
 
 
+def test_granite_moe_writes_its_multipliers(tmp_path: Path) -> None:
+    big = get_spec("granite-3.0-1b-a400m")
+    assert (big.layers, big.experts, big.top_k, big.d_model, big.ff) == (24, 32, 8, 1024, 512)
+    info = make_model(tmp_path / "gr.gguf", "tiny-granitemoe", "q8_0", workers=1)
+    reader = GGUFReader(info.path)
+    assert _field(reader, "general.architecture") == "granitemoe"
+    for key, value in {"embedding_scale": 12.0, "residual_scale": 0.22,
+                       "attention.scale": 0.015625, "logit_scale": 6.0}.items():
+        assert _field(reader, f"granitemoe.{key}") == pytest.approx(value), key
+    assert len(reader.tensors) == 3 + 4 * 10
+
+
 # --- tokenizer ---------------------------------------------------------------------------
 
 def test_vocab_structure() -> None:

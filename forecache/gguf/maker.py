@@ -251,7 +251,7 @@ def _add_metadata(writer: GGUFWriter, spec: ModelSpec, qtype: str, seed: int,
 
 def add_hparams(writer: GGUFWriter, spec: ModelSpec, qtype: str) -> None:
     """The architecture's hyperparameter keys and the file type, as the HF converter writes
-    them for Qwen2-MoE, Qwen3-MoE, Mixtral and OLMoE."""
+    them for Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE and Granite-MoE."""
     writer.add_block_count(spec.layers)
     writer.add_context_length(spec.context_length)
     writer.add_embedding_length(spec.d_model)
@@ -262,8 +262,14 @@ def add_hparams(writer: GGUFWriter, spec: ModelSpec, qtype: str) -> None:
     writer.add_layer_norm_rms_eps(spec.rms_eps)
     writer.add_expert_count(spec.experts)
     writer.add_expert_used_count(spec.top_k)
-    if spec.arch not in ("llama", "olmoe"):  # theirs are feed_forward_length wide
+    if spec.arch not in ("llama", "olmoe", "granitemoe"):  # theirs: feed_forward_length
         writer.add_expert_feed_forward_length(spec.expert_ff)
+    for value, add in ((spec.embedding_scale, writer.add_embedding_scale),
+                       (spec.residual_scale, writer.add_residual_scale),
+                       (spec.attention_scale, writer.add_attention_scale),
+                       (spec.logit_scale, writer.add_logit_scale)):
+        if value is not None:
+            add(value)
     if spec.shared_experts:
         writer.add_expert_shared_feed_forward_length(spec.shared_expert_ff)
     if spec.key_length is not None:

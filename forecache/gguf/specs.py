@@ -93,6 +93,12 @@ class ModelSpec:
     rms_eps: float
     typical_q4_gb: float | None = None
     key_length: int | None = None  # head_dim where it is not d_model / heads (qwen3moe)
+    # granitemoe's multipliers (HF embedding_multiplier, residual_multiplier,
+    # attention_multiplier, logits_scaling)
+    embedding_scale: float | None = None
+    residual_scale: float | None = None
+    attention_scale: float | None = None
+    logit_scale: float | None = None
 
     @property
     def head_dim(self) -> int:
@@ -128,9 +134,11 @@ class ModelSpec:
             problems.append("top_k must be in 1..experts")
         if self.arch == "qwen2moe" and self.shared_experts != 1:
             problems.append("qwen2moe has exactly one shared expert")
-        if self.arch in ("qwen3moe", "llama", "olmoe") and self.shared_experts:
+        if self.arch in ("qwen3moe", "llama", "olmoe", "granitemoe") and self.shared_experts:
             problems.append(f"{self.arch} has no shared expert")
-        if self.arch in ("llama", "olmoe") and self.ff != self.expert_ff:
+        if self.arch == "granitemoe" and self.logit_scale is None:
+            problems.append("granitemoe needs logit_scale")
+        if self.arch in ("llama", "olmoe", "granitemoe") and self.ff != self.expert_ff:
             problems.append(f"{self.arch}'s experts are feed_forward_length wide: "
                             f"ff = expert_ff")
         if self.arch == "olmoe" and (self.kv_heads != self.heads or self.key_length):
@@ -221,7 +229,8 @@ def tensor_type(name: str, ne: tuple[int, ...], qtype: str) -> GGMLQuantizationT
 
 #: The architectures make-model writes (general.architecture names).
 ARCHES = tuple(MODEL_ARCH_NAMES[a] for a in (MODEL_ARCH.QWEN2MOE, MODEL_ARCH.QWEN3MOE,
-                                             MODEL_ARCH.LLAMA, MODEL_ARCH.OLMOE))
+                                             MODEL_ARCH.LLAMA, MODEL_ARCH.OLMOE,
+                                             MODEL_ARCH.GRANITE_MOE))
 
 
 def tensor_plan(spec: ModelSpec, qtype: str) -> list[TensorPlan]:
@@ -231,7 +240,8 @@ def tensor_plan(spec: ModelSpec, qtype: str) -> list[TensorPlan]:
     down is {expert_ff, d_model, experts} in ggml order, so one expert is a contiguous slab.
     qwen2moe has q/k/v biases and a sigmoid-gated shared expert; qwen3moe neither, but RMS
     norms of each head's q and k, and heads that need not split d_model; llama (Mixtral) has
-    neither biases nor norms nor a shared expert; olmoe norms the whole of q and k.
+    neither biases nor norms nor a shared expert, and granitemoe is laid out as it is (its
+    multipliers are header keys); olmoe norms the whole of q and k.
     """
     if spec.arch not in ARCHES:
         raise ValueError(f"cannot lay out architecture {spec.arch!r}; supported: "
