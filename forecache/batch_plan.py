@@ -112,44 +112,40 @@ def measure_stages(llm: Llama, *, decode_sizes: Sequence[int] = DECODE_SIZES,
                 llm.detokenize([sample(logits, greedy, rng)], prev_tokens=[r[0]])
         return t1 - t0, time.perf_counter() - t1, t0 - start
 
-    def hits() -> tuple[float, float, float]:
+    def counters() -> tuple[float, float, float]:
         """The cache's hits, misses and seconds in gate hooks (in Python or decided in C)."""
         if cache is None:
             return 0, 0, 0.0
         s = cache.stats()
         return s["hits"], s["misses"], s["hook_s"] + s["fast_s"]
 
-    def share(before: tuple[float, float, float]) -> dict[str, float | None]:
-        """The measured passes' hit share and gate-hook seconds a pass."""
-        h, m, g = (a - b for a, b in zip(hits(), before, strict=True))
-        if cache is None or not h + m:
-            return {"hit": None, "hook_s": None}
-        return {"hit": h / (h + m), "hook_s": g / repeats}
+    def timed(passes: Callable[[int], list[tuple[int, int, int, bool]]]) -> dict:
+        """``repeats`` passes after one that warms the graph: their median times, hit share
+        and gate-hook seconds a pass."""
+        run(passes(0))
+        before = counters()
+        times = np.median(np.array([run(passes(r)) for r in range(1, repeats + 1)]), axis=0)
+        h, m, g = (a - b for a, b in zip(counters(), before, strict=True))
+        cached = cache is not None and h + m > 0
+        return {"seconds": float(times[0]), "rows_s": float(times[1]),
+                "pass_s": float(times[2]), "hit": h / (h + m) if cached else None,
+                "hook_s": g / repeats if cached else None}
+
+    def prompt(u: int, r: int) -> list[tuple[int, int, int, bool]]:
+        low.llama_memory_clear(mem, True)  # each prompt ubatch from an empty cache
+        return [(tokens[(r + j) % 4096], j, 0, j == u - 1) for j in range(u)]
 
     try:
         for n in sorted(d for d in decode_sizes if d <= llm.n_seq_max):
             low.llama_memory_clear(mem, True)
             for s in range(n):  # each sequence's context, then steps of one token each
                 run([(tokens[(s * 7 + j) % 4096], j, s, False) for j in range(CONTEXT)])
-            got = []
-            before = hits()
-            for r in range(repeats + 1):  # the first warms the graph
-                got.append(run([(tokens[(s + r) % 4096], CONTEXT + r, s, True)
-                                for s in range(n)]))
-                before = hits() if r == 0 else before
-            times = np.array(got[1:])
-            out.append(StageSample("decode", n, CONTEXT + repeats / 2,
-                                   *np.median(times, axis=0).tolist(), **share(before)))
+            out.append(StageSample("decode", n, CONTEXT + repeats / 2, **timed(
+                lambda r, n=n: [(tokens[(s + r) % 4096], CONTEXT + r, s, True)
+                                for s in range(n)])))
         for u in sorted(x for x in prefill_sizes if x <= llm.n_batch):
-            got = []
-            before = hits()
-            for r in range(repeats + 1):
-                low.llama_memory_clear(mem, True)
-                got.append(run([(tokens[(r + j) % 4096], j, 0, j == u - 1) for j in range(u)]))
-                before = hits() if r == 0 else before
             out.append(StageSample("prefill", u, u / 2,
-                                   *np.median(np.array(got[1:]), axis=0).tolist(),
-                                   **share(before)))
+                                   **timed(lambda r, u=u: prompt(u, r))))
     finally:
         low.llama_memory_clear(mem, True)
         low.llama_batch_free(batch)

@@ -25,6 +25,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter
 
 from forecache.gguf.specs import (
+    FF_IS_EXPERT_FF,
     QTYPES,
     ModelSpec,
     SizeReport,
@@ -262,7 +263,7 @@ def add_hparams(writer: GGUFWriter, spec: ModelSpec, qtype: str) -> None:
     writer.add_layer_norm_rms_eps(spec.rms_eps)
     writer.add_expert_count(spec.experts)
     writer.add_expert_used_count(spec.top_k)
-    if spec.arch not in ("llama", "olmoe", "granitemoe"):  # theirs: feed_forward_length
+    if spec.arch not in FF_IS_EXPERT_FF:
         writer.add_expert_feed_forward_length(spec.expert_ff)
     for value, add in ((spec.embedding_scale, writer.add_embedding_scale),
                        (spec.residual_scale, writer.add_residual_scale),

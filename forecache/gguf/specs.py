@@ -134,11 +134,11 @@ class ModelSpec:
             problems.append("top_k must be in 1..experts")
         if self.arch == "qwen2moe" and self.shared_experts != 1:
             problems.append("qwen2moe has exactly one shared expert")
-        if self.arch in ("qwen3moe", "llama", "olmoe", "granitemoe") and self.shared_experts:
+        if self.arch in NO_SHARED_EXPERT and self.shared_experts:
             problems.append(f"{self.arch} has no shared expert")
         if self.arch == "granitemoe" and self.logit_scale is None:
             problems.append("granitemoe needs logit_scale")
-        if self.arch in ("llama", "olmoe", "granitemoe") and self.ff != self.expert_ff:
+        if self.arch in FF_IS_EXPERT_FF and self.ff != self.expert_ff:
             problems.append(f"{self.arch}'s experts are feed_forward_length wide: "
                             f"ff = expert_ff")
         if self.arch == "olmoe" and (self.kv_heads != self.heads or self.key_length):
@@ -226,6 +226,11 @@ def tensor_type(name: str, ne: tuple[int, ...], qtype: str) -> GGMLQuantizationT
         return fallback
     return GGMLQuantizationType.F16
 
+
+#: Architectures without a shared expert, and those whose experts are feed_forward_length
+#: wide (no expert_feed_forward_length key), as llama.cpp's converter writes them.
+NO_SHARED_EXPERT = ("qwen3moe", "llama", "olmoe", "granitemoe")
+FF_IS_EXPERT_FF = ("llama", "olmoe", "granitemoe")
 
 #: The architectures make-model writes (general.architecture names).
 ARCHES = tuple(MODEL_ARCH_NAMES[a] for a in (MODEL_ARCH.QWEN2MOE, MODEL_ARCH.QWEN3MOE,

@@ -926,9 +926,10 @@ def simulate_batch(requests: Sequence[Request], shape: SimShape, profile: Profil
         if decoding.all():
             decode_steps += 1
             decode_step_ubatches += len(parts)
-        # a unified KV cache (the simple split) holds every sequence's cells in one stream,
-        # and each row attends over all the cells in use, the others masked
-        cells = float(ctx_a[np.r_[seqs_a[1:] != seqs_a[:-1], True]].sum())
+        if cfg.split == "simple":
+            # a unified KV cache holds every sequence's cells in one stream, and each row
+            # attends over all the cells in use, the others masked
+            cells = float(ctx_a[np.r_[seqs_a[1:] != seqs_a[:-1], True]].sum())
         for u in parts:
             c, q = ctx_a[u], seqs_a[u]
             if cfg.split == "simple":
