@@ -15,19 +15,20 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """tiny_model(qtype, preset="tiny") -> path of that preset in that type (seed 0), made on
-    first use."""
+    """tiny_model(qtype, preset="tiny", fuse_gate_up=False) -> path of that preset in that type
+    (seed 0), made on first use."""
     from forecache.gguf.maker import make_model
 
     root = tmp_path_factory.mktemp("tiny")
-    made: dict[tuple[str, str], Path] = {}
+    made: dict[tuple[str, str, bool], Path] = {}
 
-    def get(qtype: str = "q8_0", preset: str = "tiny") -> Path:
-        if (qtype, preset) not in made:
-            path = root / f"{preset}-{qtype}.gguf"
-            make_model(path, preset, qtype, seed=0, workers=1)
-            made[qtype, preset] = path
-        return made[qtype, preset]
+    def get(qtype: str = "q8_0", preset: str = "tiny", fuse_gate_up: bool = False) -> Path:
+        key = (qtype, preset, fuse_gate_up)
+        if key not in made:
+            path = root / f"{preset}-{qtype}{'-fused' if fuse_gate_up else ''}.gguf"
+            make_model(path, preset, qtype, seed=0, workers=1, fuse_gate_up=fuse_gate_up)
+            made[key] = path
+        return made[key]
 
     return get
 

@@ -64,13 +64,36 @@ def _configs(model: Path) -> list[CacheConfig]:
     ("tiny-qwen3moe", "q8_0"), ("tiny-qwen3moe", "q4_k"),
     ("tiny-mixtral", "q8_0"), ("tiny-mixtral", "q4_k"),
     ("tiny-olmoe", "q8_0"), ("tiny-olmoe", "q4_k"),
-    ("tiny-granitemoe", "q8_0"), ("tiny-granitemoe", "q4_k")])
+    ("tiny-granitemoe", "q8_0"), ("tiny-granitemoe", "q4_k"),
+    ("tiny-deepseek2", "q8_0"), ("tiny-deepseek2", "q4_k"),
+    ("tiny-gpt-oss", "q8_0"), ("tiny-gpt-oss", "mxfp4")])
 def test_every_policy_equals_unpatched(preset: str, qtype: str,
                                        tiny_model: Callable[..., Path],
                                        stock: StockReference) -> None:
-    model = tiny_model(qtype, preset)
+    _every_policy(tiny_model(qtype, preset), f"{preset} {qtype}", stock)
+
+
+def test_fused_gate_up_experts_equal_unpatched(tiny_model: Callable[..., Path],
+                                               stock: StockReference, tmp_path: Path) -> None:
+    """Gate and up experts in one tensor (two projections an expert, not three): every policy,
+    and promoe splitting layers between slots and host experts against a slow bus."""
+    slow = json.loads((Path(__file__).parents[1] / "forecache" / "data" / "profiles" /
+                       "rtx4090.json").read_text())
+    machine = tmp_path / "slow-bus.json"
+    machine.write_text(json.dumps(dict(slow, name="slow-bus", h2d_gbps=0.01, cpu_mem_gbps=0.1)))
+    model = tiny_model("q8_0", "tiny-deepseek2", fuse_gate_up=True)
+    assert len(read_model_file(model).expert_tensors(1)) == 2
+    stats = _every_policy(model, "fused", stock, [CacheConfig(
+        "promoe", cache_fraction=0.25, predictor="history", machine=str(machine))])
+    assert stats["host_entries"] > 0 and stats["hits"] > 0
+
+
+def _every_policy(model: Path, where: str, stock: StockReference,
+                  extra: list[CacheConfig] | None = None) -> dict:
+    """Each policy's greedy tokens and logits are the unpatched build's; the last run's stats."""
     ref: list[tuple[list[int], np.ndarray]] | None = None
-    for cfg in _configs(model):
+    stats: dict = {}
+    for cfg in _configs(model) + (extra or []):
         with Llama(str(model), cache=cfg, verbose=False, **PARAMS) as llm:
             prompts = _prompts(llm)
             if ref is None:
@@ -78,11 +101,12 @@ def test_every_policy_equals_unpatched(preset: str, qtype: str,
             for n, p, (ref_tokens, ref_logits) in zip(PROMPT_LENS, prompts, ref, strict=True):
                 tokens, logits = greedy(llm, p, N_GEN)
                 assert_same_greedy(tokens, logits, ref_tokens, ref_logits,
-                                   f"{preset} {qtype} {cfg.policy} prompt={n}",
-                                   stock.backend == "cpu")
-            stats = llm.expert_stats()
+                                   f"{where} {cfg.policy} prompt={n}", stock.backend == "cpu")
+            cache = llm.expert_cache
+            stats = dict(llm.expert_stats(), **(cache.stats() if cache is not None else {}))
         if cfg.cache_fraction is not None:
-            assert stats["cache_slots"] > 0 and stats["hits"] > 0, (preset, qtype, cfg.policy)
+            assert stats["cache_slots"] > 0 and stats["hits"] > 0, (where, cfg.policy)
+    return stats
 
 
 def test_batch_jobs_equal_unpatched(tiny_model: Callable[[str], Path], stock: StockReference,

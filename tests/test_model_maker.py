@@ -16,6 +16,7 @@ from gguf.quants import dequantize
 
 from forecache.gguf import maker as model_maker
 from forecache.gguf import specs as model_specs
+from forecache.gguf.header import read_model_file
 from forecache.gguf.maker import make_model, random_blocks
 from forecache.gguf.specs import get_spec, size_report, tensor_plan, tensor_type
 from forecache.gguf.vocab import CHATML_TEMPLATE, SPECIAL_TOKENS, decode_token, make_vocab
@@ -77,7 +78,7 @@ def test_tensor_type_choice() -> None:
 
 # --- random blocks -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_0, Q.Q8_0, Q.Q4_0])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_0, Q.Q8_0, Q.Q4_0, Q.MXFP4])
 @pytest.mark.parametrize("fan_in", [256, 2560, 20480])
 def test_random_blocks_dequantize_to_intended_spread(qtype: Q, fan_in: int) -> None:
     std = 1 / np.sqrt(fan_in)
@@ -263,6 +264,32 @@ def test_granite_moe_writes_its_multipliers(tmp_path: Path) -> None:
                        "attention.scale": 0.015625, "logit_scale": 6.0}.items():
         assert _field(reader, f"granitemoe.{key}") == pytest.approx(value), key
     assert len(reader.tensors) == 3 + 4 * 10
+
+
+def test_deepseek2_has_dense_leading_layers_latent_attention_and_grouped_routing(
+        tmp_path: Path) -> None:
+    lite = size_report(get_spec("deepseek-v2-lite"), "q4_k")
+    assert lite.total_params == pytest.approx(15.7e9, rel=0.01)  # DeepSeek-V2-Lite's count
+    assert lite.bytes_per_expert * 64 * 26 == lite.expert_bytes  # 26 of 27 layers routed
+    info = make_model(tmp_path / "ds.gguf", "tiny-deepseek2", "q8_0", workers=1)
+    reader = GGUFReader(info.path)
+    assert _field(reader, "general.architecture") == "deepseek2"
+    for key, value in {"leading_dense_block_count": 1, "expert_shared_count": 2,
+                       "attention.q_lora_rank": 128, "attention.kv_lora_rank": 128,
+                       "attention.key_length": 160, "attention.value_length": 128,
+                       "attention.key_length_mla": 96, "attention.value_length_mla": 64,
+                       "attention.head_count_kv": 1, "rope.dimension_count": 32,
+                       "expert_gating_func": 2, "expert_group_count": 4,
+                       "expert_group_used_count": 2, "expert_weights_norm": True,
+                       "expert_weights_scale": 2.5}.items():
+        assert _field(reader, f"deepseek2.{key}") == pytest.approx(value), key
+    names = {t.name for t in reader.tensors}
+    assert {"blk.0.ffn_gate.weight", "blk.0.ffn_down.weight"} <= names
+    assert not any(n.startswith("blk.0.ffn_") and "exps" in n for n in names)
+    for il in (1, 2, 3):
+        assert {f"blk.{il}.ffn_gate_exps.weight", f"blk.{il}.exp_probs_b.bias",
+                f"blk.{il}.ffn_up_shexp.weight", f"blk.{il}.attn_k_b.weight"} <= names
+    assert read_model_file(info.path).moe_layers() == [1, 2, 3]
 
 
 # --- tokenizer ---------------------------------------------------------------------------

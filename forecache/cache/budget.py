@@ -72,12 +72,15 @@ class MemoryPlan:
 
 
 def kv_cache_bytes(model: ModelFile, n_ctx: int) -> int:
-    """f16 K and V for every layer (llama.cpp's default cache type)."""
+    """f16 K and V for every layer (llama.cpp's default cache type). Latent attention
+    (deepseek2) caches one compressed K row a token and reads V out of it."""
     n_embd = int(model.arch_kv("embedding_length", 0))
     n_head = int(model.arch_kv("attention.head_count", 1))
     n_head_kv = int(model.arch_kv("attention.head_count_kv", n_head) or n_head)
-    head_dim = int(model.arch_kv("attention.key_length", n_embd // max(n_head, 1)))
-    return model.n_layer * n_ctx * n_head_kv * head_dim * 2 * 2
+    k = int(model.arch_kv("attention.key_length", n_embd // max(n_head, 1)))
+    v = 0 if model.arch_kv("attention.kv_lora_rank") else int(
+        model.arch_kv("attention.value_length", k))
+    return model.n_layer * n_ctx * n_head_kv * (k + v) * 2
 
 
 def compute_buffer_bytes(n_ubatch: int, n_used: int, n_ff_exp: int, n_embd: int,

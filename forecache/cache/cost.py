@@ -113,8 +113,9 @@ class ExpertShape:
 
     @property
     def proj_flops(self) -> float:
-        """Multiply-adds x2 of one token through one projection."""
-        return 2.0 * self.d_model * self.expert_ff
+        """Multiply-adds x2 of one token through one projection, on average: a gated expert's
+        three d_model x expert_ff matrices, in three tensors or two (gate and up fused)."""
+        return 6.0 * self.d_model * self.expert_ff / len(self.proj_bytes)
 
 
 def roofline_s(launch_s: float, nbytes: float, mem_gbps: float, flops: float,

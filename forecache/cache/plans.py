@@ -334,6 +334,10 @@ def ubatch_stage(shape: SimShape, p: Profile, cost: CostModel, plan: Plan, n_tok
     clock = _Clock()
     attn_bytes = n_tokens * context * shape.kv_bytes
     attn_flops = 4.0 * n_tokens * context * shape.d_model
+    if shape.lead_bytes:  # leading dense layers (deepseek2)
+        clock.roof(p.gpu_launch_s, shape.lead_bytes, p.gpu_mem_gbps,
+                   2.0 * n_tokens * shape.lead_bytes / shape.bytes_per_weight,
+                   p.gpu_tflops * 1e12, "gpu")
     for il in range(shape.layers):
         before = clock.seconds
         clock.roof(p.gpu_launch_s, shape.layer_bytes, p.gpu_mem_gbps,

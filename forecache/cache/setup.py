@@ -227,8 +227,8 @@ def expert_overrides(placement: Placement) -> dict[str, Any]:
 def expert_shape(model: ModelFile) -> ExpertShape:
     """Bytes and per-token flops of one routed expert's projections (first MoE layer)."""
     projs = model.expert_tensors(model.moe_layers()[0])
-    up = next(t for t in projs if "_up_" in t.name)  # ne: [d_model, expert_ff, n_expert]
-    return ExpertShape(int(up.shape[0]), int(up.shape[1]),
+    down = next(t for t in projs if "_down_" in t.name)  # ne: [expert_ff, d_model, n_expert]
+    return ExpertShape(int(down.shape[1]), int(down.shape[0]),
                        tuple(t.nbytes // t.shape[2] for t in projs))
 
 

@@ -12,7 +12,14 @@ from forecache.cache.budget import kv_cache_bytes
 from forecache.cache.cost import ExpertShape
 from forecache.cache.setup import expert_shape
 from forecache.gguf.header import ModelFile, is_expert_tensor, tensor_nbytes
-from forecache.gguf.specs import get_spec, models_yaml, parse_qtype, tensor_type
+from forecache.gguf.specs import (
+    ModelSpec,
+    get_spec,
+    models_yaml,
+    parse_qtype,
+    tensor_plan,
+    tensor_type,
+)
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,7 @@ class SimShape:
     head_bytes: int  # output norm + lm head
     qtype: str
     kv_bytes: int = 0  # f16 K and V of one token at one layer (llama.cpp's default cache type)
+    lead_bytes: int = 0  # leading dense layers (deepseek2), run on the device for every row
 
     @property
     def expert(self) -> ExpertShape:
@@ -52,7 +60,7 @@ class SimShape:
     def dense_bytes(self) -> int:
         """Weights read once a forward pass on the device: every layer's non-expert weights and
         the head."""
-        return self.layers * self.layer_bytes + self.head_bytes
+        return self.layers * self.layer_bytes + self.lead_bytes + self.head_bytes
 
     @property
     def bytes_per_weight(self) -> float:
@@ -68,17 +76,14 @@ def _nbytes(n_elements: int, row: int, qtype: str) -> int:
 
 
 def shape_of(name: str, qtype: str = "q4_k") -> SimShape:
-    """The shape of a models.yaml model (``models`` or ``trace_models``) at ``qtype``."""
+    """The shape of a models.yaml model (``models`` or ``trace_models``) at ``qtype``: a preset's
+    sizes are its tensors as make-model writes them (the lm head at q8_0, as quantizers keep
+    it); a shape-only trace model's are a qwen2moe-style layer of its dimensions."""
     raw = yaml.safe_load(models_yaml(None).read_text())
     extra = (raw.get("trace_models") or {}).get(name)
-    if extra is not None and "preset" not in extra:
-        spec = dict(extra)
-    else:
-        s = get_spec(extra["preset"] if extra is not None else name)
-        spec = {"layers": s.layers, "experts": s.experts, "top_k": s.top_k,
-                "d_model": s.d_model, "expert_ff": s.expert_ff, "heads": s.heads,
-                "kv_heads": s.kv_heads, "vocab": s.vocab, "head_dim": s.head_dim,
-                "shared_ff": s.shared_expert_ff * s.shared_experts}
+    if extra is None or "preset" in extra:
+        return _preset_shape(name, get_spec(extra["preset"] if extra else name), qtype)
+    spec = dict(extra)
     d, ff, e = spec["d_model"], spec["expert_ff"], spec["experts"]
     head = spec.get("head_dim") or d // spec["heads"]
     q, kv = head * spec["heads"], head * spec["kv_heads"]
@@ -92,16 +97,39 @@ def shape_of(name: str, qtype: str = "q4_k") -> SimShape:
                     kv_bytes=4 * kv)
 
 
+def _preset_shape(name: str, spec: ModelSpec, qtype: str) -> SimShape:
+    plans = tensor_plan(spec, qtype)
+    first = f"blk.{spec.dense_layers}."
+    layer = [t for t in plans if t.name.startswith(first)]
+    experts = [t for t in layer if t.kind == "expert"]
+    lead = sum(t.nbytes for t in plans if t.name.startswith("blk.") and
+               int(t.name.split(".")[1]) < spec.dense_layers)
+    if spec.kv_lora_rank is not None:  # latent attention caches one compressed row
+        assert spec.rope_dim is not None
+        kv = 2 * (spec.kv_lora_rank + spec.rope_dim)
+    else:
+        kv = 4 * spec.kv_dim
+    return SimShape(name=name, layers=spec.moe_layers, experts=spec.experts, top_k=spec.top_k,
+                    d_model=spec.d_model, expert_ff=spec.expert_ff,
+                    proj_bytes=tuple(t.nbytes // spec.experts for t in experts),  # type: ignore[arg-type]
+                    layer_bytes=sum(t.nbytes for t in layer if t.kind != "expert"),
+                    head_bytes=_nbytes(spec.d_model * spec.vocab, spec.d_model, "q8_0"),
+                    qtype=qtype.lower(), kv_bytes=kv, lead_bytes=lead)
+
+
 def model_shape(model: ModelFile) -> SimShape:
-    """The simulator's view of a GGUF file: its own sizes, tensor by tensor."""
-    layer = model.moe_layers()[0]
-    blk = [t for t in model.tensors if t.name.startswith(f"blk.{layer}.")]
+    """The simulator's view of a GGUF file: its own sizes, tensor by tensor. Its layers are the
+    MoE layers (a trace's), dense leading layers go into ``lead_bytes``."""
+    moe = model.moe_layers()
+    blk = [t for t in model.tensors if t.name.startswith(f"blk.{moe[0]}.")]
     ex = expert_shape(model)
     qtype = next(t for t in blk if is_expert_tensor(t.name)).type.name.lower()
     head = sum(t.nbytes for t in model.tensors if t.name.startswith("output"))
-    return SimShape(name=model.path.stem, layers=model.n_layer, experts=model.n_expert,
+    lead = sum(t.nbytes for t in model.tensors if t.name.startswith("blk.") and
+               int(t.name.split(".")[1]) not in moe)
+    return SimShape(name=model.path.stem, layers=len(moe), experts=model.n_expert,
                     top_k=model.n_expert_used, d_model=ex.d_model, expert_ff=ex.expert_ff,
                     proj_bytes=ex.proj_bytes,
                     layer_bytes=sum(t.nbytes for t in blk if not is_expert_tensor(t.name)),
                     head_bytes=head, qtype=qtype,
-                    kv_bytes=kv_cache_bytes(model, 1) // max(model.n_layer, 1))
+                    kv_bytes=kv_cache_bytes(model, 1) // max(model.n_layer, 1), lead_bytes=lead)

@@ -20,9 +20,12 @@ from forecache.gguf.specs import QTYPES
 @click.option("--layers", "n_layers", type=int, default=None,
               help="Override the preset's layer count (smaller files for tests).")
 @click.option("--workers", type=int, default=None, help="Writer processes (default: all cores).")
+@click.option("--fuse-gate-up", is_flag=True,
+              help="Gate and up experts in one tensor (as convert_hf_to_gguf.py "
+              "--fuse-gate-up-exps writes them; deepseek2).")
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
 def make_model_cmd(out: Path, preset: str, qtype: str, seed: int, n_layers: int | None,
-                   workers: int | None, force: bool) -> None:
+                   workers: int | None, fuse_gate_up: bool, force: bool) -> None:
     """Write OUT.gguf: a MoE model of a real architecture with random weights."""
     from forecache.gguf.maker import make_model
 
@@ -40,7 +43,7 @@ def make_model_cmd(out: Path, preset: str, qtype: str, seed: int, n_layers: int 
                        err=True)
 
     make_model(out, preset, qtype, seed=seed, n_layers=n_layers, workers=workers,
-               progress=progress)
+               progress=progress, fuse_gate_up=fuse_gate_up)
     click.echo("", err=True)
     click.echo(f"wrote {out} ({out.stat().st_size / 1e9:.2f} GB) in {time.time() - t0:.1f} s")
 

@@ -29,7 +29,8 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
             11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 
-MOE_ARCHES_TESTED = ("qwen2moe", "qwen3moe", "llama (Mixtral)", "olmoe", "granitemoe")
+MOE_ARCHES_TESTED = ("qwen2moe", "qwen3moe", "llama (Mixtral)", "olmoe", "granitemoe",
+                     "deepseek2")
 
 
 class GGUFError(ValueError):

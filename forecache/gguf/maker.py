@@ -22,10 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, GGMLQuantizationType, GGUFWriter
+from gguf import (
+    GGML_QUANT_SIZES,
+    GGML_QUANT_VERSION,
+    ExpertGatingFuncType,
+    GGMLQuantizationType,
+    GGUFWriter,
+)
 
 from forecache.gguf.specs import (
     FF_IS_EXPERT_FF,
+    GATING,
     QTYPES,
     ModelSpec,
     SizeReport,
@@ -89,6 +96,7 @@ _Q4_K_Q_STD = _rms(np.arange(16) - 7.5)
 # Q4_K sub-block scales are 4 + byte % 16 (4..19) and mins 2 * scale (fit 6 bits); small
 # scales keep the f16 super-block scale d well above the f16 subnormal range.
 _Q4_K_SC_RMS = _rms(4 + np.arange(16))
+_MXFP4_RMS = _rms(np.array([0, 1, 2, 3, 4, 6, 8, 12] * 2))
 
 
 def _random_bytes(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -151,6 +159,14 @@ def random_blocks(
         _set_f16(blocks, 0, d)
         # value = d*sc*q - dmin*m with m = 2*sc: dmin = 3.75*d centres q (0..15) on 7.5.
         _set_f16(blocks, 2, 3.75 * d)
+    elif ggml_type == Q.MXFP4:
+        # value = kvalue[nibble] * 2^(e - 128), kvalues the doubled E2M1 grid; each block takes
+        # one of the two exponents around the wanted spread, mixed to hit it on average
+        t = std / _MXFP4_RMS
+        lo = int(np.floor(np.log2(t)))
+        p_hi = (t * t - 4.0 ** lo) / (4.0 ** (lo + 1) - 4.0 ** lo)
+        hi = blocks[:, 0] < round(256 * p_hi)
+        blocks[:, 0] = 128 + lo + hi
     else:
         raise ValueError(f"no random block generator for {ggml_type.name}")
     return blocks.reshape(-1)
@@ -252,7 +268,7 @@ def _add_metadata(writer: GGUFWriter, spec: ModelSpec, qtype: str, seed: int,
 
 def add_hparams(writer: GGUFWriter, spec: ModelSpec, qtype: str) -> None:
     """The architecture's hyperparameter keys and the file type, as the HF converter writes
-    them for Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE and Granite-MoE."""
+    them for Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, Granite-MoE, DeepSeek-V2/V3 and gpt-oss."""
     writer.add_block_count(spec.layers)
     writer.add_context_length(spec.context_length)
     writer.add_embedding_length(spec.d_model)
@@ -263,7 +279,7 @@ def add_hparams(writer: GGUFWriter, spec: ModelSpec, qtype: str) -> None:
     writer.add_layer_norm_rms_eps(spec.rms_eps)
     writer.add_expert_count(spec.experts)
     writer.add_expert_used_count(spec.top_k)
-    if spec.arch not in FF_IS_EXPERT_FF:
+    if spec.arch not in FF_IS_EXPERT_FF or spec.arch == "gpt-oss":
         writer.add_expert_feed_forward_length(spec.expert_ff)
     for value, add in ((spec.embedding_scale, writer.add_embedding_scale),
                        (spec.residual_scale, writer.add_residual_scale),
@@ -271,13 +287,43 @@ def add_hparams(writer: GGUFWriter, spec: ModelSpec, qtype: str) -> None:
                        (spec.logit_scale, writer.add_logit_scale)):
         if value is not None:
             add(value)
-    if spec.shared_experts:
-        writer.add_expert_shared_feed_forward_length(spec.shared_expert_ff)
-    if spec.key_length is not None:
-        writer.add_key_length(spec.key_length)
-        writer.add_value_length(spec.key_length)
+    if spec.sliding_window is not None:
+        writer.add_sliding_window(spec.sliding_window)
+    if spec.arch == "deepseek2":
+        _add_deepseek2(writer, spec)
+    else:
+        if spec.shared_experts:
+            writer.add_expert_shared_feed_forward_length(spec.shared_expert_ff)
+        if spec.key_length is not None:
+            writer.add_key_length(spec.key_length)
+            writer.add_value_length(spec.key_length)
     writer.add_file_type(int(QTYPES[qtype][1]))
     writer.add_quantization_version(GGML_QUANT_VERSION)
+
+
+def _add_deepseek2(writer: GGUFWriter, spec: ModelSpec) -> None:
+    """deepseek2's keys: latent attention is written as one kv head of the compressed width,
+    the per-head sizes it decompresses to as the _mla lengths; then its routing."""
+    assert spec.kv_lora_rank is not None and spec.rope_dim is not None
+    assert spec.key_length is not None and spec.value_length is not None
+    writer.add_leading_dense_block_count(spec.dense_layers)
+    writer.add_vocab_size(spec.vocab)
+    if spec.q_lora_rank:
+        writer.add_q_lora_rank(spec.q_lora_rank)
+    writer.add_kv_lora_rank(spec.kv_lora_rank)
+    writer.add_key_length(spec.kv_lora_rank + spec.rope_dim)
+    writer.add_value_length(spec.kv_lora_rank)
+    writer.add_key_length_mla(spec.key_length)
+    writer.add_value_length_mla(spec.value_length)
+    writer.add_expert_shared_count(spec.shared_experts)
+    if spec.expert_weights_scale is not None:
+        writer.add_expert_weights_scale(spec.expert_weights_scale)
+    if spec.expert_weights_norm:
+        writer.add_expert_weights_norm(True)
+    writer.add_rope_dimension_count(spec.rope_dim)
+    writer.add_expert_group_count(spec.expert_groups)
+    writer.add_expert_group_used_count(spec.expert_groups_used)
+    writer.add_expert_gating_func(ExpertGatingFuncType(GATING[spec.gating]))
 
 
 def _write_header(path: Path, spec: ModelSpec, qtype: str, seed: int,
@@ -356,14 +402,17 @@ def make_model(
     n_layers: int | None = None,
     workers: int | None = None,
     progress: Callable[[int, int], None] | None = None,
+    fuse_gate_up: bool = False,
 ) -> ModelInfo:
     """Write a random-weight GGUF of model `preset` (a models.yaml name) to `out_path`.
 
     qtype is one of f16, q8_0, q4_0, q4_1, q4_k; `seed` fixes the weights; `n_layers` overrides
     the preset's layer count; `workers` is the number of writer processes (default: all
     CPUs, or in-process for small models); `progress(bytes_done, bytes_total)` is called as
-    tensor data is written. The file is written next to `out_path` under a temporary name
-    and renamed when complete. Raises ValueError for an unknown preset or type.
+    tensor data is written; `fuse_gate_up` writes each layer's gate and up experts as one
+    tensor, as the converter's --fuse-gate-up-exps does. The file is written next to
+    `out_path` under a temporary name and renamed when complete. Raises ValueError for an
+    unknown preset or type.
     """
     started = time.monotonic()
     qtype = qtype.lower()
@@ -371,7 +420,7 @@ def make_model(
     spec = get_spec(preset).with_layers(n_layers)
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
-    plans = tensor_plan(spec, qtype)
+    plans = tensor_plan(spec, qtype, fuse_gate_up)
     total = sum(p.nbytes for p in plans)
     if workers is None:
         workers = 1 if total < POOL_MIN_BYTES else (os.cpu_count() or 1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,8 @@ QTYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
     "q4_1": (GGMLQuantizationType.Q4_1, LlamaFileType.MOSTLY_Q4_1),
     # Every matrix is Q4_K (except the Q5_0 fallbacks), which llama.cpp labels Q4_K_S.
     "q4_k": (GGMLQuantizationType.Q4_K, LlamaFileType.MOSTLY_Q4_K_S),
+    # Routed experts in MXFP4 (as gpt-oss ships), every other matrix Q8_0.
+    "mxfp4": (GGMLQuantizationType.MXFP4, LlamaFileType.MOSTLY_MXFP4_MOE),
 }
 
 #: Same fallbacks as llama.cpp's quantizer (tensor_type_fallback in llama-quant.cpp) for a
@@ -52,7 +54,8 @@ _FALLBACK: dict[GGMLQuantizationType, GGMLQuantizationType] = {
 }
 
 #: Tensor classes. "expert" is the routed experts (the part worth caching); the rest is dense.
-TENSOR_KINDS = ("embedding", "norm", "attention", "router", "shared_expert", "expert")
+TENSOR_KINDS = ("embedding", "norm", "attention", "router", "shared_expert", "dense_ffn",
+                "expert_bias", "expert")
 
 
 class UnknownModelError(ValueError):
@@ -99,6 +102,28 @@ class ModelSpec:
     residual_scale: float | None = None
     attention_scale: float | None = None
     logit_scale: float | None = None
+    # deepseek2: leading dense layers, multi-head latent attention (q_lora_rank None: q is
+    # one matrix; key_length is the per-head q/k width, rope_dim of it rotary; value_length
+    # the per-head v width), and its routing (gating softmax or sigmoid, a selection bias,
+    # top-k weights renormalized and scaled, experts in groups of which the best are used)
+    dense_layers: int = 0
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    rope_dim: int | None = None
+    value_length: int | None = None
+    gating: str = "softmax"
+    expert_probs_bias: bool = False
+    expert_weights_norm: bool = False
+    expert_weights_scale: float | None = None
+    expert_groups: int = 1
+    expert_groups_used: int = 1
+    # gpt-oss: sliding-window attention on every other layer
+    sliding_window: int | None = None
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers with routed experts (all but the leading dense ones)."""
+        return self.layers - self.dense_layers
 
     @property
     def head_dim(self) -> int:
@@ -143,6 +168,27 @@ class ModelSpec:
                             f"ff = expert_ff")
         if self.arch == "olmoe" and (self.kv_heads != self.heads or self.key_length):
             problems.append("olmoe norms q and k over d_model: kv_heads = heads")
+        if self.arch == "gpt-oss" and self.sliding_window is None:
+            problems.append("gpt-oss needs sliding_window")
+        if self.arch == "deepseek2":
+            if None in (self.kv_lora_rank, self.rope_dim, self.key_length, self.value_length):
+                problems.append("deepseek2 needs kv_lora_rank, rope_dim, key_length and "
+                                "value_length")
+            elif self.key_length <= self.rope_dim:
+                problems.append("key_length must be more than rope_dim")
+            if self.kv_heads != 1:
+                problems.append("deepseek2 attends as one latent kv head: kv_heads = 1")
+            if self.shared_expert_ff != self.expert_ff * self.shared_experts:
+                problems.append("deepseek2's shared experts are expert_ff wide each: "
+                                "shared_expert_ff = expert_ff * shared_experts")
+        if not 0 <= self.dense_layers < self.layers:
+            problems.append("dense_layers must leave at least one MoE layer")
+        if self.gating not in GATING:
+            problems.append(f"gating is one of {', '.join(GATING)}")
+        if self.experts % self.expert_groups or not (
+                0 < self.expert_groups_used <= self.expert_groups):
+            problems.append("experts must split into expert_groups, of which "
+                            "1..expert_groups are used")
         if self.arch not in ARCHES:
             problems.append(f"make-model writes {', '.join(ARCHES)}, not {self.arch}")
         if not 256 + 1 <= self.text_tokens <= self.vocab - 3:
@@ -212,13 +258,17 @@ def parse_qtype(qtype: str) -> GGMLQuantizationType:
 def tensor_type(name: str, ne: tuple[int, ...], qtype: str) -> GGMLQuantizationType:
     """Choose the ggml type of one tensor when the model is written as `qtype`.
 
-    1-D tensors (norms, biases) and the routers stay F32: llama.cpp's quantizer never
-    quantizes them and routing is sensitive to their precision. Matrices get the requested
-    type, or llama.cpp's fallback when the row length (ne[0]) does not fit its block size.
+    1-D tensors (norms, biases), the experts' biases and the routers stay F32: llama.cpp's
+    quantizer never quantizes them and routing is sensitive to their precision. Matrices get
+    the requested type (mxfp4: the routed experts; the rest q8_0), or llama.cpp's fallback
+    when the row length (ne[0]) does not fit its block size.
     """
-    if len(ne) == 1 or name.endswith(("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")):
+    if len(ne) == 1 or name.endswith((".bias", "ffn_gate_inp.weight",
+                                      "ffn_gate_inp_shexp.weight")):
         return GGMLQuantizationType.F32
     want = parse_qtype(qtype)
+    if want == GGMLQuantizationType.MXFP4 and not name.endswith("_exps.weight"):
+        want = GGMLQuantizationType.Q8_0
     if ne[0] % GGML_QUANT_SIZES[want][0] == 0:
         return want
     fallback = _FALLBACK.get(want, want)
@@ -229,32 +279,48 @@ def tensor_type(name: str, ne: tuple[int, ...], qtype: str) -> GGMLQuantizationT
 
 #: Architectures without a shared expert, and those whose experts are feed_forward_length
 #: wide (no expert_feed_forward_length key), as llama.cpp's converter writes them.
-NO_SHARED_EXPERT = ("qwen3moe", "llama", "olmoe", "granitemoe")
-FF_IS_EXPERT_FF = ("llama", "olmoe", "granitemoe")
+NO_SHARED_EXPERT = ("qwen3moe", "llama", "olmoe", "granitemoe", "gpt-oss")
+FF_IS_EXPERT_FF = ("llama", "olmoe", "granitemoe", "gpt-oss")
+
+#: Router score functions, as llama.cpp numbers them (LLAMA_EXPERT_GATING_FUNC_TYPE_*).
+GATING = {"softmax": 1, "sigmoid": 2}
 
 #: The architectures make-model writes (general.architecture names).
 ARCHES = tuple(MODEL_ARCH_NAMES[a] for a in (MODEL_ARCH.QWEN2MOE, MODEL_ARCH.QWEN3MOE,
                                              MODEL_ARCH.LLAMA, MODEL_ARCH.OLMOE,
-                                             MODEL_ARCH.GRANITE_MOE))
+                                             MODEL_ARCH.GRANITE_MOE, MODEL_ARCH.DEEPSEEK2,
+                                             MODEL_ARCH.GPT_OSS))
 
 
-def tensor_plan(spec: ModelSpec, qtype: str) -> list[TensorPlan]:
+#: Architectures whose llama.cpp loader takes gate and up experts fused in one tensor (the
+#: converter's --fuse-gate-up-exps).
+FUSED_GATE_UP = ("deepseek2",)
+
+
+def tensor_plan(spec: ModelSpec, qtype: str, fuse_gate_up: bool = False) -> list[TensorPlan]:
     """List the tensors of `spec` in file order, with the shapes llama.cpp's loader expects.
 
-    Expert tensors hold all experts of a layer: gate/up are {d_model, expert_ff, experts} and
-    down is {expert_ff, d_model, experts} in ggml order, so one expert is a contiguous slab.
+    Expert tensors hold all experts of a layer: gate/up are {d_model, expert_ff, experts} (or
+    one gate_up {d_model, 2 expert_ff, experts} with ``fuse_gate_up``) and down is
+    {expert_ff, d_model, experts} in ggml order, so one expert is a contiguous slab.
     qwen2moe has q/k/v biases and a sigmoid-gated shared expert; qwen3moe neither, but RMS
     norms of each head's q and k, and heads that need not split d_model; llama (Mixtral) has
     neither biases nor norms nor a shared expert, and granitemoe is laid out as it is (its
-    multipliers are header keys); olmoe norms the whole of q and k.
+    multipliers are header keys); olmoe norms the whole of q and k; deepseek2 has dense leading
+    layers, latent attention and shared experts; gpt-oss has biases everywhere, the experts'
+    included, attention sinks and a router bias.
     """
     if spec.arch not in ARCHES:
         raise ValueError(f"cannot lay out architecture {spec.arch!r}; supported: "
                          f"{', '.join(ARCHES)}")
+    if fuse_gate_up and spec.arch not in FUSED_GATE_UP:
+        raise ValueError(f"llama.cpp loads fused gate/up experts for {', '.join(FUSED_GATE_UP)}"
+                         f", not {spec.arch}")
     parse_qtype(qtype)
     d, kv, n_exp = spec.d_model, spec.kv_dim, spec.experts
     fe, fs, q = spec.expert_ff, spec.shared_expert_ff, spec.q_dim
     qwen2 = spec.arch == MODEL_ARCH_NAMES[MODEL_ARCH.QWEN2MOE]
+    oss = spec.arch == MODEL_ARCH_NAMES[MODEL_ARCH.GPT_OSS]
     out: list[TensorPlan] = []
 
     def add(tensor: MODEL_TENSOR, suffix: str, shape: tuple[int, ...], kind: str,
@@ -266,30 +332,71 @@ def tensor_plan(spec: ModelSpec, qtype: str) -> list[TensorPlan]:
     add(T.TOKEN_EMBD, "weight", (d, spec.vocab), "embedding")
     for b in range(spec.layers):
         add(T.ATTN_NORM, "weight", (d,), "norm", b)
-        for t, width in ((T.ATTN_Q, q), (T.ATTN_K, kv), (T.ATTN_V, kv)):
-            add(t, "weight", (d, width), "attention", b)
-            if qwen2:
-                add(t, "bias", (width,), "attention", b)
-        add(T.ATTN_OUT, "weight", (q, d), "attention", b)
+        if spec.kv_lora_rank is not None:
+            _latent_attention(spec, b, add)
+        else:
+            for t, width in ((T.ATTN_Q, q), (T.ATTN_K, kv), (T.ATTN_V, kv)):
+                add(t, "weight", (d, width), "attention", b)
+                if qwen2 or oss:
+                    add(t, "bias", (width,), "attention", b)
+            add(T.ATTN_OUT, "weight", (q, d), "attention", b)
+            if oss:
+                add(T.ATTN_OUT, "bias", (d,), "attention", b)
+                add(T.ATTN_SINKS, "weight", (spec.heads,), "attention", b)
         if spec.arch == MODEL_ARCH_NAMES[MODEL_ARCH.QWEN3MOE]:
             add(T.ATTN_K_NORM, "weight", (spec.head_dim,), "norm", b)
             add(T.ATTN_Q_NORM, "weight", (spec.head_dim,), "norm", b)
         elif spec.arch == MODEL_ARCH_NAMES[MODEL_ARCH.OLMOE]:
             add(T.ATTN_Q_NORM, "weight", (q,), "norm", b)
             add(T.ATTN_K_NORM, "weight", (kv,), "norm", b)
-        add(T.FFN_NORM, "weight", (d,), "norm", b)
+        add(T.ATTN_POST_NORM if oss else T.FFN_NORM, "weight", (d,), "norm", b)
+        if b < spec.dense_layers:
+            add(T.FFN_GATE, "weight", (d, spec.ff), "dense_ffn", b)
+            add(T.FFN_UP, "weight", (d, spec.ff), "dense_ffn", b)
+            add(T.FFN_DOWN, "weight", (spec.ff, d), "dense_ffn", b)
+            continue
         add(T.FFN_GATE_INP, "weight", (d, n_exp), "router", b)
-        add(T.FFN_GATE_EXP, "weight", (d, fe, n_exp), "expert", b)
-        add(T.FFN_UP_EXP, "weight", (d, fe, n_exp), "expert", b)
-        add(T.FFN_DOWN_EXP, "weight", (fe, d, n_exp), "expert", b)
+        if oss:
+            add(T.FFN_GATE_INP, "bias", (n_exp,), "router", b)
+        if spec.expert_probs_bias:
+            add(T.FFN_EXP_PROBS_B, "bias", (n_exp,), "router", b)
+        projs = [(T.FFN_GATE_UP_EXP, (d, 2 * fe, n_exp))] if fuse_gate_up else [
+            (T.FFN_GATE_EXP, (d, fe, n_exp)), (T.FFN_UP_EXP, (d, fe, n_exp))]
+        for t, shape in projs + [(T.FFN_DOWN_EXP, (fe, d, n_exp))]:
+            add(t, "weight", shape, "expert", b)
+            if oss:  # beside the weights, read by the same routed ids (ADD_ID)
+                add(t, "bias", shape[1:], "expert_bias", b)
         if qwen2:
             add(T.FFN_GATE_INP_SHEXP, "weight", (d,), "shared_expert", b)
+        if spec.shared_experts:
             add(T.FFN_GATE_SHEXP, "weight", (d, fs), "shared_expert", b)
             add(T.FFN_UP_SHEXP, "weight", (d, fs), "shared_expert", b)
             add(T.FFN_DOWN_SHEXP, "weight", (fs, d), "shared_expert", b)
     add(T.OUTPUT_NORM, "weight", (d,), "norm")
     add(T.OUTPUT, "weight", (d, spec.vocab), "embedding")
     return out
+
+
+def _latent_attention(spec: ModelSpec, b: int,
+                      add: Callable[[MODEL_TENSOR, str, tuple[int, ...], str, int], None]) -> None:
+    """deepseek2's multi-head latent attention as the converter writes it: q through a rank
+    q_lora_rank bottleneck (or one matrix), k and v compressed to kv_lora_rank plus the shared
+    rotary part, kv_b split into per-head k_b (transposed) and v_b."""
+    T = MODEL_TENSOR
+    d, h, kl = spec.d_model, spec.heads, spec.kv_lora_rank
+    assert kl is not None and spec.rope_dim is not None and spec.value_length is not None
+    nope = spec.head_dim - spec.rope_dim
+    if spec.q_lora_rank:
+        add(T.ATTN_Q_A, "weight", (d, spec.q_lora_rank), "attention", b)
+        add(T.ATTN_Q_A_NORM, "weight", (spec.q_lora_rank,), "norm", b)
+        add(T.ATTN_Q_B, "weight", (spec.q_lora_rank, spec.q_dim), "attention", b)
+    else:
+        add(T.ATTN_Q, "weight", (d, spec.q_dim), "attention", b)
+    add(T.ATTN_KV_A_MQA, "weight", (d, kl + spec.rope_dim), "attention", b)
+    add(T.ATTN_KV_A_NORM, "weight", (kl,), "norm", b)
+    add(T.ATTN_K_B, "weight", (nope, kl, h), "attention", b)
+    add(T.ATTN_V_B, "weight", (kl, spec.value_length, h), "attention", b)
+    add(T.ATTN_OUT, "weight", (h * spec.value_length, d), "attention", b)
 
 
 def size_report(spec: ModelSpec, qtype: str) -> SizeReport:
@@ -305,7 +412,7 @@ def size_report(spec: ModelSpec, qtype: str) -> SizeReport:
         nbytes[t.kind] += t.nbytes
     dense_params = sum(v for k, v in params.items() if k != "expert")
     dense_bytes = sum(v for k, v in nbytes.items() if k != "expert")
-    per_expert = nbytes["expert"] // (spec.layers * spec.experts)
+    per_expert = nbytes["expert"] // (spec.moe_layers * spec.experts)
     return SizeReport(
         qtype=qtype.lower(),
         params=params,
@@ -315,7 +422,7 @@ def size_report(spec: ModelSpec, qtype: str) -> SizeReport:
         nonexpert_params=dense_params,
         nonexpert_bytes=dense_bytes,
         bytes_per_expert=per_expert,
-        active_bytes_per_token=dense_bytes + per_expert * spec.top_k * spec.layers,
+        active_bytes_per_token=dense_bytes + per_expert * spec.top_k * spec.moe_layers,
     )
 
 

@@ -62,7 +62,7 @@ def slots_for(shape: SimShape, n_layers_cached: int, budget: str | None,
     if fraction is not None:
         return fraction_slots(shape.experts, fraction)
     assert budget is not None
-    fixed = shape.layers * shape.layer_bytes + 2 * shape.head_bytes + BUDGET_RESERVE
+    fixed = shape.dense_bytes + shape.head_bytes + BUDGET_RESERVE
     left = parse_size(budget) - fixed
     if left < shape.expert_bytes * n_layers_cached:
         raise ValueError(f"budget {budget} leaves {max(left, 0) / 2**30:.1f} GiB after the "
@@ -76,7 +76,7 @@ def decode_shape(shape: SimShape, n_slots: int) -> DecodeShape:
     layer, ncmoe's layers split as the simulator splits them."""
     on_gpu = min(shape.layers, n_slots * shape.layers // shape.experts)
     return DecodeShape(shape.layers, shape.experts, shape.top_k, n_slots, shape.layers - on_gpu,
-                       shape.layers * shape.layer_bytes + shape.head_bytes, shape.layers)
+                       shape.dense_bytes, shape.layers)
 
 
 def split_requests(tf: TraceFile, fit_fraction: float) -> tuple[list[Request], list[Request]]:

@@ -393,6 +393,11 @@ class Simulator:
         best_gbps = min(both, p.dram_gbps) if p.dram_gbps > 0 else both
         floor = compute = 0.0
         missed_bytes = 0
+        if sh.lead_bytes:  # leading dense layers: weights on the device, every row through them
+            lead = self._dev(sh.lead_bytes, 2.0 * n * sh.lead_bytes / sh.bytes_per_weight)
+            self.t += lead
+            floor += lead
+            compute += lead
         for il in range(sh.layers):
             if il not in cached:
                 # a layer the trace logged no routing for is left out: the run is the model's
