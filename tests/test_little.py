@@ -36,15 +36,20 @@ def _run(model: Path, cfg: CacheConfig, little: int) -> tuple[list, dict]:
     return out, stats
 
 
-@pytest.mark.parametrize("policy", ["promoe", "lru"])
-@pytest.mark.parametrize("little", [1, 2])
-def test_little_pass_is_the_model_with_fewer_experts(tiny_model: Callable[[str], Path],
-                                                     stock: StockReference, policy: str,
-                                                     little: int) -> None:
-    model = tiny_model("q8_0")
-    k = read_model_file(model).n_expert_used
-    assert little < k
-    key = "qwen2moe.expert_used_count"
+@pytest.mark.parametrize(("preset", "policy", "little"), [
+    ("tiny", "promoe", 1), ("tiny", "promoe", 2), ("tiny", "lru", 1), ("tiny", "lru", 2),
+    # the chosen weights renormalized (a division), softmaxed after the choice (gpt-oss), or
+    # chosen within groups (deepseek2): the little pass renormalizes over the experts it keeps
+    ("tiny-qwen3moe", "promoe", 2), ("tiny-mixtral", "promoe", 1),
+    ("tiny-olmoe", "promoe", 2), ("tiny-granitemoe", "promoe", 2),
+    ("tiny-deepseek2", "promoe", 2), ("tiny-gpt-oss", "promoe", 2)])
+def test_little_pass_is_the_model_with_fewer_experts(tiny_model: Callable[..., Path],
+                                                     stock: StockReference, preset: str,
+                                                     policy: str, little: int) -> None:
+    model = tiny_model("q8_0", preset)
+    mf = read_model_file(model)
+    assert little < mf.n_expert_used
+    key = f"{mf.arch}.expert_used_count"
     fewer = stock.run(model, PROMPTS, N_GEN, n_ctx=128, n_threads=2,
                       kv_overrides={key: little})
     full = stock.run(model, PROMPTS, N_GEN, n_ctx=128, n_threads=2)
@@ -59,7 +64,7 @@ def test_little_pass_is_the_model_with_fewer_experts(tiny_model: Callable[[str],
         assert tokens == ref_tokens
         assert np.array_equal(logits, ref_logits[-1])
     # the policy saw only each token's top m experts
-    n_moe = len(read_model_file(model).moe_layers())
+    n_moe = len(mf.moe_layers())
     assert 0 < stats["hits"] + stats["misses"] <= len(PROMPTS) * (N_GEN + 1) * little * n_moe
 
 

@@ -1,7 +1,7 @@
 """Lossless against the unpatched llama-cpp-python of the same sdist (``forecache build
---reference``), not against forecache's own build with its hooks off: every policy, four weight
-types, qwen2moe, qwen3moe, llama (Mixtral), olmoe and granitemoe, n_batch > n_ubatch, prompts
-longer than 512 tokens, and batch jobs.
+--reference``), not against forecache's own build with its hooks off: every policy, five weight
+types, qwen2moe, qwen3moe, llama (Mixtral), olmoe, granitemoe, deepseek2 (and its fused gate/up
+experts) and gpt-oss, n_batch > n_ubatch, prompts longer than 512 tokens, and batch jobs.
 
 The reference loads as forecache's policies do, with CPU weight repacking off (use_extra_bufts =
 false); test_default_placement covers llama.cpp's default (repacking) placement. On a CPU build
@@ -109,11 +109,13 @@ def _every_policy(model: Path, where: str, stock: StockReference,
     return stats
 
 
-def test_batch_jobs_equal_unpatched(tiny_model: Callable[[str], Path], stock: StockReference,
-                                    tmp_path: Path) -> None:
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3moe", "tiny-mixtral", "tiny-olmoe",
+                                    "tiny-granitemoe", "tiny-deepseek2", "tiny-gpt-oss"])
+def test_batch_jobs_equal_unpatched(preset: str, tiny_model: Callable[..., Path],
+                                    stock: StockReference, tmp_path: Path) -> None:
     """`forecache batch --parallel 1` under every policy, static included, with a prompt longer
     than 512 tokens: the texts are the unpatched build's greedy texts."""
-    model = tiny_model("q8_0")
+    model = tiny_model("q8_0", preset)
     with Llama(str(model), cache=None, n_ctx=2048, verbose=False) as llm:
         long_prompt = llm.detokenize(llm.tokenize((TEXT * 120).encode())[:600]).decode()
         requests = [{"id": "short", "prompt": "The capital of France is"},
@@ -135,6 +137,6 @@ def test_batch_jobs_equal_unpatched(tiny_model: Callable[[str], Path], stock: St
         res = run_cli("batch", "-m", str(model), "--input", str(inp), "--output", str(out),
                       "--parallel", "1", "--threads", "2", "--policy", policy,
                       *([] if policy == "offload" else size))
-        assert res.returncode == 0, f"{policy}: {res.stderr[-2000:]}"
+        assert res.returncode == 0, f"{preset} {policy}: {res.stderr[-2000:]}"
         got = {r["id"]: r["text"] for r in map(json.loads, out.read_text().splitlines())}
-        assert got == want, policy
+        assert got == want, (preset, policy)

@@ -150,6 +150,8 @@ struct fc_layer {
     bool     staged    = false;       // some entry reads a stage slot (slot n_slots + j)
     bool     little    = false;       // routed by a little pass: computed group by group
     std::vector<int32_t> little_ids;  // the top-k little passes routed their tokens to, before they kept some
+    std::vector<uint8_t> early_drop;  // positions a little pass dropped before the weights' normalization
+    uint64_t             early_epoch = 0;
 
     forecache_cache_stats stats = {};
 
@@ -184,6 +186,21 @@ int fc_expert_layer(const std::string & name) {
     return il;
 }
 
+// how the router weights a MUL_MAT_ID's ids were read with reach the expert outputs, which decides
+// how a little pass drops an expert: weight 0 where they multiply the outputs as they are (qwen2moe,
+// olmoe) or are first divided by their sum (the kept ones are renormalized: mixtral, qwen3moe,
+// deepseek2), -inf where a softmax over them comes first (gpt-oss)
+enum fc_weights_use { FC_WEIGHTS_UNKNOWN, FC_WEIGHTS_DIRECT, FC_WEIGHTS_NORMALIZED, FC_WEIGHTS_SOFTMAXED };
+
+// the tensor t views (through reshapes, views, permutes), or t itself
+const ggml_tensor * fc_viewed(const ggml_tensor * t) {
+    while (t != nullptr && (t->op == GGML_OP_RESHAPE || t->op == GGML_OP_VIEW ||
+                            t->op == GGML_OP_PERMUTE || t->op == GGML_OP_TRANSPOSE)) {
+        t = t->src[0];
+    }
+    return t;
+}
+
 } // namespace
 
 struct forecache_cache {
@@ -194,7 +211,9 @@ struct forecache_cache {
     std::unordered_map<const ggml_tensor *, std::pair<int32_t, int32_t>> host_map; // expert tensor -> (layer, proj)
     std::unordered_map<const ggml_tensor *, std::pair<int32_t, int32_t>> pool_map; // pool tensor   -> (layer, proj)
     std::unordered_map<const ggml_tensor *, ggml_tensor *>               weights_of; // routed ids -> router weights
-    std::unordered_map<const ggml_tensor *, bool>                        weights_mul; // router weights -> they multiply the expert outputs
+    std::unordered_map<const ggml_tensor *, fc_weights_use>              weights_use; // router weights -> how they reach the expert outputs
+    std::unordered_map<const ggml_tensor *, ggml_tensor *>               little_before; // node -> router weights a little pass drops in before it
+    std::unordered_map<const ggml_tensor *, int32_t>                     layer_of_ids; // routed ids -> layer
     std::atomic<int32_t> little{0};           // forecache_cache_set_little: experts a little pass keeps
     std::atomic<bool>    little_resident{false}; // ... of those already resident, and the top-1
 
@@ -814,18 +833,60 @@ void fc_graph_hook(ggml_cgraph * graph, void * user_data) {
             c->weights_of[node->src[1]] = node;
         }
     }
-    // router weights that multiply the expert outputs as they are (no renormalization after the top-k)
-    c->weights_mul.clear();
+    // how the router weights reach the expert outputs, and where a little pass that must drop
+    // experts before a normalization does so: before the first node reading them
+    c->weights_use.clear();
+    c->little_before.clear();
+    std::unordered_map<const ggml_tensor *, ggml_tensor *> first_reader;
     for (const auto & [ids, w] : c->weights_of) {
-        c->weights_mul[w] = false;
+        c->weights_use[w] = FC_WEIGHTS_UNKNOWN;
     }
-    for (int i = 0; i < n_nodes && !c->weights_mul.empty(); i++) {
+    for (int i = 0; i < n_nodes && !c->weights_use.empty(); i++) {
         ggml_tensor * node = ggml_graph_node(graph, i);
-        if (node->op == GGML_OP_MUL && c->weights_mul.count(node->src[1])) {
-            c->weights_mul[node->src[1]] = true;
+        if (node->op == GGML_OP_RESHAPE || node->op == GGML_OP_VIEW || node->op == GGML_OP_PERMUTE ||
+                node->op == GGML_OP_TRANSPOSE) {
+            continue;
+        }
+        for (int j = 0; j < GGML_MAX_SRC && node->src[j] != nullptr; j++) {
+            auto it = c->weights_use.find(fc_viewed(node->src[j]));
+            if (it == c->weights_use.end()) {
+                continue;
+            }
+            first_reader.emplace(it->first, node);
+            if (it->second != FC_WEIGHTS_UNKNOWN) {
+                continue;
+            }
+            if (node->op == GGML_OP_MUL && j == 1 && node->src[1] == it->first) {
+                it->second = FC_WEIGHTS_DIRECT;
+            } else if (node->op == GGML_OP_DIV && j == 0) {
+                it->second = FC_WEIGHTS_NORMALIZED;
+            } else if (node->op == GGML_OP_SOFT_MAX && j == 0) {
+                it->second = FC_WEIGHTS_SOFTMAXED;
+            }
+        }
+    }
+    for (const auto & [w, use] : c->weights_use) {
+        if (use == FC_WEIGHTS_NORMALIZED || use == FC_WEIGHTS_SOFTMAXED) {
+            c->little_before[first_reader.at(w)] = const_cast<ggml_tensor *>(w);
+        }
+    }
+    // the router weights stay allocated until the matmul that reads them back (a normalization
+    // consumes them earlier)
+    c->layer_of_ids.clear();
+    for (int i = 0; i < n_nodes; i++) {
+        ggml_tensor * node = ggml_graph_node(graph, i);
+        auto pit = node->op == GGML_OP_MUL_MAT_ID ? c->pool_map.find(node->src[0]) : c->pool_map.end();
+        if (pit == c->pool_map.end()) {
+            continue;
+        }
+        c->layer_of_ids[node->src[3]] = pit->second.first;
+        auto it = c->weights_of.find(node->src[3]);
+        if (it != c->weights_of.end() && node->src[4] == nullptr) {
+            node->src[4] = it->second;
         }
     }
 }
+
 
 // nodes of the small graphs the hook computes itself, outside the scheduler
 constexpr int FC_MINI_GRAPH_SIZE = 16;
@@ -1326,13 +1387,12 @@ int32_t fc_try_decode_gate(forecache_cache * c, int32_t il, int64_t n_tokens, in
     return rc;
 }
 
-// reads the routed ids of layer il, runs the gate hook, and prepares slot or host compute
-bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
-    fc_layer & L = c->layers[il];
-    ggml_tensor * ids_t = t->src[3];
+// reads the routed ids of layer il from ids_t into c->ids; false (and the graph compute cancelled)
+// if one is not an expert of the layer
+bool fc_read_ids(forecache_cache * c, int32_t il, const ggml_tensor * ids_t) {
+    const fc_layer & L = c->layers[il];
     const int64_t n_used   = ids_t->ne[0];
     const int64_t n_tokens = ids_t->ne[1];
-
     c->raw.resize(ggml_nbytes(ids_t));
     ggml_backend_tensor_get(ids_t, c->raw.data(), 0, c->raw.size());
     c->ids.resize(n_used*n_tokens);
@@ -1352,6 +1412,76 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
             c->ids[i1*n_used + i0] = id;
         }
     }
+    return true;
+}
+
+// which experts of a little pass's rows it drops, before their weights are used: positions past
+// the little count, and with little_resident those not resident (never the top-1). Fills
+// c->ids/c->weights from the routed ids and weights of layer L; true if any is dropped.
+bool fc_little_drop(forecache_cache * c, fc_layer & L, int64_t n_used, int64_t n_tokens,
+                    std::vector<uint8_t> & drop) {
+    const int64_t little = std::min<int64_t>(c->little.load(), n_used);
+    const bool resident = c->little_resident.load();
+    drop.assign(n_used*n_tokens, 0);
+    if (little <= 0 || (little >= n_used && !resident)) {
+        return false;
+    }
+    std::unique_lock<std::mutex> lock(c->mtx, std::defer_lock);
+    if (resident) {
+        lock.lock(); // slot states
+    }
+    bool any = false;
+    for (int64_t i1 = 0; i1 < n_tokens; i1++) {
+        const int32_t * row = c->ids.data() + i1*n_used;
+        for (int64_t iu = 1; iu < n_used; iu++) {
+            const int32_t s = L.slot_of[row[iu]];
+            const bool keep = iu < little && (!resident || (s >= 0 && fc_slot_state(L, s) == FORECACHE_SLOT_READY));
+            drop[i1*n_used + iu] = !keep;
+            any = any || !keep;
+        }
+    }
+    return any;
+}
+
+// a little pass over weights that are normalized (or softmaxed) before they multiply the expert
+// outputs drops its experts in the weights before that: 0 (the sum renormalizes the kept ones) or
+// -inf (the softmax does); the layer's routing later repeats the same drops in its ids
+bool fc_little_early(forecache_cache * c, ggml_tensor * w) {
+    const ggml_tensor * ids_t = w->src[1];
+    auto li = c->layer_of_ids.find(ids_t);
+    if (li == c->layer_of_ids.end() || ggml_nelements(w) != ggml_nelements(ids_t)) {
+        return true;
+    }
+    fc_layer & L = c->layers[li->second];
+    if (!fc_read_ids(c, li->second, ids_t)) {
+        return false;
+    }
+    L.early_epoch = c->epoch;
+    if (!fc_little_drop(c, L, ids_t->ne[0], ids_t->ne[1], L.early_drop)) {
+        return true;
+    }
+    c->weights.resize(ggml_nelements(w));
+    ggml_backend_tensor_get(w, c->weights.data(), 0, ggml_nbytes(w));
+    const float gone = c->weights_use.at(w) == FC_WEIGHTS_SOFTMAXED ? -INFINITY : 0.0f;
+    for (size_t i = 0; i < L.early_drop.size(); i++) {
+        if (L.early_drop[i]) {
+            c->weights[i] = gone;
+        }
+    }
+    ggml_backend_tensor_set(w, c->weights.data(), 0, ggml_nbytes(w));
+    return true;
+}
+
+// reads the routed ids of layer il, runs the gate hook, and prepares slot or host compute
+bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
+    fc_layer & L = c->layers[il];
+    ggml_tensor * ids_t = t->src[3];
+    const int64_t n_used   = ids_t->ne[0];
+    const int64_t n_tokens = ids_t->ne[1];
+
+    if (!fc_read_ids(c, il, ids_t)) {
+        return false;
+    }
 
     const float * weights = nullptr;
     auto wit = c->weights_of.find(ids_t);
@@ -1361,34 +1491,27 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
         weights = c->weights.data();
     }
 
-    // little pass: the positions it drops take weight 0 and the top-1's id (read back, the weights
-    // are the multipliers the graph applies after the down projection)
+    // little pass: the positions it drops take the top-1's id and weight 0 (written back where the
+    // weights multiply the outputs as they are; dropped before their normalization otherwise)
     L.little = false;
+    const fc_weights_use use = weights != nullptr ? c->weights_use.at(wit->second) : FC_WEIGHTS_UNKNOWN;
     const int64_t little = std::min<int64_t>(c->little.load(), n_used);
-    const bool resident = c->little_resident.load();
-    if (little > 0 && (little < n_used || resident) && weights != nullptr &&
-            c->weights_mul.count(wit->second) != 0 && c->weights_mul.at(wit->second)) {
+    if (use != FC_WEIGHTS_UNKNOWN && little > 0 && (little < n_used || c->little_resident.load())) {
         L.little_ids.insert(L.little_ids.end(), c->ids.begin(), c->ids.end());
-        std::unique_lock<std::mutex> lock(c->mtx, std::defer_lock);
-        if (resident) {
-            lock.lock(); // slot states
+        std::vector<uint8_t> drop;
+        if (use == FC_WEIGHTS_DIRECT) {
+            fc_little_drop(c, L, n_used, n_tokens, drop);
+        } else if (L.early_epoch == c->epoch && L.early_drop.size() == c->ids.size()) {
+            drop = L.early_drop;
         }
-        for (int64_t i1 = 0; i1 < n_tokens; i1++) {
-            int32_t * row = c->ids.data() + i1*n_used;
-            for (int64_t iu = 1; iu < n_used; iu++) {
-                const int32_t s = L.slot_of[row[iu]];
-                const bool keep = iu < little && (!resident || (s >= 0 && fc_slot_state(L, s) == FORECACHE_SLOT_READY));
-                if (!keep) {
-                    row[iu] = row[0];
-                    c->weights[i1*n_used + iu] = 0.0f;
-                    L.little = true; // repeated ids: computed group by group
-                }
+        for (size_t i = 0; i < drop.size(); i++) {
+            if (drop[i]) {
+                c->ids[i] = c->ids[i - i % n_used];
+                c->weights[i] = 0.0f;
+                L.little = true; // repeated ids: computed group by group
             }
         }
-        if (lock.owns_lock()) {
-            lock.unlock();
-        }
-        if (L.little) {
+        if (L.little && use == FC_WEIGHTS_DIRECT) {
             ggml_backend_tensor_set(wit->second, c->weights.data(), 0, ggml_nbytes(wit->second));
         }
     }
@@ -1477,7 +1600,14 @@ int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
         return 0;
     }
     if (t->op != GGML_OP_MUL_MAT_ID) {
-        return 0;
+        if (c->little_before.empty() || c->little.load() == 0) {
+            return 0;
+        }
+        auto lb = c->little_before.find(t);
+        if (lb == c->little_before.end()) {
+            return 0;
+        }
+        return ask ? 1 : (fc_little_early(c, lb->second) ? 0 : -1);
     }
     auto it = c->pool_map.find(t->src[0]);
     if (it == c->pool_map.end()) {
