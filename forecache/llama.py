@@ -198,8 +198,23 @@ class Llama(llama_cpp.Llama):
         if cache is not None and cache.little_k:
             self._mobile = (self._little_k(cache.little_k, cache.little_resident), cache.gamma,
                             cache.little_resident)
+        if (draft is not None or self._mobile is not None) and self.is_recurrent:
+            self.close()
+            raise ValueError(
+                f"{self.model_file.path.name} ({self.model_file.arch}) keeps a recurrent state, "
+                f"which llama.cpp cannot take back to an earlier token: "
+                f"{setting('draft') if draft is not None else setting('mode', 'mobile')} "
+                "recomputes tokens and needs that; run without it")
         if draft is not None:
             self._spec = self._speculator(draft, draft_k)
+
+    @property
+    def is_recurrent(self) -> bool:
+        """The model keeps a recurrent state (a state-space or convolution layer): llama.cpp
+        cannot remove its last tokens from a sequence."""
+        low = llama_cpp_module()
+        return bool(low.llama_model_is_recurrent(self.model) or
+                    low.llama_model_is_hybrid(self.model))
 
     def _speculator(self, draft: str, draft_k: int | None) -> Speculator:
         """Speculative decoding with ``draft`` (closing the model on a bad one)."""

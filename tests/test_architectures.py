@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from conftest import StockReference
 
 PRESETS = ["tiny", "tiny-qwen3moe", "tiny-mixtral", "tiny-olmoe", "tiny-granitemoe",
-           "tiny-deepseek2", "tiny-gpt-oss"]
+           "tiny-deepseek2", "tiny-gpt-oss", "tiny-lfm2moe"]
 TEXT = "Rivers carry water from the hills down to the sea, and the sea feeds the clouds. "
 
 
@@ -64,3 +64,38 @@ def test_trace_train_and_prefetch(preset: str, tiny_model: Callable[..., Path],
     if stock.backend == "cpu":
         assert (logits == ref_logits).all(), preset
     assert forecasts > 0 and stats["hits"] > 0, (preset, forecasts, stats["hits"])
+
+
+def test_parallel_batch_keeps_each_sequences_recurrent_state(tiny_model: Callable[..., Path],
+                                                             tmp_path: Path) -> None:
+    """lfm2moe's convolution layers keep a state per sequence: a batch job decoding three
+    sequences at once (freed ids reused, the last sequence moved into a lower id) writes the
+    texts it writes one sequence at a time."""
+    import json
+
+    model = tiny_model("q8_0", "tiny-lfm2moe")
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("".join(json.dumps({"id": str(i), "prompt": TEXT[:20 + 13 * i],
+                                       "max_tokens": 6 + 5 * (i % 3), "temperature": 0}) + "\n"
+                           for i in range(7)))
+    texts = []
+    for parallel in ("1", "3"):
+        out = tmp_path / f"out-{parallel}.jsonl"
+        run_cli("batch", "-m", str(model), "--input", str(inp), "--output", str(out),
+                "--parallel", parallel, "--policy", "promoe", "--cache-fraction", "0.5",
+                check=True)
+        texts.append({r["id"]: r["text"] for r in map(json.loads, out.read_text().splitlines())})
+    assert len(texts[0]) == 7 and texts[0] == texts[1]
+
+
+@pytest.mark.parametrize("flags", [["--draft", "self-little"], ["--mode", "mobile"]])
+def test_recurrent_models_refuse_what_takes_tokens_back(tiny_model: Callable[..., Path],
+                                                        flags: list[str]) -> None:
+    """Speculative and MoBiLE decoding remove tokens from a sequence's cache, which llama.cpp
+    cannot do to a recurrent state: one line says so, instead of wrong tokens."""
+    model = tiny_model("q8_0", "tiny-lfm2moe")
+    res = run_cli("generate", "-m", str(model), "-p", "Hello", "-n", "4", "--policy", "promoe",
+                  "--cache-fraction", "0.5", "--predictor", "history", *flags)
+    assert res.returncode != 0
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "recurrent state" in lines[0] and flags[0] in lines[0], lines

@@ -54,8 +54,7 @@ def _ncmoe_budget(model: Path, host_layers: int) -> int:
     mf = read_model_file(model)
     plan = plan_memory(mf, 1 << 40, n_ctx=512, n_ubatch=N_BATCH, device_name="x",
                        device_total=1 << 50)
-    on_gpu = len(plan.moe_layers) - host_layers
-    return plan.fixed_bytes + on_gpu * plan.n_expert * plan.expert_bytes
+    return plan.ncmoe_budget(host_layers)
 
 
 def _configs(model: Path) -> list[CacheConfig]:
@@ -206,3 +205,31 @@ def test_host_thread_handoff(tiny_model: Callable[[str], Path]) -> None:
     with Llama.open(model, cache=None, n_ctx=256) as plain:
         assert generate(plain, [1, 2, 3], 8, SamplingParams(greedy=True),
                         ignore_eos=True).tokens == tokens
+
+
+def test_budgets_follow_each_layers_expert_size(tiny_model: Callable[..., Path]) -> None:
+    """A Q4_K_M file gives some layers' experts more bits (Q6_K ffn_down): slots fill the budget
+    with each layer's own size, and ncmoe's host layers are the fewest that leave the rest in."""
+    mf = read_model_file(tiny_model("q4_k_m"))
+    sizes = mf.layer_expert_bytes()
+    assert len(set(sizes)) == 2 and sizes[2] > sizes[0]  # layers 2 and 3: Q6_K ffn_down
+    full = plan_memory(mf, 1 << 40, n_ctx=512, n_ubatch=N_BATCH, device_name="x",
+                       device_total=1 << 50)
+    for extra in (sum(sizes) * 3 + sizes[0], sum(sizes) * 5 + sizes[0] + sizes[1] + 7):
+        plan = plan_memory(mf, full.fixed_bytes + extra, n_ctx=512, n_ubatch=N_BATCH,
+                           device_name="x", device_total=1 << 50)
+        slots = plan.slots_per_layer()
+        used = sum(slots[il] * b for il, b in zip(mf.moe_layers(), sizes, strict=True))
+        assert used <= plan.expert_budget
+        # no layer short of its experts could take one more
+        assert all(slots[il] == mf.n_expert or used + b > plan.expert_budget
+                   for il, b in zip(mf.moe_layers(), sizes, strict=True))
+    for host in range(len(sizes) + 1):
+        budget = full.ncmoe_budget(host)
+        plan = plan_memory(mf, budget, n_ctx=512, n_ubatch=N_BATCH, device_name="x",
+                           device_total=1 << 50)
+        assert plan.ncmoe_cpu_layers() == host
+        if host < len(sizes):  # a byte less moves one more layer to the host
+            less = plan_memory(mf, budget - 1, n_ctx=512, n_ubatch=N_BATCH, device_name="x",
+                               device_total=1 << 50)
+            assert less.ncmoe_cpu_layers() == host + 1

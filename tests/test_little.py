@@ -42,7 +42,8 @@ def _run(model: Path, cfg: CacheConfig, little: int) -> tuple[list, dict]:
     # chosen within groups (deepseek2): the little pass renormalizes over the experts it keeps
     ("tiny-qwen3moe", "promoe", 2), ("tiny-mixtral", "promoe", 1),
     ("tiny-olmoe", "promoe", 2), ("tiny-granitemoe", "promoe", 2),
-    ("tiny-deepseek2", "promoe", 2), ("tiny-gpt-oss", "promoe", 2)])
+    ("tiny-deepseek2", "promoe", 2), ("tiny-gpt-oss", "promoe", 2),
+    ("tiny-lfm2moe", "promoe", 2)])
 def test_little_pass_is_the_model_with_fewer_experts(tiny_model: Callable[..., Path],
                                                      stock: StockReference, preset: str,
                                                      policy: str, little: int) -> None:

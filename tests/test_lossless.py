@@ -1,6 +1,6 @@
 """Lossless against the unpatched llama-cpp-python of the same sdist (``forecache build
---reference``), not against forecache's own build with its hooks off: every policy, five weight
-types, qwen2moe, qwen3moe, llama (Mixtral), olmoe, granitemoe, deepseek2 (and its fused gate/up
+--reference``), not against forecache's own build with its hooks off: every policy, six weight
+types (llama.cpp's Q4_K_M mix with experts of two sizes among them), qwen2moe, qwen3moe, llama (Mixtral), olmoe, granitemoe, deepseek2 (and its fused gate/up
 experts) and gpt-oss, n_batch > n_ubatch, prompts longer than 512 tokens, and batch jobs.
 
 The reference loads as forecache's policies do, with CPU weight repacking off (use_extra_bufts =
@@ -49,9 +49,7 @@ def _ncmoe(model: Path, host_layers: int, n_ubatch: int = PARAMS["n_ubatch"]) ->
     mf = read_model_file(model)
     plan = plan_memory(mf, 1 << 40, n_ctx=PARAMS["n_ctx"], n_ubatch=n_ubatch,
                        device_name="x", device_total=1 << 50)
-    on_dev = len(plan.moe_layers) - host_layers
-    return CacheConfig("ncmoe", gpu_budget=plan.fixed_bytes +
-                       on_dev * plan.n_expert * plan.expert_bytes)
+    return CacheConfig("ncmoe", gpu_budget=plan.ncmoe_budget(host_layers))
 
 
 def _configs(model: Path) -> list[CacheConfig]:
@@ -60,13 +58,14 @@ def _configs(model: Path) -> list[CacheConfig]:
 
 
 @pytest.mark.parametrize(("preset", "qtype"), [
-    ("tiny", "f16"), ("tiny", "q4_0"), ("tiny", "q4_k"), ("tiny", "q8_0"),
+    ("tiny", "f16"), ("tiny", "q4_0"), ("tiny", "q4_k"), ("tiny", "q8_0"), ("tiny", "q4_k_m"),
     ("tiny-qwen3moe", "q8_0"), ("tiny-qwen3moe", "q4_k"),
-    ("tiny-mixtral", "q8_0"), ("tiny-mixtral", "q4_k"),
+    ("tiny-mixtral", "q8_0"), ("tiny-mixtral", "q4_k_m"),
     ("tiny-olmoe", "q8_0"), ("tiny-olmoe", "q4_k"),
     ("tiny-granitemoe", "q8_0"), ("tiny-granitemoe", "q4_k"),
     ("tiny-deepseek2", "q8_0"), ("tiny-deepseek2", "q4_k"),
-    ("tiny-gpt-oss", "q8_0"), ("tiny-gpt-oss", "mxfp4")])
+    ("tiny-gpt-oss", "q8_0"), ("tiny-gpt-oss", "mxfp4"),
+    ("tiny-lfm2moe", "q8_0"), ("tiny-lfm2moe", "q4_k_m")])
 def test_every_policy_equals_unpatched(preset: str, qtype: str,
                                        tiny_model: Callable[..., Path],
                                        stock: StockReference) -> None:
@@ -110,7 +109,8 @@ def _every_policy(model: Path, where: str, stock: StockReference,
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3moe", "tiny-mixtral", "tiny-olmoe",
-                                    "tiny-granitemoe", "tiny-deepseek2", "tiny-gpt-oss"])
+                                    "tiny-granitemoe", "tiny-deepseek2", "tiny-gpt-oss",
+                                    "tiny-lfm2moe"])
 def test_batch_jobs_equal_unpatched(preset: str, tiny_model: Callable[..., Path],
                                     stock: StockReference, tmp_path: Path) -> None:
     """`forecache batch --parallel 1` under every policy, static included, with a prompt longer

@@ -78,7 +78,7 @@ def test_tensor_type_choice() -> None:
 
 # --- random blocks -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_0, Q.Q8_0, Q.Q4_0, Q.MXFP4])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_0, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.MXFP4])
 @pytest.mark.parametrize("fan_in", [256, 2560, 20480])
 def test_random_blocks_dequantize_to_intended_spread(qtype: Q, fan_in: int) -> None:
     std = 1 / np.sqrt(fan_in)

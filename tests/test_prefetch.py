@@ -121,7 +121,8 @@ def _slow_bus(tmp_path: Path) -> str:
                                       Features(preempt=False), Features(prefetch=False)],
                          ids=lambda f: f.label())
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3moe", "tiny-mixtral", "tiny-olmoe",
-                                    "tiny-granitemoe", "tiny-deepseek2", "tiny-gpt-oss"])
+                                    "tiny-granitemoe", "tiny-deepseek2", "tiny-gpt-oss",
+                                    "tiny-lfm2moe"])
 def test_promoe_is_lossless(preset: str, tiny_model: Callable[..., Path], features: Features,
                             tmp_path: Path, stock: StockReference) -> None:
     """Every switch of promoe on every architecture, equal to the unpatched build; with all of

@@ -95,11 +95,13 @@ def test_stage_slots_in_c_follow_the_sim_engine(tiny_model: Callable[[str], Path
         cache._lib.forecache_cache_pause(cache._handle, False)
 
 
-def test_staged_prompt_passes_are_lossless(tiny_model: Callable[[str], Path],
-                                           stock: StockReference) -> None:
+@pytest.mark.parametrize("qtype", ["q8_0", "q4_k_m"])
+def test_staged_prompt_passes_are_lossless(tiny_model: Callable[..., Path],
+                                           stock: StockReference, qtype: str) -> None:
     """Prompts longer than the slots stream, and promoe copies the next layer's missing experts
-    into stage slots meanwhile; tokens and logits equal stock llama.cpp's."""
-    model = tiny_model("q8_0")
+    into stage slots meanwhile; tokens and logits equal stock llama.cpp's. In a Q4_K_M file the
+    stage slots take the layout of most layers, and the others stage nothing."""
+    model = tiny_model(qtype)
     with Llama.open(model, n_ctx=512, n_threads=2, cache=CacheConfig("offload")) as llm:
         text = text_tokens(llm, TEXT)
     prompts = [text[:n] for n in (64, 300)]
@@ -117,7 +119,10 @@ def test_staged_prompt_passes_are_lossless(tiny_model: Callable[[str], Path],
             assert res.tokens == ref_tokens
             assert np.array_equal(last_logits(llm), ref_logits[-1])
         stats = cache.stats()
+        staged = {il: cache.stats(il)["staged"] for il in range(4)}
     assert stats["streamed"] > 0 and stats["staged"] > 0 and stats["stage_used"] > 0, stats
+    if qtype == "q4_k_m":  # layers 2 and 3 have Q6_K ffn_down experts: not the stage layout
+        assert staged[1] > 0 and staged[2] == staged[3] == 0, staged
 
 
 def test_stage_slots_rule_and_budget() -> None:

@@ -118,7 +118,8 @@ def _assert_same_choice(scores: np.ndarray, chosen: np.ndarray, where: str) -> N
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3moe", "tiny-mixtral", "tiny-olmoe",
-                                    "tiny-granitemoe", "tiny-deepseek2", "tiny-gpt-oss"])
+                                    "tiny-granitemoe", "tiny-deepseek2", "tiny-gpt-oss",
+                                    "tiny-lfm2moe"])
 def test_tracing_keeps_tokens_and_records_true_routing(preset: str, tiny_model,
                                                         tmp_path: Path) -> None:
     """The recorded trace: same greedy tokens as a plain run, one row per token fed to the model,

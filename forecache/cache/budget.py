@@ -43,7 +43,7 @@ class MemoryPlan:
     non_expert_bytes: int
     kv_bytes: int
     compute_bytes: int
-    expert_bytes: int          # one expert of one layer, all projections
+    layer_bytes: tuple[int, ...]  # one expert of each MoE layer, all projections
     n_expert: int
     moe_layers: list[int]
 
@@ -55,32 +55,53 @@ class MemoryPlan:
     def expert_budget(self) -> int:
         return self.budget - self.fixed_bytes
 
+    @property
+    def expert_bytes(self) -> int:
+        """The largest expert of any MoE layer (a stage slot holds any layer's)."""
+        return max(self.layer_bytes)
+
     def slots_per_layer(self, held: int = 0) -> list[int]:
-        """Slots for each layer, the expert budget less ``held`` experts' worth (stage slots)
-        spread evenly over the MoE layers."""
-        total = max(max(self.expert_budget, 0) // self.expert_bytes - held, 0)
-        base, extra = divmod(total, len(self.moe_layers))
+        """Slots for each layer (indexed by layer), the expert budget less ``held`` of the largest
+        experts (stage slots): the same count in every MoE layer, then one more in the first
+        layers while it fits (layers whose experts have more bits take more of the budget)."""
+        left = max(self.expert_budget - held * self.expert_bytes, 0)
+        base = min(self.n_expert, left // sum(self.layer_bytes))
+        left -= base * sum(self.layer_bytes)
         out = [0] * (max(self.moe_layers) + 1)
-        for i, il in enumerate(self.moe_layers):
-            out[il] = min(self.n_expert, base + (1 if i < extra else 0))
+        for il, nbytes in zip(self.moe_layers, self.layer_bytes, strict=True):
+            extra = base < self.n_expert and left >= nbytes
+            left -= nbytes if extra else 0
+            out[il] = base + extra
         return out
 
+    def ncmoe_budget(self, host_layers: int) -> int:
+        """The budget whose ``--n-cpu-moe`` placement keeps the first ``host_layers`` MoE layers'
+        experts on the host and the others' on the device."""
+        return self.fixed_bytes + self.n_expert * sum(self.layer_bytes[host_layers:])
+
     def ncmoe_cpu_layers(self) -> int:
-        """``--n-cpu-moe`` N: the first N MoE layers keep their experts on the host."""
-        on_gpu = max(self.expert_budget, 0) // (self.expert_bytes * self.n_expert)
-        return max(0, len(self.moe_layers) - on_gpu)
+        """``--n-cpu-moe`` N: the first N MoE layers keep their experts on the host, the fewest
+        that leave the other layers' experts within the budget."""
+        for n in range(len(self.moe_layers) + 1):
+            if self.ncmoe_budget(n) <= self.budget:
+                return n
+        return len(self.moe_layers)
 
 
 def kv_cache_bytes(model: ModelFile, n_ctx: int) -> int:
-    """f16 K and V for every layer (llama.cpp's default cache type). Latent attention
-    (deepseek2) caches one compressed K row a token and reads V out of it."""
+    """f16 K and V for every layer with attention (llama.cpp's default cache type). Latent
+    attention (deepseek2) caches one compressed K row a token and reads V out of it."""
     n_embd = int(model.arch_kv("embedding_length", 0))
-    n_head = int(model.arch_kv("attention.head_count", 1))
-    n_head_kv = int(model.arch_kv("attention.head_count_kv", n_head) or n_head)
+    n_head = model.arch_kv("attention.head_count", 1)
+    n_head = max(n_head) if isinstance(n_head, list) else int(n_head)
+    n_head_kv = model.arch_kv("attention.head_count_kv", n_head)
+    # per layer: layers without attention (recurrent ones) have none
+    heads = n_head_kv if isinstance(n_head_kv, list) else [int(n_head_kv or n_head)] * \
+        model.n_layer
     k = int(model.arch_kv("attention.key_length", n_embd // max(n_head, 1)))
     v = 0 if model.arch_kv("attention.kv_lora_rank") else int(
         model.arch_kv("attention.value_length", k))
-    return model.n_layer * n_ctx * n_head_kv * (k + v) * 2
+    return sum(heads) * n_ctx * (k + v) * 2
 
 
 def compute_buffer_bytes(n_ubatch: int, n_used: int, n_ff_exp: int, n_embd: int,
@@ -101,14 +122,14 @@ def plan_memory(model: ModelFile, budget: int, *, n_ctx: int, n_ubatch: int,
         raise BudgetError(f"budget {format_size(budget)} is larger than {device_name}'s "
                           f"{format_size(device_total)}; lower {setting('gpu_budget')}")
     layers = model.moe_layers()
-    expert_bytes = model.bytes_per_expert()
     n_ff_exp = int(model.arch_kv("expert_feed_forward_length", 0))
     n_embd = int(model.arch_kv("embedding_length", 0))
     compute = compute_buffer_bytes(n_ubatch, model.n_expert_used, n_ff_exp, n_embd,
                                    model.n_vocab)
     plan = MemoryPlan(budget=budget, non_expert_bytes=model.total_bytes() - model.expert_bytes(),
                       kv_bytes=kv_cache_bytes(model, n_ctx), compute_bytes=compute,
-                      expert_bytes=expert_bytes, n_expert=model.n_expert, moe_layers=layers)
+                      layer_bytes=tuple(model.layer_expert_bytes()), n_expert=model.n_expert,
+                      moe_layers=layers)
     if plan.expert_budget < 0:
         raise BudgetError(
             f"budget {format_size(budget)} is too small for {model.path.name}: non-expert weights "

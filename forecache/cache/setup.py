@@ -225,11 +225,17 @@ def expert_overrides(placement: Placement) -> dict[str, Any]:
 
 
 def expert_shape(model: ModelFile) -> ExpertShape:
-    """Bytes and per-token flops of one routed expert's projections (first MoE layer)."""
-    projs = model.expert_tensors(model.moe_layers()[0])
+    """Bytes and per-token flops of one routed expert's projections, averaged over the MoE layers
+    (quantizers give some layers more bits)."""
+    layers = model.moe_layers()
+    projs = model.expert_tensors(layers[0])
     down = next(t for t in projs if "_down_" in t.name)  # ne: [expert_ff, d_model, n_expert]
+    total = [0] * len(projs)
+    for il in layers:
+        for j, t in enumerate(model.expert_tensors(il)):
+            total[j] += t.nbytes
     return ExpertShape(int(down.shape[1]), int(down.shape[0]),
-                       tuple(t.nbytes // t.shape[2] for t in projs))
+                       tuple(b // (len(layers) * model.n_expert) for b in total))
 
 
 def make_policy(cfg: CacheConfig, n_slots: list[int], model: ModelFile | None = None,

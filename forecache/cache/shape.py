@@ -101,7 +101,12 @@ def _preset_shape(name: str, spec: ModelSpec, qtype: str) -> SimShape:
     plans = tensor_plan(spec, qtype)
     first = f"blk.{spec.dense_layers}."
     layer = [t for t in plans if t.name.startswith(first)]
-    experts = [t for t in layer if t.kind == "expert"]
+    n_proj = sum(1 for t in layer if t.kind == "expert")
+    moe = [t for t in plans if t.name.startswith("blk.") and
+           int(t.name.split(".")[1]) >= spec.dense_layers]
+    proj = [0] * n_proj  # averaged over the MoE layers (q4_k_m gives some more bits)
+    for j, t in enumerate(t for t in plans if t.kind == "expert"):
+        proj[j % n_proj] += t.nbytes
     lead = sum(t.nbytes for t in plans if t.name.startswith("blk.") and
                int(t.name.split(".")[1]) < spec.dense_layers)
     if spec.kv_lora_rank is not None:  # latent attention caches one compressed row
@@ -111,8 +116,11 @@ def _preset_shape(name: str, spec: ModelSpec, qtype: str) -> SimShape:
         kv = 4 * spec.kv_dim
     return SimShape(name=name, layers=spec.moe_layers, experts=spec.experts, top_k=spec.top_k,
                     d_model=spec.d_model, expert_ff=spec.expert_ff,
-                    proj_bytes=tuple(t.nbytes // spec.experts for t in experts),  # type: ignore[arg-type]
-                    layer_bytes=sum(t.nbytes for t in layer if t.kind != "expert"),
+                    proj_bytes=tuple(b // (spec.moe_layers * spec.experts)  # type: ignore[arg-type]
+                                     for b in proj),
+                    # averaged: lfm2moe's convolution and attention layers differ
+                    layer_bytes=sum(t.nbytes for t in moe if t.kind != "expert") //
+                    spec.moe_layers,
                     head_bytes=_nbytes(spec.d_model * spec.vocab, spec.d_model, "q8_0"),
                     qtype=qtype.lower(), kv_bytes=kv, lead_bytes=lead)
 

@@ -150,6 +150,7 @@ struct fc_layer {
     bool     staged    = false;       // some entry reads a stage slot (slot n_slots + j)
     bool     little    = false;       // routed by a little pass: computed group by group
     std::vector<int32_t> little_ids;  // the top-k little passes routed their tokens to, before they kept some
+    bool     stage_ok  = false;       // its experts have the stage slots' layout
     std::vector<uint8_t> early_drop;  // positions a little pass dropped before the weights' normalization
     uint64_t             early_epoch = 0;
 
@@ -1920,26 +1921,35 @@ int32_t forecache_cache_set_stage(struct forecache_cache * cache, int32_t n_stag
         fc_set_err(err, err_size, cache->n_stage != 0 ? "stage slots are already set" : "n_stage must be positive");
         return -1;
     }
-    // every cached layer's projection p must have the shape and type of the first one's
+    // stage slots hold experts of one layout (each projection's shape and type): the layout most
+    // cached layers have; layers of another (a quantizer gave them more bits) stage nothing
+    auto same_layout = [](const fc_layer & a, const fc_layer & b) {
+        bool same = a.n_proj == b.n_proj;
+        for (int32_t p = 0; same && p < a.n_proj; p++) {
+            const ggml_tensor * x = a.host[p];
+            const ggml_tensor * y = b.host[p];
+            same = x->type == y->type && x->ne[0] == y->ne[0] && x->ne[1] == y->ne[1] && x->nb[2] == y->nb[2];
+        }
+        return same;
+    };
     const fc_layer * first = nullptr;
+    int32_t best = 0;
     for (const fc_layer & L : cache->layers) {
-        if (L.n_slots == 0) {
-            continue;
+        int32_t n = 0;
+        for (const fc_layer & M : cache->layers) {
+            n += L.n_slots > 0 && M.n_slots > 0 && same_layout(L, M);
         }
-        if (first == nullptr) {
+        if (n > best) {
+            best  = n;
             first = &L;
-            continue;
         }
-        bool same = L.n_proj == first->n_proj;
-        for (int32_t p = 0; same && p < L.n_proj; p++) {
-            const ggml_tensor * a = L.host[p];
-            const ggml_tensor * b = first->host[p];
-            same = a->type == b->type && a->ne[0] == b->ne[0] && a->ne[1] == b->ne[1] && a->nb[2] == b->nb[2];
-        }
-        if (!same) {
-            fc_set_err(err, err_size, "stage slots need every cached layer's experts in one shape and type");
-            return -1;
-        }
+    }
+    if (first == nullptr) {
+        fc_set_err(err, err_size, "no layer has expert slots");
+        return -1;
+    }
+    for (fc_layer & L : cache->layers) {
+        L.stage_ok = L.n_slots > 0 && same_layout(L, *first);
     }
     ggml_init_params params = {
         /*.mem_size   =*/ (size_t) (first->n_proj + 1)*ggml_tensor_overhead(),
@@ -1980,7 +1990,7 @@ int32_t forecache_cache_stage(struct forecache_cache * cache, int32_t layer, int
         return -1;
     }
     fc_layer & L = cache->layers[layer];
-    if (L.n_slots == 0 || expert < 0 || expert >= L.n_expert) {
+    if (L.n_slots == 0 || !L.stage_ok || expert < 0 || expert >= L.n_expert) {
         return -1;
     }
     std::lock_guard<std::mutex> lock(cache->mtx);

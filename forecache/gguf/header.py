@@ -30,7 +30,7 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _STRING, _ARRAY = 8, 9
 
 MOE_ARCHES_TESTED = ("qwen2moe", "qwen3moe", "llama (Mixtral)", "olmoe", "granitemoe",
-                     "deepseek2")
+                     "deepseek2", "gpt-oss", "lfm2moe")
 
 
 class GGUFError(ValueError):
@@ -110,7 +110,17 @@ class ModelFile:
 
     def bytes_per_expert(self) -> int:
         """Bytes of one routed expert (all its projections) in the first MoE layer."""
-        return sum(t.nbytes for t in self.expert_tensors(self.moe_layers()[0])) // self.n_expert
+        return self.layer_expert_bytes()[0]
+
+    def layer_expert_bytes(self) -> list[int]:
+        """Bytes of one routed expert of each MoE layer, in ``moe_layers`` order: quantizers
+        give some layers more bits (llama.cpp's Q4_K_M: Q6_K ffn_down in a third of them)."""
+        per: dict[int, int] = {}
+        for t in self.tensors:
+            if is_expert_tensor(t.name):
+                il = int(t.name.split(".")[1])
+                per[il] = per.get(il, 0) + t.nbytes
+        return [per[il] // self.n_expert for il in sorted(per)]
 
     def total_bytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)

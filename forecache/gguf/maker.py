@@ -96,6 +96,7 @@ _Q4_K_Q_STD = _rms(np.arange(16) - 7.5)
 # Q4_K sub-block scales are 4 + byte % 16 (4..19) and mins 2 * scale (fit 6 bits); small
 # scales keep the f16 super-block scale d well above the f16 subnormal range.
 _Q4_K_SC_RMS = _rms(4 + np.arange(16))
+_Q6_K_Q_RMS = _rms(np.arange(64) - 32)
 _MXFP4_RMS = _rms(np.array([0, 1, 2, 3, 4, 6, 8, 12] * 2))
 
 
@@ -159,6 +160,12 @@ def random_blocks(
         _set_f16(blocks, 0, d)
         # value = d*sc*q - dmin*m with m = 2*sc: dmin = 3.75*d centres q (0..15) on 7.5.
         _set_f16(blocks, 2, 3.75 * d)
+    elif ggml_type == Q.Q6_K:
+        # value = d * scale * (q - 32), q six bits; sub-block scales 4..19 with random signs
+        raw = blocks[:, 192:208].copy()
+        blocks[:, 192:208] = ((4 + (raw & 15)) * np.where(raw & 0x80, -1, 1)).astype(np.int8) \
+            .view(np.uint8)
+        _set_f16(blocks, 208, std / (_Q4_K_SC_RMS * _Q6_K_Q_RMS))
     elif ggml_type == Q.MXFP4:
         # value = kvalue[nibble] * 2^(e - 128), kvalues the doubled E2M1 grid; each block takes
         # one of the two exponents around the wanted spread, mixed to hit it on average
@@ -268,13 +275,18 @@ def _add_metadata(writer: GGUFWriter, spec: ModelSpec, qtype: str, seed: int,
 
 def add_hparams(writer: GGUFWriter, spec: ModelSpec, qtype: str) -> None:
     """The architecture's hyperparameter keys and the file type, as the HF converter writes
-    them for Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, Granite-MoE, DeepSeek-V2/V3 and gpt-oss."""
+    them for Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, Granite-MoE, DeepSeek-V2/V3, gpt-oss and
+    LFM2-MoE."""
     writer.add_block_count(spec.layers)
     writer.add_context_length(spec.context_length)
     writer.add_embedding_length(spec.d_model)
     writer.add_feed_forward_length(spec.ff)
     writer.add_head_count(spec.heads)
-    writer.add_head_count_kv(spec.kv_heads)
+    if spec.attention_layers is not None:  # no KV in the convolution layers
+        writer.add_head_count_kv([spec.kv_heads if il in spec.attention_layers else 0
+                                  for il in range(spec.layers)])
+    else:
+        writer.add_head_count_kv(spec.kv_heads)
     writer.add_rope_freq_base(spec.rope_theta)
     writer.add_layer_norm_rms_eps(spec.rms_eps)
     writer.add_expert_count(spec.experts)
@@ -289,6 +301,12 @@ def add_hparams(writer: GGUFWriter, spec: ModelSpec, qtype: str) -> None:
             add(value)
     if spec.sliding_window is not None:
         writer.add_sliding_window(spec.sliding_window)
+    if spec.arch == "lfm2moe":
+        writer.add_leading_dense_block_count(spec.dense_layers)
+        writer.add_expert_gating_func(ExpertGatingFuncType(GATING[spec.gating]))
+        writer.add_vocab_size(spec.vocab)
+        assert spec.conv_cache is not None
+        writer.add_shortconv_l_cache(spec.conv_cache)
     if spec.arch == "deepseek2":
         _add_deepseek2(writer, spec)
     else:

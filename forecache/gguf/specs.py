@@ -39,6 +39,9 @@ QTYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
     "q4_1": (GGMLQuantizationType.Q4_1, LlamaFileType.MOSTLY_Q4_1),
     # Every matrix is Q4_K (except the Q5_0 fallbacks), which llama.cpp labels Q4_K_S.
     "q4_k": (GGMLQuantizationType.Q4_K, LlamaFileType.MOSTLY_Q4_K_S),
+    # llama.cpp's Q4_K_M mix: Q4_K with Q6_K where it spends more bits (q4_k_m_type), so the
+    # experts of some layers are larger than others'.
+    "q4_k_m": (GGMLQuantizationType.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),
     # Routed experts in MXFP4 (as gpt-oss ships), every other matrix Q8_0.
     "mxfp4": (GGMLQuantizationType.MXFP4, LlamaFileType.MOSTLY_MXFP4_MOE),
 }
@@ -119,6 +122,10 @@ class ModelSpec:
     expert_groups_used: int = 1
     # gpt-oss: sliding-window attention on every other layer
     sliding_window: int | None = None
+    # lfm2moe: the layers with attention (the others are gated short convolutions, whose state
+    # spans conv_cache tokens)
+    attention_layers: tuple[int, ...] | None = None
+    conv_cache: int | None = None
 
     @property
     def moe_layers(self) -> int:
@@ -168,6 +175,11 @@ class ModelSpec:
                             f"ff = expert_ff")
         if self.arch == "olmoe" and (self.kv_heads != self.heads or self.key_length):
             problems.append("olmoe norms q and k over d_model: kv_heads = heads")
+        if self.arch == "lfm2moe" and (self.attention_layers is None or not self.conv_cache):
+            problems.append("lfm2moe needs attention_layers and conv_cache")
+        if self.attention_layers is not None and not set(self.attention_layers) <= set(
+                range(self.layers)):
+            problems.append("attention_layers must be layer indices")
         if self.arch == "gpt-oss" and self.sliding_window is None:
             problems.append("gpt-oss needs sliding_window")
         if self.arch == "deepseek2":
@@ -255,20 +267,46 @@ def parse_qtype(qtype: str) -> GGMLQuantizationType:
         ) from None
 
 
-def tensor_type(name: str, ne: tuple[int, ...], qtype: str) -> GGMLQuantizationType:
+def _use_more_bits(i_layer: int, n_layer: int) -> bool:
+    """llama-quant.cpp's use_more_bits: the first and last eighth of the layers and every third
+    one between."""
+    return i_layer < n_layer // 8 or i_layer >= 7 * n_layer // 8 or \
+        (i_layer - n_layer // 8) % 3 == 2
+
+
+def q4_k_m_type(name: str, n_layer: int, n_expert: int) -> GGMLQuantizationType:
+    """The type llama.cpp's quantizer gives a matrix in a Q4_K_M file (llama_tensor_get_type):
+    the output Q6_K; every ffn_down (the routed and shared experts' included) and attn_v Q6_K in
+    the layers use_more_bits picks (attn_v Q8_0 with 8 experts); the rest Q4_K."""
+    Q = GGMLQuantizationType
+    if name == "output.weight":
+        return Q.Q6_K
+    il = int(name.split(".")[1]) if name.startswith("blk.") else -1
+    if ".ffn_down" in name and _use_more_bits(il, n_layer):
+        return Q.Q6_K
+    if ".attn_v." in name:
+        return Q.Q8_0 if n_expert == 8 else Q.Q6_K if _use_more_bits(il, n_layer) else Q.Q4_K
+    return Q.Q4_K
+
+
+def tensor_type(name: str, ne: tuple[int, ...], qtype: str, n_layer: int = 1,
+                n_expert: int = 0) -> GGMLQuantizationType:
     """Choose the ggml type of one tensor when the model is written as `qtype`.
 
     1-D tensors (norms, biases), the experts' biases and the routers stay F32: llama.cpp's
     quantizer never quantizes them and routing is sensitive to their precision. Matrices get
-    the requested type (mxfp4: the routed experts; the rest q8_0), or llama.cpp's fallback
-    when the row length (ne[0]) does not fit its block size.
+    the requested type (mxfp4: the routed experts, the rest q8_0; q4_k_m: by layer, as
+    ``q4_k_m_type``), or llama.cpp's fallback when the row length (ne[0]) does not fit its
+    block size. ``n_layer`` and ``n_expert`` are the model's, for the by-layer choices.
     """
     if len(ne) == 1 or name.endswith((".bias", "ffn_gate_inp.weight",
-                                      "ffn_gate_inp_shexp.weight")):
+                                      "ffn_gate_inp_shexp.weight", "shortconv.conv.weight")):
         return GGMLQuantizationType.F32
     want = parse_qtype(qtype)
     if want == GGMLQuantizationType.MXFP4 and not name.endswith("_exps.weight"):
         want = GGMLQuantizationType.Q8_0
+    if qtype.lower() == "q4_k_m":
+        want = q4_k_m_type(name, n_layer, n_expert)
     if ne[0] % GGML_QUANT_SIZES[want][0] == 0:
         return want
     fallback = _FALLBACK.get(want, want)
@@ -279,7 +317,7 @@ def tensor_type(name: str, ne: tuple[int, ...], qtype: str) -> GGMLQuantizationT
 
 #: Architectures without a shared expert, and those whose experts are feed_forward_length
 #: wide (no expert_feed_forward_length key), as llama.cpp's converter writes them.
-NO_SHARED_EXPERT = ("qwen3moe", "llama", "olmoe", "granitemoe", "gpt-oss")
+NO_SHARED_EXPERT = ("qwen3moe", "llama", "olmoe", "granitemoe", "gpt-oss", "lfm2moe")
 FF_IS_EXPERT_FF = ("llama", "olmoe", "granitemoe", "gpt-oss")
 
 #: Router score functions, as llama.cpp numbers them (LLAMA_EXPERT_GATING_FUNC_TYPE_*).
@@ -289,7 +327,7 @@ GATING = {"softmax": 1, "sigmoid": 2}
 ARCHES = tuple(MODEL_ARCH_NAMES[a] for a in (MODEL_ARCH.QWEN2MOE, MODEL_ARCH.QWEN3MOE,
                                              MODEL_ARCH.LLAMA, MODEL_ARCH.OLMOE,
                                              MODEL_ARCH.GRANITE_MOE, MODEL_ARCH.DEEPSEEK2,
-                                             MODEL_ARCH.GPT_OSS))
+                                             MODEL_ARCH.GPT_OSS, MODEL_ARCH.LFM2MOE))
 
 
 #: Architectures whose llama.cpp loader takes gate and up experts fused in one tensor (the
@@ -308,7 +346,8 @@ def tensor_plan(spec: ModelSpec, qtype: str, fuse_gate_up: bool = False) -> list
     neither biases nor norms nor a shared expert, and granitemoe is laid out as it is (its
     multipliers are header keys); olmoe norms the whole of q and k; deepseek2 has dense leading
     layers, latent attention and shared experts; gpt-oss has biases everywhere, the experts'
-    included, attention sinks and a router bias.
+    included, attention sinks and a router bias; lfm2moe has short convolutions in the layers
+    without attention, dense leading layers and a selection bias, and no output matrix.
     """
     if spec.arch not in ARCHES:
         raise ValueError(f"cannot lay out architecture {spec.arch!r}; supported: "
@@ -321,18 +360,25 @@ def tensor_plan(spec: ModelSpec, qtype: str, fuse_gate_up: bool = False) -> list
     fe, fs, q = spec.expert_ff, spec.shared_expert_ff, spec.q_dim
     qwen2 = spec.arch == MODEL_ARCH_NAMES[MODEL_ARCH.QWEN2MOE]
     oss = spec.arch == MODEL_ARCH_NAMES[MODEL_ARCH.GPT_OSS]
+    lfm2 = spec.arch == MODEL_ARCH_NAMES[MODEL_ARCH.LFM2MOE]
     out: list[TensorPlan] = []
 
     def add(tensor: MODEL_TENSOR, suffix: str, shape: tuple[int, ...], kind: str,
             bid: int | None = None) -> None:
         name = TENSOR_NAMES[tensor].format(bid=bid) + "." + suffix
-        out.append(TensorPlan(name, shape, tensor_type(name, shape, qtype), kind))
+        out.append(TensorPlan(name, shape, tensor_type(name, shape, qtype, spec.layers,
+                                                       spec.experts), kind))
 
     T = MODEL_TENSOR
     add(T.TOKEN_EMBD, "weight", (d, spec.vocab), "embedding")
     for b in range(spec.layers):
         add(T.ATTN_NORM, "weight", (d,), "norm", b)
-        if spec.kv_lora_rank is not None:
+        if spec.attention_layers is not None and b not in spec.attention_layers:
+            assert spec.conv_cache is not None
+            add(T.SHORTCONV_CONV, "weight", (spec.conv_cache, d), "attention", b)
+            add(T.SHORTCONV_INPROJ, "weight", (d, 3 * d), "attention", b)
+            add(T.SHORTCONV_OUTPROJ, "weight", (d, d), "attention", b)
+        elif spec.kv_lora_rank is not None:
             _latent_attention(spec, b, add)
         else:
             for t, width in ((T.ATTN_Q, q), (T.ATTN_K, kv), (T.ATTN_V, kv)):
@@ -343,7 +389,8 @@ def tensor_plan(spec: ModelSpec, qtype: str, fuse_gate_up: bool = False) -> list
             if oss:
                 add(T.ATTN_OUT, "bias", (d,), "attention", b)
                 add(T.ATTN_SINKS, "weight", (spec.heads,), "attention", b)
-        if spec.arch == MODEL_ARCH_NAMES[MODEL_ARCH.QWEN3MOE]:
+        if spec.arch == MODEL_ARCH_NAMES[MODEL_ARCH.QWEN3MOE] or (
+                lfm2 and b in (spec.attention_layers or ())):
             add(T.ATTN_K_NORM, "weight", (spec.head_dim,), "norm", b)
             add(T.ATTN_Q_NORM, "weight", (spec.head_dim,), "norm", b)
         elif spec.arch == MODEL_ARCH_NAMES[MODEL_ARCH.OLMOE]:
@@ -372,6 +419,9 @@ def tensor_plan(spec: ModelSpec, qtype: str, fuse_gate_up: bool = False) -> list
             add(T.FFN_GATE_SHEXP, "weight", (d, fs), "shared_expert", b)
             add(T.FFN_UP_SHEXP, "weight", (d, fs), "shared_expert", b)
             add(T.FFN_DOWN_SHEXP, "weight", (fs, d), "shared_expert", b)
+    if lfm2:  # its final norm is named token_embd_norm, its output tied to the embeddings
+        add(T.TOKEN_EMBD_NORM, "weight", (d,), "norm")
+        return out
     add(T.OUTPUT_NORM, "weight", (d,), "norm")
     add(T.OUTPUT, "weight", (d, spec.vocab), "embedding")
     return out
@@ -441,7 +491,8 @@ def _model_from_dict(name: str, raw: Mapping[str, Any]) -> ModelSpec:
             f"model {name!r} in models.yaml: unknown keys {sorted(unknown)}, "
             f"missing keys {sorted(missing)}"
         )
-    spec = ModelSpec(name=name, **{**raw, "description": raw.get("description") or ""})
+    fixed = {k: tuple(v) if isinstance(v, list) else v for k, v in raw.items()}
+    spec = ModelSpec(name=name, **{**fixed, "description": raw.get("description") or ""})
     spec.validate()
     return spec
 

@@ -175,7 +175,7 @@ def _ncmoe_budget(model: ModelFile, fraction: float, n_ctx: int) -> tuple[int, i
     plan = plan_memory(model, dev.memory_total, n_ctx=n_ctx, n_ubatch=512,
                        device_name=dev.name, device_total=dev.memory_total)
     on_gpu = round(fraction * len(plan.moe_layers))
-    return plan.fixed_bytes + on_gpu * plan.n_expert * plan.expert_bytes + (1 << 20), on_gpu
+    return plan.ncmoe_budget(len(plan.moe_layers) - on_gpu) + (1 << 20), on_gpu
 
 
 def validate(model_path: Path, *, prompt_len: int = 128, n_gen: int = 32, n_prompts: int = 3,
