@@ -1,7 +1,8 @@
 """Lossless against the unpatched llama-cpp-python of the same sdist (``forecache build
 --reference``), not against forecache's own build with its hooks off: every policy, six weight
-types (llama.cpp's Q4_K_M mix with experts of two sizes among them), qwen2moe, qwen3moe, llama (Mixtral), olmoe, granitemoe, deepseek2 (and its fused gate/up
-experts) and gpt-oss, n_batch > n_ubatch, prompts longer than 512 tokens, and batch jobs.
+types (llama.cpp's Q4_K_M mix, with experts of two sizes, among them), qwen2moe, qwen3moe, llama
+(Mixtral), olmoe, granitemoe, deepseek2 (and its fused gate/up experts), gpt-oss and lfm2moe,
+n_batch > n_ubatch, prompts longer than 512 tokens, and batch jobs.
 
 The reference loads as forecache's policies do, with CPU weight repacking off (use_extra_bufts =
 false); test_default_placement covers llama.cpp's default (repacking) placement. On a CPU build
