@@ -66,14 +66,16 @@ def test_trace_train_and_prefetch(preset: str, tiny_model: Callable[..., Path],
     assert forecasts > 0 and stats["hits"] > 0, (preset, forecasts, stats["hits"])
 
 
-def test_parallel_batch_keeps_each_sequences_recurrent_state(tiny_model: Callable[..., Path],
-                                                             tmp_path: Path) -> None:
-    """lfm2moe's convolution layers keep a state per sequence: a batch job decoding three
-    sequences at once (freed ids reused, the last sequence moved into a lower id) writes the
+@pytest.mark.parametrize("preset", PRESETS)
+def test_parallel_batch_writes_the_texts_of_one_sequence(preset: str,
+                                                         tiny_model: Callable[..., Path],
+                                                         tmp_path: Path) -> None:
+    """A batch job decoding three sequences at once (freed ids reused, the last sequence moved
+    into a lower id: KV streams, gpt-oss's sliding window, lfm2moe's recurrent state) writes the
     texts it writes one sequence at a time."""
     import json
 
-    model = tiny_model("q8_0", "tiny-lfm2moe")
+    model = tiny_model("q8_0", preset)
     inp = tmp_path / "in.jsonl"
     inp.write_text("".join(json.dumps({"id": str(i), "prompt": TEXT[:20 + 13 * i],
                                        "max_tokens": 6 + 5 * (i % 3), "temperature": 0}) + "\n"
