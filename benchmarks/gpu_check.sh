@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU check: build forecache's CUDA llama.cpp offline, prove it lossless on the GPU, and
-# measure the target (Qwen2-57B-A14B q4_k at a 24 GiB budget) against stock llama.cpp's
+# measure the target (Qwen2-57B-A14B in llama.cpp's Q4_K_M mix at a 24 GiB budget) against stock llama.cpp's
 # placements. Every result is a JSON file in OUT.
 #
 #   benchmarks/gpu_check.sh bundle        here, with network: write .gpu-bundle/ (the trimmed
@@ -9,7 +9,7 @@
 #   benchmarks/gpu_check.sh build OUT     step 1, about 6 min: the patched CUDA build
 #   benchmarks/gpu_check.sh test OUT      step 2, about 8 min: the unpatched CUDA reference, the
 #                                         lossless tests on CUDA, forecache doctor --json
-#   benchmarks/gpu_check.sh bench OUT     step 3, about 8 min: write the 57B q4_k GGUF, then
+#   benchmarks/gpu_check.sh bench OUT     step 3, about 8 min: write the 57B q4_k_m GGUF, then
 #                                         policy_bench (offload,ncmoe,lru,static,promoe; 512-token
 #                                         prompt, 128 tokens) at --gpu-budget 24GiB
 #   benchmarks/gpu_check.sh all OUT       the three steps in one go (about 22 min)
@@ -140,16 +140,16 @@ step_bench() {
     fi
     local model args
     if [ "$CPU" = 1 ]; then
-        model=$OUT/tiny-q4_k.gguf
+        model=$OUT/tiny-q4_k_m.gguf
         args=(--gpu-budget 1GiB --prompt-len 64 --gen 16 --prompts 1 --threads 2)
-        [ -f "$model" ] || "$PY" -m forecache make-model "$model" --preset tiny --type q4_k
+        [ -f "$model" ] || "$PY" -m forecache make-model "$model" --preset tiny --type q4_k_m
     else
-        model=${FORECACHE_GPU_CHECK_MODEL:-$HOME/.cache/forecache/qwen2-57b-a14b-random-q4_k.gguf}
+        model=${FORECACHE_GPU_CHECK_MODEL:-$HOME/.cache/forecache/qwen2-57b-a14b-random-q4_k_m.gguf}
         args=(--gpu-budget 24GiB --prompt-len 512 --gen 128 --prompts 1)
         if [ ! -f "$model" ]; then
             mkdir -p "$(dirname "$model")"
             "$PY" -m forecache make-model "${model%.gguf}.part.gguf" --preset qwen2-57b-a14b \
-                --type q4_k
+                --type q4_k_m
             mv "${model%.gguf}.part.gguf" "$model"
         fi
     fi

@@ -45,7 +45,7 @@ def test_cpu_dry_run_writes_every_result(tmp_path: Path) -> None:
     # the device tool returns at most 8 files: these, plus the CPU mode's small model
     assert sorted(p.name for p in out.iterdir()) == [
         "batch_plans.json", "build.json", "build.log", "doctor.json", "lossless.json",
-        "lossless.log", "policy_bench.json", "tiny-q4_k.gguf"]
+        "lossless.log", "policy_bench.json", "tiny-q4_k_m.gguf"]
 
 
 def test_usage_errors(tmp_path: Path) -> None:
