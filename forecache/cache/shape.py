@@ -14,6 +14,7 @@ from forecache.cache.setup import expert_shape
 from forecache.gguf.header import ModelFile, is_expert_tensor, tensor_nbytes
 from forecache.gguf.specs import (
     ModelSpec,
+    TensorPlan,
     get_spec,
     models_yaml,
     parse_qtype,
@@ -98,31 +99,34 @@ def shape_of(name: str, qtype: str = "q4_k") -> SimShape:
 
 
 def _preset_shape(name: str, spec: ModelSpec, qtype: str) -> SimShape:
+    """A preset's shape from its tensors as make-model writes them: the MoE layers' expert and
+    other bytes averaged over them (q4_k_m gives some layers more bits, lfm2moe's convolution
+    and attention layers differ), leading dense layers apart, KV of the layers with attention
+    (latent attention caches one compressed row) spread over the MoE layers."""
     plans = tensor_plan(spec, qtype)
-    first = f"blk.{spec.dense_layers}."
-    layer = [t for t in plans if t.name.startswith(first)]
-    n_proj = sum(1 for t in layer if t.kind == "expert")
-    moe = [t for t in plans if t.name.startswith("blk.") and
-           int(t.name.split(".")[1]) >= spec.dense_layers]
-    proj = [0] * n_proj  # averaged over the MoE layers (q4_k_m gives some more bits)
-    for j, t in enumerate(t for t in plans if t.kind == "expert"):
-        proj[j % n_proj] += t.nbytes
-    lead = sum(t.nbytes for t in plans if t.name.startswith("blk.") and
-               int(t.name.split(".")[1]) < spec.dense_layers)
-    if spec.kv_lora_rank is not None:  # latent attention caches one compressed row
+
+    def block(t: TensorPlan) -> int:
+        return int(t.name.split(".")[1]) if t.name.startswith("blk.") else -1
+
+    moe = [t for t in plans if block(t) >= spec.dense_layers]
+    experts = [t for t in moe if t.kind == "expert"]
+    n_proj = len(experts) // spec.moe_layers
+    proj = [sum(t.nbytes for t in experts[j::n_proj]) // (spec.moe_layers * spec.experts)
+            for j in range(n_proj)]
+    if spec.kv_lora_rank is not None:
         assert spec.rope_dim is not None
         kv = 2 * (spec.kv_lora_rank + spec.rope_dim)
     else:
         kv = 4 * spec.kv_dim
+    n_attn = len(spec.attention_layers) if spec.attention_layers is not None else spec.layers
     return SimShape(name=name, layers=spec.moe_layers, experts=spec.experts, top_k=spec.top_k,
                     d_model=spec.d_model, expert_ff=spec.expert_ff,
-                    proj_bytes=tuple(b // (spec.moe_layers * spec.experts)  # type: ignore[arg-type]
-                                     for b in proj),
-                    # averaged: lfm2moe's convolution and attention layers differ
+                    proj_bytes=tuple(proj),  # type: ignore[arg-type]
                     layer_bytes=sum(t.nbytes for t in moe if t.kind != "expert") //
                     spec.moe_layers,
                     head_bytes=_nbytes(spec.d_model * spec.vocab, spec.d_model, "q8_0"),
-                    qtype=qtype.lower(), kv_bytes=kv, lead_bytes=lead)
+                    qtype=qtype.lower(), kv_bytes=kv * n_attn // spec.moe_layers,
+                    lead_bytes=sum(t.nbytes for t in plans if 0 <= block(t) < spec.dense_layers))
 
 
 def model_shape(model: ModelFile) -> SimShape:

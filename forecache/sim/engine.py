@@ -85,6 +85,10 @@ class SimEngine:
         self.clock = 0  # recency stamps, as the C cache's
         self.epoch = 0  # forward passes: the simulator starts one per ubatch (``new_pass``)
         self.queue: list[deque[_Chunk]] = [deque() for _ in range(N_PRIORITIES)]
+        # chunks in the queues by layer and by (layer, slot): a drop that would find none of
+        # them does not scan the queues (it is most of a long replay's time otherwise)
+        self._queued_layer = [0] * len(self.layers)
+        self._queued_slot: dict[tuple[int, int], int] = {}
         self.now = 0.0
         self.busy_until = 0.0
         self.running: _Chunk | None = None
@@ -111,7 +115,7 @@ class SimEngine:
             return 1
         for s in (slot, prev):
             if s >= 0:
-                self._drop(0, lambda c, s=s: c.layer == layer and c.slot == s)
+                self._drop(0, layer, lambda c, s=s: c.slot == s, slot=s)
                 self._empty(L, s)
         self._map(L, expert, slot)
         self._queue_copy(layer, expert, slot, -1, priority, -1, 0)
@@ -121,7 +125,7 @@ class SimEngine:
 
     def preempt(self, layer: int, keep: Sequence[int]) -> int:
         wanted = set(int(e) for e in keep)
-        for p in range(1, N_PRIORITIES):
+        for p in range(1, N_PRIORITIES) if self._queued_layer[layer] else ():
             moved = [c for c in self.queue[p]
                      if c.layer == layer and c.entry < 0 and c.expert in wanted]
             for c in moved:
@@ -131,7 +135,7 @@ class SimEngine:
                     self.stats["hi_tasks"] += 1
                 c.priority = 0
                 self.queue[0].append(c)
-        n = self._drop(1, lambda c: c.layer == layer and c.entry < 0)
+        n = self._drop(1, layer, lambda c: c.entry < 0)
         self._kick()
         return n
 
@@ -182,7 +186,7 @@ class SimEngine:
                 e, s = L.sch_e[i], L.sch_s[i]
                 for t in (s, L.slot_of.get(e, -1)):
                     if t >= 0:
-                        self._drop(0, lambda c, t=t: c.layer == layer and c.slot == t)
+                        self._drop(0, layer, lambda c, t=t: c.slot == t, slot=t)
                         self._empty(L, t)
                 self._map(L, e, s)
         for p in range(1 if self.whole else L.n_proj):
@@ -267,7 +271,7 @@ class SimEngine:
         if o is None:
             return
         slot = self.layers[o[0]].n_slots + j
-        self._drop(0, lambda c: c.layer == o[0] and c.slot == slot)
+        self._drop(0, o[0], lambda c: c.slot == slot, slot=slot)
         self.stage_of[j] = None
         self.stage_in_use[j] = False
 
@@ -450,8 +454,14 @@ class SimEngine:
             for c in q:
                 if self._eligible(c):
                     q.remove(c)
+                    self._queued(c, -1)
                     return c
         return None
+
+    def _queued(self, c: _Chunk, d: int) -> None:
+        self._queued_layer[c.layer] += d
+        key = (c.layer, c.slot)
+        self._queued_slot[key] = self._queued_slot.get(key, 0) + d
 
     def _count(self, c: _Chunk, d: int) -> None:
         L = self.layers[c.layer]
@@ -477,21 +487,29 @@ class SimEngine:
         for i, (p, size) in enumerate(chunks):
             c = _Chunk(layer, slot, p, expert, priority, entry, need, i == 0, size, self.now)
             self._count(c, +1)
+            self._queued(c, +1)
             self.queue[priority].append(c)
         if priority == 0:
             self.stats["hi_tasks"] += 1
 
-    def _drop(self, min_priority: int, match: Callable[[_Chunk], bool]) -> int:
+    def _drop(self, min_priority: int, layer: int, match: Callable[[_Chunk], bool],
+              slot: int | None = None) -> int:
+        """Drop the queued chunks of ``layer`` (of its ``slot``, if given) at ``min_priority``
+        or lower that ``match``; returns the slots emptied."""
+        if self._queued_layer[layer] == 0 or (
+                slot is not None and self._queued_slot.get((layer, slot), 0) == 0):
+            return 0
         emptied = set()
         stage = set()
         for p in range(max(min_priority, 0), N_PRIORITIES):
             keep: deque[_Chunk] = deque()
             for c in self.queue[p]:
-                if not match(c):
+                if c.layer != layer or not match(c):
                     keep.append(c)
                     continue
                 L = self.layers[c.layer]
                 self._count(c, -1)
+                self._queued(c, -1)
                 self.stats["dropped_chunks"] += 1
                 if c.slot >= L.n_slots:
                     stage.add(c.slot - L.n_slots)
@@ -508,7 +526,7 @@ class SimEngine:
     def _clear_schedule(self, layer: int) -> None:
         L = self.layers[layer]
         if L.streams:
-            self._drop(0, lambda c: c.layer == layer and c.entry >= 0)
+            self._drop(0, layer, lambda c: c.entry >= 0)
         L.last_entry = [-1] * L.n_slots
         for j, o in enumerate(self.stage_of):
             if o is not None and o[0] == layer:
