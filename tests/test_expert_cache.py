@@ -207,6 +207,21 @@ def test_host_thread_handoff(tiny_model: Callable[[str], Path]) -> None:
                         ignore_eos=True).tokens == tokens
 
 
+@pytest.mark.parametrize("preset", ["tiny", "tiny-mixtral", "tiny-deepseek2"])
+def test_compute_buffers_count_the_experts_width(tiny_model: Callable[..., Path],
+                                                 preset: str) -> None:
+    """Mixtral-style headers have no expert_feed_forward_length: the experts' rows are counted
+    from their tensors' width all the same."""
+    from forecache.cache.budget import compute_buffer_bytes
+    from forecache.gguf.specs import get_spec
+
+    spec = get_spec(preset)
+    plan = plan_memory(read_model_file(tiny_model("q8_0", preset)), 1 << 40, n_ctx=512,
+                       n_ubatch=N_BATCH, device_name="x", device_total=1 << 50)
+    assert plan.compute_bytes == compute_buffer_bytes(N_BATCH, spec.top_k, spec.expert_ff,
+                                                      spec.d_model, spec.vocab)
+
+
 def test_budgets_follow_each_layers_expert_size(tiny_model: Callable[..., Path]) -> None:
     """A Q4_K_M file gives some layers' experts more bits (Q6_K ffn_down): slots fill the budget
     with each layer's own size, and ncmoe's host layers are the fewest that leave the rest in."""

@@ -871,8 +871,9 @@ void fc_graph_hook(ggml_cgraph * graph, void * user_data) {
             c->little_before[first_reader.at(w)] = const_cast<ggml_tensor *>(w);
         }
     }
-    // the router weights stay allocated until the matmul that reads them back (a normalization
-    // consumes them earlier)
+    // router weights a normalization (or softmax) consumes before the experts stay allocated
+    // until the matmul that reads them back (where they multiply the outputs as they are, that
+    // product keeps them: adding a use would also stop a backend fusing the routing's ops)
     c->layer_of_ids.clear();
     for (int i = 0; i < n_nodes; i++) {
         ggml_tensor * node = ggml_graph_node(graph, i);
@@ -882,7 +883,8 @@ void fc_graph_hook(ggml_cgraph * graph, void * user_data) {
         }
         c->layer_of_ids[node->src[3]] = pit->second.first;
         auto it = c->weights_of.find(node->src[3]);
-        if (it != c->weights_of.end() && node->src[4] == nullptr) {
+        if (it != c->weights_of.end() && node->src[4] == nullptr &&
+                c->weights_use.at(it->second) != FC_WEIGHTS_DIRECT) {
             node->src[4] = it->second;
         }
     }

@@ -79,7 +79,7 @@ def check_header(mf: ModelFile) -> None:
     n_expert = _int(mf, "expert_count", 1, LLAMA_MAX_EXPERTS)
     assert n_layer is not None and n_expert is not None
     _int(mf, "expert_used_count", 1, n_expert)
-    _int(mf, "expert_feed_forward_length", 1, MAX_WIDTH, required=False)
+    _int(mf, "expert_feed_forward_length", 1, MAX_WIDTH, required=False, per_layer=True)
     _int(mf, "expert_shared_feed_forward_length", 0, MAX_WIDTH, required=False)
     _int(mf, "feed_forward_length", 0, MAX_WIDTH, required=False, per_layer=True)
     n_head = _int(mf, "attention.head_count", 1, 1 << 16, per_layer=True)
