@@ -75,6 +75,14 @@ def test_synth_trace_cli(tmp_path: Path) -> None:
     sim = run_cli("simulate", "--trace", str(out), "--compare", "--cache-fraction", "0.5",
                   "--fit-fraction", "0.34", check=True)
     assert "ratios to ncmoe" in sim.stdout
+    # a shape with a dense first layer: its MoE layers only, and it replays at that shape
+    ds = tmp_path / "ds.npz"
+    run_cli("synth-trace", "--like", str(like), "--shape", "tiny-deepseek2", "--out", str(ds),
+            "--requests", "3", "--prefill", "20", "--decode", "10", check=True)
+    with TraceFile(ds) as tf:
+        assert tf.info().n_layers == 3
+    run_cli("simulate", "--trace", str(ds), "--cache-fraction", "0.5", "--fit-fraction", "0.34",
+            check=True)
     # a shape of another expert count or top-k is refused, and nothing is overwritten
     bad = run_cli("synth-trace", "--like", str(like), "--shape", "qwen2-57b-a14b", "--out",
                   str(tmp_path / "x.npz"))

@@ -192,7 +192,7 @@ def synthesize_like(like: Path, shape: str, *, n_requests: int, prefill: int, de
     tokens = int(min(512, max(64, np.median(units))))
     params, reached = fit(targets, n_expert=spec.experts, top_k=spec.top_k, tokens=tokens,
                           n_requests=min(len(units), 8), seed=seed, progress=progress)
-    reqs = synthesize(params, n_layers=spec.layers, n_expert=spec.experts, top_k=spec.top_k,
+    reqs = synthesize(params, n_layers=spec.moe_layers, n_expert=spec.experts, top_k=spec.top_k,
                       tokens=[prefill + decode] * n_requests, prefill=[prefill] * n_requests,
                       seed=seed + 1)
     meta = {"n_expert": spec.experts, "preset": spec.name, "synthetic": True,
