@@ -183,11 +183,15 @@ def _mobile(model: Path, prompts: list[list[int]], gamma: float, little: int) ->
     return out, stats
 
 
-def test_mobile_decoding_falls_back_to_the_full_model(tiny_model: Callable[[str], Path],
-                                                      stock: StockReference) -> None:
+@pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3moe", "tiny-gpt-oss"])
+def test_mobile_decoding_falls_back_to_the_full_model(tiny_model: Callable[..., Path],
+                                                      stock: StockReference, preset: str) -> None:
     """gamma 1: the full model recomputes every token, its KV entries replacing the little
-    pass's, so the run is the exact model's; gamma 0: never, so it is the model with m experts."""
-    model = tiny_model("q8_0")
+    pass's, so the run is the exact model's; gamma 0: never, so it is the model with m experts
+    (renormalized ones in qwen3moe, softmaxed after the choice in gpt-oss, whose sliding-window
+    cache has its last entries replaced too)."""
+    model = tiny_model("q8_0", preset)
+    key = f"{read_model_file(model).arch}.expert_used_count"
     prompts = [[7, 99, 23, 5], [301]]
     full = stock.run(model, prompts, N_GEN, n_ctx=128, n_threads=2)
     got, stats = _mobile(model, prompts, 1.0, 2)
@@ -200,8 +204,7 @@ def test_mobile_decoding_falls_back_to_the_full_model(tiny_model: Callable[[str]
             continue
         assert tokens == ref_tokens
         assert np.array_equal(logits, ref_logits[-1])
-    fewer = stock.run(model, PROMPTS, N_GEN, n_ctx=128, n_threads=2,
-                      kv_overrides={"qwen2moe.expert_used_count": 2})
+    fewer = stock.run(model, PROMPTS, N_GEN, n_ctx=128, n_threads=2, kv_overrides={key: 2})
     got, stats = _mobile(model, PROMPTS, 0.0, 2)
     assert stats["big_passes"] == 0 and stats["little_passes"] > 0
     for (tokens, logits), (ref_tokens, ref_logits) in zip(got, fewer, strict=True):
