@@ -890,7 +890,6 @@ void fc_graph_hook(ggml_cgraph * graph, void * user_data) {
     }
 }
 
-
 // nodes of the small graphs the hook computes itself, outside the scheduler
 constexpr int FC_MINI_GRAPH_SIZE = 16;
 
@@ -1418,9 +1417,8 @@ bool fc_read_ids(forecache_cache * c, int32_t il, const ggml_tensor * ids_t) {
     return true;
 }
 
-// which experts of a little pass's rows it drops, before their weights are used: positions past
-// the little count, and with little_resident those not resident (never the top-1). Fills
-// c->ids/c->weights from the routed ids and weights of layer L; true if any is dropped.
+// which positions of the routed ids in c->ids (layer L's) a little pass drops: those past the
+// little count, and with little_resident those not resident (never the top-1); true if any
 bool fc_little_drop(forecache_cache * c, fc_layer & L, int64_t n_used, int64_t n_tokens,
                     std::vector<uint8_t> & drop) {
     const int64_t little = std::min<int64_t>(c->little.load(), n_used);

@@ -356,11 +356,6 @@ def tensor_plan(spec: ModelSpec, qtype: str, fuse_gate_up: bool = False) -> list
         raise ValueError(f"llama.cpp loads fused gate/up experts for {', '.join(FUSED_GATE_UP)}"
                          f", not {spec.arch}")
     parse_qtype(qtype)
-    d, kv, n_exp = spec.d_model, spec.kv_dim, spec.experts
-    fe, fs, q = spec.expert_ff, spec.shared_expert_ff, spec.q_dim
-    qwen2 = spec.arch == MODEL_ARCH_NAMES[MODEL_ARCH.QWEN2MOE]
-    oss = spec.arch == MODEL_ARCH_NAMES[MODEL_ARCH.GPT_OSS]
-    lfm2 = spec.arch == MODEL_ARCH_NAMES[MODEL_ARCH.LFM2MOE]
     out: list[TensorPlan] = []
 
     def add(tensor: MODEL_TENSOR, suffix: str, shape: tuple[int, ...], kind: str,
@@ -370,56 +365,21 @@ def tensor_plan(spec: ModelSpec, qtype: str, fuse_gate_up: bool = False) -> list
                                                        spec.experts), kind))
 
     T = MODEL_TENSOR
+    d = spec.d_model
     add(T.TOKEN_EMBD, "weight", (d, spec.vocab), "embedding")
     for b in range(spec.layers):
         add(T.ATTN_NORM, "weight", (d,), "norm", b)
-        if spec.attention_layers is not None and b not in spec.attention_layers:
-            assert spec.conv_cache is not None
-            add(T.SHORTCONV_CONV, "weight", (spec.conv_cache, d), "attention", b)
-            add(T.SHORTCONV_INPROJ, "weight", (d, 3 * d), "attention", b)
-            add(T.SHORTCONV_OUTPROJ, "weight", (d, d), "attention", b)
-        elif spec.kv_lora_rank is not None:
-            _latent_attention(spec, b, add)
-        else:
-            for t, width in ((T.ATTN_Q, q), (T.ATTN_K, kv), (T.ATTN_V, kv)):
-                add(t, "weight", (d, width), "attention", b)
-                if qwen2 or oss:
-                    add(t, "bias", (width,), "attention", b)
-            add(T.ATTN_OUT, "weight", (q, d), "attention", b)
-            if oss:
-                add(T.ATTN_OUT, "bias", (d,), "attention", b)
-                add(T.ATTN_SINKS, "weight", (spec.heads,), "attention", b)
-        if spec.arch == MODEL_ARCH_NAMES[MODEL_ARCH.QWEN3MOE] or (
-                lfm2 and b in (spec.attention_layers or ())):
-            add(T.ATTN_K_NORM, "weight", (spec.head_dim,), "norm", b)
-            add(T.ATTN_Q_NORM, "weight", (spec.head_dim,), "norm", b)
-        elif spec.arch == MODEL_ARCH_NAMES[MODEL_ARCH.OLMOE]:
-            add(T.ATTN_Q_NORM, "weight", (q,), "norm", b)
-            add(T.ATTN_K_NORM, "weight", (kv,), "norm", b)
+        _attention(spec, b, add)
+        oss = spec.arch == MODEL_ARCH_NAMES[MODEL_ARCH.GPT_OSS]
         add(T.ATTN_POST_NORM if oss else T.FFN_NORM, "weight", (d,), "norm", b)
         if b < spec.dense_layers:
             add(T.FFN_GATE, "weight", (d, spec.ff), "dense_ffn", b)
             add(T.FFN_UP, "weight", (d, spec.ff), "dense_ffn", b)
             add(T.FFN_DOWN, "weight", (spec.ff, d), "dense_ffn", b)
-            continue
-        add(T.FFN_GATE_INP, "weight", (d, n_exp), "router", b)
-        if oss:
-            add(T.FFN_GATE_INP, "bias", (n_exp,), "router", b)
-        if spec.expert_probs_bias:
-            add(T.FFN_EXP_PROBS_B, "bias", (n_exp,), "router", b)
-        projs = [(T.FFN_GATE_UP_EXP, (d, 2 * fe, n_exp))] if fuse_gate_up else [
-            (T.FFN_GATE_EXP, (d, fe, n_exp)), (T.FFN_UP_EXP, (d, fe, n_exp))]
-        for t, shape in projs + [(T.FFN_DOWN_EXP, (fe, d, n_exp))]:
-            add(t, "weight", shape, "expert", b)
-            if oss:  # beside the weights, read by the same routed ids (ADD_ID)
-                add(t, "bias", shape[1:], "expert_bias", b)
-        if qwen2:
-            add(T.FFN_GATE_INP_SHEXP, "weight", (d,), "shared_expert", b)
-        if spec.shared_experts:
-            add(T.FFN_GATE_SHEXP, "weight", (d, fs), "shared_expert", b)
-            add(T.FFN_UP_SHEXP, "weight", (d, fs), "shared_expert", b)
-            add(T.FFN_DOWN_SHEXP, "weight", (fs, d), "shared_expert", b)
-    if lfm2:  # its final norm is named token_embd_norm, its output tied to the embeddings
+        else:
+            _experts(spec, b, add, fuse_gate_up)
+    if spec.arch == MODEL_ARCH_NAMES[MODEL_ARCH.LFM2MOE]:
+        # its final norm is named token_embd_norm, its output tied to the embeddings
         add(T.TOKEN_EMBD_NORM, "weight", (d,), "norm")
         return out
     add(T.OUTPUT_NORM, "weight", (d,), "norm")
@@ -427,8 +387,65 @@ def tensor_plan(spec: ModelSpec, qtype: str, fuse_gate_up: bool = False) -> list
     return out
 
 
-def _latent_attention(spec: ModelSpec, b: int,
-                      add: Callable[[MODEL_TENSOR, str, tuple[int, ...], str, int], None]) -> None:
+_Add = Callable[[MODEL_TENSOR, str, tuple[int, ...], str, int], None]
+
+
+def _attention(spec: ModelSpec, b: int, add: _Add) -> None:
+    """Block ``b``'s attention (or lfm2moe's short convolution) and its q/k norms."""
+    T = MODEL_TENSOR
+    d, kv, q = spec.d_model, spec.kv_dim, spec.q_dim
+    arch = spec.arch
+    if spec.attention_layers is not None and b not in spec.attention_layers:
+        assert spec.conv_cache is not None
+        add(T.SHORTCONV_CONV, "weight", (spec.conv_cache, d), "attention", b)
+        add(T.SHORTCONV_INPROJ, "weight", (d, 3 * d), "attention", b)
+        add(T.SHORTCONV_OUTPROJ, "weight", (d, d), "attention", b)
+        return
+    if spec.kv_lora_rank is not None:
+        _latent_attention(spec, b, add)
+        return
+    biases = arch in ("qwen2moe", "gpt-oss")
+    for t, width in ((T.ATTN_Q, q), (T.ATTN_K, kv), (T.ATTN_V, kv)):
+        add(t, "weight", (d, width), "attention", b)
+        if biases:
+            add(t, "bias", (width,), "attention", b)
+    add(T.ATTN_OUT, "weight", (q, d), "attention", b)
+    if arch == "gpt-oss":
+        add(T.ATTN_OUT, "bias", (d,), "attention", b)
+        add(T.ATTN_SINKS, "weight", (spec.heads,), "attention", b)
+    if arch in ("qwen3moe", "lfm2moe"):  # each head's q and k
+        add(T.ATTN_K_NORM, "weight", (spec.head_dim,), "norm", b)
+        add(T.ATTN_Q_NORM, "weight", (spec.head_dim,), "norm", b)
+    elif arch == "olmoe":  # the whole of q and of k
+        add(T.ATTN_Q_NORM, "weight", (q,), "norm", b)
+        add(T.ATTN_K_NORM, "weight", (kv,), "norm", b)
+
+
+def _experts(spec: ModelSpec, b: int, add: _Add, fuse_gate_up: bool) -> None:
+    """Block ``b``'s router, routed experts (gpt-oss: with biases) and shared experts."""
+    T = MODEL_TENSOR
+    d, n_exp, fe, fs = spec.d_model, spec.experts, spec.expert_ff, spec.shared_expert_ff
+    oss = spec.arch == "gpt-oss"
+    add(T.FFN_GATE_INP, "weight", (d, n_exp), "router", b)
+    if oss:
+        add(T.FFN_GATE_INP, "bias", (n_exp,), "router", b)
+    if spec.expert_probs_bias:
+        add(T.FFN_EXP_PROBS_B, "bias", (n_exp,), "router", b)
+    projs = [(T.FFN_GATE_UP_EXP, (d, 2 * fe, n_exp))] if fuse_gate_up else [
+        (T.FFN_GATE_EXP, (d, fe, n_exp)), (T.FFN_UP_EXP, (d, fe, n_exp))]
+    for t, shape in projs + [(T.FFN_DOWN_EXP, (fe, d, n_exp))]:
+        add(t, "weight", shape, "expert", b)
+        if oss:  # beside the weights, read by the same routed ids (ADD_ID)
+            add(t, "bias", shape[1:], "expert_bias", b)
+    if spec.arch == "qwen2moe":  # its shared expert's sigmoid gate
+        add(T.FFN_GATE_INP_SHEXP, "weight", (d,), "shared_expert", b)
+    if spec.shared_experts:
+        add(T.FFN_GATE_SHEXP, "weight", (d, fs), "shared_expert", b)
+        add(T.FFN_UP_SHEXP, "weight", (d, fs), "shared_expert", b)
+        add(T.FFN_DOWN_SHEXP, "weight", (fs, d), "shared_expert", b)
+
+
+def _latent_attention(spec: ModelSpec, b: int, add: _Add) -> None:
     """deepseek2's multi-head latent attention as the converter writes it: q through a rank
     q_lora_rank bottleneck (or one matrix), k and v compressed to kv_lora_rank plus the shared
     rotary part, kv_b split into per-head k_b (transposed) and v_b."""
