@@ -13,7 +13,8 @@ from forecache.gguf.specs import QTYPES
 @click.command("make-model")
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--preset", required=True, help="Model shape from models.yaml (e.g. tiny, "
-              "qwen2-57b-a14b, qwen3-30b-a3b, mixtral-8x7b).")
+              "qwen2-57b-a14b, qwen3-30b-a3b, mixtral-8x7b, deepseek-v2-lite, gpt-oss-20b; "
+              "`forecache models` lists them).")
 @click.option("--type", "qtype", type=click.Choice(list(QTYPES)),
               default="f16", show_default=True, help="Type of the weight matrices.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random weights.")
