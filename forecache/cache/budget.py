@@ -122,10 +122,7 @@ def plan_memory(model: ModelFile, budget: int, *, n_ctx: int, n_ubatch: int,
         raise BudgetError(f"budget {format_size(budget)} is larger than {device_name}'s "
                           f"{format_size(device_total)}; lower {setting('gpu_budget')}")
     layers = model.moe_layers()
-    # the experts' width from their down tensor: Mixtral-style headers have no
-    # expert_feed_forward_length, and some give one per layer
-    down = next(t for t in model.expert_tensors(layers[0]) if "_down_" in t.name)
-    n_ff_exp = int(down.shape[0])
+    n_ff_exp = model.expert_ff()
     n_embd = int(model.arch_kv("embedding_length", 0))
     compute = compute_buffer_bytes(n_ubatch, model.n_expert_used, n_ff_exp, n_embd,
                                    model.n_vocab)

@@ -228,13 +228,11 @@ def expert_shape(model: ModelFile) -> ExpertShape:
     """Bytes and per-token flops of one routed expert's projections, averaged over the MoE layers
     (quantizers give some layers more bits)."""
     layers = model.moe_layers()
-    projs = model.expert_tensors(layers[0])
-    down = next(t for t in projs if "_down_" in t.name)  # ne: [expert_ff, d_model, n_expert]
-    total = [0] * len(projs)
+    total = [0] * len(model.expert_tensors(layers[0]))
     for il in layers:
         for j, t in enumerate(model.expert_tensors(il)):
             total[j] += t.nbytes
-    return ExpertShape(int(down.shape[1]), int(down.shape[0]),
+    return ExpertShape(int(model.arch_kv("embedding_length", 0)), model.expert_ff(),
                        tuple(b // (len(layers) * model.n_expert) for b in total))
 
 

@@ -791,14 +791,17 @@ void fc_graph_hook(ggml_cgraph * graph, void * user_data) {
     auto * c = (forecache_cache *) user_data;
     std::unordered_map<const ggml_tensor *, int> first_use; // routed ids -> first node index
 
+    c->layer_of_ids.clear();
     const int n_nodes = ggml_graph_n_nodes(graph);
     for (int i = 0; i < n_nodes; i++) {
         ggml_tensor * node = ggml_graph_node(graph, i);
         if (node->op != GGML_OP_MUL_MAT_ID) {
             continue;
         }
-        if (c->pool_map.count(node->src[0])) {
+        auto pit = c->pool_map.find(node->src[0]);
+        if (pit != c->pool_map.end()) {
             first_use.emplace(node->src[3], i); // rewritten already
+            c->layer_of_ids[node->src[3]] = pit->second.first;
             continue;
         }
         auto it = c->host_map.find(node->src[0]);
@@ -821,31 +824,28 @@ void fc_graph_hook(ggml_cgraph * graph, void * user_data) {
         node->src[2] = view;
         node->src[0] = L.pool[it->second.second];
         first_use.emplace(ids, i);
+        c->layer_of_ids[ids] = it->second.first;
     }
 
+    // the router weights of each routed layer (the F32 rows its ids select before its matmul),
+    // how they reach the expert outputs, and where a little pass that must drop experts before
+    // a normalization does so: before the first node reading them (after them in graph order)
     c->weights_of.clear();
-    for (int i = 0; i < n_nodes; i++) {
-        ggml_tensor * node = ggml_graph_node(graph, i);
-        if (node->op != GGML_OP_GET_ROWS || node->type != GGML_TYPE_F32) {
-            continue;
-        }
-        auto it = first_use.find(node->src[1]);
-        if (it != first_use.end() && i < it->second && ggml_is_contiguous(node)) {
-            c->weights_of[node->src[1]] = node;
-        }
-    }
-    // how the router weights reach the expert outputs, and where a little pass that must drop
-    // experts before a normalization does so: before the first node reading them
     c->weights_use.clear();
     c->little_before.clear();
     std::unordered_map<const ggml_tensor *, ggml_tensor *> first_reader;
-    for (const auto & [ids, w] : c->weights_of) {
-        c->weights_use[w] = FC_WEIGHTS_UNKNOWN;
-    }
-    for (int i = 0; i < n_nodes && !c->weights_use.empty(); i++) {
+    for (int i = 0; i < n_nodes; i++) {
         ggml_tensor * node = ggml_graph_node(graph, i);
-        if (node->op == GGML_OP_RESHAPE || node->op == GGML_OP_VIEW || node->op == GGML_OP_PERMUTE ||
-                node->op == GGML_OP_TRANSPOSE) {
+        if (node->op == GGML_OP_GET_ROWS && node->type == GGML_TYPE_F32) {
+            auto it = first_use.find(node->src[1]);
+            if (it != first_use.end() && i < it->second && ggml_is_contiguous(node)) {
+                c->weights_of[node->src[1]] = node;
+                c->weights_use[node] = FC_WEIGHTS_UNKNOWN;
+                continue;
+            }
+        }
+        if (c->weights_use.empty() || node->op == GGML_OP_RESHAPE || node->op == GGML_OP_VIEW ||
+                node->op == GGML_OP_PERMUTE || node->op == GGML_OP_TRANSPOSE) {
             continue;
         }
         for (int j = 0; j < GGML_MAX_SRC && node->src[j] != nullptr; j++) {
@@ -866,26 +866,18 @@ void fc_graph_hook(ggml_cgraph * graph, void * user_data) {
             }
         }
     }
-    for (const auto & [w, use] : c->weights_use) {
-        if (use == FC_WEIGHTS_NORMALIZED || use == FC_WEIGHTS_SOFTMAXED) {
-            c->little_before[first_reader.at(w)] = const_cast<ggml_tensor *>(w);
-        }
-    }
-    // router weights a normalization (or softmax) consumes before the experts stay allocated
-    // until the matmul that reads them back (where they multiply the outputs as they are, that
-    // product keeps them: adding a use would also stop a backend fusing the routing's ops)
-    c->layer_of_ids.clear();
-    for (int i = 0; i < n_nodes; i++) {
-        ggml_tensor * node = ggml_graph_node(graph, i);
-        auto pit = node->op == GGML_OP_MUL_MAT_ID ? c->pool_map.find(node->src[0]) : c->pool_map.end();
-        if (pit == c->pool_map.end()) {
+    for (const auto & [ids, w] : c->weights_of) {
+        const fc_weights_use use = c->weights_use.at(w);
+        if (use != FC_WEIGHTS_NORMALIZED && use != FC_WEIGHTS_SOFTMAXED) {
             continue;
         }
-        c->layer_of_ids[node->src[3]] = pit->second.first;
-        auto it = c->weights_of.find(node->src[3]);
-        if (it != c->weights_of.end() && node->src[4] == nullptr &&
-                c->weights_use.at(it->second) != FC_WEIGHTS_DIRECT) {
-            node->src[4] = it->second;
+        c->little_before[first_reader.at(w)] = w;
+        // consumed before the experts: kept allocated until the layer's first matmul, where the
+        // hook reads them back (where they multiply the outputs as they are, that product keeps
+        // them: adding a use would also stop a backend fusing the routing's ops)
+        ggml_tensor * mm = ggml_graph_node(graph, first_use.at(ids));
+        if (mm->src[4] == nullptr) {
+            mm->src[4] = w;
         }
     }
 }

@@ -112,6 +112,12 @@ class ModelFile:
         """Bytes of one routed expert (all its projections) in the first MoE layer."""
         return self.layer_expert_bytes()[0]
 
+    def expert_ff(self) -> int:
+        """One routed expert's width: its down projection's rows (``ne`` [ff, d_model, n_expert];
+        Mixtral-style headers have no expert_feed_forward_length, some give one per layer)."""
+        return int(next(t for t in self.expert_tensors(self.moe_layers()[0])
+                        if "_down_" in t.name).shape[0])
+
     def layer_expert_bytes(self) -> list[int]:
         """Bytes of one routed expert of each MoE layer, in ``moe_layers`` order: quantizers
         give some layers more bits (llama.cpp's Q4_K_M: Q6_K ffn_down in a third of them)."""

@@ -19,6 +19,11 @@ from forecache.predictor.base import Predictor
 from forecache.trace.format import Request
 
 
+def _softmax(x: np.ndarray) -> np.ndarray:
+    p = np.exp(x - x.max(axis=-1, keepdims=True))
+    return p / p.sum(axis=-1, keepdims=True)
+
+
 @dataclass(frozen=True)
 class RouterForm:
     """How a layer turns router logits into its choice (llama.cpp's build_moe_ffn): softmax or
@@ -44,10 +49,7 @@ class RouterForm:
         renormalization)."""
         if self.sigmoid:
             return 1.0 / (1.0 + np.exp(-logits))
-        if self.weights_after:
-            return logits
-        p = np.exp(logits - logits.max(axis=-1, keepdims=True))
-        return p / p.sum(axis=-1, keepdims=True)
+        return logits if self.weights_after else _softmax(logits)
 
     def select(self, logits: np.ndarray, select_bias: np.ndarray | None) -> np.ndarray:
         """Scores [.., E] in the order of the layer's choice: a distribution, zero outside the
@@ -55,7 +57,7 @@ class RouterForm:
         s = self.probs(logits) if self.sigmoid else logits
         if select_bias is not None:
             s = s + select_bias
-        p = np.exp(s - s.max(axis=-1, keepdims=True))
+        p = _softmax(s)
         if self.groups > 1:  # a group's score is the sum of its two best experts'
             g = s.reshape(*s.shape[:-1], self.groups, -1)
             top2 = np.sort(g, axis=-1)[..., -2:].sum(axis=-1)
@@ -63,7 +65,8 @@ class RouterForm:
             mask = np.zeros(top2.shape, bool)
             np.put_along_axis(mask, keep, True, axis=-1)
             p = p * np.repeat(mask, g.shape[-1], axis=-1)
-        return p / p.sum(axis=-1, keepdims=True)
+            p /= p.sum(axis=-1, keepdims=True)
+        return p
 
 
 @dataclass(frozen=True)
