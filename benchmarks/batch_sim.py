@@ -11,6 +11,9 @@ size, the KV cache on the device or in host memory (attention then on the CPU), 
 experts live: stock llama.cpp's ``--n-cpu-moe`` (policy ncmoe: whole layers on the device, the
 first layers' experts in host memory, copied up by a ubatch of 32 tokens or more) or forecache's
 cache (policy promoe, without a predictor: prefetch adds nothing at this shape, BENCHMARKS.md).
+Stock's host experts are pinned, as --no-mmap loads them: mmap'd (llama.cpp's default,
+``ncmoe-mmap`` in the simulator) they copy up at the profile's slower pageable rate, which makes
+no plan faster unless a profile gives a pageable rate above its pinned one.
 
 Each plan's device memory is the non-expert weights, the KV cache when on the device (every
 sequence's context), the compute buffers of its largest ubatch (``cache.budget``), then the

@@ -1,24 +1,28 @@
 #!/usr/bin/env bash
-# The GPU check: build forecache's CUDA llama.cpp offline, prove it lossless on the GPU, and
-# measure the target (Qwen2-57B-A14B in llama.cpp's Q4_K_M mix at a 24 GiB budget) against stock llama.cpp's
-# placements. Every result is a JSON file in OUT.
+# The GPU check: forecache's CUDA build, built here and carried to a GPU machine, measured there in
+# one call against stock llama.cpp's best on replayed (real-like) routing. Every result is a JSON
+# file in OUT.
 #
-#   benchmarks/gpu_check.sh bundle        here, with network: write .gpu-bundle/ (the trimmed
-#                                         llama.cpp source, xz, and the wheels the GPU machine
-#                                         lacks); carry it with the repository (under 64 MiB)
-#   benchmarks/gpu_check.sh build OUT     step 1, about 6 min: the patched CUDA build
-#   benchmarks/gpu_check.sh test OUT      step 2, about 8 min: the unpatched CUDA reference, the
-#                                         lossless tests on CUDA, forecache doctor --json
-#   benchmarks/gpu_check.sh bench OUT     step 3, about 8 min: write the 57B q4_k_m GGUF, then
-#                                         policy_bench (offload,ncmoe,lru,static,promoe; 512-token
-#                                         prompt, 128 tokens) at --gpu-budget 24GiB
-#   benchmarks/gpu_check.sh all OUT       the three steps in one go (about 22 min)
+#   benchmarks/gpu_check.sh wheels        here, on a machine with nvcc (no GPU needed): build the
+#                                         patched and the unpatched CUDA llama-cpp-python (sm_90,
+#                                         AVX2 host code: about 50 min on 2 cores the first time,
+#                                         minutes once ccache holds ggml's CUDA kernels) and stage
+#                                         them, one copy of each library, with the wheels the GPU
+#                                         machine lacks, into .gpu-bundle/ (tar + xz, about 40 MB)
+#   benchmarks/gpu_check.sh run OUT       on the GPU machine, one call of about 8 min: install the
+#                                         bundle, doctor, write the 57B model (Q4_K_M mix), replay
+#                                         OLMoE-fitted routing at 24 and 12 GiB (all-gpu, ncmoe with
+#                                         --no-mmap and with mmap, promoe, infinity), every expert
+#                                         resident against all-gpu and the replay's own cost, the
+#                                         other routings, then the lossless subset as time allows
+#   benchmarks/gpu_check.sh run OUT --cpu the same on the CPU build with the tiny model: the dry
+#                                         run the test suite does (tests/test_gpu_check.py)
 #
-# Each step does what an earlier one left undone (on a fresh machine `test` builds first), so
-# three calls of under 10 minutes each, back to back on one machine, finish the check. OUT gets
-# seven files: build.json/.log, doctor.json, lossless.json/.log, policy_bench.json/.log.
-# --cpu runs every step on the CPU build with the tiny model instead: the dry run the test suite
-# does (tests/test_gpu_check.py).
+# OUT gets at most eight files: doctor.json, traces.json, bench_fit24.json, bench_fit12.json,
+# bench_fixed.json (every expert resident; the replay's own cost), bench_routings.json,
+# lossless.json and run.log. Steps are time-boxed
+# (FORECACHE_GPU_CHECK_BUDGET seconds in all, default 500) and run in order of importance, so a
+# call that runs short still returns what it measured.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,90 +41,189 @@ done
 BUNDLE=.gpu-bundle
 log() { echo "[gpu_check] $*" >&2; }
 
-bundle() {
+wheels() {
     local py=${PYTHON:-.venv/bin/python}
     [ -x "$py" ] || { log "run make setup first (or set PYTHON)"; exit 1; }
+    command -v nvcc >/dev/null || { log "no nvcc on PATH: the CUDA build needs the CUDA toolkit"; exit 1; }
+    local cuda=${CUDA_HOME:-} c
+    for c in /usr/local/cuda "$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")"; do
+        [ -z "$cuda" ] && [ -x "$c/bin/nvcc" ] && cuda=$(readlink -f "$c")
+    done
+    [ -n "$cuda" ] || { log "cannot find the CUDA toolkit of $(command -v nvcc): set CUDA_HOME"; exit 1; }
+    if [ ! -e "$cuda/lib64/libcublas.so" ] && [ ! -e "$cuda/targets/x86_64-linux/lib/libcublas.so" ]; then
+        # the toolkit image ships without cuBLAS: take it from NVIDIA's wheel of the same major
+        local major; major=$(nvcc --version | sed -n 's/.*release \([0-9]*\)\..*/\1/p')
+        local tmp; tmp=$(mktemp -d)
+        log "cuBLAS missing from $cuda: installing it from the nvidia-cublas $major wheel"
+        "$py" -m pip download -q --no-deps -d "$tmp" "nvidia-cublas>=$major,<$((major + 1))"
+        (cd "$tmp" && unzip -q -o ./*.whl)
+        local lib; lib=$(readlink -f "$cuda/lib64")
+        cp "$tmp"/nvidia/cu"$major"/include/* "$cuda/include/"
+        cp "$tmp"/nvidia/cu"$major"/lib/* "$lib/"
+        ln -sf libcublas.so."$major" "$lib/libcublas.so"
+        ln -sf libcublasLt.so."$major" "$lib/libcublasLt.so"
+        rm -rf "$tmp"
+    fi
+    # Hopper (sm_90: H100, H200), host code for any x86-64 CPU with AVX2 (the GPU machine's CPU is
+    # not this one); without a libcuda here the build cannot link CUDA's virtual memory API
+    export FORECACHE_CUDA=1 FORECACHE_CUDA_ARCHS=${FORECACHE_CUDA_ARCHS:-90}
+    local flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON"
+    ldconfig -p | grep -q 'libcuda\.so\b' || flags="$flags -DGGML_CUDA_NO_VMM=ON"
+    export FORECACHE_CMAKE_ARGS="${FORECACHE_CMAKE_ARGS:-$flags}"
+    command -v ccache >/dev/null || log "no ccache: every build compiles ggml's CUDA kernels again (apt-get install ccache)"
+    local stage; stage=$(mktemp -d)
+    "$py" - "$stage" <<'EOF'
+import subprocess, sys
+from pathlib import Path
+from forecache.build import build_config, cached_wheel
+stage = Path(sys.argv[1])
+for name, stock in (("patched", False), ("reference", True)):
+    wheel, info = cached_wheel(build_config("cuda", stock=stock))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
+                    str(stage / name), str(wheel)], check=True)
+    print(f"[gpu_check] {name}: {wheel.name} ({info['key']})", file=sys.stderr)
+EOF
+    # one copy of each library: the wheel holds the same .so under several names
+    "$py" - "$stage" <<'EOF'
+import hashlib, os, sys
+from pathlib import Path
+seen = {}
+for p in sorted(Path(sys.argv[1]).rglob("*.so*")):
+    if p.is_symlink() or not p.is_file():
+        continue
+    h = hashlib.sha256(p.read_bytes()).hexdigest()
+    if h in seen and seen[h].parent == p.parent:
+        p.unlink()
+        p.symlink_to(seen[h].name)
+    elif h in seen:
+        p.unlink()
+        p.symlink_to(os.path.relpath(seen[h], p.parent))
+    else:
+        seen[h] = p
+EOF
     rm -rf "$BUNDLE" && mkdir -p "$BUNDLE/wheels"
-    local tmp; tmp=$(mktemp -d)
-    "$py" -m forecache.build --export-source "$tmp/llama-src"
-    tar -C "$tmp" -cJf "$BUNDLE/llama-src.tar.xz" llama-src
-    rm -rf "$tmp"
-    # What forecache needs that the GPU machine's Python 3.12 lacks (pure-Python wheels).
+    tar -C "$stage" -cf - patched reference | xz -T0 -6 > "$BUNDLE/site.tar.xz"
+    rm -rf "$stage"
+    # what forecache needs that the GPU machine's Python 3.12 lacks (pure-Python wheels)
     "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
         -d "$BUNDLE/wheels" "gguf>=0.17" "diskcache>=5.6.1"
-    log "wrote $BUNDLE ($(du -sh "$BUNDLE" | cut -f1)); the repository and it travel together:"
-    log "$(git ls-files -z | du -ch --files0-from=- | tail -1 | cut -f1) tracked + the bundle, under 64 MiB"
+    # a real decode trace of a 64-expert top-8 model, when this checkout has the shared ones
+    local real=../shared/traces/olmoe_1b_7b_nf4gemm_decode_4x512.npz
+    [ -f "$real" ] && cp "$real" "$BUNDLE/olmoe-real.npz"
+    log "wrote $BUNDLE ($(du -sh "$BUNDLE" | cut -f1)); carry it with the working tree (64 MiB in all:"
+    log "untrack the shipped GGUFs for the call, they are not needed there)"
 }
 
-[ "$STEP" = bundle ] && { bundle; exit 0; }
+[ "$STEP" = wheels ] && { wheels; exit 0; }
+[ "$STEP" = run ] || usage
 [ -n "$OUT" ] || usage
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
+exec 2> >(tee -a "$OUT/run.log" >&2)
+T0=$SECONDS
+BUDGET=${FORECACHE_GPU_CHECK_BUDGET:-500}
+left() { echo $((BUDGET - (SECONDS - T0))); }
 
 if [ "$CPU" = 1 ]; then
     PY=${PYTHON:-.venv/bin/python}
     export FORECACHE_CUDA=0
-    BACKEND=cpu
-    installed=$("$PY" -c "from forecache.build import installed_build_info as i; \
-print((i() or {}).get('backend', 'none'))")
-    if [ "$installed" != cpu ] && [ "$installed" != none ]; then
-        log "--cpu is the dry run of a CPU build; this environment has a $installed build, which it would replace"
-        exit 1
-    fi
+    WORK=$OUT/.work
+    MODEL=$WORK/tiny-q4_k_m.gguf
+    PRESET=tiny
+    BIG=1GiB; SMALL=1GiB; FULL=1GiB; PROMPT=64; GEN=16; THREADS=(--threads 2)
+    LOSSLESS=(-k "test_every_policy_equals_unpatched and tiny-q8_0")
 else
-    # The machine's own Python (PyTorch's environment there: numpy, onnxruntime, pytest, cmake,
-    # scikit-build-core); the machine is a throwaway, so the builds install into it.
+    # the machine's own Python (PyTorch's environment: numpy, onnxruntime, pytest, click); the
+    # carried builds go first on its path, forecache runs from this checkout
     PY=${PYTHON:-python3}
-    export FORECACHE_CUDA=1 FORECACHE_CUDA_ARCHS=${FORECACHE_CUDA_ARCHS:-native}
-    export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
-    BACKEND=cuda
+    [ -f "$BUNDLE/site.tar.xz" ] || { log "no $BUNDLE/site.tar.xz: run '$0 wheels' first and carry $BUNDLE"; exit 1; }
+    SITE=/tmp/forecache-site
+    if [ ! -d "$SITE/patched" ]; then
+        mkdir -p "$SITE" && xz -dc "$BUNDLE/site.tar.xz" | tar -C "$SITE" -xf -
+        "$PY" -m pip install -q --no-index --no-deps --target "$SITE/deps" "$BUNDLE"/wheels/*.whl
+    fi
+    export PYTHONPATH=$SITE/patched:$SITE/deps:$PWD${PYTHONPATH:+:$PYTHONPATH}
+    export FORECACHE_REFERENCE_DIR=$SITE/reference PIP_NO_INDEX=1
+    WORK=${FORECACHE_GPU_CHECK_WORK:-/tmp/forecache-gpu-check}
+    MODEL=$WORK/qwen2-57b-a14b-random-q4_k_m.gguf
+    PRESET=qwen2-57b-a14b
+    BIG=24GiB; SMALL=12GiB; FULL=64GiB; PROMPT=512; GEN=64; THREADS=()
+    LOSSLESS=(-k "q8_0")
 fi
+mkdir -p "$WORK"
+# a build that does not load ends the call here, while the device time left allows another
+"$PY" -m forecache doctor --json > "$OUT/doctor.json" || { log "doctor failed: the build does not run here"; exit 1; }
+if [ ! -f "$MODEL" ]; then
+    log "writing the $PRESET model ($(left) s left)"
+    "$PY" -m forecache make-model "${MODEL%.gguf}.part.gguf" --preset "$PRESET" --type q4_k_m >&2
+    mv "${MODEL%.gguf}.part.gguf" "$MODEL"
+fi
+log "model ready after $((SECONDS - T0)) s"
 
-environment() {
-    [ "$CPU" = 1 ] && return 0
-    [ -f "$BUNDLE/llama-src.tar.xz" ] || { log "no $BUNDLE: run '$0 bundle' where there is network, and carry it"; exit 1; }
-    if ! "$PY" -c "import gguf, diskcache" 2>/dev/null; then
-        log "installing $(ls "$BUNDLE"/wheels | tr '\n' ' ')into $("$PY" -c 'import sys; print(sys.prefix)')"
-        "$PY" -m pip install -q --no-index --no-deps "$BUNDLE"/wheels/*.whl
-    fi
-    # forecache itself runs from this checkout; pip never reaches for an index there
-    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PIP_NO_INDEX=1
-    if [ ! -d "$BUNDLE/llama-src" ]; then
-        tar -C "$BUNDLE" -xJf "$BUNDLE/llama-src.tar.xz"
-    fi
-    export FORECACHE_LLAMA_SOURCE=$PWD/$BUNDLE/llama-src
+"$PY" benchmarks/replay_traces.py -m "$MODEL" --out "$WORK/traces" --prefill "$PROMPT" \
+    --decode $((GEN + 16)) --json "$OUT/traces.json" >&2
+
+# policy_bench with a time box: NAME TRACE BUDGET POLICIES
+bench() {
+    local name=$1 trace=$2 budget=$3 policies=$4 t
+    t=$(left)
+    if [ "$t" -lt 30 ]; then log "skipped $name: $t s left"; return 0; fi
+    local tr=(); [ "$trace" != none ] && tr=(--routing-trace "$trace")
+    log "bench $name ($t s left)"
+    timeout "$t" "$PY" benchmarks/policy_bench.py -m "$MODEL" --gpu-budget "$budget" \
+        --policies "$policies" --prompt-len "$PROMPT" --gen "$GEN" --prompts 1 \
+        "${THREADS[@]}" "${tr[@]}" --json "$OUT/bench_$name.json" >&2 \
+        || log "bench $name did not finish (exit $?)"
 }
+FIT=$WORK/traces/olmoe-fit.npz
+bench fit24 "$FIT" "$BIG" all-gpu,ncmoe,ncmoe-mmap,promoe,infinity
+bench fit12 "$FIT" "$SMALL" ncmoe,ncmoe-mmap,promoe
+# the fixed cost when nothing misses: every expert in a slot against every layer on the GPU,
+# both replayed, and the replay's own cost (every layer on the GPU on the model's own routing)
+bench full "$FIT" "$FULL" all-gpu,promoe
+bench own none "$FULL" all-gpu
+"$PY" - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+parts = {n: out / f"bench_{n}.json" for n in ("full", "own")}
+json.dump({n: json.loads(p.read_text()) for n, p in parts.items() if p.exists()},
+          open(out / "bench_fixed.json", "w"), indent=1)
+for p in parts.values():
+    p.unlink(missing_ok=True)
+EOF
+# the other routings, then the real OLMoE trace mapped onto the model, in one file
+for r in "$WORK/traces/uniform.npz" "$WORK/traces/skewed.npz" "$BUNDLE/olmoe-real.npz"; do
+    if [ -f "$r" ]; then bench "r_$(basename "$r" .npz)" "$r" "$BIG" ncmoe,promoe; fi
+done
+"$PY" - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+parts = sorted(out.glob("bench_r_*.json"))
+json.dump({p.stem[len("bench_r_"):]: json.loads(p.read_text()) for p in parts},
+          open(out / "bench_routings.json", "w"), indent=1)
+for p in parts:
+    p.unlink()
+EOF
 
-step_build() {
-    environment
-    local t0=$SECONDS
-    "$PY" -m forecache.build --backend "$BACKEND" 2>&1 | tee "$OUT/build.log" >&2
-    "$PY" -c "import json; from forecache.build import installed_build_info as i; \
-print(json.dumps(dict(i(), step_s=$((SECONDS - t0))), indent=1))" > "$OUT/build.json"
-    log "build: $(cat "$OUT/build.json" | "$PY" -c 'import json,sys; d=json.load(sys.stdin); print(d["backend"], d["key"])')"
-}
-
-step_test() {
-    step_build
-    "$PY" -m forecache.build --reference --backend "$BACKEND" 2>&1 | tee -a "$OUT/build.log" >&2
-    "$PY" -m forecache doctor --json > "$OUT/doctor.json"
-    local tests=(tests/test_lossless.py tests/test_default_placement.py
-                 "tests/test_prefetch.py::test_promoe_is_lossless"
-                 "tests/test_stage.py::test_staged_prompt_passes_are_lossless"
-                 tests/test_little.py
-                 "tests/test_speculative.py::test_greedy_speculation_is_the_model")
-    local select=()
-    # the dry run takes one weight type of each test: the whole set runs in the suite itself
-    [ "$CPU" = 1 ] && { tests=(tests/test_lossless.py); select=(-k "q8_0"); }
+# the lossless subset on this build, against the carried unpatched reference
+t=$(left)
+if [ "$t" -ge 45 ]; then
+    log "lossless subset ($t s left)"
     set +e
-    "$PY" -m pytest -q -p no:cacheprovider "${tests[@]}" "${select[@]}" \
-        --junitxml "$OUT/.lossless.xml" 2>&1 | tee "$OUT/lossless.log" >&2
-    local rc=${PIPESTATUS[0]}
+    timeout "$t" "$PY" -m pytest -q -p no:cacheprovider tests/test_lossless.py "${LOSSLESS[@]}" \
+        --junitxml "$WORK/lossless.xml" >&2
+    rc=$?
     set -e
-    "$PY" - "$OUT/.lossless.xml" "$rc" > "$OUT/lossless.json" <<'EOF'
+    "$PY" - "$WORK/lossless.xml" "$rc" > "$OUT/lossless.json" <<'EOF'
 import json, sys
 import xml.etree.ElementTree as ET
-root = ET.parse(sys.argv[1]).getroot()
+try:
+    root = ET.parse(sys.argv[1]).getroot()
+except (OSError, ET.ParseError):
+    print(json.dumps({"exit_code": int(sys.argv[2]), "passed": 0, "failed": 0, "cases": []}))
+    sys.exit(0)
 suite = root if root.tag == "testsuite" else root.find("testsuite")
 cases = [{"test": f"{c.get('classname')}::{c.get('name')}", "seconds": float(c.get("time", 0)),
           "outcome": ("failed" if c.find("failure") is not None or c.find("error") is not None
@@ -129,43 +232,7 @@ cases = [{"test": f"{c.get('classname')}::{c.get('name')}", "seconds": float(c.g
 print(json.dumps({"exit_code": int(sys.argv[2]), "passed": sum(c["outcome"] == "passed" for c in cases),
                   "failed": sum(c["outcome"] == "failed" for c in cases), "cases": cases}, indent=1))
 EOF
-    rm -f "$OUT/.lossless.xml"  # lossless.json has it; the device tool returns 8 files at most
-    log "lossless tests: exit $rc (details in $OUT/lossless.log)"
-}
-
-step_bench() {
-    environment
-    if ! "$PY" -c "from forecache.native import patch_version; patch_version()" 2>/dev/null; then
-        step_build
-    fi
-    local model args
-    if [ "$CPU" = 1 ]; then
-        model=$OUT/tiny-q4_k_m.gguf
-        args=(--gpu-budget 1GiB --prompt-len 64 --gen 16 --prompts 1 --threads 2)
-        [ -f "$model" ] || "$PY" -m forecache make-model "$model" --preset tiny --type q4_k_m
-    else
-        model=${FORECACHE_GPU_CHECK_MODEL:-$HOME/.cache/forecache/qwen2-57b-a14b-random-q4_k_m.gguf}
-        args=(--gpu-budget 24GiB --prompt-len 512 --gen 128 --prompts 1)
-        if [ ! -f "$model" ]; then
-            mkdir -p "$(dirname "$model")"
-            "$PY" -m forecache make-model "${model%.gguf}.part.gguf" --preset qwen2-57b-a14b \
-                --type q4_k_m
-            mv "${model%.gguf}.part.gguf" "$model"
-        fi
-    fi
-    "$PY" benchmarks/policy_bench.py -m "$model" \
-        --policies offload,ncmoe,lru,static,promoe,promoe+spec,promoe+little,promoe+resident \
-        "${args[@]}" --json "$OUT/policy_bench.json" >&2  # its table: the run's output
-    # batch plans: the roofline model's predictions next to measured batch jobs (issue 22)
-    "$PY" benchmarks/batch_plans.py --requests 32 --max-tokens 32 --repeats 2 \
-        --json "$OUT/batch_plans.json" >&2
-}
-
-case "$STEP" in
-    build) step_build ;;
-    test) step_test ;;
-    bench) step_bench ;;
-    all) step_test; step_bench ;;
-    *) usage ;;
-esac
-log "done: results in $OUT"
+else
+    log "lossless subset skipped: $t s left"
+fi
+log "done after $((SECONDS - T0)) s: results in $OUT"

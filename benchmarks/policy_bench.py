@@ -1,7 +1,12 @@
 """Placement policies side by side (offload, ncmoe, lru, static): the table in BENCHMARKS.md.
 
     python benchmarks/policy_bench.py -m MODEL --gpu-budget 24GiB --prompt-len 512 --gen 128 \
-        [--policies offload,ncmoe,lru,static] [--json OUT.json]
+        [--policies offload,ncmoe,lru,static] [--routing-trace TRACE] [--json OUT.json]
+
+Besides the policies, all-gpu (every layer on the GPU, no cache) and ncmoe-mmap (--n-cpu-moe
+with mmap'd host weights) can be named; ncmoe loads host weights as --no-mmap does, and ratios
+"vs ncmoe" take the faster of the two. --routing-trace replays a trace's routing in every run
+(the model's own router is computed but not used: meaningful timings on a random-weight model).
 
 A policy name may end in +little or +resident: that policy with MoBiLE's little pass (top half of
 the top-k, or the resident experts and the top-1) on every generated token, never the full
@@ -35,6 +40,8 @@ def main() -> int:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--routing-trace", type=Path, default=None,
+                    help="replay this trace's routing in every run")
     ap.add_argument("--json", type=Path, default=None, help="write the report here")
     a = ap.parse_args()
 
@@ -51,6 +58,7 @@ def main() -> int:
                        gpu_budget=parse_size(a.gpu_budget) if a.gpu_budget else None,
                        cache_fraction=a.cache_fraction, prompt_len=a.prompt_len, n_gen=a.gen,
                        n_prompts=a.prompts, n_threads=a.threads,
+                       routing_trace=a.routing_trace,
                        progress=lambda s: print(s, file=sys.stderr))
     report.update({"device": dev.name, "device_description": dev.description,
                    "h2d_gbps": h2d, "host": platform.node(), "command": " ".join(sys.argv),

@@ -1,5 +1,6 @@
 """Speculative decoding (SP-MoE) at the target in simulation: decode by draft, draft length and
-acceptance, over non-speculative promoe and ncmoe; and the cutoff-layer sweep.
+acceptance, over non-speculative promoe and ncmoe (the faster of its --no-mmap and mmap runs);
+and the cutoff-layer sweep.
 
     python benchmarks/spec_sim.py [--like TRACE.npz] [--shape qwen2-57b-a14b] [--budget 24GiB]
         [--profile rtx4090] [--requests 8] [--prefill 512] [--decode 128]
@@ -32,7 +33,13 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
-from forecache.sim.run import run_one, speedup, target_baselines, target_options
+from forecache.sim.run import (
+    NCMOE_LEGEND,
+    run_one,
+    speedup,
+    target_baselines,
+    target_options,
+)
 from forecache.sim.simulate import SimConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,7 +95,7 @@ def main() -> None:
     args = ap.parse_args()
     t = target_baselines(args)
     shape, profile, replay, pred = t.shape, t.profile, t.replay, t.predictor
-    base, nc, exact = t.base, t.ncmoe, t.promoe
+    base, nc, exact = t.base, t.ncmoe_best, t.promoe
     print(f"\n{t.header(args)}\n")
     print("| draft | acceptance | k | cutoff | tokens a step | TPOT ms | hit % | over promoe | "
           "over ncmoe |")
@@ -130,6 +137,7 @@ def main() -> None:
                      "auto")
                  for a in args.accepts.split(",") if a for k in args.ks.split(",")]
         _needed(swept, exact.tpot_s, nc.tpot_s)
+    print(NCMOE_LEGEND)
     t.write_json(args, rows, "promoe")
 
 

@@ -1,6 +1,7 @@
 """Where a larger ubatch pays for long prompts, in simulation at the target: Qwen2-57B-A14B q4_k
-on a 24 GiB card (rtx4090 profile), ncmoe and promoe, prompts of several lengths, ubatches of
-512 and larger.
+on a 24 GiB card (rtx4090 profile), ncmoe (host experts pinned, --no-mmap, and mmap'd:
+ncmoe-mmap; promoe's ratios are over the faster of the two in each figure) and promoe, prompts
+of several lengths, ubatches of 512 and larger.
 
     python benchmarks/ubatch_sim.py [--prompts 512,2048,8192] [--ubatches 512,1024,2048]
         [--decode 64] [--json OUT]
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from forecache.cache.budget import compute_buffer_bytes
 from forecache.cache.cost import Profile
-from forecache.sim.run import run_one, slots_for
+from forecache.sim.run import NCMOE_LEGEND, run_one, slots_for, stock_best
 from forecache.sim.shapes import SimShape, shape_of
 from forecache.sim.simulate import SimConfig
 from forecache.trace import synth
@@ -53,9 +54,9 @@ def main() -> None:
     shape = shape_of("qwen2-57b-a14b", "q4_k")
     rows = []
     print(f"{shape.name} q4_k at {args.budget}, profile {profile.name}; TTFT ms / TPOT ms\n")
-    print("| prompt | ubatch | slots a layer | ncmoe TTFT / TPOT | promoe TTFT / TPOT | "
-          "promoe over ncmoe (prefill, decode) |")
-    print("|---|---|---|---|---|---|")
+    print("| prompt | ubatch | slots a layer | ncmoe TTFT / TPOT | ncmoe-mmap TTFT / TPOT | "
+          "promoe TTFT / TPOT | promoe over ncmoe (prefill, decode) |")
+    print("|---|---|---|---|---|---|---|")
     for n_prompt in [int(x) for x in args.prompts.split(",")]:
         reqs = synth.synthesize(synth.OLMOE_FIT, n_layers=shape.layers, n_expert=shape.experts,
                                 top_k=shape.top_k, tokens=[n_prompt + args.decode] * 2,
@@ -65,15 +66,17 @@ def main() -> None:
                 continue
             n = slots_at(shape, args.budget, n_ubatch)
             res = {p: run_one(reqs, shape, profile, SimConfig(p, n, n_ubatch=n_ubatch), None)
-                   for p in ("ncmoe", "promoe")}
-            nc, pm = res["ncmoe"], res["promoe"]
+                   for p in ("ncmoe", "ncmoe-mmap", "promoe")}
+            nc, pm = stock_best(res), res["promoe"]
             row = {"prompt": n_prompt, "n_ubatch": n_ubatch, "n_slots": n,
                    **{f"{p}_{k}": getattr(r, k) for p, r in res.items()
                       for k in ("ttft_s", "tpot_s")}}
             rows.append(row)
-            print(f"| {n_prompt} | {n_ubatch} | {n} | {nc.ttft_s * 1e3:.0f} / "
-                  f"{nc.tpot_s * 1e3:.2f} | {pm.ttft_s * 1e3:.0f} / {pm.tpot_s * 1e3:.2f} | "
+            cells = " | ".join(f"{res[p].ttft_s * 1e3:.0f} / {res[p].tpot_s * 1e3:.2f}"
+                               for p in res)
+            print(f"| {n_prompt} | {n_ubatch} | {n} | {cells} | "
                   f"{nc.ttft_s / pm.ttft_s:.2f}x, {nc.tpot_s / pm.tpot_s:.2f}x |", flush=True)
+    print(f"\npromoe {NCMOE_LEGEND}")
     if args.json:
         args.json.write_text(json.dumps({"profile": profile.name, "budget": args.budget,
                                          "rows": rows}, indent=1))

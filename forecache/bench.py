@@ -12,10 +12,19 @@ from forecache.cache.policies import hit_rate
 from forecache.cache.setup import CacheConfig
 from forecache.errors import setting
 from forecache.generate import SamplingParams, generate, text_tokens
+from forecache.gguf.header import require_moe
 from forecache.llama import CALIBRATION_TEXT, Llama
+from forecache.trace.replay import load_routing
 
-# stock llama.cpp's best (--n-cpu-moe) first: every speedup is stated over it before the others
+# stock llama.cpp's best (--n-cpu-moe, the faster of --no-mmap and mmap'd host weights) first:
+# every speedup is stated over it before the others
 BASELINES = ("ncmoe", "offload", "lru")
+# stock placements a benchmark may name besides the policies: every layer on the GPU (no budget,
+# no cache: the bound a cache approaches when every expert fits), and --n-cpu-moe with mmap'd
+# (pageable) host weights; "ncmoe" itself is --no-mmap's (pinned host weights copy at the bus rate)
+STOCK_RUNS = ("all-gpu", "ncmoe-mmap")
+# the runs "ncmoe" ratios take the faster of, metric by metric
+NCMOE_RUNS = ("ncmoe", "ncmoe-mmap")
 # runs a benchmark may add to a policy's name, as (extra CacheConfig fields, draft): MoBiLE's
 # little pass on every generated token (gamma 0, never the full model: lossy, the mode's speed
 # bound) over the top half of the top-k ("+little") or the experts in slots and the top-1
@@ -89,11 +98,17 @@ def _sized(policy: str, gpu_budget: int | None, fraction: float | None, **kw: ob
 
 def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n_gen: int, *,
                n_ctx: int, n_threads: int | None, decode_gate: bool = True,
-               draft: str | None = None) -> dict:
+               draft: str | None = None, use_mmap: bool = False,
+               routing_trace: Path | None = None) -> dict:
     """Load the model under ``cfg``, warm up, then generate ``n_gen`` tokens for every prompt
-    (``decode_gate=False``: every gate calls the Python policy; ``draft``: speculative)."""
-    spec = {} if draft is None else {"draft": draft}
-    with Llama.open(model, cache=cfg, n_ctx=n_ctx, n_threads=n_threads, **spec) as llm:
+    (``decode_gate=False``: every gate calls the Python policy; ``draft``: speculative;
+    ``use_mmap``: host weights mmap'd, else read into (pinned) buffers as --no-mmap does;
+    ``routing_trace``: every expert matmul reads that trace's routing, not the router's)."""
+    spec: dict = {} if draft is None else {"draft": draft}
+    if routing_trace is not None:
+        spec["routing_trace"] = routing_trace
+    with Llama.open(model, cache=cfg, n_ctx=n_ctx, n_threads=n_threads, use_mmap=use_mmap,
+                    **spec) as llm:
         if llm.expert_cache is not None:
             llm.expert_cache.use_decode_gate(decode_gate)
         generate(llm, prompts[0][:8], 2, SamplingParams(greedy=True), ignore_eos=True)
@@ -105,6 +120,8 @@ def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n
             runs.append(generate(llm, p, n_gen, SamplingParams(greedy=True), ignore_eos=True))
         wall = time.perf_counter() - t0
         stats = llm.expert_stats()
+        if llm.replay is not None:
+            llm.replay.check()
     n = len(runs)
     tpot = sum(r.tpot_s for r in runs) / n
     return {
@@ -122,28 +139,47 @@ def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n
     }
 
 
+def _baseline(raw: dict[str, dict], base: str) -> dict[str, float] | None:
+    """TTFT and TPOT of baseline ``base``; for ncmoe the faster of its runs, metric by metric."""
+    runs = [raw[n] for n in (NCMOE_RUNS if base == "ncmoe" else (base,)) if n in raw]
+    if not runs:
+        return None
+    return {"ttft_s": min(r["ttft_s"] for r in runs), "tpot_s": min(r["tpot_s"] for r in runs)}
+
+
 def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
               cache_fraction: float | None, prompt_len: int, n_gen: int, n_prompts: int = 3,
               n_ctx: int | None = None, n_threads: int | None = None,
+              routing_trace: Path | None = None,
               progress: Callable[[str], None] = lambda s: None) -> dict:
-    """Every policy on the same prompts; returns results, ratios and whether tokens agreed."""
+    """Every policy (and stock run, ``STOCK_RUNS``) on the same prompts, each on the routing of
+    ``routing_trace`` when given; returns results, ratios and whether tokens agreed."""
+    if routing_trace is not None:  # a bad trace stops the benchmark before any run
+        mf = require_moe(model)
+        load_routing(routing_trace, n_layers=len(mf.moe_layers()), n_expert=mf.n_expert,
+                     top_k=mf.n_expert_used)
     n_ctx, prompts = workload(model, n_prompts, prompt_len, n_gen, n_ctx)
     raw: dict[str, dict] = {}
     for pol in policies:
-        if pol == "ncmoe" and gpu_budget is None:
-            progress(f"ncmoe skipped: it needs {setting('gpu_budget')}")
+        if pol in NCMOE_RUNS and gpu_budget is None:
+            progress(f"{pol} skipped: it needs {setting('gpu_budget')}")
+            continue
+        base, extra, draft = _variant(pol)
+        if routing_trace is not None and (extra or draft):
+            progress(f"{pol} skipped: a replayed routing fixes every token's experts")
             continue
         progress(f"running {pol} ...")
-        base, extra, draft = _variant(pol)
-        cfg = _sized(base, gpu_budget, cache_fraction, **extra)
+        mmap = base == "ncmoe-mmap"
+        cfg = None if base == "all-gpu" else _sized("ncmoe" if mmap else base, gpu_budget,
+                                                     cache_fraction, **extra)
         raw[pol] = run_policy(model, cfg, prompts, n_gen, n_ctx=n_ctx, n_threads=n_threads,
-                              draft=draft)
+                              draft=draft, use_mmap=mmap, routing_trace=routing_trace)
     results = []
     for pol, r in raw.items():
         ratios = {}
         for base in BASELINES:
-            if base in raw and base != pol:
-                b = raw[base]
+            b = _baseline(raw, base)
+            if b is not None and base != pol:
                 ratios[base] = {
                     "ttft_speedup": b["ttft_s"] / r["ttft_s"] if r["ttft_s"] > 0 else 0.0,
                     "decode_speedup": b["tpot_s"] / r["tpot_s"] if r["tpot_s"] > 0 else 0.0,
@@ -154,7 +190,9 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
     return {
         "model": str(model), "prompt_len": prompt_len, "gen": n_gen, "n_prompts": n_prompts,
         "gpu_budget": gpu_budget, "cache_fraction": cache_fraction,
-        "same_tokens": all(t == exact[0] for t in exact),
+        "routing_trace": str(routing_trace) if routing_trace else None,
+        # replayed routing computes meaningless tokens: they are not compared
+        "same_tokens": None if routing_trace else all(t == exact[0] for t in exact),
         "results": [asdict(r) for r in results],
     }
 
@@ -172,8 +210,13 @@ def format_table(report: dict) -> str:
                      f"{r['tokens_per_s']:>8.1f} {r['hit_rate'] * 100:>6.1f} {r['h2d_gb']:>8.3f} "
                      f"{r['stall_share'] * 100:>8.1f}" + "".join(f"{ratio(b):>18}"
                                                                   for b in BASELINES))
-    lines.append("ratios: prefill (TTFT) speedup / decode (TPOT) speedup; same greedy tokens "
-                 f"(exact runs): {'yes' if report['same_tokens'] else 'NO'}")
+    if report.get("routing_trace"):
+        lines.append("ratios: prefill (TTFT) speedup / decode (TPOT) speedup; every run replays "
+                     f"the routing of {Path(report['routing_trace']).name} (tokens meaningless, "
+                     "not compared); vs ncmoe: the faster of --no-mmap and mmap")
+    else:
+        lines.append("ratios: prefill (TTFT) speedup / decode (TPOT) speedup; same greedy "
+                     f"tokens (exact runs): {'yes' if report['same_tokens'] else 'NO'}")
     if any(_lossy(r["policy"]) for r in report["results"]):
         lines.append("+little/+resident: MoBiLE's little pass on every generated token (lossy; "
                      "the mode's speed bound)")

@@ -126,6 +126,26 @@ def cpu_features(cpuinfo: str | None = None, isa_only: bool = True) -> list[str]
     return sorted(flags)
 
 
+# GGML_<NAME>=ON of a build with GGML_NATIVE=OFF -> the /proc/cpuinfo flag it needs
+_GGML_ISA_FLAGS = {
+    "AVX": "avx", "AVX2": "avx2", "FMA": "fma", "F16C": "f16c", "BMI2": "bmi2",
+    "AVX_VNNI": "avx_vnni", "AVX512": "avx512f", "AVX512_VBMI": "avx512vbmi",
+    "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16", "AMX_TILE": "amx_tile",
+    "AMX_INT8": "amx_int8", "AMX_BF16": "amx_bf16",
+}
+
+
+def build_cpu_features(cmake_args: list[str]) -> list[str]:
+    """The instruction sets a build with these CMake flags is compiled for: this CPU's for a
+    native build, the ones named (GGML_AVX2=ON, ...) for a portable one (GGML_NATIVE=OFF), which
+    may then run on any CPU that has them (a CUDA build carried to a GPU machine)."""
+    if "-DGGML_NATIVE=OFF" not in cmake_args:
+        return cpu_features()
+    named = {a[len("-DGGML_"):-len("=ON")] for a in cmake_args
+             if a.startswith("-DGGML_") and a.endswith("=ON")}
+    return sorted(_GGML_ISA_FLAGS[n] for n in named if n in _GGML_ISA_FLAGS)
+
+
 def missing_cpu_features(info: dict) -> list[str]:
     """The instruction sets a build (its build info) was compiled for that this CPU lacks."""
     built = info.get("cpu_features")
@@ -465,6 +485,7 @@ def build_wheel(tree: Path, cfg: BuildConfig, out_dir: Path, log_path: Path) -> 
     env["CMAKE_ARGS"] = " ".join(cfg.cmake_args)
     env.setdefault("CMAKE_BUILD_PARALLEL_LEVEL", str(os.cpu_count() or 2))
     env["FORCE_CMAKE"] = "1"
+    env["SKBUILD_BUILD_DIR"] = str(tree.parent.parent / "cmake-build")
     if shutil.which("ninja"):
         env.setdefault("CMAKE_GENERATOR", "Ninja")
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-v",
@@ -536,10 +557,13 @@ def build_config(backend: str, stock: bool = False) -> BuildConfig:
     python_patches = [] if stock else python_patch_files()
     if not stock and not (patches and sources):
         raise BuildError(f"no patches in {PATCH_DIR} or no sources in {CSRC_DIR}")
-    # A CUDA build is compiled for this machine's CPU too (its ggml-cpu backend).
+    # A CUDA build is compiled for this machine's CPU too (its ggml-cpu backend), unless the
+    # flags name the instruction sets (GGML_NATIVE=OFF).
+    cmake_args = backend_cmake_args(backend)
     return BuildConfig(backend=backend, patch_hash=STOCK if stock else patch_series_hash(),
-                       cmake_args=backend_cmake_args(backend), patches=[p.name for p in patches],
-                       cpu_features=cpu_features(), sources=[p.name for p in sources],
+                       cmake_args=cmake_args, patches=[p.name for p in patches],
+                       cpu_features=build_cpu_features(cmake_args),
+                       sources=[p.name for p in sources],
                        python_patches=[p.name for p in python_patches])
 
 
@@ -554,16 +578,20 @@ def cached_wheel(cfg: BuildConfig, source: Path | None = None, force: bool = Fal
             log(f"using cached wheel {wheels[-1]}")
             return wheels[-1], json.loads((wheel_dir / BUILD_INFO_NAME).read_text())
         check_toolchain(cfg.backend)
+        # Fixed paths (the build lock makes them private) keep the compiler's command lines alike
+        # between builds, so ccache, where installed, serves the objects two builds share: the
+        # reference and the patched build differ in a few files, not in ggml's CUDA kernels.
         work_root = root / "work"
-        work_root.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=work_root) as tmp:
-            tree = unpack_source(source, Path(tmp))
+        shutil.rmtree(work_root, ignore_errors=True)
+        (work_root / "src").mkdir(parents=True)
+        try:
+            tree = unpack_source(source, work_root / "src")
             trim_tree(tree)
             add_sources(tree, [CSRC_DIR / name for name in cfg.sources])
             apply_patches(tree, [PATCH_DIR / name for name in cfg.patches])
             apply_patches(tree, [PYTHON_PATCH_DIR / name for name in cfg.python_patches], into=".")
             info = stamp_tree(tree, cfg)
-            staging = Path(tmp) / "wheel"
+            staging = work_root / "wheel"
             staging.mkdir()
             wheel_built = build_wheel(tree, cfg, staging, root / f"build-{cfg.key}.log")
             # Publish atomically: a half-copied wheel must never look like a cache hit.
@@ -575,6 +603,8 @@ def cached_wheel(cfg: BuildConfig, source: Path | None = None, force: bool = Fal
             shutil.rmtree(wheel_dir, ignore_errors=True)
             os.replace(tmp_dir, wheel_dir)
             return wheel_dir / wheel_built.name, info
+        finally:
+            shutil.rmtree(work_root, ignore_errors=True)
 
 
 def build(source: Path | None = None, backend: str = "auto", force: bool = False,
@@ -608,6 +638,14 @@ def build_reference(source: Path | None = None, backend: str = "cpu", force: boo
     """Build (or take from the cache) llama-cpp-python from the same sdist without the patch
     series, installed into :func:`reference_dir` (not into the environment): the reference that
     forecache's lossless tests compare with. Returns that directory."""
+    carried = os.environ.get("FORECACHE_REFERENCE_DIR")
+    if carried:
+        # a reference built elsewhere and carried here (the GPU check's bundle)
+        dest = Path(carried)
+        if not (dest / "llama_cpp" / BUILD_INFO_NAME).exists():
+            raise BuildError(f"FORECACHE_REFERENCE_DIR={carried} holds no llama_cpp build "
+                             f"(no llama_cpp/{BUILD_INFO_NAME}): unset it to build one here")
+        return dest
     cfg = build_config(backend, stock=True)
     dest = _reference_dir(cfg)
     if (dest / "llama_cpp" / BUILD_INFO_NAME).exists() and not force:

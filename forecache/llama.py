@@ -47,6 +47,7 @@ from forecache.native import llama_cpp_module, llama_cpp_package, patch_version
 from forecache.native.cache_api import SLOT_EMPTY
 from forecache.native.libs import MAX_THREADS, ModelLoadError
 from forecache.speculative import SpecStats, Speculator, sampler_for
+from forecache.trace.replay import ReplayError, Routing, RoutingReplay, load_routing
 
 llama_cpp = llama_cpp_package()  # after checking that the build fits this CPU
 
@@ -127,7 +128,9 @@ class Llama(llama_cpp.Llama):
     ``gamma``; ``little_resident`` keeps only the top expert and those already on the device
     (of the top ``little_k``, default all); ``"exact"`` (the default) is the model as it is.
     ``n_seq_max`` sizes the context for that many sequences decoded together, each with
-    n_ctx / n_seq_max of the context (``forecache batch``). ``cache`` passes a ready
+    n_ctx / n_seq_max of the context (``forecache batch``). ``routing_trace`` (benchmarks only)
+    replays a trace's routing in every expert matmul instead of the router's (``trace.replay``;
+    the tokens are then meaningless, and each batch is one ubatch). ``cache`` passes a ready
     ``CacheConfig`` (or None for no cache). Every other keyword goes to ``llama_cpp.Llama``;
     ``n_gpu_layers`` defaults to all layers when a cache is used.
     """
@@ -138,8 +141,10 @@ class Llama(llama_cpp.Llama):
                  mode: str = "exact", gamma: float = 0.7, little_k: int | None = None,
                  little_resident: bool = False, draft: str | None = None,
                  draft_k: int | None = None, n_seq_max: int = 1,
-                 cache: CacheConfig | None = AUTO, **kwargs: Any) -> None:
+                 cache: CacheConfig | None = AUTO,
+                 routing_trace: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
         self.expert_cache: ExpertCache | None = None
+        self.replay: RoutingReplay | None = None
         self._spec: Speculator | None = None
         # MoBiLE: (little-pass experts, gamma, resident experts only)
         self._mobile: tuple[int, float, bool] | None = None
@@ -169,6 +174,21 @@ class Llama(llama_cpp.Llama):
         n_ctx = int(kwargs.get("n_ctx", 512)) or int(self.model_file.arch_kv("context_length",
                                                                             4096))
         n_ubatch = min(int(kwargs.get("n_batch", 512)), int(kwargs.get("n_ubatch", 512)))
+        if routing_trace is not None:
+            if draft is not None or (cache is not None and cache.little_k):
+                raise ValueError(f"{setting('routing_trace')} replays every expert of the "
+                                 f"trace's rows: it cannot go with {setting('draft')} or "
+                                 "MoBiLE's little pass, which choose experts or rows of their own")
+            # a replayed routing is set per ubatch: every llama_decode must be one
+            kwargs.update(n_batch=n_ubatch, n_ubatch=n_ubatch)
+            routing = load_routing(routing_trace, n_layers=len(self.model_file.moe_layers()),
+                                   n_expert=self.model_file.n_expert,
+                                   top_k=self.model_file.n_expert_used)
+            if cache is not None and cache.policy == "static" and cache.profile is None:
+                # the hottest experts of the routing replayed, not of the model's own
+                cache = dataclasses.replace(cache, profile=routing.counts(
+                    self.model_file.moe_layers(), self.model_file.n_layer,
+                    self.model_file.n_expert))
         # the default placement is never expected to decode slower than --n-cpu-moe
         self.policy_choice: Choice | None = None
         if cache is not None:
@@ -195,6 +215,8 @@ class Llama(llama_cpp.Llama):
         self._vocab = low.llama_model_get_vocab(self.model)
         if cache is not None and cache.policy not in ("offload", "ncmoe"):
             self._attach_cache(cache)
+        if routing_trace is not None:
+            self._attach_replay(routing, n_ubatch)
         if cache is not None and cache.little_k:
             self._mobile = (self._little_k(cache.little_k, cache.little_resident), cache.gamma,
                             cache.little_resident)
@@ -492,6 +514,29 @@ class Llama(llama_cpp.Llama):
         out["slot_bytes"] = sum(info.n_slots * info.expert_bytes for info in cache.layers.values())
         return out
 
+    def _attach_replay(self, routing: Routing, n_ubatch: int) -> None:
+        """Replay ``routing`` in place of the router's (after the cache, whose gate hook then
+        sees the replayed ids)."""
+        from forecache.native.ggml_devices import cache_device
+        from forecache.native.libs import libllama
+
+        replay = RoutingReplay(routing, self.model_file.moe_layers(), self.model_file.n_layer,
+                               n_ubatch)
+        try:
+            replay.attach(libllama(), self.ctx, cache_device().index)
+        except ReplayError:
+            self.close()
+            raise
+        self.replay = replay
+        before = self.on_batch
+
+        def on_batch(tokens: Sequence[int]) -> None:
+            replay.before_batch(len(tokens))
+            if before is not None:
+                before(tokens)
+
+        self.on_batch = on_batch
+
     def reset_stats(self) -> None:
         """Zero the expert-cache counters (the cached experts stay)."""
         self.mobile_passes = [0, 0, 0]
@@ -506,9 +551,14 @@ class Llama(llama_cpp.Llama):
         if spec is not None:
             spec.close()
             self._spec = None
+        replay = getattr(self, "replay", None)
+        if replay is not None:
+            replay.close()  # before the cache: its hooks chain the cache's
+            self.replay = None
         cache = getattr(self, "expert_cache", None)
-        if cache is not None:
+        if cache is not None and replay is None:
             self._record_routing(cache)
+        if cache is not None:
             cache.close()
             self.expert_cache = None
         if hasattr(self, "_stack"):

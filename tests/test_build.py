@@ -6,6 +6,7 @@ import hashlib
 import io
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -204,3 +205,37 @@ def test_reference_build_is_unpatched_and_apart() -> None:
                          text=True, check=True)
     version, patched = res.stdout.split()
     assert version.startswith("0.3.36+stock.") and patched == "False"
+
+
+def test_portable_build_is_keyed_by_the_instruction_sets_it_names() -> None:
+    """A build with GGML_NATIVE=OFF (the CUDA wheel carried to a GPU machine) records the
+    instruction sets its flags name, so any CPU that has them may load it."""
+    args = ["-DGGML_CUDA=ON", "-DGGML_NATIVE=OFF", "-DGGML_AVX2=ON", "-DGGML_FMA=ON",
+            "-DGGML_F16C=ON", "-DGGML_CUDA_NO_VMM=ON"]
+    assert build.build_cpu_features(args) == ["avx2", "f16c", "fma"]
+    assert build.build_cpu_features(["-DGGML_CUDA=OFF"]) == build.cpu_features()
+
+
+def test_carried_reference_is_used_as_it_is(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """FORECACHE_REFERENCE_DIR names a reference built elsewhere (the GPU check's bundle); one
+    that holds no build is refused in one line instead of building another."""
+    site = build.reference_dir()
+    monkeypatch.setenv("FORECACHE_REFERENCE_DIR", str(site))
+    assert build.build_reference(backend="cuda") == site  # no CUDA build is attempted
+    monkeypatch.setenv("FORECACHE_REFERENCE_DIR", str(tmp_path))
+    with pytest.raises(build.BuildError, match="holds no llama_cpp build"):
+        build.build_reference()
+
+
+def test_series_leaves_the_backends_headers_alone() -> None:
+    """The scheduler hooks are declared in a header of their own: the headers every backend's
+    sources include stay unpatched, so the patched and the unpatched CUDA builds share ggml's
+    compiled kernels (ccache) and differ in a few files."""
+    touched = set()
+    for patch in build.patch_files():
+        touched |= set(re.findall(r"^\+\+\+ b/(\S+)", patch.read_text(), re.MULTILINE))
+    assert "ggml/include/ggml-backend-hooks.h" in touched
+    assert not {t for t in touched if t.startswith("ggml/include/") and
+                t != "ggml/include/ggml-backend-hooks.h"}
+    assert not {t for t in touched if t.startswith("ggml/src/ggml-cuda")}

@@ -20,7 +20,7 @@ from forecache.generate import SamplingParams, generate, last_logits, text_token
 from forecache.llama import Llama
 from forecache.native.cache_api import CHUNK_EXPERT, ChunkInfo
 from forecache.sim.engine import SimEngine
-from forecache.sim.shapes import shape_of
+from forecache.sim.shapes import SimShape, shape_of
 from forecache.sim.simulate import SimConfig, simulate
 from forecache.trace.format import Request, TraceWriter
 from tests.cli_helpers import run_cli, run_cli_json
@@ -281,8 +281,13 @@ def test_simulate_cli(tmp_path: Path) -> None:
     cmp = run_cli_json("simulate", "--trace", str(path), "--shape", "reference", "--qtype",
                        "q8_0", "--cache-fraction", "0.4", "--predictor", "history", "--compare")
     runs = {r["run"]: r for r in cmp["runs"]}
-    assert list(runs) == ["ncmoe", "offload", "lru", "lfu", "static", "promoe", "infinity"]
+    assert list(runs) == ["ncmoe", "ncmoe-mmap", "offload", "lru", "lfu", "static", "promoe",
+                          "infinity"]
     assert runs["ncmoe"]["hits"] > 0 and runs["offload"]["hits"] == 0
+    # prompts of 24 tokens run on the CPU (below llama.cpp's op offload): mmap'd host experts
+    # change nothing, and ncmoe is stock's best in every figure
+    assert runs["ncmoe-mmap"]["ttft_s"] == runs["ncmoe"]["ttft_s"]
+    assert cmp["ncmoe_best"]["ttft_from"] == cmp["ncmoe_best"]["tpot_from"] == "ncmoe"
     text = run_cli("simulate", "--trace", str(path), "--shape", "reference", "--qtype", "q8_0",
                    "--cache-fraction", "0.4", "--predictor", "history", "--compare",
                    check=True).stdout
@@ -395,6 +400,124 @@ def test_stock_policies_follow_llama_cpp_rules() -> None:
     for run in (big, small, nc, full):
         assert 0 < run["floor_ttft_s"] <= run["ttft_s"] and 0 < run["floor_tpot_s"] <= run["tpot_s"]
     assert full["tpot_s"] - full["floor_tpot_s"] == pytest.approx(profile.token_s)
+
+
+def _prompts(shape: SimShape, n_req: int, prompt: int, answer: int, seed: int) -> list[Request]:
+    """Uniformly random routing at ``shape``: ``n_req`` requests of ``prompt`` + ``answer`` rows."""
+    rng = np.random.default_rng(seed)
+    L, E, k = shape.layers, shape.experts, shape.top_k
+    out = []
+    for _ in range(n_req):
+        ex = np.argsort(rng.random((prompt + answer, L, E)), axis=2)[:, :, :k].astype(np.int16)
+        out.append(Request(experts=ex, phase=np.r_[np.zeros(prompt, np.int8),
+                                                     np.ones(answer, np.int8)]))
+    return out
+
+
+def test_ncmoe_mmap_copies_host_experts_at_the_pageable_rate(tmp_path: Path) -> None:
+    """Stock --n-cpu-moe with its host experts mmap'd (llama.cpp's default: pageable memory)
+    copies a prompt's host experts up slower than with --no-mmap (pinned) by the bandwidth
+    ratio; decode computes the host layers on the CPU either way, in the same time."""
+    from forecache.cache.cost import PAGEABLE_SHARE
+    from forecache.sim.run import slots_for, stock_best
+
+    profile = Profile.load("rtx4090")
+    # the shipped profile gives no pageable rate: a share of the pinned one stands for it
+    assert profile.h2d_pageable_gbps == 0
+    assert profile.pageable_gbps() == pytest.approx(PAGEABLE_SHARE * profile.h2d_gbps)
+    assert 0 < PAGEABLE_SHARE < 1
+    # the target: Qwen2-57B-A14B q4_k at 24 GiB, prompts of 512 tokens (a prefill-heavy job)
+    shape = shape_of("qwen2-57b-a14b", "q4_k")
+    cfg = SimConfig("ncmoe", slots_for(shape, shape.layers, "24GiB", None), n_ubatch=512)
+    reqs = _prompts(shape, 2, 512, 4, seed=2)
+    pin = simulate(reqs, shape, profile, cfg)
+    mm = simulate(reqs, shape, profile, replace(cfg, policy="ncmoe-mmap"))
+    # the same host experts cross the bus, from memory of another kind
+    assert mm.h2d_bytes == pin.h2d_bytes > 0
+    assert (mm.hits, mm.misses, mm.host_layers) == (pin.hits, pin.misses, pin.host_layers)
+    slower = pin.h2d_bytes * (1 / profile.pageable_gbps() - 1 / profile.h2d_gbps) / 1e9
+    assert mm.stall_s - pin.stall_s == pytest.approx(slower)
+    assert mm.ttft_s - pin.ttft_s == pytest.approx(slower / len(reqs))
+    # the copies take the bandwidth ratio longer (each copy's fixed latency aside), and they
+    # are most of a prompt's time: TTFT grows by most of that ratio (the H200 host measured
+    # 341 ms against 1067 ms)
+    ratio = profile.h2d_gbps / profile.pageable_gbps()
+    assert mm.stall_s / pin.stall_s == pytest.approx(ratio, rel=0.01)
+    assert 0.6 * ratio < mm.ttft_s / pin.ttft_s < ratio
+    # decode: 1-token ubatches compute the host layers on the CPU, with no copies
+    assert mm.n_decode_tokens == pin.n_decode_tokens > 0
+    assert mm.tpot_s == pytest.approx(pin.tpot_s, rel=1e-9)
+    assert mm.decode_s == pytest.approx(pin.decode_s, rel=1e-9)
+    # stock's best: pinned prefills faster; decode is a tie, which names the pinned run
+    best = stock_best({"ncmoe": pin, "ncmoe-mmap": mm})
+    assert best.of("ttft_s") == ("ncmoe", pin.ttft_s) and best.of("tpot_s")[0] == "ncmoe"
+    # a profile's own pageable rate is used where it gives one, from JSON too
+    raw = json.loads(resources.files("forecache").joinpath(
+        "data/profiles/rtx4090.json").read_text())
+    path = tmp_path / "half.json"
+    path.write_text(json.dumps({**raw, "h2d_pageable_gbps": raw["h2d_gbps"] / 2}))
+    half = Profile.load(str(path))
+    assert half.pageable_gbps() == raw["h2d_gbps"] / 2
+    hm = simulate(reqs, shape, half, replace(cfg, policy="ncmoe-mmap"))
+    assert hm.stall_s / pin.stall_s == pytest.approx(2.0, rel=0.01)
+    assert simulate(reqs, shape, half, cfg).ttft_s == pytest.approx(pin.ttft_s)
+    # a CPU build never copies: both are the same run
+    cpu = replace(profile, op_offload_min_batch=0)
+    a, b = (simulate(reqs, shape, cpu, replace(cfg, policy=p)) for p in ("ncmoe", "ncmoe-mmap"))
+    assert (a.ttft_s, a.tpot_s, a.h2d_bytes) == pytest.approx((b.ttft_s, b.tpot_s, b.h2d_bytes))
+
+
+def test_ratios_over_ncmoe_take_the_faster_run(tmp_path: Path) -> None:
+    """A speedup over ncmoe is over stock llama.cpp's faster run in that figure, pinned or
+    mmap'd: TTFT and TPOT each from the run that is faster in it."""
+    from forecache.sim.run import StockBest, stock_best
+
+    shape, profile = shape_of("reference", "q8_0"), Profile.load("rtx4090")
+    reqs = _prompts(shape, 2, 64, 6, seed=4)
+    cfg = SimConfig("ncmoe", 12, n_ubatch=64)
+    pin = simulate(reqs, shape, profile, cfg)
+    # as if mmap'd weights prefilled faster but decoded slower: each figure from its faster run
+    mm = replace(pin, ttft_s=pin.ttft_s / 2, tpot_s=pin.tpot_s * 2, stall_s=0.0)
+    best = stock_best({"lru": pin, "ncmoe": pin, "ncmoe-mmap": mm})
+    assert isinstance(best, StockBest) and set(best.runs) == {"ncmoe", "ncmoe-mmap"}
+    assert (best.ttft_s, best.tpot_s, best.stall_s) == (mm.ttft_s, pin.tpot_s, 0.0)
+    assert best.of("ttft_s")[0] == "ncmoe-mmap" and best.of("tpot_s")[0] == "ncmoe"
+    got = best.to_json()
+    assert (got["ttft_from"], got["tpot_from"]) == ("ncmoe-mmap", "ncmoe")
+    with pytest.raises(ValueError, match="no ncmoe run"):
+        stock_best({"lru": pin})
+
+    # the simulator's table: on a machine whose pageable copies were the faster (a profile
+    # saying so), prefill ratios are over ncmoe-mmap's TTFT, decode ratios over the shared TPOT
+    trace = tmp_path / "t.npz"
+    with TraceWriter(trace, n_layers=8, top_k=4) as w:
+        for r in _prompts(shape, 4, 64, 6, seed=5):
+            w.add_request(r.experts, token_ids=np.arange(r.n_tokens, dtype=np.int32) % 100,
+                          phase=r.phase)
+    raw = json.loads(resources.files("forecache").joinpath(
+        "data/profiles/rtx4090.json").read_text())
+    fast = tmp_path / "fast.json"
+    fast.write_text(json.dumps({**raw, "h2d_pageable_gbps": 4 * raw["h2d_gbps"]}))
+    args = ("simulate", "--trace", str(trace), "--shape", "reference", "--qtype", "q8_0",
+            "--cache-fraction", "0.4", "--predictor", "history", "--n-ubatch", "64",
+            "--profile", str(fast), "--compare")
+    out = run_cli_json(*args)
+    runs = {r["run"]: r for r in out["runs"]}
+    assert list(runs)[:3] == ["ncmoe", "ncmoe-mmap", "offload"]
+    nc, nm = runs["ncmoe"], runs["ncmoe-mmap"]
+    assert nm["ttft_s"] < nc["ttft_s"] and nm["tpot_s"] == pytest.approx(nc["tpot_s"])
+    assert out["ncmoe_best"]["ttft_s"] == nm["ttft_s"]
+    assert out["ncmoe_best"]["ttft_from"] == "ncmoe-mmap"
+    assert out["ncmoe_best"]["tpot_s"] == min(nc["tpot_s"], nm["tpot_s"])
+    lines = run_cli(*args, check=True).stdout.splitlines()
+    rows = {ln.split()[0]: ln.split() for ln in lines[2:2 + len(runs)]}
+    # run, TTFT, TPOT, hit, H2D, stall, then the prefill, decode and stall-cut ratios
+    assert rows["ncmoe-mmap"][6:8] == ["1.00x", "1.00x"]
+    assert rows["ncmoe"][6] == f"{nm['ttft_s'] / nc['ttft_s']:.2f}x" != "1.00x"
+    lru = runs["lru"]
+    assert rows["lru"][6:8] == [f"{nm['ttft_s'] / lru['ttft_s']:.2f}x",
+                                f"{min(nc['tpot_s'], nm['tpot_s']) / lru['tpot_s']:.2f}x"]
+    assert "ratios to ncmoe, the faster of ncmoe" in lines[-1]
 
 
 def test_copies_and_cpu_compute_share_dram() -> None:

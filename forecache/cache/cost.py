@@ -22,6 +22,15 @@ from pathlib import Path
 
 PROFILE_DIR = "data/profiles"
 
+# What pageable host memory's copy rate is of pinned memory's, for a profile that does not give
+# it (``Profile.h2d_pageable_gbps``). Measured on an H200 host (pinned H2D 55 GB/s) with the
+# GPU check's model, Qwen2-57B-A14B Q4_K_M at a 24 GiB budget: stock llama.cpp's --n-cpu-moe
+# prefilled a 512-token prompt in 341 ms with --no-mmap and 1067 ms with mmap. The prompt routes
+# every expert, so each host layer's experts are copied up (about 11.7 GB at that budget, as the
+# simulator splits it); at 55 GB/s that is 213 ms, which leaves mmap's copies about 940 ms:
+# 12.5 GB/s, 0.23 of pinned (0.32 if the whole prefill were copies, which bounds it from above).
+PAGEABLE_SHARE = 0.25
+
 
 @dataclass(frozen=True)
 class Profile:
@@ -59,12 +68,21 @@ class Profile:
     # Host DRAM bandwidth that host-to-device copies and CPU expert compute share (0: not
     # modelled, e.g. a CPU build whose fitted rates already include it)
     dram_gbps: float = 0.0
+    # Host-to-device copy bandwidth from pageable host memory: weights llama.cpp mmaps from the
+    # file (its default; ``h2d_gbps`` is pinned memory's, as --no-mmap and forecache load host
+    # experts), which the driver stages through a pinned buffer. 0: PAGEABLE_SHARE of h2d_gbps
+    h2d_pageable_gbps: float = 0.0
+    source: str = ""
 
     def shared_dram_factor(self) -> float:
         """What copies and CPU expert compute each keep of their rate while both read DRAM."""
         demand = self.h2d_gbps + self.cpu_mem_gbps
         return min(1.0, self.dram_gbps / demand) if self.dram_gbps > 0 else 1.0
-    source: str = ""
+
+    def pageable_gbps(self) -> float:
+        """Host-to-device bandwidth from pageable (mmap'd) host memory."""
+        return self.h2d_pageable_gbps if self.h2d_pageable_gbps > 0 else \
+            PAGEABLE_SHARE * self.h2d_gbps
 
     @classmethod
     def load(cls, name_or_path: str) -> Profile:

@@ -16,7 +16,9 @@ from forecache.cli.model_arg import model_option
 @click.command("bench")
 @model_option(required=True)
 @click.option("--policies", default=",".join(POLICIES), show_default=True,
-              help="Comma-separated policies to run.")
+              help="Comma-separated policies to run; also all-gpu (every layer on the GPU, no "
+                   "cache) and ncmoe-mmap (--n-cpu-moe with mmap'd host weights; ncmoe itself "
+                   "loads them as --no-mmap does).")
 @click.option("--gpu-budget", default=None, help="Device memory for each run (e.g. 24GiB).")
 @click.option("--cache-fraction", type=float, default=None,
               help="Share of experts in slots (instead of --gpu-budget; ncmoe needs a budget).")
@@ -29,12 +31,16 @@ from forecache.cli.model_arg import model_option
 @click.option("--rates", default=None,
               help="Cache-rate sweep instead: comma-separated shares of experts in slots "
                    "(e.g. 0.25,0.4,0.55,0.7,0.85), for --policies.")
+@click.option("--routing-trace", type=click.Path(path_type=Path), default=None,
+              help="Replay this trace's routing in every run (a real model's, or synth-trace's "
+                   "fitted to one) instead of the model's router: the tokens are meaningless.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def bench(model: Path, policies: str, gpu_budget: str | None, cache_fraction: float | None,
           prompt_len: int, n_gen: int, n_prompts: int, threads: int | None, ablation: bool,
-          rates: str | None, as_json: bool) -> None:
+          rates: str | None, routing_trace: Path | None, as_json: bool) -> None:
     """Run each policy on the same prompts; report TTFT, TPOT, hit rate, H2D and ratios."""
     from forecache.bench import (
+        STOCK_RUNS,
         format_ablation,
         format_rates,
         format_table,
@@ -44,12 +50,19 @@ def bench(model: Path, policies: str, gpu_budget: str | None, cache_fraction: fl
     )
 
     names = [p.strip() for p in policies.split(",") if p.strip()]
-    bad = [p for p in names if p not in POLICIES]
+    bad = [p for p in names if p not in POLICIES and p not in STOCK_RUNS]
     if bad or not names:
         raise click.BadParameter(f"unknown policy {', '.join(bad) or '(none)'}; choose from "
-                                 f"{', '.join(POLICIES)}", param_hint="--policies")
+                                 f"{', '.join(POLICIES + STOCK_RUNS)}", param_hint="--policies")
     if ablation and rates:
         raise click.UsageError("give --ablation or --rates, not both")
+    if routing_trace is not None and (ablation or rates):
+        raise click.UsageError("--routing-trace goes with the policy table, not --ablation "
+                               "or --rates")
+    if routing_trace is not None and not routing_trace.is_file():
+        raise click.BadParameter(f"{routing_trace} does not exist: give a trace from "
+                                 "`forecache trace` or `forecache synth-trace`",
+                                 param_hint="--routing-trace")
     progress = lambda s: click.echo(s, err=True)  # noqa: E731
     if rates is not None:
         try:
@@ -77,7 +90,8 @@ def bench(model: Path, policies: str, gpu_budget: str | None, cache_fraction: fl
         return
     report = run_bench(model, names, gpu_budget=budget,
                        cache_fraction=cache_fraction, prompt_len=prompt_len, n_gen=n_gen,
-                       n_prompts=n_prompts, n_threads=threads, progress=progress)
+                       n_prompts=n_prompts, n_threads=threads, routing_trace=routing_trace,
+                       progress=progress)
     click.echo(json.dumps(report) if as_json else format_table(report))
 
 

@@ -11,6 +11,7 @@
 #include "ggml.h"
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
+#include "ggml-backend-hooks.h"
 #include "ggml-cpu.h"
 
 #include <algorithm>

@@ -15,7 +15,7 @@ extern "C" {
 
 // Version of this API and of the patches it needs in llama.cpp; bumped whenever either changes.
 // The Python side reads it from this header and refuses a library that reports another.
-#define FORECACHE_PATCH_VERSION 14
+#define FORECACHE_PATCH_VERSION 15
 
 // Returns FORECACHE_PATCH_VERSION of the library the caller is linked against.
 LLAMA_API int32_t forecache_patch_version(void);
@@ -331,6 +331,42 @@ LLAMA_API void    forecache_cache_reset_stats(struct forecache_cache * cache);
 
 // sizeof(struct forecache_cache_stats): lets a binding that mirrors the struct refuse a mismatch.
 LLAMA_API size_t  forecache_cache_stats_size(void);
+
+//
+// Routing replay: expert matmuls read a recorded routing instead of the router's choice
+//
+// For benchmarks that must see a real model's routing on a model whose weights route otherwise (made
+// with random weights): every MUL_MAT_ID of a routed expert tensor ("blk.<il>.*_exps.weight") reads
+// layer il's expert ids from a table, and the product of the expert outputs with the router weights
+// reads the table's weights. The router still runs (its cost stays), its choice goes unused. The
+// tables live in the buffer of device `dev_index`, where the router's ids would be, so a placement
+// copies them to the CPU exactly where it copied the router's; one copy per ubatch sets them. The
+// tokens computed are meaningless. Works beside the expert cache (create the replay after the cache,
+// free it before): the cache then sees the replayed ids.
+struct forecache_replay;
+
+// Creates a replay for `ctx`, with tables for ubatches of up to n_tokens_max tokens. Returns NULL and
+// writes a message to err on failure.
+LLAMA_API struct forecache_replay * forecache_replay_init(
+        struct llama_context * ctx,
+        int32_t                n_tokens_max,
+        size_t                 dev_index,
+        char                 * err,
+        size_t                 err_size);
+
+// Sets the routing of the next ubatch, which must be the whole batch of the next llama_decode (n_tokens
+// <= n_ubatch): ids and weights [n_layer][n_tokens][n_used] (llama.cpp's blocks; rows of layers without
+// experts are not read). A layer computed for fewer rows (llama.cpp's last layer, for the rows whose
+// output is asked for) reads the ubatch's last rows. Returns 0, or -1 for bad arguments.
+LLAMA_API int32_t forecache_replay_set(struct forecache_replay * replay, int32_t n_tokens, const int32_t * ids, const float * weights);
+
+// Expert matmuls rewritten so far, or -1 once a graph could not be rewritten (a layer routed more
+// tokens than the routing set, or another number of experts per token): its ubatch ran the router's
+// own routing, and the run must be discarded.
+LLAMA_API int64_t forecache_replay_rewritten(const struct forecache_replay * replay);
+
+// Removes the replay from its context (the next ubatch builds a graph without it) and frees it.
+LLAMA_API void forecache_replay_free(struct forecache_replay * replay);
 
 #ifdef __cplusplus
 }

@@ -142,6 +142,11 @@ def declare(lib: ctypes.CDLL) -> None:
                                         ctypes.POINTER(ctypes.c_float), sz, ctypes.POINTER(i32),
                                         sz], i32),
         "forecache_event_size": ([], sz),
+        "forecache_replay_init": ([vp, i32, sz, ctypes.c_char_p, sz], vp),
+        "forecache_replay_set": ([vp, i32, ctypes.POINTER(i32), ctypes.POINTER(ctypes.c_float)],
+                                 i32),
+        "forecache_replay_rewritten": ([vp], ctypes.c_int64),
+        "forecache_replay_free": ([vp], None),
         # forecache-testing.h
         "forecache_cache_pause": ([vp, ctypes.c_bool], None),
         "forecache_cache_step": ([vp, ctypes.POINTER(ChunkInfo)], i32),
