@@ -261,6 +261,8 @@ int32_t forecache_replay_set(struct forecache_replay * replay, int32_t n_tokens,
     if (replay == nullptr || n_tokens < 1 || n_tokens > replay->n_tokens_max || ids == nullptr || weights == nullptr) {
         return -1;
     }
+    // an ubatch still computing reads the tables (llama_decode returns before the device is done)
+    ggml_backend_sched_synchronize(replay->sched);
     // the layout follows the ubatch's size: a graph built for another size reads other views
     replay->n_tokens = n_tokens;
     const size_t n = (size_t) replay->n_layer*n_tokens*replay->n_used;
