@@ -15,6 +15,9 @@
 #                                         --no-mmap and with mmap, promoe, infinity), every expert
 #                                         resident against all-gpu and the replay's own cost, the
 #                                         other routings, then the lossless subset as time allows
+#   benchmarks/gpu_check.sh setup OUT     run's first steps only (the bundle, doctor, the model, the
+#                                         routings): a short first call that shows the carried
+#                                         build runs there, then `run` on the same warm machine
 #   benchmarks/gpu_check.sh run OUT --cpu the same on the CPU build with the tiny model: the dry
 #                                         run the test suite does (tests/test_gpu_check.py)
 #
@@ -115,7 +118,7 @@ EOF
 }
 
 [ "$STEP" = wheels ] && { wheels; exit 0; }
-[ "$STEP" = run ] || usage
+[ "$STEP" = run ] || [ "$STEP" = setup ] || usage
 [ -n "$OUT" ] || usage
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
@@ -160,8 +163,12 @@ if [ ! -f "$MODEL" ]; then
 fi
 log "model ready after $((SECONDS - T0)) s"
 
-"$PY" benchmarks/replay_traces.py -m "$MODEL" --out "$WORK/traces" --prefill "$PROMPT" \
-    --decode $((GEN + 16)) --json "$OUT/traces.json" >&2
+if [ ! -f "$WORK/traces.json" ]; then
+    "$PY" benchmarks/replay_traces.py -m "$MODEL" --out "$WORK/traces" --prefill "$PROMPT" \
+        --decode $((GEN + 16)) --json "$WORK/traces.json" >&2
+fi
+cp "$WORK/traces.json" "$OUT/traces.json"
+if [ "$STEP" = setup ]; then log "setup done after $((SECONDS - T0)) s"; exit 0; fi
 
 # policy_bench with a time box: NAME TRACE BUDGET POLICIES
 bench() {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Callable
@@ -84,7 +85,8 @@ def workload(model: Path, n_prompts: int, prompt_len: int, n_gen: int,
              n_ctx: int | None = None) -> tuple[int, list[list[int]]]:
     """The context size and the prompts every run of a benchmark shares."""
     n_ctx = n_ctx or max(512, prompt_len + n_gen + 16)
-    with Llama.open(model, cache=None, n_ctx=n_ctx) as llm:
+    # the vocabulary alone: loading a model larger than the GPU only to tokenize costs a load
+    with Llama(str(model), cache=None, vocab_only=True, verbose=False) as llm:
         return n_ctx, bench_prompts(llm, n_prompts, prompt_len)
 
 
@@ -139,6 +141,23 @@ def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n
     }
 
 
+def llama_cpp_threads(cpuinfo: str | None = None) -> int:
+    """The threads llama.cpp's tools compute with by default: one per physical core (SMT
+    siblings left out), read from /proc/cpuinfo; every CPU where that says nothing."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text(errors="replace")
+        except OSError:
+            return os.cpu_count() or 1
+    cores = set()
+    for block in cpuinfo.split("\n\n"):
+        fields = dict(line.split(":", 1) for line in block.splitlines() if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        if "core id" in fields:
+            cores.add((fields.get("physical id", "0"), fields["core id"]))
+    return len(cores) or os.cpu_count() or 1
+
+
 def _baseline(raw: dict[str, dict], base: str) -> dict[str, float] | None:
     """TTFT and TPOT of baseline ``base``; for ncmoe the faster of its runs, metric by metric."""
     runs = [raw[n] for n in (NCMOE_RUNS if base == "ncmoe" else (base,)) if n in raw]
@@ -153,7 +172,9 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
               routing_trace: Path | None = None,
               progress: Callable[[str], None] = lambda s: None) -> dict:
     """Every policy (and stock run, ``STOCK_RUNS``) on the same prompts, each on the routing of
-    ``routing_trace`` when given; returns results, ratios and whether tokens agreed."""
+    ``routing_trace`` when given, all with ``n_threads`` (default: as llama.cpp picks them, one
+    per physical core); returns results, ratios and whether tokens agreed."""
+    n_threads = n_threads or llama_cpp_threads()
     if routing_trace is not None:  # a bad trace stops the benchmark before any run
         mf = require_moe(model)
         load_routing(routing_trace, n_layers=len(mf.moe_layers()), n_expert=mf.n_expert,
@@ -190,7 +211,7 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
     return {
         "model": str(model), "prompt_len": prompt_len, "gen": n_gen, "n_prompts": n_prompts,
         "gpu_budget": gpu_budget, "cache_fraction": cache_fraction,
-        "routing_trace": str(routing_trace) if routing_trace else None,
+        "routing_trace": str(routing_trace) if routing_trace else None, "threads": n_threads,
         # replayed routing computes meaningless tokens: they are not compared
         "same_tokens": None if routing_trace else all(t == exact[0] for t in exact),
         "results": [asdict(r) for r in results],

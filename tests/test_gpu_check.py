@@ -26,8 +26,15 @@ def test_cpu_dry_run_writes_every_result(tmp_path: Path) -> None:
     if installed_build_info()["backend"] != "cpu":
         pytest.skip("the dry run is for CPU builds")
     out = tmp_path / "out"
-    res = _run("run", str(out), "--cpu", env={**os.environ, "FORECACHE_GPU_CHECK_BUDGET": "1200"})
+    env = {**os.environ, "FORECACHE_GPU_CHECK_BUDGET": "1200"}
+    # setup: the short first call (the build runs there, the model and the routings are made)
+    res = _run("setup", str(out), "--cpu", env=env)
     assert res.returncode == 0, res.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
+        "doctor.json", "run.log", "traces.json"]
+    res = _run("run", str(out), "--cpu", env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "writing the tiny model" not in res.stderr  # setup's model is used
     # the device tool returns at most 8 files
     assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == [
         "bench_fit12.json", "bench_fit24.json", "bench_fixed.json", "bench_routings.json",

@@ -59,3 +59,17 @@ def test_bench_ablation_and_cache_rates(tiny_model: Callable[[str], Path]) -> No
     assert sweep["rates"]["0.25"]["offload"] == sweep["rates"]["0.75"]["offload"]  # run once
     bad = run_cli("bench", "-m", model, "--rates", "0.5,2")
     assert bad.returncode != 0 and "(0, 1]" in bad.stderr
+
+
+def test_benchmarks_count_threads_as_llama_cpp_does() -> None:
+    """One thread per physical core: SMT siblings (same physical and core id) count once."""
+    from forecache.bench import llama_cpp_threads
+
+    def cpu(n: int, phys: int, core: int) -> str:
+        return f"processor\t: {n}\nphysical id\t: {phys}\ncore id\t\t: {core}\n"
+
+    smt = "\n".join(cpu(i, 0, i % 4) for i in range(8))  # 4 cores, 2 threads each
+    assert llama_cpp_threads(smt) == 4
+    two_sockets = "\n".join(cpu(i, i // 4, i % 4) for i in range(8))
+    assert llama_cpp_threads(two_sockets) == 8
+    assert llama_cpp_threads("processor\t: 0\n") >= 1  # no core ids: every CPU
