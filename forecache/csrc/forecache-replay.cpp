@@ -12,6 +12,7 @@
 #include "ggml-backend.h"
 #include "ggml-backend-hooks.h"
 
+#include <algorithm>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
@@ -87,10 +88,10 @@ struct forecache_replay {
 namespace {
 
 // a view of `table` with the shape of `like`, for layer il's rows [row0, row0 + rows) of an ubatch of
-// r->n_tokens tokens; nullptr when it cannot be made
-ggml_tensor * fr_view(forecache_replay * r, bool is_weights, int32_t il, int64_t row0, const ggml_tensor * like) {
+// n_tokens tokens; nullptr when it cannot be made
+ggml_tensor * fr_view(forecache_replay * r, bool is_weights, int32_t il, int32_t n_tokens, int64_t row0, const ggml_tensor * like) {
     const int64_t rows = ggml_nelements(like) / r->n_used;
-    const auto key = std::make_tuple((int) is_weights, il, r->n_tokens, row0, rows);
+    const auto key = std::make_tuple((int) is_weights, il, n_tokens, row0, rows);
     auto it = r->views.find(key);
     if (it != r->views.end() && ggml_are_same_shape(it->second, like)) {
         return it->second;
@@ -106,8 +107,8 @@ ggml_tensor * fr_view(forecache_replay * r, bool is_weights, int32_t il, int64_t
     }
     ggml_tensor * table = is_weights ? r->weights : r->ids;
     const size_t es = ggml_element_size(table);
-    const size_t n_ids = (size_t) r->n_layer*r->n_tokens*r->n_used;
-    const size_t offset = ((is_weights ? n_ids : 0) + ((size_t) il*r->n_tokens + row0)*r->n_used)*es;
+    const size_t n_ids = (size_t) r->n_layer*n_tokens*r->n_used;
+    const size_t offset = ((is_weights ? n_ids : 0) + ((size_t) il*n_tokens + row0)*r->n_used)*es;
     ggml_tensor * v = nullptr;
     if (ggml_n_dims(like) <= 2) {
         v = ggml_view_2d(vctx, table, like->ne[0], like->ne[1], like->ne[0]*es, offset);
@@ -123,11 +124,11 @@ ggml_tensor * fr_view(forecache_replay * r, bool is_weights, int32_t il, int64_t
     return v;
 }
 
-// layer il's rows of a node that computes `rows` of the ubatch's tokens: llama.cpp computes the
-// last layer for the rows whose output is asked for only, the ubatch's last tokens as the callers
-// of a replay decode them
-int64_t fr_first_row(const forecache_replay * r, int64_t rows) {
-    return r->n_tokens - rows;
+// the first row read by a node that computes `rows` of an ubatch's n_tokens tokens: llama.cpp
+// computes the last layer for the rows whose output is asked for only, the ubatch's last tokens as
+// the callers of a replay decode them
+int64_t fr_first_row(int32_t n_tokens, int64_t rows) {
+    return n_tokens - rows;
 }
 
 // points every expert matmul (and bias) at the replayed ids, and the product of the expert outputs
@@ -137,6 +138,16 @@ void fr_graph_hook(ggml_cgraph * graph, void * user_data) {
     std::unordered_map<const ggml_tensor *, int32_t> layer_of;  // expert outputs -> layer
     std::unordered_map<const ggml_tensor *, ggml_tensor *> ids_view; // router ids -> replayed ids
     const int n_nodes = ggml_graph_n_nodes(graph);
+    // the ubatch the graph computes: the one whose routing was set, except in graphs llama.cpp
+    // only reserves memory with (the largest ubatch), which are never computed
+    int64_t n_graph = 0;
+    for (int i = 0; i < n_nodes; i++) {
+        const ggml_tensor * node = ggml_graph_node(graph, i);
+        if (node->op == GGML_OP_MUL_MAT_ID) {
+            n_graph = std::max(n_graph, node->src[2]->ne[1]);
+        }
+    }
+    const int32_t n_tokens = n_graph > r->n_tokens && n_graph <= r->n_tokens_max ? (int32_t) n_graph : r->n_tokens;
     for (int i = 0; i < n_nodes && !r->failed; i++) {
         ggml_tensor * node = ggml_graph_node(graph, i);
         if (node->op == GGML_OP_MUL_MAT_ID) {
@@ -147,14 +158,14 @@ void fr_graph_hook(ggml_cgraph * graph, void * user_data) {
             }
             ggml_tensor * ids = node->src[2];
             const int64_t rows = ids->ne[1];
-            if (ids->ne[0] != r->n_used || rows > r->n_tokens) {
-                LLAMA_LOG_ERROR("%s: layer %d routes %lld tokens to %lld experts; the replayed ubatch has %d tokens and %d experts each\n",
-                                __func__, il, (long long) rows, (long long) ids->ne[0], r->n_tokens, r->n_used);
+            if (ids->ne[0] != r->n_used || rows > n_tokens) {
+                LLAMA_LOG_ERROR("%s: layer %d routes %lld tokens to %lld experts; the replay has room for %d tokens and %d experts each\n",
+                                __func__, il, (long long) rows, (long long) ids->ne[0], n_tokens, r->n_used);
                 r->failed = true;
                 break;
             }
             auto it = ids_view.find(ids);
-            ggml_tensor * v = it != ids_view.end() ? it->second : fr_view(r, false, il, fr_first_row(r, rows), ids);
+            ggml_tensor * v = it != ids_view.end() ? it->second : fr_view(r, false, il, n_tokens, fr_first_row(n_tokens, rows), ids);
             if (v == nullptr) {
                 r->failed = true;
                 break;
@@ -180,7 +191,7 @@ void fr_graph_hook(ggml_cgraph * graph, void * user_data) {
             if (lt == layer_of.end() || w->type != GGML_TYPE_F32 || ggml_nelements(w) % r->n_used != 0) {
                 continue;
             }
-            ggml_tensor * v = fr_view(r, true, lt->second, fr_first_row(r, ggml_nelements(w) / r->n_used), w);
+            ggml_tensor * v = fr_view(r, true, lt->second, n_tokens, fr_first_row(n_tokens, ggml_nelements(w) / r->n_used), w);
             if (v == nullptr) {
                 r->failed = true;
                 break;

@@ -360,9 +360,10 @@ LLAMA_API struct forecache_replay * forecache_replay_init(
 // output is asked for) reads the ubatch's last rows. Returns 0, or -1 for bad arguments.
 LLAMA_API int32_t forecache_replay_set(struct forecache_replay * replay, int32_t n_tokens, const int32_t * ids, const float * weights);
 
-// Expert matmuls rewritten so far, or -1 once a graph could not be rewritten (a layer routed more
-// tokens than the routing set, or another number of experts per token): its ubatch ran the router's
-// own routing, and the run must be discarded.
+// Expert matmuls rewritten so far, or -1 once a graph could not be rewritten (a layer routes another
+// number of experts per token than the model's, or a view could not be made): its ubatch ran the
+// router's own routing, and the run must be discarded. Graphs larger than the routing set (those
+// llama.cpp reserves memory with, never computed) are rewritten for their own size.
 LLAMA_API int64_t forecache_replay_rewritten(const struct forecache_replay * replay);
 
 // Removes the replay from its context (the next ubatch builds a graph without it) and frees it.
