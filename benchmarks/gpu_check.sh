@@ -146,10 +146,20 @@ else
         "$PY" -m pip install -q --no-index --no-deps --target "$SITE/deps" "$BUNDLE"/wheels/*.whl
     fi
     export PYTHONPATH=$SITE/patched:$SITE/deps:$PWD${PYTHONPATH:+:$PYTHONPATH}
+    # cuBLAS and the CUDA runtime: the system's, else NVIDIA's wheels in this Python
+    if ! ldconfig -p | grep -q 'libcublas\.so\.'; then
+        for d in $("$PY" -c 'import glob, os, sys
+for p in sys.path:
+    for d in glob.glob(os.path.join(p, "nvidia", "cu*", "lib")) + glob.glob(os.path.join(p, "nvidia", "*", "lib")):
+        print(d)' 2>/dev/null | sort -u); do
+            LD_LIBRARY_PATH=$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+        done
+        export LD_LIBRARY_PATH
+    fi
     export FORECACHE_REFERENCE_DIR=$SITE/reference PIP_NO_INDEX=1
     WORK=${FORECACHE_GPU_CHECK_WORK:-/tmp/forecache-gpu-check}
-    MODEL=$WORK/qwen2-57b-a14b-random-q4_k_m.gguf
-    PRESET=qwen2-57b-a14b
+    PRESET=${FORECACHE_GPU_CHECK_PRESET:-qwen2-57b-a14b}
+    MODEL=$WORK/$PRESET-random-q4_k_m.gguf
     BIG=24GiB; SMALL=12GiB; FULL=64GiB; PROMPT=512; GEN=64; THREADS=()
     LOSSLESS=(-k "q8_0")
 fi

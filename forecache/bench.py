@@ -181,6 +181,7 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
                      top_k=mf.n_expert_used)
     n_ctx, prompts = workload(model, n_prompts, prompt_len, n_gen, n_ctx)
     raw: dict[str, dict] = {}
+    errors: dict[str, str] = {}
     for pol in policies:
         if pol in NCMOE_RUNS and gpu_budget is None:
             progress(f"{pol} skipped: it needs {setting('gpu_budget')}")
@@ -193,8 +194,14 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
         mmap = base == "ncmoe-mmap"
         cfg = None if base == "all-gpu" else _sized("ncmoe" if mmap else base, gpu_budget,
                                                      cache_fraction, **extra)
-        raw[pol] = run_policy(model, cfg, prompts, n_gen, n_ctx=n_ctx, n_threads=n_threads,
-                              draft=draft, use_mmap=mmap, routing_trace=routing_trace)
+        try:
+            raw[pol] = run_policy(model, cfg, prompts, n_gen, n_ctx=n_ctx, n_threads=n_threads,
+                                  draft=draft, use_mmap=mmap, routing_trace=routing_trace)
+        except (ValueError, RuntimeError, OSError) as e:
+            # one placement that cannot run (a budget too small, a failed load) leaves the others'
+            # figures standing; the report names it
+            progress(f"{pol} failed: {e}")
+            errors[pol] = str(e)
     results = []
     for pol, r in raw.items():
         ratios = {}
@@ -214,7 +221,7 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
         "routing_trace": str(routing_trace) if routing_trace else None, "threads": n_threads,
         # replayed routing computes meaningless tokens: they are not compared
         "same_tokens": None if routing_trace else all(t == exact[0] for t in exact),
-        "results": [asdict(r) for r in results],
+        "results": [asdict(r) for r in results], "errors": errors,
     }
 
 
@@ -231,6 +238,8 @@ def format_table(report: dict) -> str:
                      f"{r['tokens_per_s']:>8.1f} {r['hit_rate'] * 100:>6.1f} {r['h2d_gb']:>8.3f} "
                      f"{r['stall_share'] * 100:>8.1f}" + "".join(f"{ratio(b):>18}"
                                                                   for b in BASELINES))
+    for pol, err in report.get("errors", {}).items():
+        lines.append(f"{pol}: failed ({err})")
     if report.get("routing_trace"):
         lines.append("ratios: prefill (TTFT) speedup / decode (TPOT) speedup; every run replays "
                      f"the routing of {Path(report['routing_trace']).name} (tokens meaningless, "

@@ -73,3 +73,18 @@ def test_benchmarks_count_threads_as_llama_cpp_does() -> None:
     two_sockets = "\n".join(cpu(i, i // 4, i % 4) for i in range(8))
     assert llama_cpp_threads(two_sockets) == 8
     assert llama_cpp_threads("processor\t: 0\n") >= 1  # no core ids: every CPU
+
+
+def test_bench_reports_the_runs_that_ran_when_one_fails(tiny_model: Callable[[str], Path]) -> None:
+    """A placement that cannot run (here lru under a budget too small for the model's own
+    weights) is named in the report and the exit status; the others' figures stand."""
+    import json
+
+    model = str(tiny_model("q8_0"))
+    res = run_cli("bench", "-m", model, "--policies", "all-gpu,lru", "--gpu-budget", "1MiB",
+                  "--prompt-len", "16", "--gen", "4", "--prompts", "1", "--threads", "1",
+                  "--json")
+    assert res.returncode == 1
+    report = json.loads(res.stdout)
+    assert [r["policy"] for r in report["results"]] == ["all-gpu"]
+    assert set(report["errors"]) == {"lru"} and "lru" in res.stderr.splitlines()[-1]

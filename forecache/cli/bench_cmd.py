@@ -93,6 +93,9 @@ def bench(model: Path, policies: str, gpu_budget: str | None, cache_fraction: fl
                        n_prompts=n_prompts, n_threads=threads, routing_trace=routing_trace,
                        progress=progress)
     click.echo(json.dumps(report) if as_json else format_table(report))
+    if report["errors"]:
+        raise click.ClickException(f"{len(report['errors'])} of {len(names)} runs failed: "
+                                   + "; ".join(f"{k}: {v}" for k, v in report["errors"].items()))
 
 
 COMMANDS = [bench]
