@@ -39,18 +39,23 @@ ROUNDING = 2e-2
 
 
 def assert_same_greedy(tokens: list[int], logits: np.ndarray, ref_tokens: list[int],
-                       ref_logits: np.ndarray, where: str, exact: bool = True) -> None:
+                       ref_logits: np.ndarray, where: str, exact: bool = True,
+                       device_diff: float = 0.0) -> None:
     """``exact``: the same tokens and bit-identical logits at every step (one CPU build's kernels
     on both sides). Otherwise equal up to rounding: the prompt's logits within ROUNDING of the
-    spread, and the tokens the same up to the first difference, which must be a near tie (later
-    steps read other contexts)."""
+    spread (plus 1.5x ``device_diff``, stock llama.cpp's own difference between computing the
+    experts on the CPU and on the GPU for this prompt, where a run computes some on each), and
+    the tokens the same up to the first difference, which must be a near tie (later steps read
+    other contexts)."""
     if exact:
         assert tokens == ref_tokens, f"tokens differ: {where}"
         assert np.array_equal(logits, ref_logits), f"logits differ: {where}"
         return
     spread = float(np.ptp(ref_logits[0]))
     diff0 = float(np.max(np.abs(logits[0] - ref_logits[0])))
-    assert diff0 <= ROUNDING * spread, f"{where}: prompt logits differ by {diff0:.3g}"
+    allowed = ROUNDING * spread + 1.5 * device_diff
+    assert diff0 <= allowed, (f"{where}: prompt logits differ by {diff0:.3g} (allowed "
+                              f"{allowed:.3g}; stock's CPU-vs-GPU experts: {device_diff:.3g})")
     for i, (a, b) in enumerate(zip(tokens, ref_tokens, strict=True)):
         if a != b:
             diff = float(np.max(np.abs(logits[i] - ref_logits[i])))

@@ -2,7 +2,10 @@
 --reference``), not against forecache's own build with its hooks off: every policy, six weight
 types (llama.cpp's Q4_K_M mix, with experts of two sizes, among them), qwen2moe, qwen3moe, llama
 (Mixtral), olmoe, granitemoe, deepseek2 (and its fused gate/up experts), gpt-oss and lfm2moe,
-n_batch > n_ubatch, prompts longer than 512 tokens, and batch jobs.
+n_batch > n_ubatch, prompts longer than 512 tokens, and batch jobs. On a GPU build a run may
+compute experts on the host (ncmoe's decode, a cache's host layers) with llama.cpp's CPU kernels,
+so its logits may differ from the all-GPU reference by stock llama.cpp's own CPU-vs-GPU difference
+for that prompt, which is measured (``_device_diffs``) and allowed.
 
 The reference loads as forecache's policies do, with CPU weight repacking off (use_extra_bufts =
 false); test_default_placement covers llama.cpp's default (repacking) placement. On a CPU build
@@ -88,20 +91,48 @@ def test_fused_gate_up_experts_equal_unpatched(tiny_model: Callable[..., Path],
     assert stats["host_entries"] > 0 and stats["hits"] > 0
 
 
+def _greedy_texts(model: Path, cfg: CacheConfig, requests: list[dict],
+                  prompts: list[list[int]]) -> dict[str, str]:
+    """Each request's 8 greedy tokens' text from forecache.Llama under ``cfg``, loaded as
+    `forecache batch --parallel 1` loads it (n_batch = n_ubatch = 512, two threads)."""
+    with Llama(str(model), cache=cfg, n_ctx=2048, n_batch=512, n_ubatch=512, n_threads=2,
+               n_threads_batch=2, verbose=False) as llm:
+        return {r["id"]: llm.detokenize(greedy(llm, p, 8)[0]).decode(errors="replace")
+                for r, p in zip(requests, prompts, strict=True)}
+
+
+def _device_diffs(model: Path, prompts: list[list[int]],
+                  ref: list[tuple[list[int], np.ndarray]]) -> list[float]:
+    """Per prompt, how far stock llama.cpp's prompt logits move when it computes every expert on
+    the CPU (host experts, op offload off, no forecache hook) instead of on the GPU as the
+    reference does: the kernels' own difference, which a run computing experts on the host
+    (ncmoe's decode, a cache's host layers) inherits. Tiny random models amplify it: 25% of the
+    spread on tiny-mixtral q8_0 and 9% on tiny-gpt-oss q8_0 on an H200, under 1% elsewhere."""
+    with Llama(str(model), cache=CacheConfig("offload"), verbose=False, op_offload=False,
+               **PARAMS) as llm:
+        return [float(np.max(np.abs(greedy(llm, p, 1)[1][0] - r[1][0])))
+                for p, r in zip(prompts, ref, strict=True)]
+
+
 def _every_policy(model: Path, where: str, stock: StockReference,
                   extra: list[CacheConfig] | None = None) -> dict:
     """Each policy's greedy tokens and logits are the unpatched build's; the last run's stats."""
     ref: list[tuple[list[int], np.ndarray]] | None = None
+    device = [0.0] * len(PROMPT_LENS)
     stats: dict = {}
     for cfg in _configs(model) + (extra or []):
         with Llama(str(model), cache=cfg, verbose=False, **PARAMS) as llm:
             prompts = _prompts(llm)
             if ref is None:
                 ref = stock.run(model, prompts, N_GEN, **PARAMS)
-            for n, p, (ref_tokens, ref_logits) in zip(PROMPT_LENS, prompts, ref, strict=True):
+                if stock.backend != "cpu":
+                    device = _device_diffs(model, prompts, ref)
+            for n, p, (ref_tokens, ref_logits), dev in zip(PROMPT_LENS, prompts, ref, device,
+                                                           strict=True):
                 tokens, logits = greedy(llm, p, N_GEN)
                 assert_same_greedy(tokens, logits, ref_tokens, ref_logits,
-                                   f"{where} {cfg.policy} prompt={n}", stock.backend == "cpu")
+                                   f"{where} {cfg.policy} prompt={n}", stock.backend == "cpu",
+                                   device_diff=dev)
             cache = llm.expert_cache
             stats = dict(llm.expert_stats(), **(cache.stats() if cache is not None else {}))
         if cfg.cache_fraction is not None:
@@ -140,4 +171,14 @@ def test_batch_jobs_equal_unpatched(preset: str, tiny_model: Callable[..., Path]
                       *([] if policy == "offload" else size))
         assert res.returncode == 0, f"{preset} {policy}: {res.stderr[-2000:]}"
         got = {r["id"]: r["text"] for r in map(json.loads, out.read_text().splitlines())}
-        assert got == want, (preset, policy)
+        # the batch machinery: forecache's own greedy run of the policy, on every build
+        cfg = (CacheConfig(policy) if policy == "offload" else
+               CacheConfig(policy, gpu_budget=int(budget)) if policy == "ncmoe" else
+               CacheConfig(policy, cache_fraction=0.5))
+        assert got == _greedy_texts(model, cfg, requests, prompts), (preset, policy, "generate")
+        # the unpatched build's texts: on a CPU build the same kernels, so the same texts; on a
+        # GPU build experts computed on the host take llama.cpp's CPU kernels, which a tiny random
+        # model's near ties turn into other texts (test_every_policy_equals_unpatched measures
+        # that difference against stock's own)
+        if stock.backend == "cpu":
+            assert got == want, (preset, policy)
