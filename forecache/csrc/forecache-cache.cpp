@@ -2,6 +2,7 @@
 // See forecache.h for the contract and forecache-testing.h for the controls tests use.
 
 #include "forecache.h"
+#include "forecache-impl.h"
 #include "forecache-testing.h"
 
 #include "llama-context.h"
@@ -163,16 +164,6 @@ struct fc_layer {
     const ggml_tensor * ids_src   = nullptr;
     bool                host_mode = false;
 };
-
-void fc_set_err(char * err, size_t err_size, const char * fmt, ...) {
-    if (err == nullptr || err_size == 0) {
-        return;
-    }
-    va_list args;
-    va_start(args, fmt);
-    vsnprintf(err, err_size, fmt, args);
-    va_end(args);
-}
 
 // "blk.<il>.<name>_exps.weight" -> il, or -1
 int fc_expert_layer(const std::string & name) {
@@ -1660,11 +1651,11 @@ struct forecache_cache * forecache_cache_init(
         size_t                 err_size) {
     const llama_model & model = ctx->get_model();
     if (n_layer != (int32_t) model.hparams.n_layer()) {
-        fc_set_err(err, err_size, "n_layer is %d but the model has %u layers", n_layer, model.hparams.n_layer());
+        forecache_set_err(err, err_size, "n_layer is %d but the model has %u layers", n_layer, model.hparams.n_layer());
         return nullptr;
     }
     if (dev_index >= ggml_backend_dev_count()) {
-        fc_set_err(err, err_size, "no ggml device %zu", dev_index);
+        forecache_set_err(err, err_size, "no ggml device %zu", dev_index);
         return nullptr;
     }
     ggml_backend_dev_t dev = ggml_backend_dev_get(dev_index);
@@ -1675,7 +1666,7 @@ struct forecache_cache * forecache_cache_init(
         dev_in_sched = dev_in_sched || ggml_backend_get_device(ggml_backend_sched_get_backend(sched, i)) == dev;
     }
     if (!dev_in_sched) {
-        fc_set_err(err, err_size, "device %s is not used by this context", ggml_backend_dev_name(dev));
+        forecache_set_err(err, err_size, "device %s is not used by this context", ggml_backend_dev_name(dev));
         return nullptr;
     }
 
@@ -1692,12 +1683,12 @@ struct forecache_cache * forecache_cache_init(
         }
         fc_layer & L = c->layers[il];
         if (L.n_proj == FC_MAX_PROJ || (L.n_expert != 0 && L.n_expert != t->ne[2])) {
-            fc_set_err(err, err_size, "unsupported expert tensor layout in layer %d", il);
+            forecache_set_err(err, err_size, "unsupported expert tensor layout in layer %d", il);
             delete c;
             return nullptr;
         }
         if (t->buffer == nullptr || !ggml_backend_buffer_is_host(t->buffer)) {
-            fc_set_err(err, err_size, "expert tensor %s is not in host memory (%s); load the model with its experts on the host",
+            forecache_set_err(err, err_size, "expert tensor %s is not in host memory (%s); load the model with its experts on the host",
                     name.c_str(), t->buffer ? ggml_backend_buffer_name(t->buffer) : "unallocated");
             delete c;
             return nullptr;
@@ -1713,7 +1704,7 @@ struct forecache_cache * forecache_cache_init(
     for (int il = 0; il < n_layer; il++) {
         fc_layer & L = c->layers[il];
         if (n_slots[il] < 0 || (n_slots[il] > 0 && L.n_proj == 0)) {
-            fc_set_err(err, err_size, "layer %d: %d slots requested but it has %d experts", il, n_slots[il], L.n_expert);
+            forecache_set_err(err, err_size, "layer %d: %d slots requested but it has %d experts", il, n_slots[il], L.n_expert);
             delete c;
             return nullptr;
         }
@@ -1731,7 +1722,7 @@ struct forecache_cache * forecache_cache_init(
         n_pool += L.n_slots > 0 ? L.n_proj : 0;
     }
     if (n_pool == 0) {
-        fc_set_err(err, err_size, "no layer has expert slots");
+        forecache_set_err(err, err_size, "no layer has expert slots");
         delete c;
         return nullptr;
     }
@@ -1759,7 +1750,7 @@ struct forecache_cache * forecache_cache_init(
     const size_t pool_size = ggml_backend_alloc_ctx_tensors_from_buft_size(c->pool_ctx, buft);
     c->pool_buf = ggml_backend_alloc_ctx_tensors_from_buft(c->pool_ctx, buft);
     if (c->pool_buf == nullptr) {
-        fc_set_err(err, err_size, "cannot allocate %.1f MiB of expert slots on %s", pool_size/1048576.0, ggml_backend_dev_name(dev));
+        forecache_set_err(err, err_size, "cannot allocate %.1f MiB of expert slots on %s", pool_size/1048576.0, ggml_backend_dev_name(dev));
         forecache_cache_free(c);
         return nullptr;
     }
@@ -1770,7 +1761,7 @@ struct forecache_cache * forecache_cache_init(
 
     c->cpu = fc_cpu_backend(c, ctx->get_cparams().n_threads, c->cpu_pool);
     if (c->cpu == nullptr) {
-        fc_set_err(err, err_size, "cannot start the CPU backend");
+        forecache_set_err(err, err_size, "cannot start the CPU backend");
         forecache_cache_free(c);
         return nullptr;
     }
@@ -1911,7 +1902,7 @@ int32_t forecache_cache_schedule(struct forecache_cache * cache, int32_t layer, 
 
 int32_t forecache_cache_set_stage(struct forecache_cache * cache, int32_t n_stage, char * err, size_t err_size) {
     if (cache->n_stage != 0 || n_stage <= 0) {
-        fc_set_err(err, err_size, cache->n_stage != 0 ? "stage slots are already set" : "n_stage must be positive");
+        forecache_set_err(err, err_size, cache->n_stage != 0 ? "stage slots are already set" : "n_stage must be positive");
         return -1;
     }
     // stage slots hold experts of one layout (each projection's shape and type): the layout most
@@ -1938,7 +1929,7 @@ int32_t forecache_cache_set_stage(struct forecache_cache * cache, int32_t n_stag
         }
     }
     if (first == nullptr) {
-        fc_set_err(err, err_size, "no layer has expert slots");
+        forecache_set_err(err, err_size, "no layer has expert slots");
         return -1;
     }
     for (fc_layer & L : cache->layers) {
@@ -1959,7 +1950,7 @@ int32_t forecache_cache_set_stage(struct forecache_cache * cache, int32_t n_stag
     ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(cache->pool_buf);
     ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
     if (buf == nullptr) {
-        fc_set_err(err, err_size, "cannot allocate %.1f MiB of stage slots",
+        forecache_set_err(err, err_size, "cannot allocate %.1f MiB of stage slots",
                 n_stage*first->expert_bytes/1048576.0);
         ggml_free(ctx);
         return -1;

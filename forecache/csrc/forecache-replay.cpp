@@ -2,6 +2,7 @@
 // See forecache.h for the contract.
 
 #include "forecache.h"
+#include "forecache-impl.h"
 
 #include "llama-context.h"
 #include "llama-impl.h"
@@ -13,27 +14,14 @@
 #include "ggml-backend-hooks.h"
 
 #include <algorithm>
-#include <cstdarg>
 #include <cstdio>
 #include <cstring>
 #include <map>
-#include <string>
 #include <tuple>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 namespace {
-
-void fr_set_err(char * err, size_t err_size, const char * fmt, ...) {
-    if (err == nullptr || err_size == 0) {
-        return;
-    }
-    va_list args;
-    va_start(args, fmt);
-    vsnprintf(err, err_size, fmt, args);
-    va_end(args);
-}
 
 // "blk.<il>.<name>_exps.weight" -> il, or -1
 int fr_expert_layer(const char * name, bool * down) {
@@ -227,7 +215,7 @@ struct forecache_replay * forecache_replay_init(
         char                 * err,
         size_t                 err_size) {
     if (ctx == nullptr || n_tokens_max < 1 || dev_index >= ggml_backend_dev_count()) {
-        fr_set_err(err, err_size, "bad arguments");
+        forecache_set_err(err, err_size, "bad arguments");
         return nullptr;
     }
     const llama_model & model = ctx->get_model();
@@ -238,7 +226,7 @@ struct forecache_replay * forecache_replay_init(
     r->n_used = (int32_t) model.hparams.n_expert_used_max();
     r->n_tokens_max = n_tokens_max;
     if (r->n_used < 1) {
-        fr_set_err(err, err_size, "the model routes no experts (expert_used_count is 0)");
+        forecache_set_err(err, err_size, "the model routes no experts (expert_used_count is 0)");
         delete r;
         return nullptr;
     }
@@ -255,7 +243,7 @@ struct forecache_replay * forecache_replay_init(
     if (r->table_buf == nullptr ||
             ggml_backend_tensor_alloc(r->table_buf, r->ids, ggml_backend_buffer_get_base(r->table_buf)) != GGML_STATUS_SUCCESS ||
             ggml_backend_tensor_alloc(r->table_buf, r->weights, ggml_backend_buffer_get_base(r->table_buf)) != GGML_STATUS_SUCCESS) {
-        fr_set_err(err, err_size, "cannot allocate the replay tables (%.1f MiB) on %s", n*4/1048576.0,
+        forecache_set_err(err, err_size, "cannot allocate the replay tables (%.1f MiB) on %s", n*4/1048576.0,
                    ggml_backend_dev_name(dev));
         ggml_backend_buffer_free(r->table_buf);
         ggml_free(r->table_ctx);

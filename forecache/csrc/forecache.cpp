@@ -1,13 +1,25 @@
 #include "forecache.h"
+#include "forecache-impl.h"
 
 #include "ggml.h"
 #include "ggml-backend.h"
 
+#include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
+
+void forecache_set_err(char * err, size_t err_size, const char * fmt, ...) {
+    if (err == nullptr || err_size == 0) {
+        return;
+    }
+    va_list args;
+    va_start(args, fmt);
+    vsnprintf(err, err_size, fmt, args);
+    va_end(args);
+}
 
 int32_t forecache_patch_version(void) {
     return FORECACHE_PATCH_VERSION;

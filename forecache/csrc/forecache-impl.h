@@ -1,0 +1,12 @@
+#pragma once
+
+// forecache: helpers its C++ sources share; not part of the API.
+
+#include <cstddef>
+
+// Writes a printf-style message into err (err_size bytes; nothing when err is NULL).
+void forecache_set_err(char * err, size_t err_size, const char * fmt, ...)
+#ifdef __GNUC__
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
