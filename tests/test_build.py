@@ -103,8 +103,11 @@ def test_real_series_applies_to_pinned_sdist(tmp_path: Path) -> None:
     assert "output_all_rows" in (tree / "llama_cpp" / "llama.py").read_text()
     vendor = tree / "vendor" / "llama.cpp"
     assert (vendor / "include" / "forecache.h").exists()
-    assert (vendor / "src" / "forecache-cache.cpp").exists()
-    assert "forecache-cache.cpp" in (vendor / "src" / "CMakeLists.txt").read_text()
+    # every source lands in src/, where the patched CMakeLists.txt builds forecache*.cpp
+    for src in build.source_files():
+        if src.suffix == ".cpp":
+            assert (vendor / "src" / src.name).exists() and src.name.startswith("forecache")
+    assert 'GLOB FORECACHE_SOURCES "forecache*.cpp"' in (vendor / "src" / "CMakeLists.txt").read_text()
     assert not (vendor / "docs").exists()
 
 

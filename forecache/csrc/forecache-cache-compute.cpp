@@ -1,0 +1,243 @@
+// forecache expert cache: expert compute outside the scheduler (host layers and entries, expert groups).
+// See forecache-cache-impl.h for how the expert cache's files divide the work.
+
+#include "forecache-cache-impl.h"
+
+// a CPU backend with n_threads and its own pool of threads, kept across graph computes and not
+// polling while idle (its computes are small and share the cores with the model's own threads)
+ggml_backend_t fc_cpu_backend(forecache_cache * c, int n_threads, ggml_threadpool_t & pool) {
+    ggml_backend_t be = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);
+    if (be == nullptr) {
+        return nullptr;
+    }
+    ggml_backend_reg_t reg = ggml_backend_dev_backend_reg(ggml_backend_get_device(be));
+    auto set_n_threads = (ggml_backend_set_n_threads_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_set_n_threads");
+    if (set_n_threads) {
+        set_n_threads(be, n_threads);
+    }
+    auto tp_new = (decltype(ggml_threadpool_new) *) ggml_backend_reg_get_proc_address(reg, "ggml_threadpool_new");
+    auto tp_set = (decltype(ggml_backend_cpu_set_threadpool) *) ggml_backend_reg_get_proc_address(reg, "ggml_backend_cpu_set_threadpool");
+    c->pool_free = (decltype(ggml_threadpool_free) *) ggml_backend_reg_get_proc_address(reg, "ggml_threadpool_free");
+    if (tp_new && tp_set && c->pool_free) {
+        ggml_threadpool_params tpp = ggml_threadpool_params_default(n_threads);
+        tpp.poll = 0;
+        pool = tp_new(&tpp);
+        if (pool != nullptr) {
+            tp_set(be, pool);
+        }
+    }
+    return be;
+}
+
+// computes node t (a rewritten MUL_MAT_ID) on the CPU from the host copy of the experts
+bool fc_host_compute(forecache_cache * c, fc_layer & L, int32_t proj, ggml_tensor * t) {
+    ggml_tensor * b = t->src[1];
+    if (b->type != GGML_TYPE_F32 || !ggml_is_contiguous(b) || !ggml_is_contiguous(t)) {
+        LLAMA_LOG_ERROR("%s: unsupported expert input layout for %s\n", __func__, t->name);
+        return false;
+    }
+    const auto t0 = fc_clock::now();
+    const int64_t n_used   = t->src[3]->ne[0];
+    const int64_t n_tokens = t->src[3]->ne[1];
+
+    ggml_tensor * x   = nullptr;
+    ggml_tensor * ids = nullptr;
+    const bool ok = fc_mini_graph(c->cpu, nullptr,
+        [&](ggml_context * ctx) {
+            x   = ggml_new_tensor(ctx, GGML_TYPE_F32, 4, b->ne);
+            ids = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n_used, n_tokens);
+            ggml_tensor * out = ggml_mul_mat_id(ctx, L.host[proj], x, ids);
+            return ggml_nbytes(out) == ggml_nbytes(t) ? out : nullptr;
+        },
+        [&] {
+            ggml_backend_tensor_get(b, x->data, 0, ggml_nbytes(b));
+            memcpy(ids->data, c->ids.data(), ggml_nbytes(ids));
+        },
+        [&](ggml_tensor * out) {
+            ggml_backend_tensor_set(t, out->data, 0, ggml_nbytes(out));
+        });
+    L.stats.host_s += fc_seconds(t0);
+    return ok;
+}
+
+// a new 2D tensor over the memory of contiguous tensor src
+ggml_tensor * fc_alias_2d(ggml_context * ctx, ggml_tensor * src, int64_t ne0, int64_t ne1) {
+    ggml_tensor * a = ggml_new_tensor_2d(ctx, src->type, ne0, ne1);
+    a->data   = src->data;
+    a->buffer = src->buffer != nullptr ? src->buffer : src->view_src->buffer;
+    return a;
+}
+
+// computes the rows of node t (projection p) that schedule entries [i0, i1) route to, on the pool's
+// device: gathers their inputs, runs MUL_MAT_ID over the slots (or the stage slots, when the entries
+// read those) and scatters the results into t
+bool fc_group_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor * t, int32_t i0, int32_t i1) {
+    const bool stage = fc_stage_of(L, L.sch_s[i0]) >= 0;
+    ggml_tensor * as = stage ? c->stage[p] : L.pool[p];
+    const int32_t base = stage ? L.n_slots : 0;
+    ggml_tensor * b = t->src[1];
+    const int64_t n_used   = t->src[3]->ne[0];
+    const int64_t n_tokens = t->src[3]->ne[1];
+    const int64_t b_rows   = b->ne[1]; // 1 when every expert of a token reads the same input row
+
+    c->g_rows.clear();
+    c->g_slots.clear();
+    c->g_idx.clear();
+    for (int64_t it = 0; it < n_tokens; it++) {
+        for (int64_t iu = 0; iu < n_used; iu++) {
+            const int32_t k = L.entry_of[c->ids[it*n_used + iu]];
+            if (k >= i0 && k < i1) {
+                c->g_rows.push_back((int32_t) (it*b_rows + (b_rows == 1 ? 0 : iu)));
+                c->g_slots.push_back(L.sch_s[k] - base);
+                c->g_idx.push_back((int32_t) (it*n_used + iu));
+            }
+        }
+    }
+    const int64_t n = (int64_t) c->g_rows.size();
+    if (n == 0) {
+        return true;
+    }
+    // rows, slots and destinations in one tensor: one upload (each is a synchronous copy on a GPU)
+    c->g_rows.insert(c->g_rows.end(), c->g_slots.begin(), c->g_slots.end());
+    c->g_rows.insert(c->g_rows.end(), c->g_idx.begin(), c->g_idx.end());
+
+    ggml_tensor * idx = nullptr;
+    const bool ok = fc_mini_graph(c->dev_backend, c->group_alloc,
+        [&](ggml_context * ctx) {
+            // b and t as leaves over the same memory: views would pull the whole model graph into this one
+            ggml_tensor * b2 = fc_alias_2d(ctx, b, b->ne[0], b->ne[1]*b->ne[2]);
+            ggml_tensor * t2 = fc_alias_2d(ctx, t, t->ne[0], n_used*n_tokens);
+            idx = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, 3*n);
+            ggml_tensor * rows = ggml_view_1d(ctx, idx, n, 0);
+            ggml_tensor * sl   = ggml_view_2d(ctx, idx, 1, n, sizeof(int32_t), n*sizeof(int32_t));
+            ggml_tensor * dst  = ggml_view_1d(ctx, idx, n, 2*n*sizeof(int32_t));
+            ggml_tensor * x = ggml_get_rows(ctx, b2, rows);
+            ggml_tensor * y = ggml_mul_mat_id(ctx, as, ggml_reshape_3d(ctx, x, b->ne[0], 1, n), sl);
+            return ggml_set_rows(ctx, t2, ggml_reshape_2d(ctx, y, t->ne[0], n), dst);
+        },
+        [&] {
+            ggml_backend_tensor_set(idx, c->g_rows.data(), 0, ggml_nbytes(idx));
+        },
+        [](ggml_tensor *) {});
+    if (!ok) {
+        LLAMA_LOG_ERROR("%s: expert group compute failed for %s\n", __func__, t->name);
+    }
+    return ok;
+}
+
+// computes, on the CPU from host memory, the rows of projection p that the host entries of the schedule
+// route to (b: the node's input, read back into c->h_in); results go to c->h_out, rows c->h_dst of t
+bool fc_host_entries(forecache_cache * c, fc_layer & L, int32_t p, const ggml_tensor * t) {
+    const auto t0 = fc_clock::now();
+    const ggml_tensor * b = t->src[1];
+    const int64_t n_used   = t->src[3]->ne[0];
+    const int64_t n_tokens = t->src[3]->ne[1];
+    const int64_t b_rows   = b->ne[1];
+    std::vector<int32_t> rows;
+    std::vector<int32_t> experts;
+    c->h_dst.clear();
+    for (int64_t it = 0; it < n_tokens; it++) {
+        for (int64_t iu = 0; iu < n_used; iu++) {
+            const int32_t e = c->ids[it*n_used + iu];
+            if (L.entry_of[e] >= L.n_dev) {
+                rows.push_back((int32_t) (it*b_rows + (b_rows == 1 ? 0 : iu)));
+                experts.push_back(e);
+                c->h_dst.push_back(it*n_used + iu);
+            }
+        }
+    }
+    const int64_t n = (int64_t) rows.size();
+    ggml_tensor * x   = nullptr;
+    ggml_tensor * ids = nullptr;
+    const bool ok = fc_mini_graph(c->cpu, nullptr,
+        [&](ggml_context * ctx) {
+            x   = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, b->ne[0], 1, n);
+            ids = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 1, n);
+            ggml_tensor * out = ggml_mul_mat_id(ctx, L.host[p], x, ids);
+            return out->ne[0] == t->ne[0] ? out : nullptr;
+        },
+        [&] {
+            for (int64_t r = 0; r < n; r++) {
+                memcpy((float *) x->data + r*b->ne[0], c->h_in.data() + rows[r]*b->ne[0], b->ne[0]*sizeof(float));
+            }
+            memcpy(ids->data, experts.data(), n*sizeof(int32_t));
+        },
+        [&](ggml_tensor * out) {
+            c->h_out.resize(ggml_nelements(out));
+            memcpy(c->h_out.data(), out->data, ggml_nbytes(out));
+        });
+    std::lock_guard<std::mutex> lock(c->mtx);
+    L.stats.host_s += fc_seconds(t0);
+    return ok;
+}
+
+// writes the host entries' result rows (c->h_out) into node t, on the pool's device
+bool fc_scatter_host(forecache_cache * c, ggml_tensor * t) {
+    const int64_t n = (int64_t) c->h_dst.size();
+    const int64_t n_rows = t->src[3]->ne[0]*t->src[3]->ne[1];
+    ggml_tensor * y   = nullptr;
+    ggml_tensor * dst = nullptr;
+    return fc_mini_graph(c->dev_backend, c->group_alloc,
+        [&](ggml_context * ctx) {
+            ggml_tensor * t2 = fc_alias_2d(ctx, t, t->ne[0], n_rows);
+            y   = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, t->ne[0], n);
+            dst = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n);
+            return ggml_set_rows(ctx, t2, y, dst);
+        },
+        [&] {
+            ggml_backend_tensor_set(y,   c->h_out.data(), 0, ggml_nbytes(y));
+            ggml_backend_tensor_set(dst, c->h_dst.data(), 0, ggml_nbytes(dst));
+        },
+        [](ggml_tensor *) {});
+}
+
+// computes node t (projection p of the routed layer) from slots, group by group in schedule order:
+// each group is every entry whose projection is in place when the previous group is done. Host
+// entries are computed meanwhile on a CPU thread and written into t at the end.
+bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor * t) {
+    const int32_t n = L.n_dev;
+    const bool split = n < (int32_t) L.sch_e.size();
+    bool host_ok = true;
+    if (split) {
+        c->h_in.resize(ggml_nelements(t->src[1]));
+        ggml_backend_tensor_get(t->src[1], c->h_in.data(), 0, ggml_nbytes(t->src[1]));
+        c->host.run([&] { host_ok = fc_host_entries(c, L, p, t); });
+    }
+    bool ok = true;
+    int32_t i = 0;
+    while (i < n) {
+        std::unique_lock<std::mutex> lock(c->mtx);
+        if (!fc_entry_ready(c, L, i, p)) {
+            const auto t0 = fc_clock::now();
+            c->cv_done.wait(lock, [&] { return fc_entry_ready(c, L, i, p); });
+            L.stats.stall_s += fc_seconds(t0);
+        }
+        // a group reads the layer's slots or the stage slots, not both
+        const bool stage = L.sch_s[i] >= L.n_slots;
+        int32_t j = i + 1;
+        while (j < n && fc_entry_ready(c, L, j, p) && (L.sch_s[j] >= L.n_slots) == stage) {
+            j++;
+        }
+        lock.unlock();
+        if (!fc_group_compute(c, L, p, t, i, j)) {
+            ok = false;
+            break;
+        }
+        lock.lock();
+        for (int32_t k = i; k < j && !stage; k++) {
+            L.consumed[L.sch_s[k]*L.n_proj + p]++;
+        }
+        L.stats.n_groups++;
+        lock.unlock();
+        c->cv_work.notify_one();
+        i = j;
+    }
+    if (split) {
+        c->host.wait();
+        ok = ok && host_ok && fc_scatter_host(c, t);
+        if (!host_ok) {
+            LLAMA_LOG_ERROR("%s: host expert compute failed for %s\n", __func__, t->name);
+        }
+    }
+    return ok;
+}

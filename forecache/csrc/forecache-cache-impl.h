@@ -1,0 +1,433 @@
+#pragma once
+
+// forecache expert cache, internals its files share (not API): the cache's structures, the helpers
+// every part reads, and the functions one part calls in another. The parts:
+//   forecache-cache.cpp          the C API: init and free, loads, schedules, stage slots, stats
+//   forecache-cache-copy.cpp     slots and the copy engine: the queue, its worker, schedules
+//   forecache-cache-graph.cpp    the graph hook: MUL_MAT_IDs rewritten to read slot pools
+//   forecache-cache-route.cpp    the node hook: routed ids read back, the gate, the decode gate,
+//                                MoBiLE's little pass, gate events
+//   forecache-cache-compute.cpp  expert compute outside the scheduler: host layers and entries,
+//                                expert groups from slots
+//   forecache-cache-testing.cpp  the controls of forecache-testing.h
+
+#include "forecache.h"
+#include "forecache-impl.h"
+#include "forecache-testing.h"
+
+#include "llama-context.h"
+#include "llama-impl.h"
+#include "llama-model.h"
+
+#include "ggml.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "ggml-backend-hooks.h"
+#include "ggml-cpu.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+#include <vector>
+
+using fc_clock = std::chrono::steady_clock;
+
+inline double fc_seconds(fc_clock::time_point t0) {
+    return std::chrono::duration<double>(fc_clock::now() - t0).count();
+}
+
+constexpr int FC_MAX_PROJ     = 4;
+constexpr int FC_N_PRIORITIES = 4;
+
+// the thread that computes a split layer's host entries while the graph thread computes the
+// slots: kept for the cache's lifetime (starting and joining one per projection cost ~40 us)
+struct fc_host_thread {
+    std::thread             th;
+    std::mutex              mtx;
+    std::condition_variable cv;
+    std::function<void()>   job;
+    bool                    busy = false;
+    bool                    stop = false;
+
+    void loop() {
+        std::unique_lock<std::mutex> lock(mtx);
+        for (;;) {
+            cv.wait(lock, [this] { return busy || stop; });
+            if (!busy) {
+                return;
+            }
+            lock.unlock();
+            job();
+            lock.lock();
+            job  = nullptr;
+            busy = false;
+            cv.notify_all();
+        }
+    }
+
+    // runs fn on the kept thread (started on first use); one job at a time
+    void run(std::function<void()> fn) {
+        if (!th.joinable()) {
+            th = std::thread([this] { loop(); });
+        }
+        {
+            std::lock_guard<std::mutex> lock(mtx);
+            job  = std::move(fn);
+            busy = true;
+        }
+        cv.notify_all();
+    }
+
+    void wait() {
+        std::unique_lock<std::mutex> lock(mtx);
+        cv.wait(lock, [this] { return !busy; });
+    }
+
+    void finish() {
+        if (!th.joinable()) {
+            return;
+        }
+        {
+            std::lock_guard<std::mutex> lock(mtx);
+            stop = true;
+        }
+        cv.notify_all();
+        th.join();
+    }
+};
+
+struct fc_chunk {
+    int32_t layer;
+    int32_t slot;
+    int32_t proj;     // -1: every projection of the expert
+    int32_t expert;
+    int32_t priority;
+    int32_t entry;    // schedule entry of a streamed copy, -1 for a plain load
+    int32_t need;     // streamed: entries of the slot that must have computed this projection first
+    bool    first;    // first chunk of its copy
+    size_t  offset;   // within one expert of the projection
+    size_t  size;
+    fc_clock::time_point queued_at;
+};
+
+struct fc_event {
+    forecache_event      head = {};
+    std::vector<int32_t> ids;
+    std::vector<float>   x;
+    std::vector<int32_t> tokens;
+};
+
+struct fc_layer {
+    int32_t n_expert = 0;
+    int32_t n_slots  = 0;
+    int32_t n_proj   = 0;
+    size_t  expert_bytes = 0;
+
+    ggml_tensor * host[FC_MAX_PROJ] = {};
+    ggml_tensor * pool[FC_MAX_PROJ] = {};
+
+    std::vector<int32_t> slot_of;     // expert -> slot, -1 if none
+    std::vector<int32_t> expert_of;   // slot -> expert, -1 if empty
+    std::vector<int32_t> pending;     // slot -> plain chunks queued or running
+    std::vector<int32_t> pend_proj;   // slot*n_proj + p -> plain chunks queued or running that write projection p
+    std::vector<uint8_t> started;     // slot -> a chunk of its current copy has started
+    std::vector<uint8_t> in_use;      // slot -> read by the schedule being computed
+    std::vector<uint64_t> stamp;      // slot -> when its expert was last used (recency)
+    std::vector<int64_t>  key;        // expert -> eviction key: lower keys are evicted first
+    int64_t               key_step = 0; // added to a routed expert's key per token row routed to it
+
+    // schedule of the current ubatch: compute order and streaming state
+    std::vector<int32_t> sch_e;
+    std::vector<int32_t> sch_s;
+    std::vector<uint8_t> sch_first;   // entry is the first use of its slot
+    std::vector<int32_t> entry_pend;  // entry*n_proj + p -> streamed chunks queued or running
+    std::vector<int32_t> consumed;    // slot*n_proj + p -> entries of the slot computed for projection p
+    std::vector<int32_t> entry_of;    // expert -> entry, -1
+    std::vector<int32_t> last_entry;  // slot -> streamed entry that holds it at the end, -1
+    int32_t  n_dev     = 0;           // entries [0, n_dev) come from slots, the rest from host memory
+    uint64_t sch_epoch = 0;           // epoch the schedule belongs to (0: none)
+    bool     streams   = false;
+    bool     staged    = false;       // some entry reads a stage slot (slot n_slots + j)
+    bool     little    = false;       // routed by a little pass: computed group by group
+    std::vector<int32_t> little_ids;  // the top-k little passes routed their tokens to, before they kept some
+    bool     stage_ok  = false;       // its experts have the stage slots' layout
+    std::vector<uint8_t> early_drop;  // positions a little pass dropped before the weights' normalization
+    uint64_t             early_epoch = 0;
+
+    forecache_cache_stats stats = {};
+
+    // routing of the current ubatch
+    uint64_t            epoch     = 0;
+    uint64_t            routed_pass = 0; // epoch of the last routing, set before its gate decides
+    const ggml_tensor * ids_src   = nullptr;
+    bool                host_mode = false;
+};
+
+// "blk.<il>.<name>_exps.weight" -> il, or -1
+inline int fc_expert_layer(const std::string & name) {
+    int il = -1;
+    int n  = 0;
+    if (sscanf(name.c_str(), "blk.%d.%n", &il, &n) != 1 || n == 0) {
+        return -1;
+    }
+    const std::string suffix = "_exps.weight";
+    if (name.size() < suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) {
+        return -1;
+    }
+    return il;
+}
+
+// how the router weights a MUL_MAT_ID's ids were read with reach the expert outputs, which decides
+// how a little pass drops an expert: weight 0 where they multiply the outputs as they are (qwen2moe,
+// olmoe) or are first divided by their sum (the kept ones are renormalized: mixtral, qwen3moe,
+// deepseek2), -inf where a softmax over them comes first (gpt-oss)
+enum fc_weights_use { FC_WEIGHTS_UNKNOWN, FC_WEIGHTS_DIRECT, FC_WEIGHTS_NORMALIZED, FC_WEIGHTS_SOFTMAXED };
+
+// the tensor t views (through reshapes, views, permutes), or t itself
+inline const ggml_tensor * fc_viewed(const ggml_tensor * t) {
+    while (t != nullptr && (t->op == GGML_OP_RESHAPE || t->op == GGML_OP_VIEW ||
+                            t->op == GGML_OP_PERMUTE || t->op == GGML_OP_TRANSPOSE)) {
+        t = t->src[0];
+    }
+    return t;
+}
+
+struct forecache_cache {
+    llama_context      * lctx  = nullptr;
+    ggml_backend_sched_t sched = nullptr;
+
+    std::vector<fc_layer> layers;
+    std::unordered_map<const ggml_tensor *, std::pair<int32_t, int32_t>> host_map; // expert tensor -> (layer, proj)
+    std::unordered_map<const ggml_tensor *, std::pair<int32_t, int32_t>> pool_map; // pool tensor   -> (layer, proj)
+    std::unordered_map<const ggml_tensor *, ggml_tensor *>               weights_of; // routed ids -> router weights
+    std::unordered_map<const ggml_tensor *, fc_weights_use>              weights_use; // router weights -> how they reach the expert outputs
+    std::unordered_map<const ggml_tensor *, ggml_tensor *>               little_before; // node -> router weights a little pass drops in before it
+    std::unordered_map<const ggml_tensor *, int32_t>                     layer_of_ids; // routed ids -> layer
+    std::atomic<int32_t> little{0};           // forecache_cache_set_little: experts a little pass keeps
+    std::atomic<bool>    little_resident{false}; // ... of those already resident, and the top-1
+
+    ggml_context        * pool_ctx = nullptr;
+    ggml_backend_buffer_t pool_buf = nullptr;
+    ggml_tensor         * slot_ids = nullptr; // storage shared by all layers: one layer routes at a time
+
+    ggml_context * view_ctx = nullptr;
+    std::map<std::pair<int64_t, int64_t>, ggml_tensor *> views;
+
+    size_t   chunk_bytes = 0;
+    uint64_t epoch       = 1;
+    bool     reorder     = true;
+    int32_t  in_use_layer = -1;
+    bool     bad_ids_logged = false;
+
+    forecache_gate_hook hook    = nullptr;
+    void              * hook_ud = nullptr;
+    bool                want_gate_input = false;
+
+    ggml_backend_t cpu = nullptr;
+    ggml_threadpool_t cpu_pool = nullptr;     // host compute's threads, kept across calls
+    ggml_backend_t dev_cpu = nullptr;         // CPU build: the group compute's own CPU backend
+    ggml_threadpool_t dev_cpu_pool = nullptr;
+    decltype(ggml_threadpool_free) * pool_free = nullptr;
+    ggml_backend_t dev_backend = nullptr; // the scheduler's backend of the pool's device
+    ggml_gallocr_t group_alloc = nullptr; // scratch of expert-group compute
+
+    std::vector<uint8_t> raw;
+    std::vector<int32_t> ids;
+    std::vector<int32_t> slots;
+    std::vector<float>   weights;
+    std::vector<float>   gate_input;
+    std::vector<uint8_t> seen;       // expert -> routed by the layer being routed
+    std::vector<int32_t> g_rows;
+    std::vector<int32_t> g_slots;
+    std::vector<int32_t> g_idx;  // an expert group's indices: gathered rows, slots, destination rows
+    std::vector<float>   h_in;   // host entries: the node's input, read back
+    std::vector<float>   h_out;  // host entries: their rows of the result
+    std::vector<int64_t> h_dst;  // host entries: destination row of each result row
+    fc_host_thread       host;   // computes them
+
+    uint64_t clock = 0; // recency stamps (lock held)
+
+    // stage slots (forecache_cache_set_stage): device memory outside every layer's slots, lent to
+    // one expert of one layer at a time; a chunk or schedule entry of layer il with slot
+    // n_slots + j is stage slot j (lock held)
+    int32_t               n_stage   = 0;
+    ggml_context        * stage_ctx = nullptr;
+    ggml_backend_buffer_t stage_buf = nullptr;
+    ggml_tensor         * stage[FC_MAX_PROJ] = {};
+    std::vector<int32_t>  st_layer;   // owner layer, -1 free
+    std::vector<int32_t>  st_expert;
+    std::vector<int32_t>  st_pend;    // j*FC_MAX_PROJ + p -> chunks queued or running
+    std::vector<uint8_t>  st_started;
+    std::vector<uint8_t>  st_in_use;  // read by the schedule being computed
+
+    // decode gate (forecache_cache_set_decode_gate), read and written with the lock held
+    int32_t             dg_n_used  = 0;
+    bool                dg_preempt = true;
+    std::vector<int32_t> dg_host_k;
+    std::vector<double>  dg_host_s;
+    std::vector<int32_t> routed;     // distinct experts of the layer being routed, first use first
+    std::vector<int32_t> dg_rank;    // cache-first rank of each of them
+    std::vector<int32_t> dg_order;
+    std::vector<int32_t> dg_slots;
+    std::vector<int32_t> dg_host;
+    std::vector<int32_t> dg_victims;
+    std::vector<int32_t> dg_lru;
+
+    // gate events for the prediction thread
+    std::mutex              ev_mtx;
+    std::condition_variable ev_cv;
+    std::deque<fc_event>    events;
+    bool                    ev_on  = false;
+    int32_t                 ev_cap = 0;
+    int32_t                 ev_gates = 0; // gate events queued
+    uint64_t                ev_dropped = 0;
+    std::vector<int32_t>    tokens;
+
+    // copy engine
+    std::mutex              mtx;
+    std::condition_variable cv_work;
+    std::condition_variable cv_done;
+    std::deque<fc_chunk>    queue[FC_N_PRIORITIES];
+    int                     running = 0;
+    bool                    paused  = false;
+    bool                    stop    = false;
+    fc_clock::time_point    low_start; // when the last lower-priority chunk started
+    fc_clock::time_point    low_end;   // and finished
+    std::thread             worker;
+};
+
+// forecache-cache-copy.cpp: slots and the copy engine (lock held unless said)
+bool fc_eligible(const forecache_cache * c, const fc_chunk & ch);
+bool fc_has_eligible(const forecache_cache * c);
+bool fc_pop(forecache_cache * c, fc_chunk & out);
+int32_t fc_stage_of(const fc_layer & L, int32_t slot);
+void fc_count(forecache_cache * c, const fc_chunk & ch, int32_t d);
+void fc_run(forecache_cache * c, const fc_chunk & ch, std::unique_lock<std::mutex> & lock);
+void fc_worker(forecache_cache * c);
+void fc_queue_copy(forecache_cache * c, int32_t il, int32_t expert, int32_t slot, int32_t proj,
+        int32_t priority, int32_t entry, int32_t need);
+void fc_empty_slot(fc_layer & L, int32_t slot);
+void fc_free_stage(forecache_cache * c, int32_t j);
+void fc_release_stage(forecache_cache * c, int32_t j);
+void fc_release_unused_stage(forecache_cache * c, int32_t il);
+int32_t fc_stage_state(const forecache_cache * c, int32_t j);
+void fc_clear_schedule(forecache_cache * c, int32_t il);
+void fc_map_slot(forecache_cache * c, int32_t il, int32_t expert, int32_t slot);
+bool fc_assign(forecache_cache * c, int32_t il, int32_t expert, int32_t slot, int32_t priority);
+bool fc_set_schedule(forecache_cache * c, int32_t il, const int32_t * experts, const int32_t * slots, int32_t n, int32_t priority);
+bool fc_entry_ready(const forecache_cache * c, const fc_layer & L, int32_t i, int32_t p);
+bool fc_all_ready(const forecache_cache * c, const fc_layer & L, int32_t p0, int32_t p1);
+
+// forecache-cache-graph.cpp: the graph hook
+bool fc_grouped(const fc_layer & L);
+ggml_tensor * fc_view(forecache_cache * c, int64_t ne0, int64_t ne1);
+void fc_graph_hook(ggml_cgraph * graph, void * user_data);
+
+// forecache-cache-compute.cpp: expert compute outside the scheduler
+ggml_backend_t fc_cpu_backend(forecache_cache * c, int n_threads, ggml_threadpool_t & pool);
+bool fc_host_compute(forecache_cache * c, fc_layer & L, int32_t proj, ggml_tensor * t);
+ggml_tensor * fc_alias_2d(ggml_context * ctx, ggml_tensor * src, int64_t ne0, int64_t ne1);
+bool fc_group_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor * t, int32_t i0, int32_t i1);
+bool fc_host_entries(forecache_cache * c, fc_layer & L, int32_t p, const ggml_tensor * t);
+bool fc_scatter_host(forecache_cache * c, ggml_tensor * t);
+bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor * t);
+
+// forecache-cache-route.cpp: the node hook and the gate
+int32_t fc_preempt(forecache_cache * cache, int32_t layer, const std::vector<uint8_t> & wanted);
+int32_t fc_slot_state(const fc_layer & L, int32_t s);
+void fc_lru_slots(const fc_layer & L, const std::vector<uint8_t> * keep, std::vector<int32_t> & out);
+int32_t fc_decode_gate(forecache_cache * c, int32_t il);
+void fc_record_event(forecache_cache * c, int32_t il, int64_t n_tokens, int64_t n_used, const float * x, int32_t n_embd, uint64_t pass);
+void fc_begin_route(forecache_cache * c, int32_t il, int64_t n_tokens);
+int32_t fc_try_decode_gate(forecache_cache * c, int32_t il, int64_t n_tokens, int64_t n_used);
+bool fc_read_ids(forecache_cache * c, int32_t il, const ggml_tensor * ids_t);
+bool fc_little_drop(forecache_cache * c, fc_layer & L, int64_t n_used, int64_t n_tokens,
+                    std::vector<uint8_t> & drop);
+bool fc_little_early(forecache_cache * c, ggml_tensor * w);
+bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t);
+int fc_node_hook(ggml_tensor * t, bool ask, void * user_data);
+
+// drops queued chunks matching the predicate (lock held); empties the slots whose copy lost a chunk
+template <typename F>
+int32_t fc_drop_queued(forecache_cache * c, int min_priority, F match) {
+    std::vector<std::pair<int32_t, int32_t>> emptied;
+    for (int p = std::max(min_priority, 0); p < FC_N_PRIORITIES; p++) {
+        auto & q = c->queue[p];
+        for (auto it = q.begin(); it != q.end();) {
+            if (!match(*it)) {
+                ++it;
+                continue;
+            }
+            fc_layer & L = c->layers[it->layer];
+            fc_count(c, *it, -1);
+            L.stats.dropped_chunks++;
+            const int32_t j = fc_stage_of(L, it->slot);
+            if (j >= 0) {
+                fc_free_stage(c, j); // its copy lost a chunk
+            } else if (it->entry < 0 || L.expert_of[it->slot] == it->expert) {
+                emptied.emplace_back(it->layer, it->slot);
+            }
+            it = q.erase(it);
+        }
+    }
+    std::sort(emptied.begin(), emptied.end());
+    emptied.erase(std::unique(emptied.begin(), emptied.end()), emptied.end());
+    for (const auto & [il, s] : emptied) {
+        fc_empty_slot(c->layers[il], s);
+    }
+    c->cv_done.notify_all();
+    return (int32_t) emptied.size();
+}
+
+// nodes of the small graphs the hook computes itself, outside the scheduler
+constexpr int FC_MINI_GRAPH_SIZE = 16;
+
+// computes a small graph on `backend`: build(ctx) creates its tensors and returns the output (nullptr
+// to give up); they are allocated by `galloc`, or in a buffer of `backend` freed afterwards when it is
+// nullptr; set() writes the inputs and get(out) reads the result. Returns false if any step fails.
+template <typename Build, typename Set, typename Get>
+bool fc_mini_graph(ggml_backend_t backend, ggml_gallocr_t galloc, Build && build, Set && set, Get && get) {
+    ggml_init_params params = {
+        /*.mem_size   =*/ FC_MINI_GRAPH_SIZE*ggml_tensor_overhead() + ggml_graph_overhead_custom(FC_MINI_GRAPH_SIZE, false),
+        /*.mem_buffer =*/ nullptr,
+        /*.no_alloc   =*/ true,
+    };
+    ggml_context * ctx = ggml_init(params);
+    if (ctx == nullptr) {
+        return false;
+    }
+    ggml_backend_buffer_t buf = nullptr;
+    ggml_tensor * out = build(ctx);
+    bool ok = out != nullptr;
+    if (ok) {
+        ggml_cgraph * gf = ggml_new_graph_custom(ctx, FC_MINI_GRAPH_SIZE, false);
+        ggml_build_forward_expand(gf, out);
+        if (galloc != nullptr) {
+            ok = ggml_gallocr_alloc_graph(galloc, gf);
+        } else {
+            buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
+            ok = buf != nullptr;
+        }
+        if (ok) {
+            set();
+            ok = ggml_backend_graph_compute(backend, gf) == GGML_STATUS_SUCCESS;
+        }
+        if (ok) {
+            get(out);
+        }
+    }
+    ggml_backend_buffer_free(buf);
+    ggml_free(ctx);
+    return ok;
+}
+
