@@ -107,7 +107,8 @@ def test_real_series_applies_to_pinned_sdist(tmp_path: Path) -> None:
     for src in build.source_files():
         if src.suffix == ".cpp":
             assert (vendor / "src" / src.name).exists() and src.name.startswith("forecache")
-    assert 'GLOB FORECACHE_SOURCES "forecache*.cpp"' in (vendor / "src" / "CMakeLists.txt").read_text()
+    cmake = (vendor / "src" / "CMakeLists.txt").read_text()
+    assert 'GLOB FORECACHE_SOURCES "forecache*.cpp"' in cmake
     assert not (vendor / "docs").exists()
 
 
