@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from forecache.native import libllama, llama_cpp_module
+from forecache.native.log import load_log
 
 CAPTURED = b"ffn_norm"  # llama.cpp's name of a layer's FFN input after its norm
 
@@ -37,8 +38,6 @@ class DraftContext:
 
     def __init__(self, path: Path, *, n_ctx: int, n_batch: int, n_threads: int,
                  capture: bool) -> None:
-        from forecache.llama import load_log
-
         low = llama_cpp_module()
         self.low = low
         self.model = None

@@ -11,8 +11,6 @@ need in device slots, within ``gpu_budget`` (on a GPU by default ``promoe``, or 
 from __future__ import annotations
 
 import codecs
-import contextlib
-import ctypes
 import dataclasses
 import functools
 import os
@@ -46,6 +44,7 @@ from forecache.gguf.header import ModelFile, require_moe
 from forecache.native import llama_cpp_module, llama_cpp_package, patch_version
 from forecache.native.cache_api import SLOT_EMPTY
 from forecache.native.libs import MAX_THREADS, ModelLoadError
+from forecache.native.log import LOG_ERROR, load_log
 from forecache.speculative import SpecStats, Speculator, sampler_for
 from forecache.trace.replay import ReplayError, Routing, RoutingReplay, load_routing
 
@@ -56,7 +55,6 @@ CALIBRATION_TEXT = (
     "The history of science is the study of how people came to understand the natural world: "
     "measuring the stars, mixing metals, growing crops, curing illness and writing it all down. "
 )
-LOG_WARN, LOG_ERROR = 3, 4  # enum ggml_log_level (ggml.h)
 # llama.cpp log lines that mean an allocation failed during load
 _OOM = re.compile(r"out of memory|insufficient memory|failed to allocate|unable to allocate|"
                   r"cudaMalloc failed|cannot allocate|ErrorOutOfDeviceMemory", re.IGNORECASE)
@@ -80,31 +78,6 @@ class _Auto:
 
 
 AUTO: Any = _Auto()
-
-
-@contextlib.contextmanager
-def load_log(enabled: bool) -> Iterator[list[tuple[int, str]]]:
-    """While active, llama.cpp's warnings and errors go to the yielded list instead of the
-    terminal (llama-cpp-python discards them when not verbose), so a failed load can be
-    explained."""
-    lines: list[tuple[int, str]] = []
-    if not enabled:
-        yield lines
-        return
-    low = llama_cpp_module()
-
-    @low.llama_log_callback
-    def collect(level: int, text: bytes, _user_data: ctypes.c_void_p) -> None:
-        if level in (LOG_WARN, LOG_ERROR):
-            lines.append((level, text.decode("utf-8", "replace").strip()))
-
-    low.llama_log_set(collect, ctypes.c_void_p(0))
-    try:
-        yield lines
-    finally:
-        from llama_cpp import _logger
-
-        low.llama_log_set(_logger.llama_log_callback, ctypes.c_void_p(0))
 
 
 def top_probability(logits: np.ndarray) -> float:

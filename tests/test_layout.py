@@ -64,3 +64,72 @@ def test_imports_follow_the_layers(module: str, path: Path) -> None:
             assert not _within(target, "forecache.sim"), f"{module} imports the simulator"
         private = [n for n in names if n.startswith("_") and not n.startswith("__")]
         assert not private, f"{module} imports private names {private} from {target}"
+
+
+def _runtime_imports(path: Path) -> list[tuple[str, list[str]]]:
+    """``_imports`` less those under ``if TYPE_CHECKING:`` (names for annotations only)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and \
+                node.test.id == "TYPE_CHECKING":
+            node.body = []
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                and node.module.startswith("forecache"):
+            found.append((node.module, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            found += [(a.name, []) for a in node.names if a.name.startswith("forecache")]
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the forecache modules it imports when it runs (at any depth, lazy ones too); an
+    import of a name from a package goes to the submodule of that name where there is one."""
+    modules = dict(_modules())
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        for target, names in _runtime_imports(path):
+            subs = [f"{target}.{n}" for n in names if f"{target}.{n}" in modules]
+            for t in subs or ([target] if target in modules else []):
+                if t != module:
+                    graph[module].add(t)
+    return graph
+
+
+def test_no_import_circles() -> None:
+    """No module reaches itself through the imports it runs: each circle is a room that cannot be
+    read (or moved) on its own. A type named for annotations only (under TYPE_CHECKING: the
+    speculator names the Llama it drives) is no dependency and is left out."""
+    graph = _graph()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    circles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not circles, f"import circles: {circles}"

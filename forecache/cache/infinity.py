@@ -39,7 +39,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from forecache.cache.cost import CostModel
-from forecache.cache.prefetcher import CopyEngine, Features, Prefetcher
+from forecache.cache.policies import CopyEngine
+from forecache.cache.prefetcher import Features, Prefetcher
 
 # An eviction key packs the priority tuple (request rows, predicted rank, all rows) into one int64,
 # compared as the tuple is: the request's rows from bit 44, the rank from bit 32, all rows below.

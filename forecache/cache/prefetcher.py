@@ -11,12 +11,11 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
 from forecache.cache.cost import CostModel
-from forecache.cache.policies import Policy
+from forecache.cache.policies import CopyEngine, Policy
 from forecache.native.cache_api import (  # noqa: F401  (re-exported for the simulator)
     HIGH,
     LOW,
@@ -25,72 +24,6 @@ from forecache.native.cache_api import (  # noqa: F401  (re-exported for the sim
     SLOT_QUEUED,
     SLOT_READY,
 )
-
-
-class CopyEngine(Protocol):
-    """What a policy drives: slot loads, preemption, the compute schedule, slot states and
-    recency (the engine stamps a slot when its layer routes to it, a load or schedule fills it,
-    or ``touch`` names it), and forward passes."""
-
-    def load(self, layer: int, expert: int, slot: int, priority: int) -> int:
-        """Queue ``expert`` into ``slot``; 0, 1 if the slot is in use (nothing changes)."""
-        ...
-
-    def preempt(self, layer: int, keep: Sequence[int]) -> int:
-        """Queued low-priority copies of ``layer``: those of ``keep`` become high, others go."""
-        ...
-
-    def schedule(self, layer: int, experts: Sequence[int], slots: Sequence[int],
-                 priority: int) -> int:
-        """Compute order of the layer being routed, with the slot of each expert."""
-        ...
-
-    def layer_state(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """(expert per slot, -1 empty; state per slot, SLOT_*)."""
-        ...
-
-    def resident_order(self, layer: int) -> list[int]:
-        """Slots holding an expert in eviction order: lowest key first, least recently used
-        first among equal keys."""
-        ...
-
-    def set_keys(self, layer: int, keys: Sequence[int], step: int) -> None:
-        """Eviction keys of every expert of ``layer``, and what a token row routed to an
-        expert adds to its key."""
-        ...
-
-    def add_keys(self, layer: int, experts: Sequence[int], deltas: Sequence[int]) -> None:
-        """Add ``deltas`` to the eviction keys of ``experts``."""
-        ...
-
-    def layer_keys(self, layer: int) -> np.ndarray:
-        """The eviction key of every expert of ``layer``."""
-        ...
-
-    def touch(self, layer: int, experts: Sequence[int]) -> None:
-        """Mark the slots of ``experts`` used, in order (the last most recent)."""
-        ...
-
-    def passes(self, layer: int) -> tuple[int, int]:
-        """(current forward pass, the pass ``layer`` was last routed in)."""
-        ...
-
-    def stage_slots(self) -> int:
-        """Stage slots: device memory for experts outside every layer's slots (0: none)."""
-        ...
-
-    def n_experts(self, layer: int) -> int:
-        """Routed experts of ``layer``."""
-        ...
-
-    def stage(self, layer: int, expert: int, priority: int) -> int:
-        """Copy ``expert`` of ``layer`` into a free stage slot: the stage slot, or -1."""
-        ...
-
-    def staged(self, layer: int) -> dict[int, tuple[int, int]]:
-        """Experts of ``layer`` in stage slots: expert -> (stage slot, SLOT_* state). A schedule
-        computes one from slot ``n_slots + stage slot``."""
-        ...
 
 
 @dataclass(frozen=True)

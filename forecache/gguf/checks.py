@@ -9,10 +9,24 @@ checked here first, each failure one line naming the key, the value and the fix.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from forecache.gguf.header import ModelFile
+from forecache.gguf.base import GGUFError, is_expert_tensor
+
+
+class ModelFile(Protocol):
+    """What the checks read of a header (``gguf.header.ModelFile`` has it)."""
+
+    path: Path
+    kv: dict[str, Any]
+    kv_types: dict[str, int]
+    array_lengths: dict[str, int]
+    tensors: list[Any]
+    duplicate_token: Any
+
+    @property
+    def arch(self) -> str: ...
 
 LLAMA_MAX_LAYERS = 512  # llama-hparams.h
 LLAMA_MAX_EXPERTS = 1024  # llama-hparams.h
@@ -54,8 +68,6 @@ def _show(v: Any) -> str:
 
 
 def _error(mf: ModelFile, what: str, why: str) -> Exception:
-    from forecache.gguf.header import GGUFError
-
     why = why or "the header is damaged or was edited by hand"
     return GGUFError(f"{mf.path}: {what}; {why}: re-create or re-convert the model")
 
@@ -63,8 +75,6 @@ def _error(mf: ModelFile, what: str, why: str) -> Exception:
 def check_header(mf: ModelFile) -> None:
     """Refuse, in one line, a header whose values llama.cpp would assert on or forecache could
     not use."""
-    from forecache.gguf.header import is_expert_tensor
-
     align = mf.kv.get("general.alignment")
     if align is not None:
         if mf.kv_types.get("general.alignment") != UINT32 or isinstance(align, bool) or \

@@ -16,6 +16,12 @@ from typing import Any
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from forecache.gguf.base import (  # noqa: F401  (re-exported: the names readers import)
+    EXPERT_TENSOR_PATTERN,
+    EXPERT_TENSOR_SUFFIX,
+    GGUFError,
+    is_expert_tensor,
+)
 from forecache.gguf.checks import check_header
 
 GGUF_MAGIC = b"GGUF"
@@ -31,10 +37,6 @@ _STRING, _ARRAY = 8, 9
 
 MOE_ARCHES_TESTED = ("qwen2moe", "qwen3moe", "llama (Mixtral)", "olmoe", "granitemoe",
                      "deepseek2", "gpt-oss", "lfm2moe")
-
-
-class GGUFError(ValueError):
-    """The file is not a model forecache can run; the message says why and what to do."""
 
 
 @dataclass
@@ -134,16 +136,6 @@ class ModelFile:
 
 #: llama.cpp's name ending for a layer's routed-expert weights (all experts stacked): the tensors
 #: the C expert cache serves from slots, and the ones placed in host memory.
-EXPERT_TENSOR_SUFFIX = "_exps.weight"
-#: The same test as a tensor buffer-type override pattern (llama.cpp matches it with regex_search).
-EXPERT_TENSOR_PATTERN = r"_exps\.weight$"
-
-
-def is_expert_tensor(name: str) -> bool:
-    """Whether ``name`` is a layer's routed-expert weights, as llama.cpp names them."""
-    return name.startswith("blk.") and name.endswith(EXPERT_TENSOR_SUFFIX)
-
-
 def tensor_nbytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:
     """Bytes of a tensor of that shape and type."""
     block, size = GGML_QUANT_SIZES[qtype]
