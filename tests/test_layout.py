@@ -35,10 +35,16 @@ def _modules() -> list[tuple[str, Path]]:
     return out
 
 
-def _imports(path: Path) -> list[tuple[str, list[str]]]:
-    """(module, names) of every forecache import in ``path``, at any depth (lazy ones too)."""
+def _imports(path: Path, runtime: bool = False) -> list[tuple[str, list[str]]]:
+    """(module, names) of every forecache import in ``path``, at any depth (lazy ones too);
+    ``runtime``: less those under ``if TYPE_CHECKING:`` (names for annotations only)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if runtime and isinstance(node, ast.If) and isinstance(node.test, ast.Name) and \
+                node.test.id == "TYPE_CHECKING":
+            node.body = []
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
                 and node.module.startswith("forecache"):
             found.append((node.module, [a.name for a in node.names]))
@@ -66,30 +72,13 @@ def test_imports_follow_the_layers(module: str, path: Path) -> None:
         assert not private, f"{module} imports private names {private} from {target}"
 
 
-def _runtime_imports(path: Path) -> list[tuple[str, list[str]]]:
-    """``_imports`` less those under ``if TYPE_CHECKING:`` (names for annotations only)."""
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and \
-                node.test.id == "TYPE_CHECKING":
-            node.body = []
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
-                and node.module.startswith("forecache"):
-            found.append((node.module, [a.name for a in node.names]))
-        elif isinstance(node, ast.Import):
-            found += [(a.name, []) for a in node.names if a.name.startswith("forecache")]
-    return found
-
-
 def _graph() -> dict[str, set[str]]:
     """Module -> the forecache modules it imports when it runs (at any depth, lazy ones too); an
     import of a name from a package goes to the submodule of that name where there is one."""
     modules = dict(_modules())
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for module, path in modules.items():
-        for target, names in _runtime_imports(path):
+        for target, names in _imports(path, runtime=True):
             subs = [f"{target}.{n}" for n in names if f"{target}.{n}" in modules]
             for t in subs or ([target] if target in modules else []):
                 if t != module:
