@@ -9,13 +9,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from forecache.cache.policies import hit_rate
+from forecache.cache.policies import NCMOE_RUNS, hit_rate
 from forecache.cache.setup import CacheConfig
 from forecache.errors import setting
 from forecache.generate import SamplingParams, generate, text_tokens
 from forecache.gguf.header import require_moe
 from forecache.llama import CALIBRATION_TEXT, Llama
-from forecache.trace.replay import load_routing
+from forecache.trace.replay import Routing, load_routing
 
 # stock llama.cpp's best (--n-cpu-moe, the faster of --no-mmap and mmap'd host weights) first:
 # every speedup is stated over it before the others
@@ -24,8 +24,6 @@ BASELINES = ("ncmoe", "offload", "lru")
 # no cache: the bound a cache approaches when every expert fits), and --n-cpu-moe with mmap'd
 # (pageable) host weights; "ncmoe" itself is --no-mmap's (pinned host weights copy at the bus rate)
 STOCK_RUNS = ("all-gpu", "ncmoe-mmap")
-# the runs "ncmoe" ratios take the faster of, metric by metric
-NCMOE_RUNS = ("ncmoe", "ncmoe-mmap")
 # runs a benchmark may add to a policy's name, as (extra CacheConfig fields, draft): MoBiLE's
 # little pass on every generated token (gamma 0, never the full model: lossy, the mode's speed
 # bound) over the top half of the top-k ("+little") or the experts in slots and the top-1
@@ -101,7 +99,7 @@ def _sized(policy: str, gpu_budget: int | None, fraction: float | None, **kw: ob
 def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n_gen: int, *,
                n_ctx: int, n_threads: int | None, decode_gate: bool = True,
                draft: str | None = None, use_mmap: bool = False,
-               routing_trace: Path | None = None) -> dict:
+               routing_trace: Path | Routing | None = None) -> dict:
     """Load the model under ``cfg``, warm up, then generate ``n_gen`` tokens for every prompt
     (``decode_gate=False``: every gate calls the Python policy; ``draft``: speculative;
     ``use_mmap``: host weights mmap'd, else read into (pinned) buffers as --no-mmap does;
@@ -177,10 +175,11 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
     ``routing_trace`` when given, all with ``n_threads`` (default: as llama.cpp picks them, one
     per physical core); returns results, ratios and whether tokens agreed."""
     n_threads = n_threads or llama_cpp_threads()
-    if routing_trace is not None:  # a bad trace stops the benchmark before any run
+    routing = None
+    if routing_trace is not None:  # mapped once for every run; a bad trace stops them all here
         mf = require_moe(model)
-        load_routing(routing_trace, n_layers=len(mf.moe_layers()), n_expert=mf.n_expert,
-                     top_k=mf.n_expert_used)
+        routing = load_routing(routing_trace, n_layers=len(mf.moe_layers()),
+                               n_expert=mf.n_expert, top_k=mf.n_expert_used)
     n_ctx, prompts = workload(model, n_prompts, prompt_len, n_gen, n_ctx)
     raw: dict[str, dict] = {}
     errors: dict[str, str] = {}
@@ -198,7 +197,7 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
                                                      cache_fraction, **extra)
         try:
             raw[pol] = run_policy(model, cfg, prompts, n_gen, n_ctx=n_ctx, n_threads=n_threads,
-                                  draft=draft, use_mmap=mmap, routing_trace=routing_trace)
+                                  draft=draft, use_mmap=mmap, routing_trace=routing)
         except (ValueError, RuntimeError, OSError) as e:
             # one placement that cannot run (a budget too small, a failed load) leaves the others'
             # figures standing; the report names it

@@ -102,7 +102,8 @@ class Llama(llama_cpp.Llama):
     (of the top ``little_k``, default all); ``"exact"`` (the default) is the model as it is.
     ``n_seq_max`` sizes the context for that many sequences decoded together, each with
     n_ctx / n_seq_max of the context (``forecache batch``). ``routing_trace`` (benchmarks only)
-    replays a trace's routing in every expert matmul instead of the router's (``trace.replay``;
+    replays a trace's routing (a path, or a ``Routing`` already mapped onto this model) in every
+    expert matmul instead of the router's (``trace.replay``;
     the tokens are then meaningless, and each batch is one ubatch). ``cache`` passes a ready
     ``CacheConfig`` (or None for no cache). Every other keyword goes to ``llama_cpp.Llama``;
     ``n_gpu_layers`` defaults to all layers when a cache is used.
@@ -115,7 +116,8 @@ class Llama(llama_cpp.Llama):
                  little_resident: bool = False, draft: str | None = None,
                  draft_k: int | None = None, n_seq_max: int = 1,
                  cache: CacheConfig | None = AUTO,
-                 routing_trace: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
+                 routing_trace: str | os.PathLike[str] | Routing | None = None,
+                 **kwargs: Any) -> None:
         self.expert_cache: ExpertCache | None = None
         self.replay: RoutingReplay | None = None
         self._spec: Speculator | None = None
@@ -154,9 +156,9 @@ class Llama(llama_cpp.Llama):
                                  "MoBiLE's little pass, which choose experts or rows of their own")
             # a replayed routing is set per ubatch: every llama_decode must be one
             kwargs.update(n_batch=n_ubatch, n_ubatch=n_ubatch)
-            routing = load_routing(routing_trace, n_layers=len(self.model_file.moe_layers()),
-                                   n_expert=self.model_file.n_expert,
-                                   top_k=self.model_file.n_expert_used)
+            routing = routing_trace if isinstance(routing_trace, Routing) else load_routing(
+                routing_trace, n_layers=len(self.model_file.moe_layers()),
+                n_expert=self.model_file.n_expert, top_k=self.model_file.n_expert_used)
             if cache is not None and cache.policy == "static" and cache.profile is None:
                 # the hottest experts of the routing replayed, not of the model's own
                 cache = dataclasses.replace(cache, profile=routing.counts(

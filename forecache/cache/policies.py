@@ -19,6 +19,10 @@ if TYPE_CHECKING:
     from forecache.cache.cost import CostModel
 
 POLICIES = ("offload", "ncmoe", "lru", "lfu", "static", "promoe", "infinity")
+# Stock llama.cpp's --n-cpu-moe two ways: host experts pinned ("ncmoe": --no-mmap, as forecache
+# loads them) or mmap'd from the file ("ncmoe-mmap": llama.cpp's default; a prompt copies them up
+# at pageable memory's rate). Speedups over ncmoe are over the faster of the two, figure by figure.
+NCMOE_RUNS = ("ncmoe", "ncmoe-mmap")
 # Slots the static policy keeps for misses (ProMoE's static baseline).
 STATIC_SPARE_SLOTS = 2
 

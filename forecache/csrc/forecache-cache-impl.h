@@ -173,20 +173,6 @@ struct fc_layer {
     bool                host_mode = false;
 };
 
-// "blk.<il>.<name>_exps.weight" -> il, or -1
-inline int fc_expert_layer(const std::string & name) {
-    int il = -1;
-    int n  = 0;
-    if (sscanf(name.c_str(), "blk.%d.%n", &il, &n) != 1 || n == 0) {
-        return -1;
-    }
-    const std::string suffix = "_exps.weight";
-    if (name.size() < suffix.size() || name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0) {
-        return -1;
-    }
-    return il;
-}
-
 // how the router weights a MUL_MAT_ID's ids were read with reach the expert outputs, which decides
 // how a little pass drops an expert: weight 0 where they multiply the outputs as they are (qwen2moe,
 // olmoe) or are first divided by their sum (the kept ones are renormalized: mixtral, qwen3moe,

@@ -39,7 +39,7 @@ struct forecache_cache * forecache_cache_init(
     c->layers.resize(n_layer);
 
     for (const auto & [name, t] : model.tensors_by_name) {
-        const int il = fc_expert_layer(name);
+        const int il = forecache_expert_layer(name.c_str());
         if (il < 0 || il >= n_layer || ggml_n_dims(t) != 3) {
             continue;
         }

@@ -10,3 +10,7 @@ void forecache_set_err(char * err, size_t err_size, const char * fmt, ...)
     __attribute__((format(printf, 3, 4)))
 #endif
     ;
+
+// The layer of a routed-expert tensor named "blk.<il>.<name>_exps.weight" (llama.cpp's names), or -1
+// for any other tensor.
+int forecache_expert_layer(const char * name);

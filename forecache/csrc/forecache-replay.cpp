@@ -21,27 +21,6 @@
 #include <unordered_map>
 #include <vector>
 
-namespace {
-
-// "blk.<il>.<name>_exps.weight" -> il, or -1
-int fr_expert_layer(const char * name, bool * down) {
-    int il = -1;
-    int n  = 0;
-    if (sscanf(name, "blk.%d.%n", &il, &n) != 1 || n == 0) {
-        return -1;
-    }
-    const char * rest = name + n;
-    const char * suffix = "_exps.weight";
-    const size_t len = strlen(rest);
-    if (len < strlen(suffix) || strcmp(rest + len - strlen(suffix), suffix) != 0) {
-        return -1;
-    }
-    *down = strncmp(rest, "ffn_down", 8) == 0;
-    return il;
-}
-
-} // namespace
-
 struct forecache_replay {
     llama_context      * lctx  = nullptr;
     ggml_backend_sched_t sched = nullptr;
@@ -139,11 +118,12 @@ void fr_graph_hook(ggml_cgraph * graph, void * user_data) {
     for (int i = 0; i < n_nodes && !r->failed; i++) {
         ggml_tensor * node = ggml_graph_node(graph, i);
         if (node->op == GGML_OP_MUL_MAT_ID) {
-            bool down = false;
-            const int32_t il = fr_expert_layer(node->src[0]->name, &down);
+            const int32_t il = forecache_expert_layer(node->src[0]->name);
             if (il < 0 || il >= r->n_layer) {
                 continue;
             }
+            // the down projection's output is what the router weights multiply
+            const bool down = strstr(node->src[0]->name, ".ffn_down_exps.") != nullptr;
             ggml_tensor * ids = node->src[2];
             const int64_t rows = ids->ne[1];
             if (ids->ne[0] != r->n_used || rows > n_tokens) {

@@ -21,6 +21,20 @@ void forecache_set_err(char * err, size_t err_size, const char * fmt, ...) {
     va_end(args);
 }
 
+int forecache_expert_layer(const char * name) {
+    int il = -1;
+    int n  = 0;
+    if (sscanf(name, "blk.%d.%n", &il, &n) != 1 || n == 0) {
+        return -1;
+    }
+    const char * suffix = "_exps.weight";
+    const size_t len = strlen(name), len_suffix = strlen(suffix);
+    if (len < (size_t) n + len_suffix || strcmp(name + len - len_suffix, suffix) != 0) {
+        return -1;
+    }
+    return il;
+}
+
 int32_t forecache_patch_version(void) {
     return FORECACHE_PATCH_VERSION;
 }

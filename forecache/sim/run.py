@@ -16,6 +16,7 @@ from forecache.cache.allocation import layer_decay, reallocate
 from forecache.cache.budget import fraction_slots, parse_size
 from forecache.cache.choice import DecodeShape
 from forecache.cache.cost import Profile
+from forecache.cache.policies import NCMOE_RUNS
 from forecache.cache.prefetcher import ABLATION
 from forecache.errors import setting
 from forecache.predictor.base import Predictor, source_layer
@@ -23,7 +24,7 @@ from forecache.predictor.eam import EAMPredictor
 from forecache.predictor.metrics import topk_accuracy
 from forecache.predictor.registry import make_predictor, unavailable
 from forecache.sim.shapes import SimShape, shape_of, trace_model_names
-from forecache.sim.simulate import NCMOE_RUNS, SimConfig, SimResult, simulate
+from forecache.sim.simulate import SimConfig, SimResult, simulate
 from forecache.trace import synth
 from forecache.trace.format import Request, TraceFile, TraceInfo
 from forecache.trace.stats import lru_hit_curves

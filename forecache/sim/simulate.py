@@ -24,6 +24,7 @@ from forecache.cache.cost import CostModel, Profile, roofline_s
 from forecache.cache.forecast import Forecaster
 from forecache.cache.infinity import InfinityPolicy
 from forecache.cache.policies import (
+    NCMOE_RUNS,
     LFUPolicy,
     LRUPolicy,
     Policy,
@@ -44,11 +45,6 @@ from forecache.trace.format import Request, logged_layers
 
 SIM_POLICIES = ("offload", "ncmoe", "ncmoe-mmap", "lru", "lfu", "static", "promoe",
                 "infinity")
-# Stock llama.cpp's --n-cpu-moe, its host layers' experts pinned ("ncmoe": --no-mmap, as forecache
-# loads them) or mmap'd from the file ("ncmoe-mmap": llama.cpp's default, pageable memory that a
-# prompt's ubatches copy up at the profile's pageable rate). Speedups over ncmoe are stated over
-# the faster of the two, metric by metric (``sim.run.StockBest``).
-NCMOE_RUNS = ("ncmoe", "ncmoe-mmap")
 STOCK = ("offload", *NCMOE_RUNS)  # no cache: llama.cpp's own placements
 PROACTIVE = ("promoe", "infinity")  # Prefetcher policies: forecasts, reordered compute
 
