@@ -8,7 +8,7 @@ of the grid), all in one run.
         [--threads N] [--json OUT]
 
 Requests are the builtin prompts (cut to 400 characters), greedy. Each placement's profile is
-fitted to stage times measured on the model (``forecache.batch_plan.calibrate``), then every plan
+fitted to stage times measured on the model (``forecache.jobs.plan.calibrate``), then every plan
 of the grid is predicted and run as ``forecache batch`` runs it (``batch.decode_many``),
 ``--repeats`` times, the plans taking turns (the median is kept: a machine whose speed drifts
 moves every plan alike). "stock"
@@ -27,14 +27,14 @@ import time
 from pathlib import Path
 
 from forecache.batch import decode_many
-from forecache.batch_plan import calibrate, job_workload
 from forecache.cache.plans import Plan, Workload, estimate, layout
 from forecache.cache.setup import resolve_cache_config
 from forecache.cache.shape import model_shape
-from forecache.default_model import ensure_default_model
 from forecache.generate import SamplingParams
+from forecache.jobs.plan import calibrate, job_workload
+from forecache.jobs.requests import Request
 from forecache.llama import Llama
-from forecache.requests import Request
+from forecache.models.default import ensure_default_model
 
 PROMPTS = Path(__file__).resolve().parent.parent / "forecache" / "data" / "prompts" / \
     "default.jsonl"
@@ -98,7 +98,7 @@ def main() -> int:
     work = job_workload(prompt_lens, [by_id[r.id] for r in reqs], ctx)
     shape = model_shape(llm.model_file)
     mf = llm.model_file
-    ne = mf.total_bytes() - mf.expert_bytes()
+    ne = mf.non_expert_bytes()
     big = Plan(max(seqs), max(ubatches))
     placements = {"stock": (None, STOCK_BUDGET, "ncmoe"),
                   "cache": ("promoe", budget_for(shape, work, big, a.fraction, ne), "cache")}

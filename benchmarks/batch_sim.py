@@ -6,7 +6,7 @@
         [--split simple|equal] [--jobs N] [--quick] [--json OUT]
 
 A job of ``--requests`` chat requests is replayed as ``forecache batch`` runs it (continuous
-batching: ``sim.simulate.simulate_batch``) under each plan: sequences decoded together, ubatch
+batching: ``sim.batch.simulate_batch``) under each plan: sequences decoded together, ubatch
 size, the KV cache on the device or in host memory (attention then on the CPU), and where the
 experts live: stock llama.cpp's ``--n-cpu-moe`` (policy ncmoe: whole layers on the device, the
 first layers' experts in host memory, copied up by a ubatch of 32 tokens or more) or forecache's
@@ -64,9 +64,10 @@ from forecache.cache import plans as hrm
 from forecache.cache.budget import parse_size
 from forecache.cache.choice import locality
 from forecache.cache.cost import Profile
+from forecache.sim.batch import SPLITS, simulate_batch
 from forecache.sim.run import SHAREGPT, speedup, window_requests
-from forecache.sim.shapes import SimShape, shape_of
-from forecache.sim.simulate import SPLITS, SimConfig, simulate_batch
+from forecache.sim.shapes import ModelShape, shape_of
+from forecache.sim.simulate import SimConfig
 from forecache.trace import synth
 from forecache.trace.format import Request
 from forecache.trace.stats import lru_hit_rate
@@ -101,7 +102,7 @@ class Placement:
     hrm_bound: str
 
 
-def place(shape: SimShape, profile: Profile, budget: int, spec: Spec, work: hrm.Workload,
+def place(shape: ModelShape, profile: Profile, budget: int, spec: Spec, work: hrm.Workload,
           loc: float) -> Placement | None:
     """``spec``'s expert memory at ``budget`` (the HRM's split for ``work``), or None when it
     does not fit or stock llama.cpp cannot run it (more than its 256 sequences a context)."""

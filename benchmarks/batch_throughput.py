@@ -18,10 +18,10 @@ from pathlib import Path
 
 from forecache.batch import decode_many
 from forecache.cache.setup import resolve_cache_config
-from forecache.default_model import ensure_default_model
 from forecache.generate import SamplingParams
+from forecache.jobs.requests import Request
 from forecache.llama import Llama
-from forecache.requests import Request
+from forecache.models.default import ensure_default_model
 
 PROMPTS = Path(__file__).resolve().parent.parent / "forecache" / "data" / "prompts" / \
     "default.jsonl"

@@ -27,6 +27,7 @@ from forecache.cache.runtime import ExpertCache
 from forecache.cache.setup import CacheConfig
 from forecache.gguf.maker import make_model
 from forecache.llama import Llama
+from forecache.native.testing import controls
 
 
 def _seconds(cache: ExpertCache, layer: int, n_proj: int, rows: int, k: int, repacked: bool,
@@ -34,7 +35,8 @@ def _seconds(cache: ExpertCache, layer: int, n_proj: int, rows: int, k: int, rep
     """One layer's expert projections for ``rows`` token rows, summed; <0 on failure."""
     total = 0.0
     for p in range(n_proj):
-        s = cache.expert_matmul_s(layer, p, rows, k, repacked, threads, iters)
+        s = controls().cache_expert_matmul(cache.handle, layer, p, rows, k, repacked, threads,
+                                           iters)
         if s < 0:
             return s
         total += s

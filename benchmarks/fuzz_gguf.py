@@ -274,7 +274,7 @@ def api_outcome(r: dict) -> str:
 
 def sources() -> list[bytes]:
     """The files mutated: the reference model and the tiny model."""
-    from forecache.default_model import REFERENCE_MODEL, ensure_tiny_model
+    from forecache.models.default import REFERENCE_MODEL, ensure_tiny_model
 
     out = [ensure_tiny_model().read_bytes()]
     if REFERENCE_MODEL.is_file():

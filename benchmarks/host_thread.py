@@ -18,8 +18,9 @@ import statistics
 from pathlib import Path
 
 from forecache.cache.setup import CacheConfig
-from forecache.default_model import REFERENCE_MODEL
 from forecache.llama import Llama
+from forecache.models.default import REFERENCE_MODEL
+from forecache.native.testing import controls
 
 
 def main() -> None:
@@ -36,7 +37,7 @@ def main() -> None:
         times: dict[str, list[float]] = {"kept thread": [], "thread per projection": []}
         for _ in range(args.rounds):
             for label, fresh in (("kept thread", False), ("thread per projection", True)):
-                times[label].append(cache.host_handoff_s(args.n, fresh))
+                times[label].append(controls().cache_host_handoff(cache.handle, args.n, fresh))
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, "
           f"{args.rounds} rounds of {args.n} empty jobs\n")

@@ -40,9 +40,9 @@ from pathlib import Path
 import numpy as np
 
 from forecache.cache.setup import CacheConfig
-from forecache.default_model import REFERENCE_MODEL
 from forecache.generate import last_logits
 from forecache.llama import Llama
+from forecache.models.default import REFERENCE_MODEL
 
 MODEL = REFERENCE_MODEL
 VALID = REFERENCE_MODEL.with_name("forecache-ref-valid.txt")

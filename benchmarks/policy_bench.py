@@ -26,7 +26,7 @@ from pathlib import Path
 
 from forecache.bench import format_table, run_bench
 from forecache.cache.budget import parse_size
-from forecache.cache.policies import POLICIES
+from forecache.cache.registry import POLICIES
 from forecache.native.ggml_devices import CopyProbeError, cache_device, measure_copy
 
 

@@ -37,7 +37,7 @@ from forecache.sim.run import (
     stock_best,
     trace_shape,
 )
-from forecache.sim.shapes import SimShape, shape_of, trace_model_names
+from forecache.sim.shapes import ModelShape, shape_of, trace_model_names
 from forecache.sim.simulate import SimConfig, SimResult
 from forecache.trace.format import Request, TraceFile, TraceInfo, logged_layers
 from forecache.trace.synth import OLMOE_FIT, synthesize, write_trace
@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("ncmoe", "ncmoe-mmap", "lru", "lfu", "promoe", "infinity")
 
 
-def compare(fit: Sequence[Request], replay: Sequence[Request], info: TraceInfo, shape: SimShape,
+def compare(fit: Sequence[Request], replay: Sequence[Request], info: TraceInfo, shape: ModelShape,
             profile: Profile, n_slots: int, predictor: Predictor, window: int,
             variants: bool) -> dict[str, SimResult]:
     """Every policy at ``n_slots`` a layer (infinity: the same total, moved by reuse); with

@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from forecache.default_model import ensure_default_model
+from forecache.models.default import ensure_default_model
 from forecache.sim.calibrate import validate
 
 TOLERANCE = 0.15

@@ -63,7 +63,7 @@ def main() -> int:
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
     if a.model is None:
-        from forecache.default_model import ensure_default_model
+        from forecache.models.default import ensure_default_model
 
         a.model = str(ensure_default_model())
     rows = []

@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 from forecache.cache.setup import CacheConfig
-from forecache.default_model import REFERENCE_MODEL
 from forecache.generate import SamplingParams, generate
 from forecache.llama import Llama
+from forecache.models.default import REFERENCE_MODEL
 
 VALID = REFERENCE_MODEL.with_name("forecache-ref-valid.txt")
 

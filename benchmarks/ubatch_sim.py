@@ -24,7 +24,7 @@ from pathlib import Path
 from forecache.cache.budget import compute_buffer_bytes
 from forecache.cache.cost import Profile
 from forecache.sim.run import NCMOE_LEGEND, run_one, slots_for, stock_best
-from forecache.sim.shapes import SimShape, shape_of
+from forecache.sim.shapes import ModelShape, shape_of
 from forecache.sim.simulate import SimConfig
 from forecache.trace import synth
 
@@ -32,7 +32,7 @@ BASE_UBATCH = 512  # what the simulator's fixed budget reserve was sized for
 VOCAB = 151936  # Qwen2-57B-A14B's vocabulary
 
 
-def slots_at(shape: SimShape, budget: str, n_ubatch: int) -> int:
+def slots_at(shape: ModelShape, budget: str, n_ubatch: int) -> int:
     """Slots per layer at ``budget`` once a ubatch of ``n_ubatch`` has its buffers."""
     base = slots_for(shape, shape.layers, budget, None)
     extra = (compute_buffer_bytes(n_ubatch, shape.top_k, shape.expert_ff, shape.d_model, VOCAB)

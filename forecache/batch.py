@@ -20,13 +20,13 @@ from pathlib import Path
 
 import numpy as np
 
-from forecache.atomic_file import write_atomic
 from forecache.errors import setting
 from forecache.generate import SamplingParams
 from forecache.interrupt import StopFlag
+from forecache.jobs.requests import Request
 from forecache.llama import Llama, top_probability
-from forecache.requests import Request
-from forecache.speculative import Sampler, SelfDraft, verify
+from forecache.paths import write_atomic
+from forecache.speculative.speculator import Sampler, SelfDraft, verify
 
 
 class BatchOutputError(ValueError):

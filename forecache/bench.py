@@ -9,7 +9,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from forecache.cache.policies import NCMOE_RUNS, hit_rate
+from forecache.cache.policies import hit_rate
+from forecache.cache.registry import NCMOE_RUNS, policy_spec
 from forecache.cache.setup import CacheConfig
 from forecache.errors import setting
 from forecache.generate import SamplingParams, generate, text_tokens
@@ -91,9 +92,10 @@ def workload(model: Path, n_prompts: int, prompt_len: int, n_gen: int,
 def _sized(policy: str, gpu_budget: int | None, fraction: float | None, **kw: object
            ) -> CacheConfig:
     """``policy`` sized by the budget, else by the cache fraction (offload has no slots)."""
+    sized = policy_spec(policy).placement != "host" and gpu_budget is None
     return CacheConfig(policy=policy, gpu_budget=gpu_budget,
-                       cache_fraction=fraction if policy != "offload" and gpu_budget is None
-                       else None, **kw)  # type: ignore[arg-type]
+                       cache_fraction=fraction if sized else None,
+                       **kw)  # type: ignore[arg-type]
 
 
 def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n_gen: int, *,

@@ -7,12 +7,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from forecache.atomic_file import write_atomic
 from forecache.cache.budget import format_size
 from forecache.errors import setting
 from forecache.generate import SamplingParams
 from forecache.interrupt import deferred_signals
 from forecache.llama import Llama
+from forecache.paths import write_atomic
 
 
 @dataclass

@@ -22,8 +22,22 @@ if TYPE_CHECKING:
 
 
 @dataclass
+class Streamed:
+    """What ``Llama.stream`` generated: the tokens, why it ended and when the first came;
+    ``Llama.complete`` adds the text and the start and end times."""
+
+    tokens: list[int] = field(default_factory=list)
+    finish: str = "length"  # "length", "stop" (end of generation) or "interrupted"
+    t_first: float | None = None
+    text: str = ""
+    t_start: float = 0.0
+    t_end: float = 0.0
+
+
+@dataclass
 class SamplingParams:
-    """How the next token is chosen; ``greedy`` overrides the rest."""
+    """How the next token is chosen; ``greedy`` overrides the rest. The defaults are
+    llama-cpp-python's ``generate()`` defaults, and the one place forecache states them."""
 
     greedy: bool = False
     temperature: float = 0.8
@@ -81,8 +95,6 @@ def generate(llm: Llama, prompt: str | list[int], max_tokens: int, sampling: Sam
     ``on_text``; a true ``stop`` (a flag checked before each token) ends it early, with finish
     reason "interrupted". The result's stats are the expert cache's counters since the last
     ``reset_stats()``."""
-    from forecache.llama import Streamed
-
     tokens = text_tokens(llm, prompt) if isinstance(prompt, str) else list(prompt)
     if not tokens:
         raise ValueError("the prompt is empty")

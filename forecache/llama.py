@@ -18,7 +18,6 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -40,12 +39,13 @@ from forecache.cache.setup import (
     resolve_cache_config,
 )
 from forecache.errors import setting
+from forecache.generate import Streamed
 from forecache.gguf.header import ModelFile, require_moe
 from forecache.native import llama_cpp_module, llama_cpp_package, patch_version
 from forecache.native.cache_api import SLOT_EMPTY
 from forecache.native.libs import MAX_THREADS, ModelLoadError
 from forecache.native.log import LOG_ERROR, load_log
-from forecache.speculative import SpecStats, Speculator, sampler_for
+from forecache.speculative.speculator import SpecStats, Speculator, sampler_for
 from forecache.trace.replay import ReplayError, Routing, RoutingReplay, load_routing
 
 llama_cpp = llama_cpp_package()  # after checking that the build fits this CPU
@@ -58,19 +58,6 @@ CALIBRATION_TEXT = (
 # llama.cpp log lines that mean an allocation failed during load
 _OOM = re.compile(r"out of memory|insufficient memory|failed to allocate|unable to allocate|"
                   r"cudaMalloc failed|cannot allocate|ErrorOutOfDeviceMemory", re.IGNORECASE)
-
-
-@dataclass
-class Streamed:
-    """What ``Llama.stream`` generated: the tokens, why it ended and when the first came;
-    ``Llama.complete`` adds the text and the start and end times."""
-
-    tokens: list[int] = field(default_factory=list)
-    finish: str = "length"  # "length", "stop" (end of generation) or "interrupted"
-    t_first: float | None = None
-    text: str = ""
-    t_start: float = 0.0
-    t_end: float = 0.0
 
 
 class _Auto:
@@ -159,7 +146,7 @@ class Llama(llama_cpp.Llama):
             routing = routing_trace if isinstance(routing_trace, Routing) else load_routing(
                 routing_trace, n_layers=len(self.model_file.moe_layers()),
                 n_expert=self.model_file.n_expert, top_k=self.model_file.n_expert_used)
-            if cache is not None and cache.policy == "static" and cache.profile is None:
+            if cache is not None and cache.spec.needs_profile and cache.profile is None:
                 # the hottest experts of the routing replayed, not of the model's own
                 cache = dataclasses.replace(cache, profile=routing.counts(
                     self.model_file.moe_layers(), self.model_file.n_layer,
@@ -188,7 +175,7 @@ class Llama(llama_cpp.Llama):
         self.n_seq_max = n_seq_max
         low = llama_cpp_module()
         self._vocab = low.llama_model_get_vocab(self.model)
-        if cache is not None and cache.policy not in ("offload", "ncmoe"):
+        if cache is not None and cache.spec.cached:
             self._attach_cache(cache)
         if routing_trace is not None:
             self._attach_replay(routing, n_ubatch)
@@ -319,7 +306,7 @@ class Llama(llama_cpp.Llama):
 
     def _attach_cache(self, cfg: CacheConfig) -> None:
         assert self.placement is not None
-        if cfg.policy == "static" and cfg.profile is None:
+        if cfg.spec.needs_profile and cfg.profile is None:
             cfg.profile = self.routing_profile(self.tokenize(CALIBRATION_TEXT.encode() * 2), 16)
         self.expert_cache = attach(self.ctx, self.placement, cfg,
                                    make_policy(cfg, self.placement.n_slots, self.model_file,

@@ -1,4 +1,5 @@
-"""Where forecache keeps files of its own: caches, named models, chat history.
+"""Where forecache keeps files of its own (caches, named models, chat history), and writing
+small files so that readers never see half of one (``write_atomic``).
 
 Standard library only: ``python -m forecache.build`` runs before forecache's dependencies are
 installed. Linux follows the XDG base directories; macOS and Windows their usual places.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 APP = "forecache"
@@ -45,3 +47,22 @@ def chat_history_file() -> Path:
     """The chat's line history: $FORECACHE_CHAT_HISTORY, else the user state directory."""
     return _user_path("FORECACHE_CHAT_HISTORY", "XDG_STATE_HOME", ".local/state",
                       "Library/Application Support", "chat_history")
+
+
+def write_atomic(path: Path, data: bytes | str, mode: int | None = None) -> None:
+    """Write ``data`` to a temp file beside ``path``, flush it to disk, then rename it over
+    ``path``; an interruption leaves the old file (or none), never a partial one. ``mode``: the
+    file's permission bits (default the temp file's, 0o600)."""
+    raw = data.encode() if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if mode is not None:
+                os.fchmod(f.fileno(), mode)
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -16,9 +16,9 @@ from stock_runner import greedy
 
 from forecache.cache.setup import CacheConfig
 from forecache.gguf.header import read_model_file
+from forecache.jobs.requests import Request
 from forecache.llama import Llama
 from forecache.predictor.store import load_learned
-from forecache.requests import Request
 from forecache.trace.record import record_trace
 
 if TYPE_CHECKING:

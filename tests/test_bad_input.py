@@ -76,7 +76,7 @@ def test_inspect_reads_tiny(tiny_model: Callable[[str], Path]) -> None:
     mf = require_moe(tiny_model("q4_k"))
     assert mf.arch == "qwen2moe" and mf.is_moe
     assert mf.n_expert == 16 and mf.n_expert_used == 4 and mf.n_layer == 4
-    assert 0 < mf.expert_bytes() < mf.total_bytes()
+    assert 0 < mf.total_expert_bytes() < mf.total_bytes()
     assert mf.data_offset + max(t.offset + t.nbytes for t in mf.tensors) <= mf.file_size
 
 

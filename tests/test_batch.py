@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from forecache.default_model import REFERENCE_MODEL
+from forecache.models.default import REFERENCE_MODEL
 from tests.cli_helpers import run_cli
 
 GREEDY = [("a", "And it came to pass"), ("b", "The LORD said"), ("c", "def main():"),
@@ -335,7 +335,7 @@ def test_rewrite_in_input_order_only_rewrites_a_complete_output(tmp_path: Path) 
 
 def _greedy(rid: str, prompt: str, max_tokens: int) -> object:
     from forecache.generate import SamplingParams
-    from forecache.requests import Request
+    from forecache.jobs.requests import Request
 
     return Request(id=rid, line=0, prompt=prompt, max_tokens=max_tokens,
                    sampling=SamplingParams(greedy=True))
@@ -449,9 +449,9 @@ def test_more_sequences_than_stock_llama_cpp_decode_together() -> None:
     """Patch 0004 raises llama.cpp's 256 sequences a context to MAX_SEQUENCES."""
     from forecache.batch import decode_many
     from forecache.generate import SamplingParams
+    from forecache.jobs.requests import Request
     from forecache.llama import Llama
     from forecache.native.libs import MAX_SEQUENCES
-    from forecache.requests import Request
 
     assert MAX_SEQUENCES > 256
     greedy = SamplingParams(greedy=True, temperature=0.0)

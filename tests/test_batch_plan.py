@@ -1,4 +1,4 @@
-"""The batch plan's rates measured on the model (forecache.batch_plan), on the reference model."""
+"""The batch plan's rates measured on the model (forecache.jobs.plan), on the reference model."""
 
 from __future__ import annotations
 
@@ -6,7 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from forecache.batch_plan import (
+from forecache.cache.cost import Profile
+from forecache.cache.plans import Plan, estimate
+from forecache.cache.setup import DEFAULT_MACHINE, CacheConfig
+from forecache.cache.shape import model_shape
+from forecache.jobs.plan import (
     StageSample,
     calibrate,
     job_workload,
@@ -16,12 +20,8 @@ from forecache.batch_plan import (
     predict_stage,
     save_profile,
 )
-from forecache.cache.cost import Profile
-from forecache.cache.plans import Plan, estimate
-from forecache.cache.setup import DEFAULT_MACHINE, CacheConfig
-from forecache.cache.shape import model_shape
-from forecache.default_model import REFERENCE_MODEL
 from forecache.llama import Llama
+from forecache.models.default import REFERENCE_MODEL
 
 STOCK = Plan(8, 256, False, "ncmoe")  # llama.cpp's own placement: every expert in place
 BUDGET = 1 << 40
@@ -69,7 +69,7 @@ def test_cache_stages_carry_their_hit_share() -> None:
     assert prof.group_s != base.group_s  # fitted, not the base profile's
     assert prof.hook_s == measured_hooks(got, model_shape(m.model_file).layers)["hook_s"]
     shape = model_shape(m.model_file)
-    ne = m.model_file.total_bytes() - m.model_file.expert_bytes()
+    ne = m.model_file.non_expert_bytes()
     for s in got:
         outside = prof.token_s + ((s.n if s.kind == "decode" else 1) - 1) * prof.sample_s
         inside = predict_stage(shape, prof, plan, BUDGET, s, ne) - outside
@@ -81,7 +81,7 @@ def test_the_fit_reproduces_the_measured_stages(llm: Llama) -> None:
     prof = calibrate(llm, STOCK, BUDGET, samples=samples)
     shape = model_shape(llm.model_file)
     mf = llm.model_file
-    ne = mf.total_bytes() - mf.expert_bytes()
+    ne = mf.non_expert_bytes()
     for s in samples:
         outside = prof.token_s + ((s.n if s.kind == "decode" else 1) - 1) * prof.sample_s
         inside = predict_stage(shape, prof, STOCK, BUDGET, s, ne) - outside

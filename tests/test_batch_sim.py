@@ -14,15 +14,10 @@ import pytest
 
 from forecache.cache.cost import Profile
 from forecache.predictor.history import HistoryPredictor
+from forecache.sim.batch import simulate_batch, split_batch
 from forecache.sim.run import SHAREGPT, window_requests
 from forecache.sim.shapes import shape_of
-from forecache.sim.simulate import (
-    SimConfig,
-    Simulator,
-    simulate,
-    simulate_batch,
-    split_batch,
-)
+from forecache.sim.simulate import SimConfig, Simulator, simulate
 from forecache.trace.format import Request
 from forecache.trace.synth import OLMOE_FIT, synthesize
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pexpect
 import pytest
 
-from forecache.default_model import REFERENCE_MODEL
+from forecache.models.default import REFERENCE_MODEL
 
 PROMPT = "\r\n> "
 STATUS = re.compile(r"\[(stopped \| )?[\d.]+ tokens/s \| TTFT \d+ ms \| (\d+) tokens \| "

@@ -19,14 +19,14 @@ from forecache.cache.setup import CacheConfig
 from forecache.generate import SamplingParams, generate
 from forecache.gguf.header import read_model_file
 from forecache.llama import Llama
-from forecache.native.cache_api import ChunkInfo
+from forecache.native.testing import ChunkInfo, controls
 from forecache.sim.shapes import shape_of
 
 
 def _schedule(cache: ExpertCache, layer: int) -> tuple[list[int], list[int]]:
     n = cache.layers[layer].n_expert
     e, s = (ctypes.c_int32 * n)(), (ctypes.c_int32 * n)()
-    k = cache._lib.forecache_cache_test_schedule(cache._handle, layer, e, s)
+    k = controls().cache_test_schedule(cache.handle, layer, e, s)
     return e[:k], s[:k]
 
 
@@ -34,7 +34,7 @@ def _step(cache: ExpertCache, n: int) -> None:
     """Run up to ``n`` queued chunks on this thread (the copy worker is paused)."""
     info = ChunkInfo()
     for _ in range(n):
-        if cache._lib.forecache_cache_step(cache._handle, info) != 0:
+        if controls().cache_step(cache.handle, info) != 0:
             return
 
 
@@ -78,7 +78,7 @@ def test_decode_gate_decides_as_the_python_gate(policy: str,
         for c, pol in ((a, pol_a), (b, pol_b)):
             c.policy = pol
             pol.attach(c)
-            c._lib.forecache_cache_pause(c._handle, True)
+            controls().cache_pause(c.handle, True)
         b.use_decode_gate(False)
         a._decode_gate(k)  # C decides A's one-token gates; B calls the policy for every gate
         rng = np.random.default_rng(3)
@@ -91,9 +91,9 @@ def test_decode_gate_decides_as_the_python_gate(policy: str,
             for il in range(n_layer):
                 experts = rng.choice(hot[il], size=k, replace=False).tolist()
                 arr = (ctypes.c_int32 * k)(*experts)
-                rc = a._lib.forecache_cache_test_route(a._handle, il, arr, k, True)
+                rc = controls().cache_test_route(a.handle, il, arr, k, True)
                 on_a = rc == 0 if rc != 2 else pol_a.gate(il, np.array(experts), a, np.ones(k))
-                assert b._lib.forecache_cache_test_route(b._handle, il, arr, k, False) == 2
+                assert controls().cache_test_route(b.handle, il, arr, k, False) == 2
                 on_b = pol_b.gate(il, np.array(experts), b, np.ones(k))
                 assert on_a == on_b
                 sch = _schedule(a, il)
@@ -116,7 +116,7 @@ def test_decode_gate_decides_as_the_python_gate(policy: str,
         for key in ("hits", "misses", "host_entries", "dropped_chunks", "refused_loads"):
             assert sa[key] == sb[key], key
         for c in (a, b):
-            c._lib.forecache_cache_pause(c._handle, False)
+            controls().cache_pause(c.handle, False)
 
 
 @pytest.mark.parametrize("policy", ["promoe", "infinity"])

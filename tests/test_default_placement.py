@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from conftest import ChildRunError, assert_same_greedy, greedy_job, run_greedy_child
 
-from forecache.default_model import REFERENCE_MODEL
+from forecache.models.default import REFERENCE_MODEL
 
 if TYPE_CHECKING:
     from conftest import StockReference

@@ -15,6 +15,8 @@ from forecache.cache.setup import CacheConfig
 from forecache.generate import SamplingParams, generate, last_logits, text_tokens
 from forecache.gguf.header import read_model_file
 from forecache.llama import Llama
+from forecache.native import api
+from forecache.native.testing import controls
 
 if TYPE_CHECKING:
     from conftest import StockReference
@@ -141,14 +143,14 @@ def test_copy_engine_queue_and_cancel(tiny_model: Callable[[str], Path]) -> None
     with Llama.open(model, n_ctx=256, cache=cfg) as llm:
         cache = llm.expert_cache
         assert cache is not None
-        lib, h = cache._lib, cache._handle
+        fc, h = api(), cache.handle
         info = cache.layers[0]
         # queue more than the worker can finish at once, then cancel what has not started
         for il in cache.layers:
             for s in range(4):
-                assert lib.forecache_cache_load(h, il, s + 4, s, LOW) == 0
-        assert lib.forecache_cache_load(h, 0, info.n_expert, 0, LOW) == -1  # no such expert
-        dropped = lib.forecache_cache_cancel(h, -1, LOW)
+                assert fc.cache_load(h, il, s + 4, s, LOW) == 0
+        assert fc.cache_load(h, 0, info.n_expert, 0, LOW) == -1  # no such expert
+        dropped = fc.cache_cancel(h, -1, LOW)
         cache.wait_idle()
         emptied = sum(cache.slot_of(il, s + 4) < 0 for il in cache.layers for s in range(4))
         assert emptied == dropped
@@ -183,13 +185,13 @@ def test_expert_matmul_control(tiny_model: Callable[[str], Path]) -> None:
                     cache=CacheConfig("lru", slots_per_layer=2)) as llm:
         cache = llm.expert_cache
         assert cache is not None
-        il = min(cache.layers)
-        assert cache.expert_matmul_s(il, 0, 4, 2, False, 1, 3) > 0
-        rep = cache.expert_matmul_s(il, 2, 1, 2, True, 2, 3)
+        il, h, matmul_s = min(cache.layers), cache.handle, controls().cache_expert_matmul
+        assert matmul_s(h, il, 0, 4, 2, False, 1, 3) > 0
+        rep = matmul_s(h, il, 2, 1, 2, True, 2, 3)
         assert rep > 0 or rep == -2
-        assert cache.expert_matmul_s(il, 3, 4, 2, False, 1, 3) == -1  # qwen2moe: 3 projections
-        assert cache.expert_matmul_s(il, 0, 0, 2, False, 1, 3) == -1
-        assert cache.expert_matmul_s(99, 0, 4, 2, False, 1, 3) == -1
+        assert matmul_s(h, il, 3, 4, 2, False, 1, 3) == -1  # qwen2moe: 3 projections
+        assert matmul_s(h, il, 0, 0, 2, False, 1, 3) == -1
+        assert matmul_s(h, 99, 0, 4, 2, False, 1, 3) == -1
 
 
 def test_host_thread_handoff(tiny_model: Callable[[str], Path]) -> None:
@@ -199,9 +201,10 @@ def test_host_thread_handoff(tiny_model: Callable[[str], Path]) -> None:
     with Llama.open(model, n_ctx=256, cache=CacheConfig("lru", slots_per_layer=2)) as llm:
         cache = llm.expert_cache
         assert cache is not None
-        assert cache.host_handoff_s(20) > 0 and cache.host_handoff_s(20, fresh_threads=True) > 0
+        h, handoff_s = cache.handle, controls().cache_host_handoff
+        assert handoff_s(h, 20, False) > 0 and handoff_s(h, 20, True) > 0
         tokens = generate(llm, [1, 2, 3], 8, SamplingParams(greedy=True), ignore_eos=True).tokens
-        assert cache.host_handoff_s(5) > 0
+        assert handoff_s(h, 5, False) > 0
     with Llama.open(model, cache=None, n_ctx=256) as plain:
         assert generate(plain, [1, 2, 3], 8, SamplingParams(greedy=True),
                         ignore_eos=True).tokens == tokens

@@ -9,10 +9,10 @@ import pytest
 from cli_helpers import run_cli, run_cli_json
 
 from forecache.generate import SamplingParams, generate
-from forecache.gguf import specs as model_specs
+from forecache.gguf import qtypes
 from forecache.llama import Llama
 
-QTYPES = list(model_specs.QTYPES)
+QTYPES = list(qtypes.QTYPES)
 
 
 @pytest.mark.parametrize("qtype", QTYPES)

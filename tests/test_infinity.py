@@ -18,9 +18,9 @@ from forecache.cache.infinity import InfinityPolicy
 from forecache.cache.policies import LFUPolicy, LRUPolicy
 from forecache.cache.prefetcher import Features
 from forecache.cache.setup import CacheConfig
-from forecache.default_model import REFERENCE_MODEL
 from forecache.generate import SamplingParams, generate, last_logits, text_tokens
 from forecache.llama import Llama
+from forecache.models.default import REFERENCE_MODEL
 from forecache.predictor.history import HistoryPredictor
 from forecache.sim.engine import SimEngine
 from forecache.sim.shapes import shape_of

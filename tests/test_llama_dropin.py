@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
+import re
+import resource
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import llama_cpp
@@ -14,6 +18,7 @@ from stock_runner import load
 
 import forecache
 from forecache.llama import Llama, ModelLoadError
+from forecache.native.ggml_devices import devices
 
 PROMPT = "And it came to pass"
 CHAT = [{"role": "user", "content": "Who was the king?"}]
@@ -131,10 +136,36 @@ def test_a_llama_cpp_script_switches_by_its_import(tiny_model, tmp_path: Path) -
     assert outs[0] == outs[1]
 
 
+@contextlib.contextmanager
+def _address_space_limit(extra: int) -> Iterator[None]:
+    """Allow this process ``extra`` bytes of address space beyond what it maps now (RLIMIT_AS),
+    restoring the limit after."""
+    status = Path("/proc/self/status")
+    if not status.exists():
+        pytest.skip("needs Linux's /proc and RLIMIT_AS")
+    vm = re.search(r"^VmSize:\s+(\d+) kB", status.read_text(), re.MULTILINE)
+    assert vm, "no VmSize in /proc/self/status"
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    resource.setrlimit(resource.RLIMIT_AS, (int(vm.group(1)) * 1024 + extra, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
 def test_out_of_memory_at_load_is_one_clear_error(tiny_model) -> None:
-    # a KV cache of 2^27 cells cannot be allocated: llama.cpp fails and says why
-    with pytest.raises(ModelLoadError, match=r"out of memory while loading .*lower n_ctx="):
-        Llama(str(tiny_model("q8_0")), n_ctx=1 << 27, verbose=False, cache=None)
+    # A KV cache llama.cpp cannot allocate: it fails and says why. The failure comes from an
+    # address-space limit, not from the machine's RAM: llama.cpp fills its per-cell bookkeeping
+    # (144 bytes a cell with patch 0004's 1024-sequence bitsets) before it allocates the KV
+    # buffer, so the 2^27 cells this test once asked for held 18 GB resident on a 24 GB CI
+    # machine, and whether the buffer then fails depends on RAM and overcommit. Here 2^21 cells
+    # are 0.3 GB of bookkeeping and a 4 GiB KV buffer (the tiny preset's 2 KiB a cell) that a
+    # 2 GiB allowance refuses on any machine.
+    model = str(tiny_model("q8_0"))
+    devices()  # backends (and a GPU build's CUDA context) start before the limit, not under it
+    with _address_space_limit(2 << 30), \
+            pytest.raises(ModelLoadError, match=r"out of memory while loading .*lower n_ctx="):
+        Llama(model, n_ctx=1 << 21, verbose=False, cache=None)
 
 
 def test_not_moe_and_missing_files_are_refused(tmp_path: Path) -> None:

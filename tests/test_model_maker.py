@@ -15,13 +15,15 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 from forecache.gguf import maker as model_maker
+from forecache.gguf import qtypes
 from forecache.gguf import specs as model_specs
 from forecache.gguf.header import read_model_file
 from forecache.gguf.maker import make_model, random_blocks
-from forecache.gguf.specs import get_spec, size_report, tensor_plan, tensor_type
+from forecache.gguf.qtypes import tensor_type
+from forecache.gguf.specs import get_spec, size_report, tensor_plan
 from forecache.gguf.vocab import CHATML_TEMPLATE, SPECIAL_TOKENS, decode_token, make_vocab
 
-QTYPES = list(model_specs.QTYPES)
+QTYPES = list(qtypes.QTYPES)
 
 
 def _field(reader: GGUFReader, key: str):
@@ -59,11 +61,11 @@ def test_size_report_counts_parameters() -> None:
     assert a27.total_params == pytest.approx(14.3e9, rel=0.01)
     q57 = size_report(get_spec("qwen2-57b-a14b"), "q4_k")
     assert q57.total_params == pytest.approx(57.4e9, rel=0.01)
-    assert q57.expert_bytes + q57.nonexpert_bytes == q57.total_bytes
-    assert q57.bytes_per_expert * 64 * 28 == q57.expert_bytes
+    assert q57.total_expert_bytes + q57.nonexpert_bytes == q57.total_bytes
+    assert q57.expert_bytes * 64 * 28 == q57.total_expert_bytes
     assert q57.nonexpert_bytes < q57.active_bytes_per_token < q57.total_bytes
     f16 = size_report(get_spec("qwen2-57b-a14b"), "f16")
-    assert f16.expert_bytes == f16.expert_params * 2
+    assert f16.total_expert_bytes == f16.expert_params * 2
 
 
 def test_tensor_type_choice() -> None:
@@ -270,7 +272,7 @@ def test_deepseek2_has_dense_leading_layers_latent_attention_and_grouped_routing
         tmp_path: Path) -> None:
     lite = size_report(get_spec("deepseek-v2-lite"), "q4_k")
     assert lite.total_params == pytest.approx(15.7e9, rel=0.01)  # DeepSeek-V2-Lite's count
-    assert lite.bytes_per_expert * 64 * 26 == lite.expert_bytes  # 26 of 27 layers routed
+    assert lite.expert_bytes * 64 * 26 == lite.total_expert_bytes  # 26 of 27 layers routed
     info = make_model(tmp_path / "ds.gguf", "tiny-deepseek2", "q8_0", workers=1)
     reader = GGUFReader(info.path)
     assert _field(reader, "general.architecture") == "deepseek2"
@@ -358,11 +360,11 @@ def test_llama_cpp_chat_template(tiny_models: dict[str, Path]) -> None:
     assert reply["choices"][0]["message"]["role"] == "assistant"
 
 
-@pytest.mark.parametrize("qtype", list(model_specs.QTYPES))
+@pytest.mark.parametrize("qtype", QTYPES)
 def test_simulated_shapes_size_experts_as_the_written_file(qtype: str) -> None:
     # the simulator and make-model agree on every expert's bytes, fallback types included
     from forecache.sim.shapes import shape_of
 
     for name in model_specs.model_names():
         report = model_specs.size_report(model_specs.get_spec(name), qtype)
-        assert shape_of(name, qtype).expert_bytes == report.bytes_per_expert, name
+        assert shape_of(name, qtype).expert_bytes == report.expert_bytes, name

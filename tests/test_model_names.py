@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from forecache.model_names import ModelNotFoundError, catalog, resolve_model
+from forecache.models.names import ModelNotFoundError, catalog, resolve_model
 
 
 def _cli(*args: str, env: dict) -> subprocess.CompletedProcess:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import re
+import shutil
+import subprocess
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -29,9 +33,34 @@ def test_stock_library_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
         libs.libllama.cache_clear()
 
 
-def test_patch_version_is_read_from_the_header() -> None:
-    header = (libs.CSRC_DIR / "forecache.h").read_text()
-    assert f"#define FORECACHE_PATCH_VERSION {native.EXPECTED_PATCH_VERSION}\n" in header
+def test_patch_version_is_read_from_the_header(tmp_path: Path) -> None:
+    # The constant follows the header it is given (a bump needs no second edit in Python), and a
+    # header without the define is refused rather than read as some default.
+    text = (libs.CSRC_DIR / "forecache.h").read_text()
+    line = f"#define FORECACHE_PATCH_VERSION {native.EXPECTED_PATCH_VERSION}\n"
+    bumped = tmp_path / "bumped.h"
+    bumped.write_text(text.replace(line, "#define FORECACHE_PATCH_VERSION 9999\n"))
+    assert libs._header_patch_version(bumped) == 9999
+    gone = tmp_path / "gone.h"
+    gone.write_text(text.replace(line, ""))
+    with pytest.raises(RuntimeError, match="does not define FORECACHE_PATCH_VERSION"):
+        libs._header_patch_version(gone)
+
+
+def test_patch_version_is_the_value_the_compiler_sees(tmp_path: Path) -> None:
+    """The regex reads the header's text; forecache_patch_version returns the macro as the C
+    preprocessor expands it. Ask the preprocessor (the build's own compiler) independently, so a
+    redefinition, an #if around the define or a value the regex misreads cannot slip through."""
+    cc = shutil.which("cc")
+    assert cc, "no C compiler (cc): the build needs one, and so does this test"
+    (tmp_path / "llama.h").write_text("")  # stands in for llama.cpp's header
+    probe = tmp_path / "probe.c"
+    probe.write_text('#include "forecache.h"\nint forecache_probe = FORECACHE_PATCH_VERSION;\n')
+    res = subprocess.run([cc, "-E", "-P", "-I", str(tmp_path), "-I", str(libs.CSRC_DIR),
+                          str(probe)], capture_output=True, text=True, check=True)
+    m = re.search(r"int forecache_probe = \(*\s*(\d+)\s*\)*;", res.stdout)
+    assert m, f"the macro does not expand to an integer: {res.stdout[-300:]}"
+    assert int(m.group(1)) == native.EXPECTED_PATCH_VERSION
 
 
 def test_other_patch_version_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,7 +12,7 @@ from forecache.cache.choice import DecodeShape, ncmoe_decode_s, promoe_decode_s
 from forecache.cache.cost import CostModel, Profile
 from forecache.cache.plans import Plan, Workload, distinct_experts, estimate, search
 from forecache.cache.shape import shape_of
-from forecache.default_model import REFERENCE_MODEL
+from forecache.models.default import REFERENCE_MODEL
 from tests.cli_helpers import run_cli
 
 TARGET = shape_of("qwen2-57b-a14b")

@@ -25,7 +25,7 @@ def test_bench_reports_every_policy_with_ratios(tiny_model: Callable[[str], Path
     model = str(tiny_model("q8_0"))
     rep = run_cli_json("bench", "-m", model, "--gpu-budget", "1GiB", "--prompt-len", "16",
                        "--gen", "4", "--prompts", "1")
-    assert [r["policy"] for r in rep["results"]] == ["offload", "ncmoe", "lru", "lfu", "static",
+    assert [r["policy"] for r in rep["results"]] == ["ncmoe", "offload", "lru", "lfu", "static",
                                                      "promoe", "infinity"]
     assert rep["same_tokens"]
     for r in rep["results"]:

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from cli_helpers import run_cli
 
-from forecache.default_model import REFERENCE_MODEL
 from forecache.gguf.header import read_model_file
+from forecache.models.default import REFERENCE_MODEL
 
 
 @pytest.fixture(scope="module")

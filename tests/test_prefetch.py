@@ -18,9 +18,10 @@ from forecache.cache.prefetcher import HIGH, LOW, SLOT_EMPTY, SLOT_QUEUED, Featu
 from forecache.cache.setup import CacheConfig
 from forecache.generate import SamplingParams, generate, last_logits, text_tokens
 from forecache.llama import Llama
-from forecache.native.cache_api import CHUNK_EXPERT, ChunkInfo
+from forecache.native.cache_api import CHUNK_EXPERT
+from forecache.native.testing import ChunkInfo, controls
 from forecache.sim.engine import SimEngine
-from forecache.sim.shapes import SimShape, shape_of
+from forecache.sim.shapes import ModelShape, shape_of
 from forecache.sim.simulate import SimConfig, simulate
 from forecache.trace.format import Request, TraceWriter
 from tests.cli_helpers import run_cli, run_cli_json
@@ -35,13 +36,13 @@ TEXT = "The quick brown fox jumps over the lazy dog, again and again. " * 40
 
 def _queued(cache, layer: int, priority: int) -> int:  # type: ignore[no-untyped-def]
     """Queued chunks of ``layer`` (-1: all) at ``priority`` (forecache-testing.h)."""
-    return int(cache._lib.forecache_cache_queued(cache._handle, layer, priority))
+    return controls().cache_queued(cache.handle, layer, priority)
 
 
 def _steps(cache) -> list[tuple[int, int, int, int, int]]:  # type: ignore[no-untyped-def]
     """Run every queued chunk on this thread: (layer, slot, proj, expert, priority) in order."""
     out, info = [], ChunkInfo()
-    while cache._lib.forecache_cache_step(cache._handle, info) == 0:
+    while controls().cache_step(cache.handle, info) == 0:
         out.append((info.layer, info.slot, info.proj, info.expert, info.priority))
     return out
 
@@ -51,16 +52,16 @@ def test_queue_priority_chunks_preemption_and_in_use(tiny_model: Callable[[str],
                     n_ctx=256) as llm:
         cache = llm.expert_cache
         assert cache is not None
-        cache._lib.forecache_cache_pause(cache._handle, True)
+        controls().cache_pause(cache.handle, True)
         assert cache.load(0, 4, 0, LOW) == 0 and cache.load(1, 5, 1, LOW) == 0
         assert cache.load(0, 6, 2, LOW) == 0
         assert _queued(cache, -1, LOW) == 9  # one chunk per projection by default
         info = ChunkInfo()
-        assert cache._lib.forecache_cache_step(cache._handle, info) == 0
+        assert controls().cache_step(cache.handle, info) == 0
         assert (info.layer, info.expert, info.proj, info.priority) == (0, 4, 0, LOW)
         # a miss queued now runs next: it waits for at most the one chunk that was in flight
         assert cache.load(0, 7, 3, HIGH) == 0
-        assert cache._lib.forecache_cache_step(cache._handle, info) == 0
+        assert controls().cache_step(cache.handle, info) == 0
         assert (info.layer, info.expert, info.proj, info.priority) == (0, 7, 0, HIGH)
         # early preemption of layer 0 keeping expert 6: 6 moves up, 4 goes, layer 1 is untouched
         assert cache.preempt(0, [6, 7]) == 1
@@ -77,7 +78,7 @@ def test_queue_priority_chunks_preemption_and_in_use(tiny_model: Callable[[str],
         assert cache.load(0, 9, 2, LOW) == 1 and cache.load(0, 9, 1, LOW) == 0
         s = cache.stats()
         assert s["refused_loads"] == 1 and s["hi_tasks"] >= 2 and s["dropped_chunks"] == 2
-        cache._lib.forecache_cache_pause(cache._handle, False)
+        controls().cache_pause(cache.handle, False)
         cache.wait_idle()
 
 
@@ -86,13 +87,13 @@ def test_whole_expert_chunks(tiny_model: Callable[[str], Path]) -> None:
     with Llama.open(tiny_model("q8_0"), n_ctx=256, cache=cfg) as llm:
         cache = llm.expert_cache
         assert cache is not None
-        cache._lib.forecache_cache_pause(cache._handle, True)
+        controls().cache_pause(cache.handle, True)
         cache.load(0, 3, 0, LOW)
         info = ChunkInfo()
-        assert cache._lib.forecache_cache_step(cache._handle, info) == 0
+        assert controls().cache_step(cache.handle, info) == 0
         assert info.proj == -1 and info.size == cache.layers[0].expert_bytes
-        assert cache._lib.forecache_cache_step(cache._handle, info) == 1
-        cache._lib.forecache_cache_pause(cache._handle, False)
+        assert controls().cache_step(cache.handle, info) == 1
+        controls().cache_pause(cache.handle, False)
 
 
 def _generate(model: Path, cfg: CacheConfig | None) -> list[tuple[list[int], np.ndarray, dict]]:
@@ -229,7 +230,7 @@ def test_sim_engine_follows_the_c_engine(tiny_model: Callable[[str], Path]) -> N
         assert shape.experts == mf.n_expert
         sim = SimEngine(shape, [4] * mf.n_layer, Profile.load("rtx4090"))
         sim.paused = True
-        cache._lib.forecache_cache_pause(cache._handle, True)
+        controls().cache_pause(cache.handle, True)
         script = [("load", 0, 4, 0, LOW), ("load", 0, 5, 1, LOW), ("load", 1, 6, 0, LOW),
                   ("load", 0, 7, 2, HIGH), ("preempt", 0, [5, 7]),
                   ("schedule", 0, [5, 7, 9, 10, 11], [1, 2, 0, 3, 0]),
@@ -253,7 +254,7 @@ def test_sim_engine_follows_the_c_engine(tiny_model: Callable[[str], Path]) -> N
         assert c_order == sim_order and len(c_order) > 0
         assert _queued(cache, 0, HIGH) == sum(len(q) for q in sim.queue[:1]) > 0
         assert nb == shape.expert_bytes
-        cache._lib.forecache_cache_pause(cache._handle, False)
+        controls().cache_pause(cache.handle, False)
 
 
 def test_simulate_cli(tmp_path: Path) -> None:
@@ -402,7 +403,7 @@ def test_stock_policies_follow_llama_cpp_rules() -> None:
     assert full["tpot_s"] - full["floor_tpot_s"] == pytest.approx(profile.token_s)
 
 
-def _prompts(shape: SimShape, n_req: int, prompt: int, answer: int, seed: int) -> list[Request]:
+def _prompts(shape: ModelShape, n_req: int, prompt: int, answer: int, seed: int) -> list[Request]:
     """Uniformly random routing at ``shape``: ``n_req`` requests of ``prompt`` + ``answer`` rows."""
     rng = np.random.default_rng(seed)
     L, E, k = shape.layers, shape.experts, shape.top_k

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from forecache.default_model import REFERENCE_MODEL, ensure_default_model
+from forecache.models.default import REFERENCE_MODEL, ensure_default_model
 
 META = REFERENCE_MODEL.with_name("forecache-ref.json")
 VALID = REFERENCE_MODEL.with_name("forecache-ref-valid.txt")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from forecache.requests import read_requests
+from forecache.jobs.requests import read_requests
 from forecache.trace.record import load_prompts
 
 GOOD = '{"id": "ok", "prompt": "fine"}'

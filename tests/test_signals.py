@@ -13,7 +13,7 @@ from pathlib import Path
 import pexpect
 import pytest
 
-from forecache.default_model import REFERENCE_MODEL
+from forecache.models.default import REFERENCE_MODEL
 
 pytestmark = pytest.mark.skipif(not REFERENCE_MODEL.is_file(),
                                 reason="reference model not in this checkout")

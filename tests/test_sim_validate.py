@@ -10,8 +10,8 @@ from dataclasses import replace
 import numpy as np
 
 from forecache.cache.cost import Profile
-from forecache.default_model import REFERENCE_MODEL
 from forecache.gguf.header import read_model_file
+from forecache.models.default import REFERENCE_MODEL
 from forecache.sim.calibrate import Measured, fit_profile, model_shape, simulate_measured, validate
 from forecache.sim.shapes import shape_of
 from forecache.trace.format import Request

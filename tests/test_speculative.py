@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from forecache.cache.setup import CacheConfig
-from forecache.default_model import REFERENCE_DRAFT, REFERENCE_MODEL
 from forecache.generate import SamplingParams, generate, last_logits
 from forecache.llama import Llama
-from forecache.speculative import Sampler, sampler_for, verify
+from forecache.models.default import REFERENCE_DRAFT, REFERENCE_MODEL
+from forecache.speculative.speculator import Sampler, sampler_for, verify
 from tests.conftest import assert_same_tokens
 
 if TYPE_CHECKING:

@@ -18,6 +18,7 @@ from forecache.cache.setup import CacheConfig
 from forecache.generate import SamplingParams, generate, last_logits, text_tokens
 from forecache.gguf.header import read_model_file
 from forecache.llama import Llama
+from forecache.native.testing import controls
 from forecache.predictor.history import HistoryPredictor
 from forecache.sim.engine import SimEngine
 from forecache.sim.shapes import shape_of
@@ -51,7 +52,7 @@ def test_stage_slots_in_c_follow_the_sim_engine(tiny_model: Callable[[str], Path
         assert cache.stage_slots() == sim.stage_slots() == 3
         assert cache.n_experts(0) == sim.n_experts(0) == mf.n_expert
         sim.paused = True
-        cache._lib.forecache_cache_pause(cache._handle, True)
+        controls().cache_pause(cache.handle, True)
         script = [
             ("load", 1, 10, 0, LOW),
             ("stage", 1, 8, LOW), ("stage", 1, 9, LOW), ("stage", 1, 8, LOW),  # already staged
@@ -92,7 +93,7 @@ def test_stage_slots_in_c_follow_the_sim_engine(tiny_model: Callable[[str], Path
         assert cache.schedule(2, [7], [n + 0], HIGH) == -1
         stats = cache.stats()
         assert stats["staged"] == 5 and stats["stage_used"] == 1
-        cache._lib.forecache_cache_pause(cache._handle, False)
+        controls().cache_pause(cache.handle, False)
 
 
 @pytest.mark.parametrize("qtype", ["q8_0", "q4_k_m"])

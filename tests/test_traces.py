@@ -129,9 +129,9 @@ def test_tracing_keeps_tokens_and_records_true_routing(preset: str, tiny_model,
     from forecache.cache.setup import CacheConfig
     from forecache.generate import SamplingParams, generate, text_tokens
     from forecache.gguf.header import read_model_file
+    from forecache.jobs.requests import Request
     from forecache.llama import Llama
     from forecache.predictor.skip import SkipPredictor
-    from forecache.requests import Request
     from forecache.trace.record import _render, record_trace
 
     model = tiny_model("q8_0", preset)

@@ -56,7 +56,7 @@ class MemoryPlan:
         return self.budget - self.fixed_bytes
 
     @property
-    def expert_bytes(self) -> int:
+    def largest_expert_bytes(self) -> int:
         """The largest expert of any MoE layer (a stage slot holds any layer's)."""
         return max(self.layer_bytes)
 
@@ -64,7 +64,7 @@ class MemoryPlan:
         """Slots for each layer (indexed by layer), the expert budget less ``held`` of the largest
         experts (stage slots): the same count in every MoE layer, then one more in the first
         layers while it fits (layers whose experts have more bits take more of the budget)."""
-        left = max(self.expert_budget - held * self.expert_bytes, 0)
+        left = max(self.expert_budget - held * self.largest_expert_bytes, 0)
         base = min(self.n_expert, left // sum(self.layer_bytes))
         left -= base * sum(self.layer_bytes)
         out = [0] * (max(self.moe_layers) + 1)
@@ -126,7 +126,7 @@ def plan_memory(model: ModelFile, budget: int, *, n_ctx: int, n_ubatch: int,
     n_embd = int(model.arch_kv("embedding_length", 0))
     compute = compute_buffer_bytes(n_ubatch, model.n_expert_used, n_ff_exp, n_embd,
                                    model.n_vocab)
-    plan = MemoryPlan(budget=budget, non_expert_bytes=model.total_bytes() - model.expert_bytes(),
+    plan = MemoryPlan(budget=budget, non_expert_bytes=model.non_expert_bytes(),
                       kv_bytes=kv_cache_bytes(model, n_ctx), compute_bytes=compute,
                       layer_bytes=tuple(model.layer_expert_bytes()), n_expert=model.n_expert,
                       moe_layers=layers)

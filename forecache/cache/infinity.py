@@ -35,12 +35,17 @@ mechanics (early preemption, cache-first order, streaming, chunks, the host spli
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from forecache.cache.allocation import reallocate
 from forecache.cache.cost import CostModel
-from forecache.cache.policies import CopyEngine
+from forecache.cache.policies import CopyEngine, Policy, PolicyInputs
 from forecache.cache.prefetcher import Features, Prefetcher
+
+if TYPE_CHECKING:
+    from forecache.gguf.header import ModelFile
 
 # An eviction key packs the priority tuple (request rows, predicted rank, all rows) into one int64,
 # compared as the tuple is: the request's rows from bit 44, the rank from bit 32, all rows below.
@@ -59,6 +64,7 @@ class InfinityPolicy(Prefetcher):
     the first ``prefetch_n`` are copied ahead, the whole ranking sets eviction priority."""
 
     name = "infinity"
+    ranks_experts = True
 
     def __init__(self, n_slots: Sequence[int], features: Features | None = None,
                  cost: CostModel | None = None, *, prefetch_n: int = 1) -> None:
@@ -70,6 +76,21 @@ class InfinityPolicy(Prefetcher):
         # engine's keys hold it too
         self.predicted: list[dict[int, int]] = [{} for _ in self.n_slots]
         self.engine: CopyEngine | None = None
+
+    @classmethod
+    def create(cls, n_slots: Sequence[int], inputs: PolicyInputs) -> Policy:
+        """infinity prefetching a token's worth (``inputs.top_k``) of each ranking."""
+        return cls(n_slots, inputs.features, inputs.cost, prefetch_n=inputs.top_k)
+
+    @classmethod
+    def layer_slots(cls, model: ModelFile, even: list[int]) -> list[int]:
+        """``even`` moved between the MoE layers by the decode reuse measured in the model's
+        stored EAM collection (``cache.allocation``); without a collection, ``even``."""
+        from forecache.predictor.store import has_eam, load_eam
+
+        if not has_eam(model):
+            return even
+        return reallocate(even, model.moe_layers(), load_eam(model).hit_curves)
 
     def attach(self, engine: CopyEngine) -> None:
         """Keys of 0 in every cached layer, growing with every routed row."""

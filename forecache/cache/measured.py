@@ -18,12 +18,11 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from forecache.atomic_file import write_atomic
 from forecache.cache.choice import Evidence, locality
 from forecache.cache.cost import CostModel
 from forecache.gguf.header import ModelFile
 from forecache.gguf.identity import fingerprint
-from forecache.paths import cache_dir
+from forecache.paths import cache_dir, write_atomic
 
 # decode expert lookups a run needs before its hit rate is worth keeping (a few dozen tokens)
 MIN_LOOKUPS = 512

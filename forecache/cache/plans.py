@@ -28,18 +28,19 @@ from forecache.cache.budget import compute_buffer_bytes, format_size
 from forecache.cache.choice import hit_at
 from forecache.cache.cost import CostModel, Profile, roofline_s
 from forecache.cache.prefetcher import stage_slots_for
+from forecache.native.libs import STOCK_MAX_SEQUENCES
 
 if TYPE_CHECKING:
-    from forecache.cache.shape import SimShape
+    from forecache.cache.shape import ModelShape
 
 EXPERTS = ("cache", "ncmoe")
 # the resources a stage can be bound by
 RESOURCES = ("GPU compute", "GPU memory", "PCIe", "CPU compute", "DRAM")
 # the grid ``search`` tries unless told otherwise
 N_SEQS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-# sequences one stock llama.cpp context decodes together (LLAMA_MAX_SEQ, llama-cparams.h);
-# forecache's patch series raises it (forecache.native.libs.MAX_SEQUENCES)
-STOCK_MAX_SEQ = 256
+# sequences one stock llama.cpp context decodes together (LLAMA_MAX_SEQ, llama-cparams.h, as
+# forecache's patch series finds it before raising it to forecache.native.libs.MAX_SEQUENCES)
+STOCK_MAX_SEQ = STOCK_MAX_SEQUENCES
 N_UBATCHES = (64, 128, 256, 512, 1024, 2048)
 
 
@@ -194,7 +195,7 @@ def distinct_experts(n_tokens: float, n_expert: int, top_k: int) -> float:
     return n_expert * (1.0 - (1.0 - top_k / n_expert) ** n_tokens)
 
 
-def _memory(shape: SimShape, budget: int, work: Workload, plan: Plan,
+def _memory(shape: ModelShape, budget: int, work: Workload, plan: Plan,
             non_expert_bytes: int | None, host_bytes: int | None, slots_given: int | None = None
             ) -> tuple[dict[str, int], int, int] | None:
     """The device bytes of a plan, its slots a layer and ncmoe host layers; None when the
@@ -236,7 +237,7 @@ class Layout:
     share: float  # of a layer's experts resident (cache) on average
 
 
-def layout(shape: SimShape, budget: int, work: Workload, plan: Plan,
+def layout(shape: ModelShape, budget: int, work: Workload, plan: Plan,
            non_expert_bytes: int | None = None, host_bytes: int | None = None,
            slots: int | None = None) -> Layout | None:
     """The device memory of ``plan`` at ``budget``; None when its fixed needs do not fit
@@ -253,7 +254,7 @@ def layout(shape: SimShape, budget: int, work: Workload, plan: Plan,
     return Layout(device, slots, host_layers, stage, share)
 
 
-def _layer_experts(clock: _Clock, shape: SimShape, p: Profile, cost: CostModel, n_tokens: float,
+def _layer_experts(clock: _Clock, shape: ModelShape, p: Profile, cost: CostModel, n_tokens: float,
                    resident: float, host_layer: bool | None, slots: int = 0,
                    ahead_s: float = 0.0) -> None:
     """One layer's routed experts for ``n_tokens`` rows: forecache's plan over ``resident`` of
@@ -317,13 +318,13 @@ def _layer_experts(clock: _Clock, shape: SimShape, p: Profile, cost: CostModel, 
         clock.op(nproj * p.group_s * (min(1.0, d * resident) + groups), "CPU compute")
 
 
-def _host_memory_bound(shape: SimShape, p: Profile, pairs: float) -> bool:
+def _host_memory_bound(shape: ModelShape, p: Profile, pairs: float) -> bool:
     """CPU compute of an expert's ``pairs`` rows is bound by reading it from DRAM."""
     return shape.expert_bytes / (p.cpu_mem_gbps * 1e9) >= \
         pairs * shape.proj_flops * len(shape.expert.proj_bytes) / (p.cpu_gflops * 1e9)
 
 
-def ubatch_stage(shape: SimShape, p: Profile, cost: CostModel, plan: Plan, n_tokens: float,
+def ubatch_stage(shape: ModelShape, p: Profile, cost: CostModel, plan: Plan, n_tokens: float,
             context: float, resident: float, host_layers: int, logits: float, slots: int = 0,
             stage: int = 0, n_seqs: float = 1.0) -> Stage:
     """One ubatch of ``n_tokens`` rows whose attention reads ``context`` tokens each, ``logits``
@@ -365,7 +366,7 @@ def ubatch_stage(shape: SimShape, p: Profile, cost: CostModel, plan: Plan, n_tok
     return clock.stage()
 
 
-def estimate(shape: SimShape, profile: Profile, budget: int, work: Workload, plan: Plan, *,
+def estimate(shape: ModelShape, profile: Profile, budget: int, work: Workload, plan: Plan, *,
              locality: float = 0.0, non_expert_bytes: int | None = None,
              cost: CostModel | None = None, host_bytes: int | None = None,
              slots: int | None = None) -> Estimate | None:
@@ -402,7 +403,7 @@ def estimate(shape: SimShape, profile: Profile, budget: int, work: Workload, pla
                     decode, prefill_s, job, generated / job if job > 0 else 0.0)
 
 
-def search(shape: SimShape, profile: Profile, budget: int, work: Workload, *,
+def search(shape: ModelShape, profile: Profile, budget: int, work: Workload, *,
            experts: Sequence[str] = ("cache",), kv: Sequence[bool] = (False, True),
            n_seqs: Iterable[int] | None = None, n_ubatches: Iterable[int] | None = None,
            locality: float = 0.0, non_expert_bytes: int | None = None,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -17,12 +18,9 @@ from forecache.native.cache_api import HIGH
 
 if TYPE_CHECKING:
     from forecache.cache.cost import CostModel
+    from forecache.cache.prefetcher import Features
+    from forecache.gguf.header import ModelFile
 
-POLICIES = ("offload", "ncmoe", "lru", "lfu", "static", "promoe", "infinity")
-# Stock llama.cpp's --n-cpu-moe two ways: host experts pinned ("ncmoe": --no-mmap, as forecache
-# loads them) or mmap'd from the file ("ncmoe-mmap": llama.cpp's default; a prompt copies them up
-# at pageable memory's rate). Speedups over ncmoe are over the faster of the two, figure by figure.
-NCMOE_RUNS = ("ncmoe", "ncmoe-mmap")
 # Slots the static policy keeps for misses (ProMoE's static baseline).
 STATIC_SPARE_SLOTS = 2
 
@@ -116,12 +114,34 @@ def first_use(ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return uniq[by_use], counts[by_use]
 
 
+@dataclass(frozen=True)
+class PolicyInputs:
+    """What building a policy may draw on (``Policy.create``); each policy takes what it needs."""
+
+    features: Features | None = None  # promoe's (and infinity's) techniques; None: all on
+    cost: CostModel | None = None  # plans host/device splits (with ``features.split``)
+    profile: np.ndarray | None = None  # static: routed counts [n_layer, n_expert]
+    top_k: int = 1  # experts a token routes (infinity prefetches that many of a ranking)
+
+
 class Policy:
     """What the expert cache asks of a policy: per-layer slot counts, copies before the first
     token, the decision at each layer's gate, and forecasts to act on. Reactive policies implement
-    ``on_gate`` only; a proactive one (``Prefetcher``) overrides ``gate`` and ``prefetch``."""
+    ``on_gate`` only; a proactive one (``Prefetcher``) overrides ``gate`` and ``prefetch``.
+
+    The class says what the policy needs (``cache.registry`` names the classes): a forecaster
+    and stage slots (``proactive``), whole forecast rankings (``ranks_experts``), a routing
+    profile (``needs_profile``) and its own split of the slots between layers (``layer_slots``).
+    """
 
     name = "base"
+    #: forecasts the coming layers' experts, copies them ahead and computes cache-first (with
+    #: stage slots for prompt passes)
+    proactive = False
+    #: the forecasts it acts on are whole rankings of every expert (EAM's), not a top few
+    ranks_experts = False
+    #: pins experts from a routing profile (``PolicyInputs.profile``)
+    needs_profile = False
     #: plans host/device splits by cost; the cache corrects it with measured rates (None: no split)
     cost: CostModel | None = None
     #: forward passes (ubatches) routed so far: a forecast made in an older pass is stale
@@ -129,6 +149,17 @@ class Policy:
 
     def __init__(self, n_slots: Sequence[int]) -> None:
         self.n_slots = list(n_slots)
+
+    @classmethod
+    def create(cls, n_slots: Sequence[int], inputs: PolicyInputs) -> Policy:
+        """This policy over ``n_slots`` from what ``inputs`` gives."""
+        return cls(n_slots)
+
+    @classmethod
+    def layer_slots(cls, model: ModelFile, even: list[int]) -> list[int]:
+        """Slots per model layer for ``model`` from the even split ``even`` (most policies keep
+        it)."""
+        return even
 
     def attach(self, engine: CopyEngine) -> None:
         """The copy engine this policy drives (the C cache, or the simulator's); a policy that
@@ -245,6 +276,7 @@ class StaticPolicy(Policy):
     """The hottest experts of a routing profile stay pinned; two spare slots take misses (LRU)."""
 
     name = "static"
+    needs_profile = True
 
     def __init__(self, n_slots: Sequence[int], profile: np.ndarray) -> None:
         super().__init__(n_slots)
@@ -260,9 +292,12 @@ class StaticPolicy(Policy):
             self._spare.append(OrderedDict())
             self._spare_slots.append(list(range(len(hot), n)))
 
-    def attach(self, engine: CopyEngine) -> None:
-        """The copy engine this policy drives (the C cache, or the simulator's); a policy that
-        keeps state in the engine sets it up here."""
+    @classmethod
+    def create(cls, n_slots: Sequence[int], inputs: PolicyInputs) -> Policy:
+        """Pins the hottest experts of ``inputs.profile``, which it needs."""
+        if inputs.profile is None:
+            raise ValueError("policy static needs a routing profile")
+        return cls(n_slots, inputs.profile)
 
     def initial_loads(self) -> list[tuple[int, int, int]]:
         return [(il, e, s) for il, pins in enumerate(self.pinned) for e, s in pins.items()]

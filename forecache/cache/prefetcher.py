@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from forecache.cache.cost import CostModel
-from forecache.cache.policies import CopyEngine, Policy
+from forecache.cache.policies import CopyEngine, Policy, PolicyInputs
 from forecache.native.cache_api import (  # noqa: F401  (re-exported for the simulator)
     HIGH,
     LOW,
@@ -74,6 +74,7 @@ class Prefetcher(Policy):
     and the prediction worker from interleaving their decisions."""
 
     name = "promoe"
+    proactive = True
 
     def __init__(self, n_slots: Sequence[int], features: Features = Features(),
                  cost: CostModel | None = None) -> None:
@@ -84,6 +85,11 @@ class Prefetcher(Policy):
         self.prefetch_loads = 0
         self.prefetch_refreshed = 0
         self.stale_predictions = 0
+
+    @classmethod
+    def create(cls, n_slots: Sequence[int], inputs: PolicyInputs) -> Policy:
+        """promoe with ``inputs``' features and the cost model its host split plans with."""
+        return cls(n_slots, inputs.features or Features(), inputs.cost)
 
     def initial_loads(self) -> list[tuple[int, int, int]]:
         """Every slot filled before the first token, as ncmoe's device layers are at load: with

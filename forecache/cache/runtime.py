@@ -10,15 +10,17 @@ import numpy as np
 
 from forecache.cache.forecast import Forecaster, ForecastWorker
 from forecache.cache.policies import Policy, first_use
-from forecache.native import libllama
+from forecache.native import api
 from forecache.native.cache_api import (  # noqa: F401  (LOW re-exported)
     CHUNK_PROJECTION,
     EVENT_MARKER,
     GATE_HOOK,
     HIGH,
     LOW,
+    CachePtr,
     CacheStats,
     Event,
+    ForecacheAPI,
 )
 
 # (layer, ids [n, k], router weights [n, k] | None, gate input [n, d] | None)
@@ -37,15 +39,15 @@ class CacheError(RuntimeError):
 class LayerInfo:
     n_expert: int
     n_slots: int
-    expert_bytes: int
+    expert_bytes: int  # one routed expert of this layer, all its projections
 
 
 class GateEvents:
     """The C cache's gate events as ``ForecastWorker`` items. The worker's own items (begin,
     end, sync, stop) go through C as markers, so they stay in order with the gates."""
 
-    def __init__(self, lib: ctypes.CDLL, handle: int) -> None:
-        self._lib, self._handle = lib, handle
+    def __init__(self, c_api: ForecacheAPI, handle: CachePtr) -> None:
+        self._api, self._handle = c_api, handle
         self._ev = Event()
         self._ids = (ctypes.c_int32 * 1)()
         self._x = (ctypes.c_float * 1)()
@@ -56,13 +58,13 @@ class GateEvents:
     def put(self, item: tuple) -> None:
         self._next += 1
         self._items[self._next] = item
-        self._lib.forecache_cache_post(self._handle, self._next)
+        self._api.cache_post(self._handle, self._next)
 
     def get(self) -> tuple:
         """The next item: a marker's, or ("gate", layer, ids, hidden, tokens, pass)."""
         ev = self._ev
         while True:
-            rc = self._lib.forecache_cache_next_event(
+            rc = self._api.cache_next_event(
                 self._handle, 200, ctypes.byref(ev), self._ids, len(self._ids), self._x,
                 len(self._x), self._tok, len(self._tok))
             if rc == 0:
@@ -95,22 +97,21 @@ class ExpertCache:
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, on_route: RouteCallback | None = None,
                  gate_input: bool = False, forecaster: Forecaster | None = None,
                  reorder: bool = True, stage_slots: int = 0) -> None:
-        self._lib = libllama()
+        self._api = c_api = api()
         arr = (ctypes.c_int32 * len(n_slots))(*n_slots)
         err = ctypes.create_string_buffer(512)
-        handle = self._lib.forecache_cache_init(ctx, arr, len(n_slots), device, chunk_bytes,
-                                                err, len(err))
+        handle = c_api.cache_init(ctx, arr, len(n_slots), device, chunk_bytes, err, len(err))
         if not handle:
             raise CacheError(f"cannot set up the expert cache: {err.value.decode()}")
-        self._handle: int | None = handle
+        self._handle: CachePtr | None = handle
         self.policy = policy
         self.on_route = on_route
         self.interrupt_pending = False
         self.layers: dict[int, LayerInfo] = {}
         for il in range(len(n_slots)):
             n_e, n_s, nb = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_size_t()
-            found = self._lib.forecache_cache_layer_info(handle, il, ctypes.byref(n_e),
-                                                         ctypes.byref(n_s), ctypes.byref(nb))
+            found = c_api.cache_layer_info(handle, il, ctypes.byref(n_e), ctypes.byref(n_s),
+                                           ctypes.byref(nb))
             if found == 0:
                 self.layers[il] = LayerInfo(n_e.value, n_s.value, nb.value)
         self._state = {il: ((ctypes.c_int32 * max(info.n_slots, 1))(),
@@ -132,53 +133,57 @@ class ExpertCache:
             try:
                 self.set_stage(stage_slots)
             except CacheError:
-                self._lib.forecache_cache_free(handle)
+                c_api.cache_free(handle)
                 self._handle = None
                 raise
         self._n_used = 0  # experts per token, known at the first gate
         self._decode_gate_on = True
         self.worker = None
         if forecaster is not None:
-            self._lib.forecache_cache_set_events(handle, True, EVENT_CAPACITY)
+            c_api.cache_set_events(handle, True, EVENT_CAPACITY)
             self.worker = ForecastWorker(forecaster, self._prefetch,
-                                         source=GateEvents(self._lib, handle))
+                                         source=GateEvents(c_api, handle))
         want_x = gate_input or (forecaster is not None and forecaster.needs_hidden)
-        self._lib.forecache_cache_set_reorder(handle, reorder)
+        c_api.cache_set_reorder(handle, reorder)
         self._hook = GATE_HOOK(self._on_gate)  # kept referenced: C holds the pointer
-        self._lib.forecache_cache_set_hook(handle, self._hook, None, want_x)
+        c_api.cache_set_hook(handle, self._hook, None, want_x)
         policy.attach(self)
         for il, e, s in policy.initial_loads():
-            self._lib.forecache_cache_load(handle, il, e, s, LOW)
+            c_api.cache_load(handle, il, e, s, LOW)
+
+    @property
+    def handle(self) -> CachePtr | None:
+        """The C cache (None once closed), for forecache.native.testing's controls."""
+        return self._handle
 
     # -- the copy engine a policy drives --------------------------------------------------------
     def load(self, layer: int, expert: int, slot: int, priority: int) -> int:
-        return int(self._lib.forecache_cache_load(self._handle, layer, expert, slot, priority))
+        return self._api.cache_load(self._handle, layer, expert, slot, priority)
 
     def preempt(self, layer: int, keep: Sequence[int]) -> int:
         arr = (ctypes.c_int32 * max(len(keep), 1))(*keep)
-        return int(self._lib.forecache_cache_preempt(self._handle, layer, arr, len(keep)))
+        return self._api.cache_preempt(self._handle, layer, arr, len(keep))
 
     def schedule(self, layer: int, experts: Sequence[int], slots: Sequence[int],
                  priority: int) -> int:
         n = len(experts)
-        return int(self._lib.forecache_cache_schedule(
-            self._handle, layer, (ctypes.c_int32 * n)(*experts), (ctypes.c_int32 * n)(*slots),
-            n, priority))
+        return self._api.cache_schedule(self._handle, layer, (ctypes.c_int32 * n)(*experts),
+                                        (ctypes.c_int32 * n)(*slots), n, priority)
 
     def layer_state(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         ex, st = self._state[layer]
-        n = self._lib.forecache_cache_layer_state(self._handle, layer, ex, st)
+        n = self._api.cache_layer_state(self._handle, layer, ex, st)
         return (np.ctypeslib.as_array(ex)[:n].copy(), np.ctypeslib.as_array(st)[:n].copy())
 
     def resident_order(self, layer: int) -> list[int]:
-        n = self._lib.forecache_cache_layer_order(self._handle, layer, self._order)
+        n = self._api.cache_layer_order(self._handle, layer, self._order)
         return self._order[:max(n, 0)]
 
     def set_stage(self, n: int) -> None:
         """Allocate ``n`` stage slots beside the slots (once; CacheError if they do not fit or
         the layers' experts differ in shape)."""
         err = ctypes.create_string_buffer(512)
-        if self._lib.forecache_cache_set_stage(self._handle, n, err, len(err)) != 0:
+        if self._api.cache_set_stage(self._handle, n, err, len(err)) != 0:
             raise CacheError(f"cannot set up {n} stage slots: {err.value.decode()}")
         self._n_stage = n
         self._stage_arrays = tuple((ctypes.c_int32 * n)() for _ in range(3))
@@ -190,10 +195,10 @@ class ExpertCache:
         """The full top-k of each token the little passes since ``set_little`` turned them on
         routed through ``layer``, token after token."""
         cap = len(self._little_ids)
-        n = self._lib.forecache_cache_little_routing(self._handle, layer, self._little_ids, cap)
+        n = self._api.cache_little_routing(self._handle, layer, self._little_ids, cap)
         if n > cap:
             self._little_ids = (ctypes.c_int32 * n)()
-            n = self._lib.forecache_cache_little_routing(self._handle, layer, self._little_ids, n)
+            n = self._api.cache_little_routing(self._handle, layer, self._little_ids, n)
         return self._little_ids[:max(n, 0)]
 
     def prefetch_little(self, n_used: int) -> int:
@@ -218,45 +223,44 @@ class ExpertCache:
         only (the model with ``m`` experts per token; forecache_cache_set_little); with
         ``resident``, to its top-1 and those of its top ``m`` already copied to their slots, so
         the pass never waits for a copy. 0 for the exact model."""
-        self._lib.forecache_cache_set_little(self._handle, m, resident)
+        self._api.cache_set_little(self._handle, m, resident)
 
     def n_experts(self, layer: int) -> int:
         return self.layers[layer].n_expert
 
     def stage(self, layer: int, expert: int, priority: int) -> int:
-        return int(self._lib.forecache_cache_stage(self._handle, layer, expert, priority))
+        return self._api.cache_stage(self._handle, layer, expert, priority)
 
     def staged(self, layer: int) -> dict[int, tuple[int, int]]:
         if not self._n_stage:
             return {}
         lay, ex, st = self._stage_arrays
-        n = self._lib.forecache_cache_stage_state(self._handle, lay, ex, st)
+        n = self._api.cache_stage_state(self._handle, lay, ex, st)
         return {ex[j]: (j, st[j]) for j in range(n) if lay[j] == layer}
 
     def set_keys(self, layer: int, keys: Sequence[int], step: int) -> None:
         n = len(keys)
-        if self._lib.forecache_cache_set_keys(self._handle, layer, (ctypes.c_int64 * n)(*keys),
-                                              n, step) != 0:
+        if self._api.cache_set_keys(self._handle, layer, (ctypes.c_int64 * n)(*keys), n,
+                                    step) != 0:
             raise ValueError(f"layer {layer}: {n} keys for {self.layers[layer].n_expert} experts")
 
     def add_keys(self, layer: int, experts: Sequence[int], deltas: Sequence[int]) -> None:
         n = len(experts)
-        self._lib.forecache_cache_add_keys(self._handle, layer, (ctypes.c_int32 * n)(*experts),
-                                           (ctypes.c_int64 * n)(*deltas), n)
+        self._api.cache_add_keys(self._handle, layer, (ctypes.c_int32 * n)(*experts),
+                                 (ctypes.c_int64 * n)(*deltas), n)
 
     def layer_keys(self, layer: int) -> np.ndarray:
         out = (ctypes.c_int64 * self.layers[layer].n_expert)()
-        self._lib.forecache_cache_layer_keys(self._handle, layer, out)
+        self._api.cache_layer_keys(self._handle, layer, out)
         return np.ctypeslib.as_array(out).copy()
 
     def touch(self, layer: int, experts: Sequence[int]) -> None:
         n = len(experts)
-        self._lib.forecache_cache_touch(self._handle, layer, (ctypes.c_int32 * n)(*experts), n)
+        self._api.cache_touch(self._handle, layer, (ctypes.c_int32 * n)(*experts), n)
 
     def passes(self, layer: int) -> tuple[int, int]:
         cur, routed = ctypes.c_uint64(), ctypes.c_uint64()
-        self._lib.forecache_cache_passes(self._handle, layer, ctypes.byref(cur),
-                                         ctypes.byref(routed))
+        self._api.cache_passes(self._handle, layer, ctypes.byref(cur), ctypes.byref(routed))
         return cur.value, routed.value
 
     def begin_ubatch(self, tokens: np.ndarray | None) -> None:
@@ -265,7 +269,7 @@ class ExpertCache:
         if self._handle is None:
             return
         arr = np.ascontiguousarray(tokens if tokens is not None else [], dtype=np.int32)
-        self._lib.forecache_cache_set_tokens(
+        self._api.cache_set_tokens(
             self._handle, arr.ctypes.data_as(ctypes.POINTER(ctypes.c_int32)), len(arr))
         self._ubatches += 1
         if self._ubatches % CALIBRATE_TOKENS == 0:
@@ -278,10 +282,10 @@ class ExpertCache:
         if self.on_route is None and self._decode_gate_on:
             table = self.policy.decode_gate(n_used)
         if table is None:
-            self._lib.forecache_cache_set_decode_gate(self._handle, 0, None, None, False)
+            self._api.cache_set_decode_gate(self._handle, 0, None, None, False)
             return
         host_k, host_s, preempt = table
-        self._lib.forecache_cache_set_decode_gate(
+        self._api.cache_set_decode_gate(
             self._handle, n_used, (ctypes.c_int32 * len(host_k))(*host_k),
             (ctypes.c_double * len(host_s))(*host_s), preempt)
 
@@ -346,16 +350,16 @@ class ExpertCache:
             raise KeyboardInterrupt
 
     def slot_of(self, layer: int, expert: int) -> int:
-        return int(self._lib.forecache_cache_slot_of(self._handle, layer, expert))
+        return self._api.cache_slot_of(self._handle, layer, expert)
 
     def wait_idle(self) -> None:
         """Block until all queued copies are done."""
-        self._lib.forecache_cache_wait_idle(self._handle)
+        self._api.cache_wait_idle(self._handle)
 
     def stats(self, layer: int = -1) -> dict:
         """Counters of one layer or, for -1, of all layers."""
         s = CacheStats()
-        if self._lib.forecache_cache_get_stats(self._handle, layer, ctypes.byref(s)) != 0:
+        if self._api.cache_get_stats(self._handle, layer, ctypes.byref(s)) != 0:
             raise ValueError(f"no layer {layer}")
         return s.as_dict()
 
@@ -369,25 +373,10 @@ class ExpertCache:
 
     def reset_stats(self) -> None:
         self._decode_kept = self.decode_counts()
-        self._lib.forecache_cache_reset_stats(self._handle)
+        self._api.cache_reset_stats(self._handle)
         cost = self.policy.cost
         if cost is not None:
             cost.predicted_host_s = 0.0  # what calibration compares the reset host time with
-
-    def host_handoff_s(self, n: int, fresh_threads: bool = False) -> float:
-        """Seconds per empty job handed to the thread that computes host entries, over ``n``
-        jobs; ``fresh_threads``: per thread started and joined instead (a test control of
-        forecache-testing.h, for benchmarks)."""
-        return float(self._lib.forecache_cache_host_handoff(self._handle, n, fresh_threads))
-
-    def expert_matmul_s(self, layer: int, proj: int, rows: int, n_used: int, repacked: bool,
-                        threads: int, iters: int) -> float:
-        """Seconds per CPU MUL_MAT_ID of projection ``proj`` of ``layer``'s host experts for
-        ``rows`` token rows of ``n_used`` experts each, from the file's layout or a repacked
-        copy (a control of forecache-testing.h, for benchmarks); -2 when this CPU has no
-        repacked kernel for the type, -1 or -3 on bad arguments or a failed compute."""
-        return float(self._lib.forecache_cache_expert_matmul(self._handle, layer, proj, rows,
-                                                             n_used, repacked, threads, iters))
 
     @property
     def n_slots_total(self) -> int:
@@ -399,5 +388,5 @@ class ExpertCache:
             self.worker.close()
             self.worker = None
         if self._handle is not None:
-            self._lib.forecache_cache_free(self._handle)
+            self._api.cache_free(self._handle)
             self._handle = None

@@ -8,7 +8,6 @@ from typing import Any
 
 import numpy as np
 
-from forecache.cache.allocation import reallocate
 from forecache.cache.budget import (
     MemoryPlan,
     parse_size,
@@ -18,17 +17,10 @@ from forecache.cache.budget import (
 from forecache.cache.choice import PRIOR, Choice, DecodeShape, choose
 from forecache.cache.cost import CostModel, ExpertShape, Profile
 from forecache.cache.forecast import Forecaster
-from forecache.cache.infinity import InfinityPolicy
 from forecache.cache.measured import load_evidence
-from forecache.cache.policies import (
-    POLICIES,
-    HostOnlyPolicy,
-    LFUPolicy,
-    LRUPolicy,
-    Policy,
-    StaticPolicy,
-)
+from forecache.cache.policies import HostOnlyPolicy, Policy, PolicyInputs
 from forecache.cache.prefetcher import Features, Prefetcher, stage_slots_for
+from forecache.cache.registry import PolicySpec, build_policy, policy_spec
 from forecache.cache.runtime import DEFAULT_CHUNK_BYTES, ExpertCache, RouteCallback
 from forecache.errors import setting
 from forecache.gguf.header import EXPERT_TENSOR_PATTERN, ModelFile
@@ -76,20 +68,24 @@ class CacheConfig:
     little_resident: bool = False
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(POLICIES)}")
+        spec = policy_spec(self.policy)
         sizes = [x for x in (self.gpu_budget, self.cache_fraction, self.slots_per_layer)
                  if x is not None]
         if len(sizes) > 1:
             raise ValueError(f"give one of {setting('gpu_budget')} and "
                              f"{setting('cache_fraction')}, not both")
-        if self.policy != "offload" and not sizes:
+        if spec.placement != "host" and not sizes:
             raise ValueError(f"policy {self.policy} needs {setting('gpu_budget')} or "
                              f"{setting('cache_fraction')}")
-        if self.policy == "ncmoe" and self.gpu_budget is None:
+        if spec.placement == "layers" and self.gpu_budget is None:
             raise ValueError(f"policy ncmoe places whole layers and needs {setting('gpu_budget')}")
         if self.little_k and not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"{setting('gamma')} is {self.gamma}: give a probability in [0, 1]")
+
+    @property
+    def spec(self) -> PolicySpec:
+        """The placement ``policy`` names."""
+        return policy_spec(self.policy)
 
 
 # Device memory left free when the budget is taken from the GPU's free memory: other processes,
@@ -108,7 +104,8 @@ def resolve_cache_config(policy: str | None, gpu_budget: int | str | None,
     the budget or fraction given, else by the GPU's free memory. With nothing given on a
     CPU-only build, None: llama.cpp's own placement, since device and host are the same memory."""
     budget = parse_size(gpu_budget) if isinstance(gpu_budget, str) else gpu_budget
-    if budget is None and cache_fraction is None and policy != "offload":
+    if budget is None and cache_fraction is None and \
+            (policy is None or policy_spec(policy).placement != "host"):
         dev = cache_device()
         if dev.type != "cpu":
             reserve = max(int(dev.memory_free * AUTO_BUDGET_RESERVE), AUTO_BUDGET_MIN_RESERVE)
@@ -175,10 +172,11 @@ def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int) -> P
         plan = plan_memory(model, cfg.gpu_budget, n_ctx=n_ctx, n_ubatch=n_ubatch,
                            device_name=dev.name, device_total=dev.memory_total)
     layers = model.moe_layers()
-    if cfg.policy == "ncmoe":
+    spec = cfg.spec
+    if spec.placement == "layers":
         assert plan is not None
         return Placement(dev, plan, [0] * model.n_layer, layers[:plan.ncmoe_cpu_layers()])
-    if cfg.policy == "offload":
+    if spec.policy is None:  # offload
         return Placement(dev, plan, [0] * model.n_layer, layers)
     if plan is not None:
         slots = (plan.slots_per_layer() + [0] * model.n_layer)[:model.n_layer]
@@ -189,25 +187,12 @@ def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int) -> P
         slots = [min(cfg.slots_per_layer, model.n_expert) if il in layers else 0
                  for il in range(model.n_layer)]
     stage = 0
-    if cfg.policy in ("promoe", "infinity") and cfg.features.reorder:
+    if spec.proactive and cfg.features.reorder:
         stage = cfg.stage_slots if cfg.stage_slots is not None else \
             stage_slots_for(model.n_expert, slots) if dev.type != "cpu" else 0
     if plan is not None and stage:
         slots = (plan.slots_per_layer(held=stage) + [0] * model.n_layer)[:model.n_layer]
-    if cfg.policy == "infinity":
-        slots = infinity_slots(model, slots)
-    return Placement(dev, plan, slots, layers, stage)
-
-
-def infinity_slots(model: ModelFile, even: list[int]) -> list[int]:
-    """``even`` moved between the MoE layers by the decode reuse measured in the model's stored
-    EAM collection (``cache.allocation``); without a collection, ``even``."""
-    from forecache.predictor.store import has_eam, load_eam
-
-    if not has_eam(model):
-        return even
-    layers = model.moe_layers()
-    return reallocate(even, layers, load_eam(model).hit_curves)
+    return Placement(dev, plan, spec.policy.layer_slots(model, slots), layers, stage)
 
 
 def expert_overrides(placement: Placement) -> dict[str, Any]:
@@ -226,38 +211,29 @@ def expert_overrides(placement: Placement) -> dict[str, Any]:
 
 def expert_shape(model: ModelFile) -> ExpertShape:
     """Bytes and per-token flops of one routed expert's projections, averaged over the MoE layers
-    (quantizers give some layers more bits)."""
-    layers = model.moe_layers()
-    total = [0] * len(model.expert_tensors(layers[0]))
-    for il in layers:
-        for j, t in enumerate(model.expert_tensors(il)):
-            total[j] += t.nbytes
+    (quantizers give some layers more bits; ``ModelFile.expert_proj_bytes``)."""
     return ExpertShape(int(model.arch_kv("embedding_length", 0)), model.expert_ff(),
-                       tuple(b // (len(layers) * model.n_expert) for b in total))
+                       model.expert_proj_bytes())
 
 
 def make_policy(cfg: CacheConfig, n_slots: list[int], model: ModelFile | None = None,
                 device: Device | None = None) -> Policy:
-    """The slot policy of ``cfg``. promoe's host/device split needs ``model``; without an explicit
-    ``cfg.machine`` it is off when the cache ``device`` is the CPU itself (on a CPU build both
-    sides are the same cores)."""
-    if cfg.policy == "lru":
-        return LRUPolicy(n_slots)
-    if cfg.policy == "lfu":
-        return LFUPolicy(n_slots)
-    if cfg.policy in ("promoe", "infinity"):
-        cost = None
-        on_cpu = device is not None and device.type == "cpu"
-        if cfg.features.split and model is not None and (cfg.machine is not None or not on_cpu):
-            cost = CostModel.from_profile(Profile.load(cfg.machine or DEFAULT_MACHINE),
-                                          expert_shape(model))
-        if cfg.policy == "infinity":
-            return InfinityPolicy(n_slots, cfg.features, cost,
-                                  prefetch_n=model.n_expert_used if model is not None else 1)
-        return Prefetcher(n_slots, cfg.features, cost)
-    if cfg.profile is None:
-        raise ValueError("policy static needs a routing profile")
-    return StaticPolicy(n_slots, cfg.profile)
+    """The slot policy of ``cfg`` (``cache.registry``). A proactive policy's host/device split
+    needs ``model``; without an explicit ``cfg.machine`` it is off when the cache ``device`` is
+    the CPU itself (on a CPU build both sides are the same cores)."""
+    cost = None
+    on_cpu = device is not None and device.type == "cpu"
+    if cfg.spec.proactive and cfg.features.split and model is not None and \
+            (cfg.machine is not None or not on_cpu):
+        cost = CostModel.from_profile(Profile.load(cfg.machine or DEFAULT_MACHINE),
+                                      expert_shape(model))
+    policy = build_policy(cfg.policy, n_slots, PolicyInputs(
+        features=cfg.features, cost=cost, profile=cfg.profile,
+        top_k=model.n_expert_used if model is not None else 1))
+    if policy is None:
+        raise ValueError(f"policy {cfg.policy} is llama.cpp's own placement: it has no expert "
+                         "cache to attach")
+    return policy
 
 
 def make_forecaster(model: ModelFile, cfg: CacheConfig, n_slots: list[int],
@@ -271,7 +247,7 @@ def make_forecaster(model: ModelFile, cfg: CacheConfig, n_slots: list[int],
     from forecache.predictor.store import load_learned, trained_windows
 
     layers = model.moe_layers()
-    if cfg.policy == "infinity":
+    if cfg.spec.ranks_experts:
         return Forecaster(eam_predictor(model, ranking=True, say=say), cfg.window or EAM_WINDOW,
                           layers, n_slots, n_predict=model.n_expert, min_score=0.0)
     name = cfg.predictor
@@ -333,7 +309,7 @@ def attach(ctx: int, placement: Placement, cfg: CacheConfig, policy: Policy,
     forecaster = None
     chunk = cfg.chunk_bytes
     reorder = False  # the reactive baselines wait for every copy of a layer, then compute it
-    if isinstance(policy, Prefetcher):
+    if isinstance(policy, Prefetcher):  # proactive
         f = policy.features
         if f.prefetch:
             assert model is not None, "promoe needs the model file for its predictor"

@@ -11,20 +11,13 @@ from gguf import GGML_QUANT_SIZES
 from forecache.cache.budget import kv_cache_bytes
 from forecache.cache.cost import ExpertShape
 from forecache.cache.setup import expert_shape
-from forecache.gguf.header import ModelFile, is_expert_tensor, tensor_nbytes
-from forecache.gguf.specs import (
-    ModelSpec,
-    TensorPlan,
-    get_spec,
-    models_yaml,
-    parse_qtype,
-    tensor_plan,
-    tensor_type,
-)
+from forecache.gguf.header import ModelFile, expert_proj_bytes, is_expert_tensor, tensor_nbytes
+from forecache.gguf.qtypes import parse_qtype, tensor_type
+from forecache.gguf.specs import ModelSpec, TensorPlan, get_spec, models_yaml, tensor_plan
 
 
 @dataclass(frozen=True)
-class SimShape:
+class ModelShape:
     """What the timing model needs of a model: expert and per-layer sizes at a quantization."""
 
     name: str
@@ -33,7 +26,7 @@ class SimShape:
     top_k: int
     d_model: int
     expert_ff: int
-    proj_bytes: tuple[int, int, int]  # one expert's gate, up, down
+    proj_bytes: tuple[int, ...]  # one expert's gate, up, down (gate_up, down where fused)
     layer_bytes: int  # non-expert weights of one layer (attention, router, shared experts)
     head_bytes: int  # output norm + lm head
     qtype: str
@@ -46,6 +39,7 @@ class SimShape:
 
     @property
     def expert_bytes(self) -> int:
+        """Bytes of one routed expert (all its projections) of one layer."""
         return self.expert.nbytes
 
     @property
@@ -76,7 +70,7 @@ def _nbytes(n_elements: int, row: int, qtype: str) -> int:
     return tensor_nbytes(ne, tensor_type("", ne, qtype))
 
 
-def shape_of(name: str, qtype: str = "q4_k") -> SimShape:
+def shape_of(name: str, qtype: str = "q4_k") -> ModelShape:
     """The shape of a models.yaml model (``models`` or ``trace_models``) at ``qtype``: a preset's
     sizes are its tensors as make-model writes them (the lm head at q8_0, as quantizers keep
     it); a shape-only trace model's are a qwen2moe-style layer of its dimensions."""
@@ -92,13 +86,13 @@ def shape_of(name: str, qtype: str = "q4_k") -> SimShape:
     proj = (_nbytes(d * ff, d, qtype), _nbytes(d * ff, d, qtype), _nbytes(d * ff, ff, qtype))
     attn = _nbytes(d * q, d, qtype) + _nbytes(q * d, q, qtype) + 2 * _nbytes(d * kv, d, qtype)
     layer = attn + d * e * 4 + 3 * _nbytes(d * sh, d, qtype) if sh else attn + d * e * 4
-    return SimShape(name=name, layers=spec["layers"], experts=e, top_k=spec["top_k"],
+    return ModelShape(name=name, layers=spec["layers"], experts=e, top_k=spec["top_k"],
                     d_model=d, expert_ff=ff, proj_bytes=proj, layer_bytes=layer,
                     head_bytes=_nbytes(d * spec["vocab"], d, "q8_0"), qtype=qtype.lower(),
                     kv_bytes=4 * kv)
 
 
-def _preset_shape(name: str, spec: ModelSpec, qtype: str) -> SimShape:
+def _preset_shape(name: str, spec: ModelSpec, qtype: str) -> ModelShape:
     """A preset's shape from its tensors as make-model writes them: the MoE layers' expert and
     other bytes averaged over them (q4_k_m gives some layers more bits, lfm2moe's convolution
     and attention layers differ), leading dense layers apart, KV of the layers with attention
@@ -109,19 +103,15 @@ def _preset_shape(name: str, spec: ModelSpec, qtype: str) -> SimShape:
         return int(t.name.split(".")[1]) if t.name.startswith("blk.") else -1
 
     moe = [t for t in plans if block(t) >= spec.dense_layers]
-    experts = [t for t in moe if t.kind == "expert"]
-    n_proj = len(experts) // spec.moe_layers
-    proj = [sum(t.nbytes for t in experts[j::n_proj]) // (spec.moe_layers * spec.experts)
-            for j in range(n_proj)]
     if spec.kv_lora_rank is not None:
         assert spec.rope_dim is not None
         kv = 2 * (spec.kv_lora_rank + spec.rope_dim)
     else:
         kv = 4 * spec.kv_dim
     n_attn = len(spec.attention_layers) if spec.attention_layers is not None else spec.layers
-    return SimShape(name=name, layers=spec.moe_layers, experts=spec.experts, top_k=spec.top_k,
+    return ModelShape(name=name, layers=spec.moe_layers, experts=spec.experts, top_k=spec.top_k,
                     d_model=spec.d_model, expert_ff=spec.expert_ff,
-                    proj_bytes=tuple(proj),  # type: ignore[arg-type]
+                    proj_bytes=expert_proj_bytes(plans, spec.experts),
                     layer_bytes=sum(t.nbytes for t in moe if t.kind != "expert") //
                     spec.moe_layers,
                     head_bytes=_nbytes(spec.d_model * spec.vocab, spec.d_model, "q8_0"),
@@ -129,7 +119,7 @@ def _preset_shape(name: str, spec: ModelSpec, qtype: str) -> SimShape:
                     lead_bytes=sum(t.nbytes for t in plans if 0 <= block(t) < spec.dense_layers))
 
 
-def model_shape(model: ModelFile) -> SimShape:
+def model_shape(model: ModelFile) -> ModelShape:
     """The simulator's view of a GGUF file: its own sizes, tensor by tensor. Its layers are the
     MoE layers (a trace's), dense leading layers go into ``lead_bytes``."""
     moe = model.moe_layers()
@@ -139,7 +129,7 @@ def model_shape(model: ModelFile) -> SimShape:
     head = sum(t.nbytes for t in model.tensors if t.name.startswith("output"))
     lead = sum(t.nbytes for t in model.tensors if t.name.startswith("blk.") and
                int(t.name.split(".")[1]) not in moe)
-    return SimShape(name=model.path.stem, layers=len(moe), experts=model.n_expert,
+    return ModelShape(name=model.path.stem, layers=len(moe), experts=model.n_expert,
                     top_k=model.n_expert_used, d_model=ex.d_model, expert_ff=ex.expert_ff,
                     proj_bytes=ex.proj_bytes,
                     layer_bytes=sum(t.nbytes for t in blk if not is_expert_tensor(t.name)),

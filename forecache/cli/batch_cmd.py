@@ -72,14 +72,14 @@ def batch(model: Path, input_path: Path, output_path: Path, plan_text: str | Non
         prompt_lengths,
         rewrite_in_input_order,
     )
-    from forecache.batch_plan import choose_plan, plan_cache
     from forecache.cache.plans import Plan
     from forecache.chat import mobile_summary, spec_summary
     from forecache.gguf.header import require_moe
     from forecache.interrupt import deferred_signals
+    from forecache.jobs.plan import choose_plan, plan_cache
+    from forecache.jobs.requests import read_requests
     from forecache.llama import Llama
-    from forecache.requests import read_requests
-    from forecache.speculative import SELF_DRAFTS
+    from forecache.speculative.speculator import SELF_DRAFTS
 
     spec = draft_args(cache_opts)
     if plan_text is not None and parallel is not None:

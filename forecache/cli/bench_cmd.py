@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from forecache.cache.budget import parse_size
-from forecache.cache.policies import POLICIES
+from forecache.cache.registry import POLICIES
 from forecache.cli.generate_cmd import threads_option
 from forecache.cli.model_arg import model_option
 

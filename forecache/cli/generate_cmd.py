@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 
 import click
 
-from forecache.cache.policies import POLICIES
 from forecache.cache.prefetcher import Features
+from forecache.cache.registry import POLICIES
 from forecache.cache.setup import DEFAULT_MACHINE, CacheConfig, resolve_cache_config
 from forecache.cli.model_arg import model_option
 from forecache.interrupt import deferred_signals
@@ -204,9 +204,9 @@ def run(model: Path, prompt: str | None, n_predict: int, **cache_opts: object) -
     """Answer a prompt with the default model (or -m MODEL) and print the speed and the expert
     cache's statistics."""
     from forecache.chat import expert_summary, spec_summary
-    from forecache.default_model import DEFAULT_PROMPT
     from forecache.generate import SamplingParams, generate
     from forecache.llama import Llama
+    from forecache.models.default import DEFAULT_PROMPT
 
     path = model
     question = prompt or DEFAULT_PROMPT

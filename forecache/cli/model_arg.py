@@ -10,7 +10,7 @@ import click
 
 
 class ModelArg(click.ParamType):
-    """Resolves names to files (forecache.model_names); a missing file is reported by the
+    """Resolves names to files (forecache.models.names); a missing file is reported by the
     command when it opens it, with the reason."""
 
     name = "MODEL"
@@ -19,7 +19,7 @@ class ModelArg(click.ParamType):
                 ctx: click.Context | None) -> Path:
         if isinstance(value, Path):
             return value
-        from forecache.model_names import resolve_model
+        from forecache.models.names import resolve_model
 
         return resolve_model(value)  # ModelNotFoundError: one line through the error guard
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from forecache.gguf.specs import QTYPES
+from forecache.gguf.qtypes import QTYPES
 
 
 @click.command("make-model")

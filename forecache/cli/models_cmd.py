@@ -11,9 +11,9 @@ import click
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def models(as_json: bool) -> None:
     """List the model names -m accepts, whether their files are found, and where to put them."""
-    from forecache.default_model import ensure_default_model
     from forecache.gguf.specs import load_specs
-    from forecache.model_names import catalog, find_in_model_dir
+    from forecache.models.default import ensure_default_model
+    from forecache.models.names import catalog, find_in_model_dir
     from forecache.paths import model_dir
 
     directory = model_dir()

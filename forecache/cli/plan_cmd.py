@@ -65,7 +65,7 @@ def plan(model: Path | None, shape: str | None, qtype: str, gpu_budget: str, pro
 
         mf = require_moe(model)
         sh = model_shape(mf)
-        non_expert = mf.total_bytes() - mf.expert_bytes()
+        non_expert = mf.non_expert_bytes()
     else:
         try:
             sh = shape_of(shape, qtype)  # type: ignore[arg-type]

@@ -38,10 +38,6 @@ def _row(label: str, r: SimResult, base: SimResult | StockBest | None) -> str:
             f"{d['hit_rate'] * 100:>6.1f} {r.h2d_bytes / 1e9:>8.2f} {r.stall_s:>8.3f} {sp}")
 
 
-# --compare: stock llama.cpp's best first (--n-cpu-moe with host experts pinned and mmap'd:
-# every ratio is over the faster of the two in that figure), then the others
-COMPARED = ("ncmoe", "ncmoe-mmap", "offload", "lru", "lfu", "static", "promoe", "infinity")
-
 HEAD = (f"{'run':<20} {'TTFT ms':>10} {'TPOT ms':>9} {'hit %':>6} {'H2D GB':>8} {'stall s':>8} "
         f"{'prefill':>8} {'decode':>8} {'stall-cut':>8}")
 
@@ -117,7 +113,7 @@ def simulate_cmd(trace_path: Path, policy: str, shape: str | None, qtype: str,
                 "cached_layers": len(layers), "predictor": pred_name, "window": window,
                 "fit_requests": len(fit), "replay_requests": len(replay)}
         if compare:
-            runs = [(p if p != "promoe" else feats.label(), one(p)) for p in COMPARED]
+            runs = [(p if p != "promoe" else feats.label(), one(p)) for p in SIM_POLICIES]
         elif do_ablation:
             runs = ablation(replay, sh, profile, cfg, pred)
             runs.append(("static", run_one(replay, sh, profile, replace(cfg, policy="static"),

@@ -540,6 +540,10 @@ void forecache_cache_wait_idle(struct forecache_cache * cache) {
     cache->cv_done.wait(lock, [cache] { return cache->running == 0 && (cache->paused || !fc_has_eligible(cache)); });
 }
 
+// How forecache_cache_get_stats combines a field of the layers' stats (FORECACHE_CACHE_STATS_FIELDS).
+template <typename T> static T fc_combine_SUM(T total, T layer) { return total + layer; }
+template <typename T> static T fc_combine_MAX(T total, T layer) { return std::max(total, layer); }
+
 int32_t forecache_cache_get_stats(const struct forecache_cache * cache, int32_t layer, struct forecache_cache_stats * out) {
     if (layer < -1 || layer >= (int32_t) cache->layers.size()) {
         return -1;
@@ -551,34 +555,9 @@ int32_t forecache_cache_get_stats(const struct forecache_cache * cache, int32_t 
             continue;
         }
         const forecache_cache_stats & s = cache->layers[il].stats;
-        out->hits         += s.hits;
-        out->misses       += s.misses;
-        out->host_layers  += s.host_layers;
-        out->h2d_bytes    += s.h2d_bytes;
-        out->n_chunks     += s.n_chunks;
-        out->n_hook_calls += s.n_hook_calls;
-        out->copy_s       += s.copy_s;
-        out->stall_s      += s.stall_s;
-        out->hook_s       += s.hook_s;
-        out->host_s       += s.host_s;
-        out->hi_tasks     += s.hi_tasks;
-        out->hi_wait_s    += s.hi_wait_s;
-        out->hi_wait_max_s = std::max(out->hi_wait_max_s, s.hi_wait_max_s);
-        out->chunk_max_s   = std::max(out->chunk_max_s, s.chunk_max_s);
-        out->dropped_chunks += s.dropped_chunks;
-        out->refused_loads  += s.refused_loads;
-        out->n_groups       += s.n_groups;
-        out->streamed       += s.streamed;
-        out->host_entries   += s.host_entries;
-        out->hi_block_s     += s.hi_block_s;
-        out->hi_block_max_s  = std::max(out->hi_block_max_s, s.hi_block_max_s);
-        out->fast_gates     += s.fast_gates;
-        out->fast_s         += s.fast_s;
-        out->model_host_s   += s.model_host_s;
-        out->decode_hits    += s.decode_hits;
-        out->decode_misses  += s.decode_misses;
-        out->staged         += s.staged;
-        out->stage_used     += s.stage_used;
+#define FC_COMBINE_FIELD(type, name, combine) out->name = fc_combine_##combine(out->name, s.name);
+        FORECACHE_CACHE_STATS_FIELDS(FC_COMBINE_FIELD)
+#undef FC_COMBINE_FIELD
     }
     {
         std::lock_guard<std::mutex> ev_lock(const_cast<forecache_cache *>(cache)->ev_mtx);

@@ -88,36 +88,45 @@ typedef int32_t (*forecache_gate_hook)(
         const float   * gate_input,
         int32_t         n_embd);
 
+// The fields of struct forecache_cache_stats in order, as X(type, name, combine): `combine` is how
+// forecache_cache_get_stats combines the layers' values (SUM or MAX). This list is the one place a
+// field is named: it makes the struct and its combination over layers, and forecache's Python side
+// reads it from this header to build its ctypes mirror of the struct.
+#define FORECACHE_CACHE_STATS_FIELDS(X) \
+    X(uint64_t, hits,           SUM) /* routed experts (distinct per layer and ubatch) resident or in flight at the hook */ \
+    X(uint64_t, misses,         SUM) /* routed experts without a slot at the hook */ \
+    X(uint64_t, host_layers,    SUM) /* layer computations done from host memory */ \
+    X(uint64_t, h2d_bytes,      SUM) /* bytes copied host -> slots */ \
+    X(uint64_t, n_chunks,       SUM) /* chunk copies done */ \
+    X(uint64_t, n_hook_calls,   SUM) \
+    X(double,   copy_s,         SUM) /* time the copy worker spent copying */ \
+    X(double,   stall_s,        SUM) /* time compute waited for copies */ \
+    X(double,   hook_s,         SUM) /* time spent in the gate hook */ \
+    X(double,   host_s,         SUM) /* time spent computing experts from host memory */ \
+    X(uint64_t, hi_tasks,       SUM) /* high-priority copies (misses) queued */ \
+    X(double,   hi_wait_s,      SUM) /* time high-priority copies waited in the queue before their first chunk ran */ \
+    X(double,   hi_wait_max_s,  MAX) \
+    X(double,   chunk_max_s,    MAX) /* longest single chunk copy */ \
+    X(uint64_t, dropped_chunks, SUM) /* queued chunks dropped by eviction or cancel */ \
+    X(uint64_t, refused_loads,  SUM) /* loads refused because the slot was in use by the layer being computed */ \
+    X(uint64_t, n_groups,       SUM) /* expert groups computed from slots (1 per MUL_MAT_ID when nothing waited) */ \
+    X(uint64_t, streamed,       SUM) /* schedule entries that reused a slot within one ubatch */ \
+    X(uint64_t, host_entries,   SUM) /* schedule entries computed from host memory beside the slots */ \
+    X(double,   hi_block_s,     SUM) /* time high-priority copies waited for a lower-priority chunk in flight */ \
+    X(double,   hi_block_max_s, MAX) /* longest such wait: bounded by one chunk copy */ \
+    X(uint64_t, fast_gates,     SUM) /* gates decided in C by the decode gate (forecache_cache_set_decode_gate) */ \
+    X(double,   fast_s,         SUM) /* time spent deciding them */ \
+    X(double,   model_host_s,   SUM) /* modelled host time of the experts the decode gate sent to the host */ \
+    X(uint64_t, decode_hits,    SUM) /* hits and misses of one-token ubatches */ \
+    X(uint64_t, decode_misses,  SUM) \
+    X(uint64_t, events_dropped, SUM) /* gate events dropped because the queue was full (counted for the cache, not per layer) */ \
+    X(uint64_t, staged,         SUM) /* experts copied into stage slots (forecache_cache_stage) */ \
+    X(uint64_t, stage_used,     SUM) /* schedule entries computed from a stage slot */
+
 struct forecache_cache_stats {
-    uint64_t hits;          // routed experts (distinct per layer and ubatch) resident or in flight at the hook
-    uint64_t misses;        // routed experts without a slot at the hook
-    uint64_t host_layers;   // layer computations done from host memory
-    uint64_t h2d_bytes;     // bytes copied host -> slots
-    uint64_t n_chunks;      // chunk copies done
-    uint64_t n_hook_calls;
-    double   copy_s;        // time the copy worker spent copying
-    double   stall_s;       // time compute waited for copies
-    double   hook_s;        // time spent in the gate hook
-    double   host_s;        // time spent computing experts from host memory
-    uint64_t hi_tasks;      // high-priority copies (misses) queued
-    double   hi_wait_s;     // time high-priority copies waited in the queue before their first chunk ran
-    double   hi_wait_max_s;
-    double   chunk_max_s;   // longest single chunk copy
-    uint64_t dropped_chunks;// queued chunks dropped by eviction or cancel
-    uint64_t refused_loads; // loads refused because the slot was in use by the layer being computed
-    uint64_t n_groups;      // expert groups computed from slots (1 per MUL_MAT_ID when nothing waited)
-    uint64_t streamed;      // schedule entries that reused a slot within one ubatch
-    uint64_t host_entries;  // schedule entries computed from host memory beside the slots
-    double   hi_block_s;    // time high-priority copies waited for a lower-priority chunk in flight
-    double   hi_block_max_s;// longest such wait: bounded by one chunk copy
-    uint64_t fast_gates;    // gates decided in C by the decode gate (forecache_cache_set_decode_gate)
-    double   fast_s;        // time spent deciding them
-    double   model_host_s;  // modelled host time of the experts the decode gate sent to the host
-    uint64_t decode_hits;   // hits and misses of one-token ubatches
-    uint64_t decode_misses;
-    uint64_t events_dropped;// gate events dropped because the queue was full
-    uint64_t staged;        // experts copied into stage slots (forecache_cache_stage)
-    uint64_t stage_used;    // schedule entries computed from a stage slot
+#define FORECACHE_CACHE_STATS_FIELD(type, name, combine) type name;
+    FORECACHE_CACHE_STATS_FIELDS(FORECACHE_CACHE_STATS_FIELD)
+#undef FORECACHE_CACHE_STATS_FIELD
 };
 
 // Slot states reported by forecache_cache_layer_state.

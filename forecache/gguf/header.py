@@ -2,6 +2,16 @@
 
 Every command checks its model here first, so a missing, truncated, non-GGUF or non-MoE file gets a
 one-line error instead of a crash inside llama.cpp.
+
+Why a reader of our own beside gguf-py's ``GGUFReader`` (which forecache uses where it needs
+tensor data, e.g. ``predictor.skip``): ``GGUFReader`` builds numpy parts for every element of
+every array (the vocabulary and the merges) and a view for every tensor, which takes about 35x as
+long on the default model (370 ms against 10 ms, growing with the vocabulary), and a damaged
+file surfaces as numpy's errors ("cannot reshape array ...", an IndexError, "cannot mmap an empty
+file"). This reader walks the header once, keeps only the lengths of long arrays, never reads
+tensor data, checks counts against the file's size and the tensors' extent against its length,
+and raises :class:`GGUFError` with one line naming the fix; as it reads it also records for
+``checks`` what llama.cpp asserts on (each key's value type, the first duplicated token).
 """
 
 from __future__ import annotations
@@ -10,9 +20,10 @@ import functools
 import mmap
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -96,8 +107,8 @@ class ModelFile:
     def n_vocab(self) -> int:
         return self.array_lengths.get("tokenizer.ggml.tokens", 0)
 
-    def expert_bytes(self) -> int:
-        """Bytes of routed-expert tensors (those the expert cache manages)."""
+    def total_expert_bytes(self) -> int:
+        """Bytes of all routed-expert tensors, every layer (those the expert cache manages)."""
         return sum(t.nbytes for t in self.tensors if is_expert_tensor(t.name))
 
     def moe_layers(self) -> list[int]:
@@ -110,10 +121,6 @@ class ModelFile:
         return [t for t in self.tensors
                 if t.name.startswith(f"blk.{layer}.") and is_expert_tensor(t.name)]
 
-    def bytes_per_expert(self) -> int:
-        """Bytes of one routed expert (all its projections) in the first MoE layer."""
-        return self.layer_expert_bytes()[0]
-
     def expert_ff(self) -> int:
         """One routed expert's width: its down projection's rows (``ne`` [ff, d_model, n_expert];
         Mixtral-style headers have no expert_feed_forward_length, some give one per layer)."""
@@ -123,19 +130,22 @@ class ModelFile:
     def layer_expert_bytes(self) -> list[int]:
         """Bytes of one routed expert of each MoE layer, in ``moe_layers`` order: quantizers
         give some layers more bits (llama.cpp's Q4_K_M: Q6_K ffn_down in a third of them)."""
-        per: dict[int, int] = {}
-        for t in self.tensors:
-            if is_expert_tensor(t.name):
-                il = int(t.name.split(".")[1])
-                per[il] = per.get(il, 0) + t.nbytes
-        return [per[il] // self.n_expert for il in sorted(per)]
+        return layer_expert_bytes(self.tensors, self.n_expert)
+
+    def expert_proj_bytes(self) -> tuple[int, ...]:
+        """Bytes of one routed expert's projections averaged over the MoE layers
+        (:func:`expert_proj_bytes`); their sum is one expert's bytes."""
+        return expert_proj_bytes(self.tensors, self.n_expert)
 
     def total_bytes(self) -> int:
+        """Bytes of all tensors (the file is this plus header and padding)."""
         return sum(t.nbytes for t in self.tensors)
 
+    def non_expert_bytes(self) -> int:
+        """Bytes of every tensor but the routed experts: what every token needs resident."""
+        return self.total_bytes() - self.total_expert_bytes()
 
-#: llama.cpp's name ending for a layer's routed-expert weights (all experts stacked): the tensors
-#: the C expert cache serves from slots, and the ones placed in host memory.
+
 def tensor_nbytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:
     """Bytes of a tensor of that shape and type."""
     block, size = GGML_QUANT_SIZES[qtype]
@@ -145,6 +155,45 @@ def tensor_nbytes(shape: tuple[int, ...], qtype: GGMLQuantizationType) -> int:
     if shape and shape[0] % block:
         raise GGUFError(f"tensor row of {shape[0]} is not a multiple of the {qtype.name} block")
     return n // block * size
+
+
+class SizedTensor(Protocol):
+    """A tensor's name and bytes: a file's :class:`TensorInfo` or a spec's ``TensorPlan``."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+def _expert_tensor_bytes(tensors: Iterable[SizedTensor]) -> dict[int, list[int]]:
+    """Bytes of each routed-expert tensor (all experts of a layer stacked), by MoE layer, each
+    layer's in file order (gate, up, down; gate_up, down where fused)."""
+    per: dict[int, list[int]] = {}
+    for t in tensors:
+        if is_expert_tensor(t.name):
+            per.setdefault(int(t.name.split(".")[1]), []).append(t.nbytes)
+    return per
+
+
+def layer_expert_bytes(tensors: Iterable[SizedTensor], n_expert: int) -> list[int]:
+    """Bytes of one routed expert (all its projections) of each MoE layer, in layer order."""
+    per = _expert_tensor_bytes(tensors)
+    return [sum(per[il]) // n_expert for il in sorted(per)]
+
+
+def expert_proj_bytes(tensors: Iterable[SizedTensor], n_expert: int) -> tuple[int, ...]:
+    """Bytes of one routed expert's projections, each averaged over the MoE layers (rounded
+    down): the one rule for "one expert's bytes", of a file (``ModelFile``) or of a spec's tensor
+    plan (``specs.size_report``, the timing models' shapes). The sum is ``expert_bytes``: one
+    expert of one layer, the same in every layer unless a quantizer mix gives some layers more
+    bits (then ``layer_expert_bytes`` has each layer's)."""
+    per = _expert_tensor_bytes(tensors)
+    layers = sorted(per)
+    n_proj = len(per[layers[0]])
+    return tuple(sum(per[il][j] for il in layers) // (len(layers) * n_expert)
+                 for j in range(n_proj))
 
 
 class _Reader:

@@ -10,9 +10,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from forecache.atomic_file import write_atomic
 from forecache.gguf.header import ModelFile
-from forecache.paths import cache_dir
+from forecache.paths import cache_dir, write_atomic
 
 _SAMPLE = 4096
 FINGERPRINT_VERSION = 1

@@ -30,15 +30,14 @@ from gguf import (
     GGUFWriter,
 )
 
+from forecache.gguf.qtypes import QTYPES, parse_qtype
 from forecache.gguf.specs import (
     FF_IS_EXPERT_FF,
     GATING,
-    QTYPES,
     ModelSpec,
     SizeReport,
     TensorPlan,
     get_spec,
-    parse_qtype,
     size_report,
     tensor_plan,
 )

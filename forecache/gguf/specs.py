@@ -1,9 +1,9 @@
 """Model shapes from models.yaml, and the GGUF tensor layout and sizes they imply.
 
 A `ModelSpec` holds one model's hyperparameters. `tensor_plan` lists the tensors llama.cpp
-expects for it (names, shapes, ggml types) and `size_report` sums parameters and bytes per
-tensor class, which is what memory budgets need: routed-expert weights can live off the GPU,
-everything else is needed for every token.
+expects for it (names, shapes, and ggml types as ``qtypes`` chooses them) and `size_report` sums
+parameters and bytes per tensor class, which is what memory budgets need: routed-expert weights
+can live off the GPU, everything else is needed for every token.
 """
 
 from __future__ import annotations
@@ -17,44 +17,18 @@ from typing import Any
 
 import yaml
 from gguf import (
-    GGML_QUANT_SIZES,
     MODEL_ARCH,
     MODEL_ARCH_NAMES,
     MODEL_TENSOR,
     TENSOR_NAMES,
     GGMLQuantizationType,
-    LlamaFileType,
 )
 
-from forecache.gguf.header import tensor_nbytes
+from forecache.gguf.header import expert_proj_bytes, tensor_nbytes
+from forecache.gguf.qtypes import parse_qtype, tensor_type
 
 #: models.yaml ships inside the package (forecache/data), so every install has it.
 MODELS_YAML = Path(__file__).resolve().parent.parent / "data" / "models.yaml"
-
-#: The weight types `make-model --type` accepts: ggml type of the matrices and file type label.
-QTYPES: dict[str, tuple[GGMLQuantizationType, LlamaFileType]] = {
-    "f16": (GGMLQuantizationType.F16, LlamaFileType.MOSTLY_F16),
-    "q8_0": (GGMLQuantizationType.Q8_0, LlamaFileType.MOSTLY_Q8_0),
-    "q4_0": (GGMLQuantizationType.Q4_0, LlamaFileType.MOSTLY_Q4_0),
-    "q4_1": (GGMLQuantizationType.Q4_1, LlamaFileType.MOSTLY_Q4_1),
-    # Every matrix is Q4_K (except the Q5_0 fallbacks), which llama.cpp labels Q4_K_S.
-    "q4_k": (GGMLQuantizationType.Q4_K, LlamaFileType.MOSTLY_Q4_K_S),
-    # llama.cpp's Q4_K_M mix: Q4_K with Q6_K where it spends more bits (q4_k_m_type), so the
-    # experts of some layers are larger than others'.
-    "q4_k_m": (GGMLQuantizationType.Q4_K, LlamaFileType.MOSTLY_Q4_K_M),
-    # Routed experts in MXFP4 (as gpt-oss ships), every other matrix Q8_0.
-    "mxfp4": (GGMLQuantizationType.MXFP4, LlamaFileType.MOSTLY_MXFP4_MOE),
-}
-
-#: Same fallbacks as llama.cpp's quantizer (tensor_type_fallback in llama-quant.cpp) for a
-#: row length that is not a multiple of the type's block size.
-_FALLBACK: dict[GGMLQuantizationType, GGMLQuantizationType] = {
-    GGMLQuantizationType.Q4_K: GGMLQuantizationType.Q5_0,
-    GGMLQuantizationType.Q5_K: GGMLQuantizationType.Q5_1,
-    GGMLQuantizationType.Q6_K: GGMLQuantizationType.Q8_0,
-    GGMLQuantizationType.Q2_K: GGMLQuantizationType.Q4_0,
-    GGMLQuantizationType.Q3_K: GGMLQuantizationType.Q4_0,
-}
 
 #: Tensor classes. "expert" is the routed experts (the part worth caching); the rest is dense.
 TENSOR_KINDS = ("embedding", "norm", "attention", "router", "shared_expert", "dense_ffn",
@@ -240,10 +214,10 @@ class SizeReport:
     params: dict[str, int]
     bytes: dict[str, int]
     expert_params: int
-    expert_bytes: int
+    total_expert_bytes: int  # every routed expert of every layer
     nonexpert_params: int
     nonexpert_bytes: int
-    bytes_per_expert: int
+    expert_bytes: int  # one routed expert of one layer (header.expert_proj_bytes, summed)
     active_bytes_per_token: int
 
     @property
@@ -254,65 +228,7 @@ class SizeReport:
     @property
     def total_bytes(self) -> int:
         """All tensor bytes (the GGUF file is this plus header and padding)."""
-        return self.expert_bytes + self.nonexpert_bytes
-
-
-def parse_qtype(qtype: str) -> GGMLQuantizationType:
-    """Map a `--type` name to its ggml type; ValueError naming the valid ones otherwise."""
-    try:
-        return QTYPES[qtype.lower()][0]
-    except KeyError:
-        raise ValueError(
-            f"unknown weight type {qtype!r}; valid types: {', '.join(QTYPES)}"
-        ) from None
-
-
-def _use_more_bits(i_layer: int, n_layer: int) -> bool:
-    """llama-quant.cpp's use_more_bits: the first and last eighth of the layers and every third
-    one between."""
-    return i_layer < n_layer // 8 or i_layer >= 7 * n_layer // 8 or \
-        (i_layer - n_layer // 8) % 3 == 2
-
-
-def q4_k_m_type(name: str, n_layer: int, n_expert: int) -> GGMLQuantizationType:
-    """The type llama.cpp's quantizer gives a matrix in a Q4_K_M file (llama_tensor_get_type):
-    the output Q6_K; every ffn_down (the routed and shared experts' included) and attn_v Q6_K in
-    the layers use_more_bits picks (attn_v Q8_0 with 8 experts); the rest Q4_K."""
-    Q = GGMLQuantizationType
-    if name == "output.weight":
-        return Q.Q6_K
-    il = int(name.split(".")[1]) if name.startswith("blk.") else -1
-    if ".ffn_down" in name and _use_more_bits(il, n_layer):
-        return Q.Q6_K
-    if ".attn_v." in name:
-        return Q.Q8_0 if n_expert == 8 else Q.Q6_K if _use_more_bits(il, n_layer) else Q.Q4_K
-    return Q.Q4_K
-
-
-def tensor_type(name: str, ne: tuple[int, ...], qtype: str, n_layer: int = 1,
-                n_expert: int = 0) -> GGMLQuantizationType:
-    """Choose the ggml type of one tensor when the model is written as `qtype`.
-
-    1-D tensors (norms, biases), the experts' biases and the routers stay F32: llama.cpp's
-    quantizer never quantizes them and routing is sensitive to their precision. Matrices get
-    the requested type (mxfp4: the routed experts, the rest q8_0; q4_k_m: by layer, as
-    ``q4_k_m_type``), or llama.cpp's fallback when the row length (ne[0]) does not fit its
-    block size. ``n_layer`` and ``n_expert`` are the model's, for the by-layer choices.
-    """
-    if len(ne) == 1 or name.endswith((".bias", "ffn_gate_inp.weight",
-                                      "ffn_gate_inp_shexp.weight", "shortconv.conv.weight")):
-        return GGMLQuantizationType.F32
-    want = parse_qtype(qtype)
-    if want == GGMLQuantizationType.MXFP4 and not name.endswith("_exps.weight"):
-        want = GGMLQuantizationType.Q8_0
-    if qtype.lower() == "q4_k_m":
-        want = q4_k_m_type(name, n_layer, n_expert)
-    if ne[0] % GGML_QUANT_SIZES[want][0] == 0:
-        return want
-    fallback = _FALLBACK.get(want, want)
-    if ne[0] % GGML_QUANT_SIZES[fallback][0] == 0:
-        return fallback
-    return GGMLQuantizationType.F16
+        return self.total_expert_bytes + self.nonexpert_bytes
 
 
 #: Architectures without a shared expert, and those whose experts are feed_forward_length
@@ -469,26 +385,28 @@ def _latent_attention(spec: ModelSpec, b: int, add: _Add) -> None:
 def size_report(spec: ModelSpec, qtype: str) -> SizeReport:
     """Count parameters and bytes per tensor class for `spec` written as `qtype`.
 
-    `bytes_per_expert` is one expert of one layer (its gate, up and down slabs);
+    `expert_bytes` is one expert of one layer (its gate, up and down slabs, averaged over the
+    MoE layers as :func:`~forecache.gguf.header.expert_proj_bytes` does for a file);
     `active_bytes_per_token` is the dense part plus top_k experts in every layer.
     """
     params = dict.fromkeys(TENSOR_KINDS, 0)
     nbytes = dict.fromkeys(TENSOR_KINDS, 0)
-    for t in tensor_plan(spec, qtype):
+    plan = tensor_plan(spec, qtype)
+    for t in plan:
         params[t.kind] += t.n_elements
         nbytes[t.kind] += t.nbytes
     dense_params = sum(v for k, v in params.items() if k != "expert")
     dense_bytes = sum(v for k, v in nbytes.items() if k != "expert")
-    per_expert = nbytes["expert"] // (spec.moe_layers * spec.experts)
+    per_expert = sum(expert_proj_bytes(plan, spec.experts))
     return SizeReport(
         qtype=qtype.lower(),
         params=params,
         bytes=nbytes,
         expert_params=params["expert"],
-        expert_bytes=nbytes["expert"],
+        total_expert_bytes=nbytes["expert"],
         nonexpert_params=dense_params,
         nonexpert_bytes=dense_bytes,
-        bytes_per_expert=per_expert,
+        expert_bytes=per_expert,
         active_bytes_per_token=dense_bytes + per_expert * spec.top_k * spec.moe_layers,
     )
 
@@ -533,8 +451,6 @@ def _load(path: Path) -> tuple[dict[str, ArchSpec], dict[str, ModelSpec]]:
 def load_specs(path: str | Path | None = None) -> dict[str, ModelSpec]:
     """All models of models.yaml by name, in file order."""
     return dict(_load(models_yaml(path).resolve())[1])
-
-
 
 
 def model_names(path: str | Path | None = None) -> list[str]:

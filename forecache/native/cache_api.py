@@ -1,53 +1,77 @@
-"""ctypes declarations of the expert-cache part of our C API (forecache/csrc/forecache.h), and of
-the test-only controls of forecache/csrc/forecache-testing.h."""
+"""forecache's C API (forecache/csrc/forecache.h) in Python: a typed stub of each function
+(:class:`ForecacheAPI`, bound to libllama by ``forecache.native.api()``), the structs it mirrors
+and its constants. The test controls of forecache-testing.h are in ``forecache.native.testing``."""
 
 from __future__ import annotations
 
 import ctypes
+import re
+from ctypes import (
+    POINTER,
+    c_bool,
+    c_char_p,
+    c_double,
+    c_float,
+    c_int32,
+    c_int64,
+    c_size_t,
+    c_uint64,
+    c_void_p,
+)
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+from forecache.build.info import CSRC_DIR
+from forecache.native.binding import CFunctions, c_function
+
+if TYPE_CHECKING:
+    from ctypes import _CArgObject, _Pointer
+    from typing import TypeAlias
+
+    _T = TypeVar("_T", bound="ctypes._CData")
+    # A pointer argument: a ctypes array, a ctypes pointer (numpy's ``.ctypes.data_as``),
+    # ``ctypes.byref`` of a scalar or struct, or None for NULL.
+    Ptr: TypeAlias = ctypes.Array[_T] | _Pointer[_T] | _CArgObject | None
+
+HEADER = CSRC_DIR / "forecache.h"
+
+# Opaque handles: the address an init function returned (ctypes gives None for NULL).
+CachePtr = int  # struct forecache_cache *
+CapturePtr = int  # struct forecache_capture *
+ReplayPtr = int  # struct forecache_replay *
+ContextPtr = int  # struct llama_context * (llama-cpp-python's llama_context_p)
 
 # int32_t hook(void * ud, int32_t layer, int32_t n_tokens, int32_t n_used,
 #              const int32_t * ids, const float * weights, const float * gate_input, int32_t n_embd)
 GATE_HOOK = ctypes.CFUNCTYPE(
-    ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
-    ctypes.POINTER(ctypes.c_int32), ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_float),
-    ctypes.c_int32,
+    c_int32, c_void_p, c_int32, c_int32, c_int32, POINTER(c_int32), POINTER(c_float),
+    POINTER(c_float), c_int32,
 )
+
+# the C types FORECACHE_CACHE_STATS_FIELDS may use
+_STATS_CTYPES = {"uint64_t": c_uint64, "int64_t": c_int64, "double": c_double}
+
+
+def stats_fields(header: Path = HEADER) -> list[tuple[str, type]]:
+    """The ctypes fields of struct forecache_cache_stats, in order: the X-macro list
+    FORECACHE_CACHE_STATS_FIELDS of ``header`` (the list the C side makes the struct from)."""
+    m = re.search(r"^#define FORECACHE_CACHE_STATS_FIELDS\(X\)((?:.*\\\n)*.*)$", header.read_text(),
+                  re.MULTILINE)
+    if m is None:
+        raise RuntimeError(f"{header} does not define FORECACHE_CACHE_STATS_FIELDS")
+    rows = re.findall(r"\bX\(\s*(\w+)\s*,\s*(\w+)\s*,\s*\w+\s*\)",
+                      re.sub(r"/\*.*?\*/", "", m.group(1)))
+    unknown = sorted({ty for ty, _ in rows} - _STATS_CTYPES.keys())
+    if not rows or unknown:
+        raise RuntimeError(f"FORECACHE_CACHE_STATS_FIELDS in {header}: no fields, or C types "
+                           f"this binding does not map: {unknown}")
+    return [(name, _STATS_CTYPES[ty]) for ty, name in rows]
 
 
 class CacheStats(ctypes.Structure):
-    """struct forecache_cache_stats."""
+    """struct forecache_cache_stats, its fields read from forecache.h (stats_fields)."""
 
-    _fields_ = [
-        ("hits", ctypes.c_uint64),
-        ("misses", ctypes.c_uint64),
-        ("host_layers", ctypes.c_uint64),
-        ("h2d_bytes", ctypes.c_uint64),
-        ("n_chunks", ctypes.c_uint64),
-        ("n_hook_calls", ctypes.c_uint64),
-        ("copy_s", ctypes.c_double),
-        ("stall_s", ctypes.c_double),
-        ("hook_s", ctypes.c_double),
-        ("host_s", ctypes.c_double),
-        ("hi_tasks", ctypes.c_uint64),
-        ("hi_wait_s", ctypes.c_double),
-        ("hi_wait_max_s", ctypes.c_double),
-        ("chunk_max_s", ctypes.c_double),
-        ("dropped_chunks", ctypes.c_uint64),
-        ("refused_loads", ctypes.c_uint64),
-        ("n_groups", ctypes.c_uint64),
-        ("streamed", ctypes.c_uint64),
-        ("host_entries", ctypes.c_uint64),
-        ("hi_block_s", ctypes.c_double),
-        ("hi_block_max_s", ctypes.c_double),
-        ("fast_gates", ctypes.c_uint64),
-        ("fast_s", ctypes.c_double),
-        ("model_host_s", ctypes.c_double),
-        ("decode_hits", ctypes.c_uint64),
-        ("decode_misses", ctypes.c_uint64),
-        ("events_dropped", ctypes.c_uint64),
-        ("staged", ctypes.c_uint64),
-        ("stage_used", ctypes.c_uint64),
-    ]
+    _fields_ = stats_fields()
 
     def as_dict(self) -> dict:
         return {name: getattr(self, name) for name, _ in self._fields_}
@@ -57,35 +81,19 @@ class Event(ctypes.Structure):
     """struct forecache_event: a gate event or a marker (forecache_cache_next_event)."""
 
     _fields_ = [
-        ("kind", ctypes.c_int32),
-        ("layer", ctypes.c_int32),
-        ("n_tokens", ctypes.c_int32),
-        ("n_used", ctypes.c_int32),
-        ("n_embd", ctypes.c_int32),
-        ("has_tokens", ctypes.c_int32),
-        ("pass_id", ctypes.c_uint64),
-        ("marker", ctypes.c_int64),
+        ("kind", c_int32),
+        ("layer", c_int32),
+        ("n_tokens", c_int32),
+        ("n_used", c_int32),
+        ("n_embd", c_int32),
+        ("has_tokens", c_int32),
+        ("pass_id", c_uint64),
+        ("marker", c_int64),
     ]
 
 
 # enum forecache_event_kind
 EVENT_GATE, EVENT_MARKER = 0, 1
-
-
-class ChunkInfo(ctypes.Structure):
-    """struct forecache_chunk_info (forecache-testing.h): one chunk copy run by
-    forecache_cache_step."""
-
-    _fields_ = [
-        ("layer", ctypes.c_int32),
-        ("slot", ctypes.c_int32),
-        ("proj", ctypes.c_int32),
-        ("expert", ctypes.c_int32),
-        ("priority", ctypes.c_int32),
-        ("size", ctypes.c_size_t),
-    ]
-
-
 # copy priorities (0 is the highest): a layer's misses, predicted experts
 HIGH, LOW = 0, 1
 # enum forecache_slot_state
@@ -94,87 +102,227 @@ SLOT_EMPTY, SLOT_READY, SLOT_COPYING, SLOT_QUEUED = -1, 0, 1, 2
 CHUNK_PROJECTION, CHUNK_EXPERT = 0, (1 << 64) - 1
 
 
-def declare(lib: ctypes.CDLL) -> None:
-    """Set argument and result types of the expert-cache functions on libllama."""
-    vp, i32, sz = ctypes.c_void_p, ctypes.c_int32, ctypes.c_size_t
-    sigs = {
-        "forecache_cache_init": ([vp, ctypes.POINTER(i32), i32, sz, sz, ctypes.c_char_p, sz], vp),
-        "forecache_cache_free": ([vp], None),
-        "forecache_cache_set_hook": ([vp, GATE_HOOK, vp, ctypes.c_bool], None),
-        "forecache_cache_layer_info": ([vp, i32, ctypes.POINTER(i32), ctypes.POINTER(i32),
-                                        ctypes.POINTER(sz)], i32),
-        "forecache_cache_slot_of": ([vp, i32, i32], i32),
-        "forecache_cache_load": ([vp, i32, i32, i32, i32], i32),
-        "forecache_cache_cancel": ([vp, i32, i32], i32),
-        "forecache_cache_preempt": ([vp, i32, ctypes.POINTER(i32), i32], i32),
-        "forecache_cache_schedule": ([vp, i32, ctypes.POINTER(i32), ctypes.POINTER(i32), i32, i32],
-                                     i32),
-        "forecache_cache_set_reorder": ([vp, ctypes.c_bool], None),
-        "forecache_cache_set_stage": ([vp, i32, ctypes.c_char_p, sz], i32),
-        "forecache_cache_set_little": ([vp, i32, ctypes.c_bool], None),
-        "forecache_capture_init": ([ctypes.c_char_p, i32, i32], vp),
-        "forecache_capture_free": ([vp], None),
-        "forecache_capture_get": ([vp, i32, ctypes.POINTER(ctypes.c_float)], ctypes.c_int64),
-        "forecache_cache_little_routing": ([vp, i32, ctypes.POINTER(i32), i32], i32),
-        "forecache_cache_stage": ([vp, i32, i32, i32], i32),
-        "forecache_cache_stage_state": ([vp, ctypes.POINTER(i32), ctypes.POINTER(i32),
-                                         ctypes.POINTER(i32)], i32),
-        "forecache_cache_layer_state": ([vp, i32, ctypes.POINTER(i32), ctypes.POINTER(i32)], i32),
-        "forecache_cache_wait_idle": ([vp], None),
-        "forecache_cache_get_stats": ([vp, i32, ctypes.POINTER(CacheStats)], i32),
-        "forecache_cache_reset_stats": ([vp], None),
-        "forecache_cache_stats_size": ([], sz),
-        "forecache_cache_layer_order": ([vp, i32, ctypes.POINTER(i32)], i32),
-        "forecache_cache_touch": ([vp, i32, ctypes.POINTER(i32), i32], None),
-        "forecache_cache_set_keys": ([vp, i32, ctypes.POINTER(ctypes.c_int64), i32,
-                                      ctypes.c_int64], i32),
-        "forecache_cache_add_keys": ([vp, i32, ctypes.POINTER(i32),
-                                      ctypes.POINTER(ctypes.c_int64), i32], i32),
-        "forecache_cache_layer_keys": ([vp, i32, ctypes.POINTER(ctypes.c_int64)], i32),
-        "forecache_cache_passes": ([vp, i32, ctypes.POINTER(ctypes.c_uint64),
-                                    ctypes.POINTER(ctypes.c_uint64)], i32),
-        "forecache_cache_set_decode_gate": ([vp, i32, ctypes.POINTER(i32),
-                                             ctypes.POINTER(ctypes.c_double), ctypes.c_bool], None),
-        "forecache_cache_set_events": ([vp, ctypes.c_bool, i32], None),
-        "forecache_cache_set_tokens": ([vp, ctypes.POINTER(i32), i32], None),
-        "forecache_cache_post": ([vp, ctypes.c_int64], None),
-        "forecache_cache_next_event": ([vp, i32, ctypes.POINTER(Event), ctypes.POINTER(i32), sz,
-                                        ctypes.POINTER(ctypes.c_float), sz, ctypes.POINTER(i32),
-                                        sz], i32),
-        "forecache_event_size": ([], sz),
-        "forecache_replay_init": ([vp, i32, sz, ctypes.c_char_p, sz], vp),
-        "forecache_replay_set": ([vp, i32, ctypes.POINTER(i32), ctypes.POINTER(ctypes.c_float)],
-                                 i32),
-        "forecache_replay_rewritten": ([vp], ctypes.c_int64),
-        "forecache_replay_free": ([vp], None),
-        # forecache-testing.h
-        "forecache_cache_pause": ([vp, ctypes.c_bool], None),
-        "forecache_cache_step": ([vp, ctypes.POINTER(ChunkInfo)], i32),
-        "forecache_cache_queued": ([vp, i32, i32], i32),
-        "forecache_chunk_info_size": ([], sz),
-        "forecache_cache_host_handoff": ([vp, i32, ctypes.c_bool], ctypes.c_double),
-        "forecache_cache_expert_matmul": ([vp, i32, i32, i32, i32, ctypes.c_bool, i32, i32],
-                                          ctypes.c_double),
-        "forecache_cache_test_route": ([vp, i32, ctypes.POINTER(i32), i32, ctypes.c_bool], i32),
-        "forecache_cache_test_schedule": ([vp, i32, ctypes.POINTER(i32), ctypes.POINTER(i32)],
-                                          i32),
-    }
-    for name, (args, res) in sigs.items():
-        fn = getattr(lib, name)
-        fn.argtypes = args
-        fn.restype = res
+class ForecacheAPI(CFunctions):
+    """forecache.h's functions: ``api.cache_load(...)`` calls ``forecache_cache_load``. Each
+    docstring is the header's comment in short; the header has the whole contract."""
+
+    prefix = "forecache_"
+
+    @c_function([], c_int32)
+    def patch_version() -> int:
+        """FORECACHE_PATCH_VERSION of the library."""
+
+    @c_function([c_size_t, c_size_t, c_int32, c_bool, POINTER(c_double), POINTER(c_double)],
+                c_int32)
+    def measure_copy(dev_index: int, nbytes: int, n_iter: int, pinned: bool,
+                     h2d_gbps: Ptr[c_double], d2h_gbps: Ptr[c_double]) -> int:
+        """Copy bandwidth host <-> device ``dev_index`` in GB/s: 0, or -1 bad device, -2 no
+        pinned memory, -3 allocation failed."""
+
+    # -- hidden-state capture ------------------------------------------------------------------
+    @c_function([c_char_p, c_int32, c_int32], c_void_p)
+    def capture_init(name: bytes, n_layer: int, n_embd: int) -> CapturePtr | None:
+        """A capture of the tensors ``name-<il>`` (rows of n_embd floats) for layers < n_layer."""
+
+    @c_function([c_void_p], None)
+    def capture_free(capture: CapturePtr) -> None:
+        """Free a capture."""
+
+    @c_function([c_void_p, c_bool, c_void_p], c_bool)
+    def capture_eval(t: int, ask: bool, user_data: CapturePtr) -> bool:
+        """The eval callback (cb_eval) that fills a capture; handed to llama.cpp, not called."""
+
+    @c_function([c_void_p, c_int32, POINTER(c_float)], c_int64)
+    def capture_get(capture: CapturePtr, layer: int, out: Ptr[c_float]) -> int:
+        """Copy ``layer``'s last captured row into ``out``: times captured (0: never), -1 bad
+        layer."""
+
+    # -- expert cache ----------------------------------------------------------------------------
+    @c_function([c_void_p, POINTER(c_int32), c_int32, c_size_t, c_size_t, c_char_p, c_size_t],
+                c_void_p)
+    def cache_init(ctx: ContextPtr, n_slots: Ptr[c_int32], n_layer: int, dev_index: int,
+                   chunk_bytes: int, err: ctypes.Array[ctypes.c_char], err_size: int,
+                   ) -> CachePtr | None:
+        """The cache of ``ctx`` with n_slots[il] slots per layer on device ``dev_index``, or
+        None (message in ``err``)."""
+
+    @c_function([c_void_p], None)
+    def cache_free(cache: CachePtr) -> None:
+        """Detach the cache from its context and free it."""
+
+    @c_function([c_void_p, GATE_HOOK, c_void_p, c_bool], None)
+    def cache_set_hook(cache: CachePtr, hook: GATE_HOOK, user_data: int | None,
+                       gate_input: bool) -> None:
+        """Set the gate hook (``gate_input``: it also sees the expert input)."""
+
+    @c_function([c_void_p, c_int32, POINTER(c_int32), POINTER(c_int32), POINTER(c_size_t)],
+                c_int32)
+    def cache_layer_info(cache: CachePtr, layer: int, n_expert: Ptr[c_int32],
+                         n_slots: Ptr[c_int32], expert_bytes: Ptr[c_size_t]) -> int:
+        """A layer's experts, slots and bytes per expert: 0, or -1 if not a MoE layer."""
+
+    @c_function([c_void_p, c_int32, c_int32], c_int32)
+    def cache_slot_of(cache: CachePtr, layer: int, expert: int) -> int:
+        """The slot holding ``expert`` (loaded or in flight), or -1."""
+
+    @c_function([c_void_p, c_int32, c_int32, c_int32, c_int32], c_int32)
+    def cache_load(cache: CachePtr, layer: int, expert: int, slot: int, priority: int) -> int:
+        """Put ``expert`` into ``slot`` and queue its copy: 0, 1 if the slot is in use by the
+        layer being computed, -1 for bad arguments."""
+
+    @c_function([c_void_p, c_int32, c_int32], c_int32)
+    def cache_cancel(cache: CachePtr, layer: int, min_priority: int) -> int:
+        """Drop queued plain loads of ``layer`` (-1: all) with priority >= min_priority: the
+        slots emptied."""
+
+    @c_function([c_void_p, c_int32, POINTER(c_int32), c_int32], c_int32)
+    def cache_preempt(cache: CachePtr, layer: int, keep: Ptr[c_int32], n_keep: int) -> int:
+        """Move ``layer``'s queued low-priority copies of ``keep`` to priority 0, drop the rest:
+        the slots emptied."""
+
+    @c_function([c_void_p, c_int32, POINTER(c_int32), POINTER(c_int32), c_int32, c_int32],
+                c_int32)
+    def cache_schedule(cache: CachePtr, layer: int, experts: Ptr[c_int32], slots: Ptr[c_int32],
+                       n: int, priority: int) -> int:
+        """From the gate hook: ``layer``'s compute order, a slot per expert (-1: host): 0, or -1
+        for bad arguments."""
+
+    @c_function([c_void_p, c_int32, c_char_p, c_size_t], c_int32)
+    def cache_set_stage(cache: CachePtr, n_stage: int, err: ctypes.Array[ctypes.c_char],
+                        err_size: int) -> int:
+        """Allocate ``n_stage`` stage slots: 0, or -1 (message in ``err``)."""
+
+    @c_function([c_void_p, c_int32, c_int32, c_int32], c_int32)
+    def cache_stage(cache: CachePtr, layer: int, expert: int, priority: int) -> int:
+        """Queue ``expert``'s copy into a free stage slot: the stage slot, or -1."""
+
+    @c_function([c_void_p, POINTER(c_int32), POINTER(c_int32), POINTER(c_int32)], c_int32)
+    def cache_stage_state(cache: CachePtr, layer: Ptr[c_int32], expert: Ptr[c_int32],
+                          state: Ptr[c_int32]) -> int:
+        """Each stage slot's layer, expert (-1: free) and state: n_stage."""
+
+    @c_function([c_void_p, c_int32, c_bool], None)
+    def cache_set_little(cache: CachePtr, m: int, resident: bool) -> None:
+        """MoBiLE's little pass: one-token ubatches route to their top ``m`` experts (0: off)."""
+
+    @c_function([c_void_p, c_int32, POINTER(c_int32), c_int32], c_int32)
+    def cache_little_routing(cache: CachePtr, layer: int, ids: Ptr[c_int32], cap: int) -> int:
+        """The little passes' full top-k for ``layer``'s tokens into ``ids``: their number (more
+        than ``cap`` when cut), -1 bad layer."""
+
+    @c_function([c_void_p, c_bool], None)
+    def cache_set_reorder(cache: CachePtr, reorder: bool) -> None:
+        """Compute a layer's experts in groups as their slots become ready (or wait for all)."""
+
+    @c_function([c_void_p, c_int32, POINTER(c_int32), POINTER(c_int32)], c_int32)
+    def cache_layer_state(cache: CachePtr, layer: int, expert_of: Ptr[c_int32],
+                          state: Ptr[c_int32]) -> int:
+        """Each slot's expert (-1: empty) and state: n_slots, or -1 bad layer."""
+
+    @c_function([c_void_p, c_int32, POINTER(c_int32)], c_int32)
+    def cache_layer_order(cache: CachePtr, layer: int, slots: Ptr[c_int32]) -> int:
+        """``layer``'s occupied slots in eviction order: the number written, -1 bad layer."""
+
+    @c_function([c_void_p, c_int32, POINTER(c_int64), c_int32, c_int64], c_int32)
+    def cache_set_keys(cache: CachePtr, layer: int, keys: Ptr[c_int64], n: int,
+                       step: int) -> int:
+        """Set ``layer``'s eviction keys and the step a routed row adds: 0, or -1."""
+
+    @c_function([c_void_p, c_int32, POINTER(c_int32), POINTER(c_int64), c_int32], c_int32)
+    def cache_add_keys(cache: CachePtr, layer: int, experts: Ptr[c_int32],
+                       deltas: Ptr[c_int64], n: int) -> int:
+        """Add deltas[i] to the eviction key of experts[i]: 0, or -1 bad layer."""
+
+    @c_function([c_void_p, c_int32, POINTER(c_int64)], c_int32)
+    def cache_layer_keys(cache: CachePtr, layer: int, keys: Ptr[c_int64]) -> int:
+        """``layer``'s eviction keys: n_expert, or -1 bad layer."""
+
+    @c_function([c_void_p, c_int32, POINTER(c_int32), c_int32], None)
+    def cache_touch(cache: CachePtr, layer: int, experts: Ptr[c_int32], n: int) -> None:
+        """Mark the slots of ``experts`` used, in order (the last most recent)."""
+
+    @c_function([c_void_p, c_int32, POINTER(c_uint64), POINTER(c_uint64)], c_int32)
+    def cache_passes(cache: CachePtr, layer: int, current: Ptr[c_uint64],
+                     routed: Ptr[c_uint64]) -> int:
+        """The current forward pass and ``layer``'s last routed one (0: never); -1 bad layer."""
+
+    @c_function([c_void_p, c_int32, POINTER(c_int32), POINTER(c_double), c_bool], None)
+    def cache_set_decode_gate(cache: CachePtr, n_used: int, host_k: Ptr[c_int32],
+                              host_s: Ptr[c_double], preempt: bool) -> None:
+        """Decide one-token gates in C from the policy's tables (n_used <= 0: off)."""
+
+    # -- gate events -----------------------------------------------------------------------------
+    @c_function([c_void_p, c_bool, c_int32], None)
+    def cache_set_events(cache: CachePtr, enabled: bool, capacity: int) -> None:
+        """Record gate events (at most ``capacity`` waiting; markers are never dropped)."""
+
+    @c_function([c_void_p, POINTER(c_int32), c_int32], None)
+    def cache_set_tokens(cache: CachePtr, tokens: Ptr[c_int32], n: int) -> None:
+        """Token ids of the ubatch about to be decoded, for its gate events."""
+
+    @c_function([c_void_p, c_int64], None)
+    def cache_post(cache: CachePtr, marker: int) -> None:
+        """Queue a marker event after the events recorded so far."""
+
+    @c_function([c_void_p, c_int32, POINTER(Event), POINTER(c_int32), c_size_t, POINTER(c_float),
+                 c_size_t, POINTER(c_int32), c_size_t], c_int32)
+    def cache_next_event(cache: CachePtr, timeout_ms: int, ev: Ptr[Event], ids: Ptr[c_int32],
+                         ids_cap: int, x: Ptr[c_float], x_cap: int, tokens: Ptr[c_int32],
+                         tokens_cap: int) -> int:
+        """Take the oldest event: 1, 0 on timeout, 2 when an array is too small (it stays)."""
+
+    @c_function([], c_size_t)
+    def event_size() -> int:
+        """sizeof(struct forecache_event)."""
+
+    # -- copies and statistics -------------------------------------------------------------------
+    @c_function([c_void_p], None)
+    def cache_wait_idle(cache: CachePtr) -> None:
+        """Block until every queued copy that can run is done."""
+
+    @c_function([c_void_p, c_int32, POINTER(CacheStats)], c_int32)
+    def cache_get_stats(cache: CachePtr, layer: int, out: Ptr[CacheStats]) -> int:
+        """Statistics of ``layer`` (-1: all layers) into ``out``: 0, or -1 bad layer."""
+
+    @c_function([c_void_p], None)
+    def cache_reset_stats(cache: CachePtr) -> None:
+        """Zero the statistics."""
+
+    @c_function([], c_size_t)
+    def cache_stats_size() -> int:
+        """sizeof(struct forecache_cache_stats)."""
+
+    # -- routing replay --------------------------------------------------------------------------
+    @c_function([c_void_p, c_int32, c_size_t, c_char_p, c_size_t], c_void_p)
+    def replay_init(ctx: ContextPtr, n_tokens_max: int, dev_index: int,
+                    err: ctypes.Array[ctypes.c_char], err_size: int) -> ReplayPtr | None:
+        """A routing replay for ``ctx`` (tables on device ``dev_index``), or None (message in
+        ``err``)."""
+
+    @c_function([c_void_p, c_int32, POINTER(c_int32), POINTER(c_float)], c_int32)
+    def replay_set(replay: ReplayPtr, n_tokens: int, ids: Ptr[c_int32],
+                   weights: Ptr[c_float]) -> int:
+        """The next ubatch's ids and weights [n_layer][n_tokens][n_used]: 0, or -1."""
+
+    @c_function([c_void_p], c_int64)
+    def replay_rewritten(replay: ReplayPtr) -> int:
+        """Expert matmuls rewritten so far, or -1 once a graph could not be rewritten."""
+
+    @c_function([c_void_p], None)
+    def replay_free(replay: ReplayPtr) -> None:
+        """Remove the replay from its context and free it."""
 
 
 # ctypes mirror -> the C function returning sizeof of the struct it mirrors
 _MIRRORS: dict[type[ctypes.Structure], str] = {
     CacheStats: "forecache_cache_stats_size",
     Event: "forecache_event_size",
-    ChunkInfo: "forecache_chunk_info_size",
 }
 
 
 def struct_size_mismatches(lib: ctypes.CDLL) -> list[str]:
-    """The mirrored structs whose ctypes size differs from the library's sizeof, described."""
+    """The mirrored structs whose ctypes size differs from the library's sizeof, described
+    (``lib``'s API bound: ``ForecacheAPI.bind``)."""
     out = []
     for mirror, fn in _MIRRORS.items():
         size = int(getattr(lib, fn)())

@@ -6,7 +6,7 @@ import ctypes
 import functools
 from dataclasses import dataclass
 
-from forecache.native.libs import libggml, libllama
+from forecache.native.libs import api, libggml
 
 # enum ggml_backend_dev_type in ggml-backend.h
 DEVICE_TYPES = {0: "cpu", 1: "gpu", 2: "igpu", 3: "accel", 4: "meta"}
@@ -129,8 +129,7 @@ def measure_copy(index: int, nbytes: int = 256 << 20, n_iter: int = 5,
     (forecache_measure_copy)."""
     _ensure_backends_loaded()
     h2d, d2h = ctypes.c_double(0), ctypes.c_double(0)
-    rc = libllama().forecache_measure_copy(index, nbytes, n_iter, pinned,
-                                           ctypes.byref(h2d), ctypes.byref(d2h))
+    rc = api().measure_copy(index, nbytes, n_iter, pinned, ctypes.byref(h2d), ctypes.byref(d2h))
     if rc != 0:
         raise CopyProbeError(_PROBE_ERRORS.get(rc, f"error {rc}"))
     return CopyBandwidth(h2d.value, d2h.value, pinned, nbytes)

@@ -9,7 +9,8 @@ import re
 from pathlib import Path
 from types import ModuleType
 
-from forecache.build import CSRC_DIR
+from forecache.build.info import BUILD_INFO_NAME, CSRC_DIR, PATCH_DIR
+from forecache.native.cache_api import ForecacheAPI, struct_size_mismatches
 
 
 def _header_patch_version(header: Path = CSRC_DIR / "forecache.h") -> int:
@@ -23,8 +24,25 @@ def _header_patch_version(header: Path = CSRC_DIR / "forecache.h") -> int:
 EXPECTED_PATCH_VERSION = _header_patch_version()
 
 MAX_THREADS = 512  # GGML_MAX_N_THREADS (ggml.h): more would overrun ggml's thread arrays
-# Sequences one context decodes together: LLAMA_MAX_SEQ as patch 0004 sets it (stock: 256)
-MAX_SEQUENCES = 1024
+
+
+
+def _patched_max_seq(patch_dir: Path = PATCH_DIR) -> tuple[int, int]:
+    """LLAMA_MAX_SEQ (llama-cparams.h) of stock llama.cpp and as the patch series sets it: the
+    lines the patch that raises it (0004) removes and adds."""
+    for patch in sorted(patch_dir.glob("*.patch")):
+        text = patch.read_text()
+        new = re.search(r"^\+#define LLAMA_MAX_SEQ (\d+)$", text, re.MULTILINE)
+        old = re.search(r"^-#define LLAMA_MAX_SEQ (\d+)$", text, re.MULTILINE)
+        if new and old:
+            return int(old.group(1)), int(new.group(1))
+    raise RuntimeError(f"no patch in {patch_dir} sets LLAMA_MAX_SEQ")
+
+
+# Sequences one context decodes together, stock llama.cpp's and forecache's (LLAMA_MAX_SEQ, which
+# llama_max_parallel_sequences() returns): read from the patch series, the one place they are set,
+# so they are known without loading the library (a command-line option's range).
+STOCK_MAX_SEQUENCES, MAX_SEQUENCES = _patched_max_seq()
 
 _FIX = "run `forecache build` (or `make setup`) to install forecache's patched llama-cpp-python"
 
@@ -41,7 +59,7 @@ class ModelLoadError(RuntimeError):
 def check_build_cpu() -> None:
     """Refuse a llama.cpp build compiled for instruction sets this CPU lacks (a wheel or cache
     carried from another machine), before its libraries load and die with SIGILL."""
-    from forecache.build import installed_build_info, missing_cpu_features
+    from forecache.build.info import installed_build_info, missing_cpu_features
 
     info = installed_build_info()
     missing = missing_cpu_features(info) if info else []
@@ -77,8 +95,9 @@ def lib_dir() -> Path:
 
 @functools.cache
 def libllama() -> ctypes.CDLL:
-    """libllama as loaded by llama-cpp-python, with our C API's signatures declared; refuses a
-    stock build or one of another API version."""
+    """libllama as loaded by llama-cpp-python, with our C API's signatures declared (call it
+    through :func:`api`); refuses a stock build, one of another API version or one whose structs
+    differ from their ctypes mirrors."""
     lib = llama_cpp_module()._lib
     try:
         fn = lib.forecache_patch_version
@@ -91,24 +110,20 @@ def libllama() -> ctypes.CDLL:
     if version != EXPECTED_PATCH_VERSION:
         raise PatchedBuildError(f"libllama has forecache patch version {version}, this forecache "
                                 f"needs {EXPECTED_PATCH_VERSION}: {_FIX}")
-    _declare_api(lib)
-    return lib
-
-
-def _declare_api(lib: ctypes.CDLL) -> None:
-    from forecache.native.cache_api import declare, struct_size_mismatches
-
-    lib.forecache_measure_copy.argtypes = [
-        ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int32, ctypes.c_bool,
-        ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_double),
-    ]
-    lib.forecache_measure_copy.restype = ctypes.c_int32
-    declare(lib)
+    ForecacheAPI.bind(lib)
     bad = struct_size_mismatches(lib)
     if bad:
         raise PatchedBuildError(f"libllama's structs do not match their ctypes mirrors in "
                                 f"forecache.native.cache_api ({'; '.join(bad)}): the mirror or "
                                 f"the build is out of date; fix the mirror or {_FIX}")
+    return lib
+
+
+@functools.cache
+def api() -> ForecacheAPI:
+    """forecache.h's functions on libllama, typed: ``api().cache_load(cache, layer, expert,
+    slot, priority)`` (:class:`~forecache.native.cache_api.ForecacheAPI`)."""
+    return ForecacheAPI.bind(libllama())
 
 
 def patch_version() -> int:
@@ -130,7 +145,7 @@ def build_info() -> dict:
     """The build record written into the package by ``forecache build``."""
     import llama_cpp
 
-    p = Path(llama_cpp.__file__).parent / "forecache_build.json"
+    p = Path(llama_cpp.__file__).parent / BUILD_INFO_NAME
     if not p.exists():
         raise PatchedBuildError(f"llama-cpp-python {llama_cpp.__version__} has no forecache build "
                                 f"record: {_FIX}")

@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from forecache.atomic_file import write_atomic
+from forecache.paths import write_atomic
 from forecache.predictor.base import Predictor
 from forecache.predictor.mlp import OnnxMLP, hidden_size, to_onnx, train_mlp
 from forecache.trace.format import Request

@@ -16,10 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from forecache.atomic_file import write_atomic
 from forecache.gguf.header import ModelFile
 from forecache.gguf.identity import identity, require_same_model
-from forecache.paths import cache_dir
+from forecache.paths import cache_dir, write_atomic
 
 MODEL_FILE = "model.json"
 EAM_FILE = "eam.npz"

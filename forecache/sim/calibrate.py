@@ -15,14 +15,14 @@ from pathlib import Path
 import numpy as np
 
 from forecache.cache.cost import Profile
-from forecache.cache.fit import nelder_mead
 from forecache.cache.prefetcher import Features
 from forecache.cache.setup import CacheConfig, attach_observer
 from forecache.generate import SamplingParams, generate
 from forecache.gguf.header import ModelFile
+from forecache.jobs.fit import nelder_mead
 from forecache.llama import Llama
 from forecache.predictor.history import HistoryPredictor
-from forecache.sim.shapes import SimShape, model_shape
+from forecache.sim.shapes import ModelShape, model_shape
 from forecache.sim.simulate import SimConfig, Simulator
 from forecache.trace.format import Request
 from forecache.trace.record import RouteRecorder, all_rows_computed
@@ -89,7 +89,7 @@ def cpu_profile(base: Profile, x: dict[str, float], name: str, device: str) -> P
                    chunk_latency_s=x["chunk_latency_s"], group_s=x["group_s"])
 
 
-def simulate_measured(m: Measured, shape: SimShape, profile: Profile,
+def simulate_measured(m: Measured, shape: ModelShape, profile: Profile,
                       warmup: Request, requests: Sequence[Request]) -> tuple[float, float]:
     """TTFT and TPOT the simulator gives run ``m`` (after the same warm-up request), as the CPU
     build runs it: promoe predicts with history at window 1, does not split (device and host
@@ -110,7 +110,7 @@ def simulate_measured(m: Measured, shape: SimShape, profile: Profile,
     return float(np.median(ttft)), float(np.median(tpot))
 
 
-def fit_profile(base: Profile, shape: SimShape, runs: Sequence[Measured], warmup: Request,
+def fit_profile(base: Profile, shape: ModelShape, runs: Sequence[Measured], warmup: Request,
                 requests: Sequence[Request], fixed: dict[str, float], name: str,
                 device: str, iters: int = 120) -> Profile:
     """The CPU-build profile whose simulation best matches ``runs`` (least squares of the log
@@ -142,7 +142,7 @@ def fit_profile(base: Profile, shape: SimShape, runs: Sequence[Measured], warmup
 class Validation:
     """Calibration and validation runs with the fitted profile."""
 
-    shape: SimShape
+    shape: ModelShape
     profile: Profile
     calibration: list[Measured]
     validation: list[Measured]

@@ -18,7 +18,7 @@ import numpy as np
 
 from forecache.cache.cost import Profile
 from forecache.cache.prefetcher import HIGH, SLOT_COPYING, SLOT_EMPTY, SLOT_QUEUED, SLOT_READY
-from forecache.sim.shapes import SimShape
+from forecache.sim.shapes import ModelShape
 
 N_PRIORITIES = 4
 
@@ -64,7 +64,7 @@ class _Layer:
 class SimEngine:
     """The C copy engine's contract in virtual time (csrc/forecache.h, forecache-cache.cpp)."""
 
-    def __init__(self, shape: SimShape, n_slots: Sequence[int], profile: Profile, *,
+    def __init__(self, shape: ModelShape, n_slots: Sequence[int], profile: Profile, *,
                  whole_expert_chunks: bool = False, n_stage: int = 0) -> None:
         self.shape = shape
         self.profile = profile

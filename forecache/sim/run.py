@@ -16,14 +16,14 @@ from forecache.cache.allocation import layer_decay, reallocate
 from forecache.cache.budget import fraction_slots, parse_size
 from forecache.cache.choice import DecodeShape
 from forecache.cache.cost import Profile
-from forecache.cache.policies import NCMOE_RUNS
 from forecache.cache.prefetcher import ABLATION
+from forecache.cache.registry import NCMOE_RUNS
 from forecache.errors import setting
 from forecache.predictor.base import Predictor, source_layer
 from forecache.predictor.eam import EAMPredictor
 from forecache.predictor.metrics import topk_accuracy
 from forecache.predictor.registry import make_predictor, unavailable
-from forecache.sim.shapes import SimShape, shape_of, trace_model_names
+from forecache.sim.shapes import ModelShape, shape_of, trace_model_names
 from forecache.sim.simulate import SimConfig, SimResult, simulate
 from forecache.trace import synth
 from forecache.trace.format import Request, TraceFile, TraceInfo
@@ -101,7 +101,7 @@ def stock_best(runs: Mapping[str, SimResult]) -> StockBest:
     return StockBest(got)
 
 
-def trace_shape(path: Path, info: TraceInfo, name: str | None, qtype: str) -> SimShape:
+def trace_shape(path: Path, info: TraceInfo, name: str | None, qtype: str) -> ModelShape:
     """The model shape to replay ``path`` at: ``name``, else the trace's own model."""
     if name is None:
         name = info.meta.get("preset") or trace_model_names().get(path.stem)
@@ -117,7 +117,7 @@ def trace_shape(path: Path, info: TraceInfo, name: str | None, qtype: str) -> Si
     return shape
 
 
-def slots_for(shape: SimShape, n_layers_cached: int, budget: str | None,
+def slots_for(shape: ModelShape, n_layers_cached: int, budget: str | None,
               fraction: float | None) -> int:
     """Slots per cached layer for a device budget or a cache fraction."""
     if (budget is None) == (fraction is None):
@@ -135,7 +135,7 @@ def slots_for(shape: SimShape, n_layers_cached: int, budget: str | None,
     return min(shape.experts, int(left // (shape.expert_bytes * n_layers_cached)))
 
 
-def decode_shape(shape: SimShape, n_slots: int) -> DecodeShape:
+def decode_shape(shape: ModelShape, n_slots: int) -> DecodeShape:
     """The default placement's view (``cache.choice``) of ``shape`` with ``n_slots`` slots a
     layer, ncmoe's layers split as the simulator splits them."""
     on_gpu = min(shape.layers, n_slots * shape.layers // shape.experts)
@@ -208,7 +208,7 @@ def static_profile(fit: Sequence[Request], info: TraceInfo) -> np.ndarray:
     return counts
 
 
-def infinity_setup(fit: Sequence[Request], info: TraceInfo, shape: SimShape,
+def infinity_setup(fit: Sequence[Request], info: TraceInfo, shape: ModelShape,
                    layers: Sequence[int], n_slots: int, *, decay: bool = False,
                    ) -> tuple[list[int], EAMPredictor]:
     """What the infinity policy is run with: slots per model layer (``n_slots`` on each of
@@ -232,19 +232,19 @@ def fresh(p: Predictor | None) -> Predictor | None:
     return copy.deepcopy(p)
 
 
-def run_one(replay: Sequence[Request], shape: SimShape, profile: Profile, cfg: SimConfig,
+def run_one(replay: Sequence[Request], shape: ModelShape, profile: Profile, cfg: SimConfig,
             predictor: Predictor | None) -> SimResult:
     return simulate(replay, shape, profile, cfg, fresh(predictor))
 
 
-def run_ncmoe(replay: Sequence[Request], shape: SimShape, profile: Profile, cfg: SimConfig
+def run_ncmoe(replay: Sequence[Request], shape: ModelShape, profile: Profile, cfg: SimConfig
               ) -> dict[str, SimResult]:
     """``cfg``'s budget as stock llama.cpp's --n-cpu-moe, with pinned and with mmap'd host
     experts (``NCMOE_RUNS``)."""
     return {p: run_one(replay, shape, profile, replace(cfg, policy=p), None) for p in NCMOE_RUNS}
 
 
-def ablation(replay: Sequence[Request], shape: SimShape, profile: Profile, base: SimConfig,
+def ablation(replay: Sequence[Request], shape: ModelShape, profile: Profile, base: SimConfig,
              predictor: Predictor | None) -> list[tuple[str, SimResult]]:
     """ProMoE Fig. 13/14: LRU, then prefetch, chunking, early preemption and reordering added."""
     out = []
@@ -269,7 +269,7 @@ def target_options(ap: argparse.ArgumentParser, like: Path) -> None:
 
 
 def target_replay(args: argparse.Namespace, progress: Callable[[str], None] = print
-                  ) -> tuple[SimShape, Profile, int, TraceInfo, list[Request], list[Request],
+                  ) -> tuple[ModelShape, Profile, int, TraceInfo, list[Request], list[Request],
                              dict]:
     """Routing at ``args.shape`` (q4_k) synthesized like ``args.like``, split into the requests
     that fit predictors and those replayed: (shape, profile, slots a layer at ``args.budget``,
@@ -297,7 +297,7 @@ class TargetBaselines:
     """A target benchmark's replay and its two baselines: ncmoe (the faster of its pinned and
     mmap'd runs, ``ncmoe_best``) and exact promoe."""
 
-    shape: SimShape
+    shape: ModelShape
     profile: Profile
     n_slots: int
     replay: list[Request]

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import yaml
 
-from forecache.cache.shape import SimShape, model_shape, shape_of
+from forecache.cache.shape import ModelShape, model_shape, shape_of
 from forecache.gguf.specs import models_yaml
 
-__all__ = ["SimShape", "model_shape", "shape_of", "trace_model_names"]
+__all__ = ["ModelShape", "model_shape", "shape_of", "trace_model_names"]
 
 
 def trace_model_names() -> dict[str, str]:

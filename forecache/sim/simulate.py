@@ -7,14 +7,12 @@ llama.cpp and the C expert cache: compute time (the ``cache.cost`` roofline) and
 (``sim.engine.SimEngine``). Virtual time only:
 the result depends on the trace, shape, profile and options, never on this machine.
 
-``simulate`` replays requests one at a time; ``simulate_batch`` replays them as one batch job
-(``forecache batch``: continuous batching of ``n_seq`` sequences), whose ubatches hold rows of
-several requests and also pay attention over each row's context.
+``simulate`` replays requests one at a time; ``sim.batch.simulate_batch`` replays them as one
+batch job.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -23,30 +21,20 @@ import numpy as np
 from forecache.cache.cost import CostModel, Profile, roofline_s
 from forecache.cache.forecast import Forecaster
 from forecache.cache.infinity import InfinityPolicy
-from forecache.cache.policies import (
-    NCMOE_RUNS,
-    LFUPolicy,
-    LRUPolicy,
-    Policy,
-    StaticPolicy,
-    first_use,
-    hit_rate,
-)
+from forecache.cache.policies import Policy, PolicyInputs, first_use, hit_rate
 from forecache.cache.prefetcher import (
     SLOT_READY,
     Features,
     Prefetcher,
     stage_slots_for,
 )
+from forecache.cache.registry import SIM_POLICIES, policy_spec
 from forecache.predictor.base import Predictor
 from forecache.sim.engine import SimEngine
-from forecache.sim.shapes import SimShape
+from forecache.sim.shapes import ModelShape
 from forecache.trace.format import Request, logged_layers
 
-SIM_POLICIES = ("offload", "ncmoe", "ncmoe-mmap", "lru", "lfu", "static", "promoe",
-                "infinity")
-STOCK = ("offload", *NCMOE_RUNS)  # no cache: llama.cpp's own placements
-PROACTIVE = ("promoe", "infinity")  # Prefetcher policies: forecasts, reordered compute
+__all__ = ["SIM_POLICIES", "SimConfig", "SimResult", "Simulator", "simulate"]
 
 
 @dataclass
@@ -131,7 +119,7 @@ class SimResult:
 class Simulator:
     """Replays requests of a trace through a policy on the modelled machine."""
 
-    def __init__(self, shape: SimShape, profile: Profile, cfg: SimConfig, layers: Sequence[int],
+    def __init__(self, shape: ModelShape, profile: Profile, cfg: SimConfig, layers: Sequence[int],
                  predictor: Predictor | None = None) -> None:
         self.shape, self.profile, self.cfg = shape, profile, cfg
         self.layers = list(layers)  # trace layers with routing data, simulated as cached layers
@@ -142,8 +130,9 @@ class Simulator:
         for il in self.layers:
             self.n_slots[il] = min(cfg.slots_at(il), shape.experts)
         f = cfg.features
+        spec = self.spec = policy_spec(cfg.policy, simulated=True)
         stage = 0
-        if cfg.policy in PROACTIVE and f.reorder:
+        if spec.proactive and f.reorder:
             stage = cfg.stage_slots if cfg.stage_slots is not None else \
                 stage_slots_for(shape.experts, self.n_slots)
             # the stage's device memory comes out of the slots, one from a layer at a time
@@ -159,45 +148,28 @@ class Simulator:
                 self.n_slots[cached[-1 - k % len(cached)]] -= 1
         self.engine = SimEngine(shape, self.n_slots, profile, whole_expert_chunks=not f.chunk,
                                 n_stage=stage)
-        self.policy: Policy | None
-        if cfg.policy == "lru":
-            self.policy = LRUPolicy(self.n_slots)
-        elif cfg.policy == "lfu":
-            self.policy = LFUPolicy(self.n_slots)
-        elif cfg.policy == "static":
-            if cfg.static_profile is None:
-                raise ValueError("the static policy needs a routing profile")
-            self.policy = StaticPolicy(self.n_slots, cfg.static_profile)
-        elif cfg.policy == "promoe":
-            self.policy = Prefetcher(self.n_slots, f, CostModel.from_profile(profile, shape.expert))
-        elif cfg.policy == "infinity":
-            self.policy = InfinityPolicy(self.n_slots, f,
-                                         CostModel.from_profile(profile, shape.expert),
-                                         prefetch_n=shape.top_k)
-        elif cfg.policy in STOCK:
-            self.policy = None
-        else:
-            raise ValueError(f"unknown policy {cfg.policy!r}; simulate one of "
-                             f"{', '.join(SIM_POLICIES)}")
+        cost = CostModel.from_profile(profile, shape.expert)
+        self.policy: Policy | None = spec.policy.create(self.n_slots, PolicyInputs(
+            features=f, cost=cost, profile=cfg.static_profile, top_k=shape.top_k)) \
+            if spec.policy is not None else None
         # Layers whose experts stay in host memory under stock llama.cpp's rules: every layer for
         # offload; for ncmoe (--n-cpu-moe N) the first N, N as small as the budget allows. A
         # prompt's ubatches copy them up at the pinned rate, or the pageable one when mmap'd.
         self.stock_host: set[int] = set()
-        self.stock_gbps = profile.pageable_gbps() if cfg.policy == "ncmoe-mmap" \
-            else profile.h2d_gbps
-        if cfg.policy == "offload":
+        self.stock_gbps = profile.pageable_gbps() if spec.mmap else profile.h2d_gbps
+        if spec.placement == "host":
             self.stock_host = set(self.layers)
-        elif cfg.policy in NCMOE_RUNS:
+        elif spec.placement == "layers":
             total = sum(cfg.slots_at(il) for il in self.layers)
             on_gpu = min(len(self.layers), total // shape.experts)
             self.stock_host = set(sorted(self.layers)[:len(self.layers) - on_gpu])
         self.forecaster = None
-        if cfg.policy == "promoe" and f.prefetch and predictor is not None:
-            self.forecaster = Forecaster(predictor, cfg.window, self.layers, self.n_slots)
-        elif cfg.policy == "infinity" and f.prefetch and predictor is not None:
+        if spec.ranks_experts and f.prefetch and predictor is not None:
             # the whole ranking an EAM match gives: infinity's eviction priority
             self.forecaster = Forecaster(predictor, cfg.window, self.layers, self.n_slots,
                                          n_predict=shape.experts, min_score=0.0)
+        elif spec.proactive and f.prefetch and predictor is not None:
+            self.forecaster = Forecaster(predictor, cfg.window, self.layers, self.n_slots)
         if self.policy is not None:
             self.policy.attach(self.engine)
             for il, e, s in self.policy.initial_loads():
@@ -207,7 +179,7 @@ class Simulator:
             self.engine.stats.update(h2d_bytes=0, n_chunks=0)
         self.t = self.engine.now
         self._merge = CostModel.from_profile(profile, shape.expert)  # host entries' merge time
-        self._hook_s = profile.prefetch_hook_s if cfg.policy in PROACTIVE and \
+        self._hook_s = profile.prefetch_hook_s if spec.proactive and \
             profile.prefetch_hook_s > 0 else profile.hook_s
         # one-token gates the engine decides in C from the policy's tables, as at run time
         # (per experts a token routes: a MoBiLE little pass routes fewer)
@@ -568,7 +540,7 @@ class Simulator:
         on_host = L.sch_e[n:]
         host_rows = sum(rows_of[e] for e in on_host)
         sh = self.shape
-        if not self.cfg.features.reorder or self.cfg.policy not in PROACTIVE:
+        if not self.cfg.features.reorder or not self.spec.proactive:
             # as the C side without reordering: wait for every slot, then each projection once
             self._wait(il, lambda: eng.all_ready(il))
             for p in range(L.n_proj):
@@ -691,7 +663,7 @@ class Simulator:
             stall_s=self.stall, hook_s=self.hook, extra=extra, per_layer=per_layer)
 
 
-def simulate(requests: Sequence[Request], shape: SimShape, profile: Profile, cfg: SimConfig,
+def simulate(requests: Sequence[Request], shape: ModelShape, profile: Profile, cfg: SimConfig,
              predictor: Predictor | None = None) -> SimResult:
     """Replay ``requests`` (in order, one at a time) and summarise."""
     if not requests:
@@ -707,306 +679,3 @@ def simulate(requests: Sequence[Request], shape: SimShape, profile: Profile, cfg
             n_prefill += int((req.phase == 0).sum())
         decode.extend(d)
     return sim.result(prefill, decode, n_prefill)
-
-
-# what a batch job's critical path waits on: the device's compute, the CPU (host experts,
-# host attention), the bus (copies the compute waits for) and the runtime's own steps
-RESOURCES = ("GPU", "CPU", "PCIe", "runtime")
-
-
-@dataclass
-class BatchResult:
-    """A batch job replayed by ``simulate_batch``."""
-
-    n_requests: int
-    n_seq: int
-    job_s: float  # virtual time from the first admission to the last finish (or the drain)
-    generated: int  # tokens sampled: the requests' answer lengths (up to the drain)
-    complete: bool  # every request finished (not stopped at the drain)
-    prompt_tokens: int  # prompt rows fed
-    prefill_s: float  # ubatches with prompt rows (the decode rows beside them included)
-    decode_s: float  # ubatches of decode rows only
-    n_steps: int  # llama batches
-    n_ubatches: int
-    hits: int
-    misses: int
-    decode_hits: int  # in the ubatches of decode rows only
-    decode_misses: int
-    h2d_bytes: int
-    stall_s: float  # compute waiting for copies
-    host_layers: int  # layers computed wholly on the CPU by the policy
-    attention_s: float
-    latency_s: float  # mean time from a request's admission to its last token (finished ones)
-    busy: dict[str, float]  # critical-path seconds by resource (RESOURCES)
-    extra: dict
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Generated tokens a second over the job (up to the drain, for a steady replay)."""
-        return self.generated / self.job_s if self.job_s > 0 else 0.0
-
-    @property
-    def hit_rate(self) -> float:
-        return hit_rate(self.hits, self.misses) or 0.0
-
-    @property
-    def bound(self) -> str:
-        """The resource the job's critical path spends most of its time on."""
-        return max(RESOURCES, key=lambda k: self.busy.get(k, 0.0))
-
-    def to_json(self) -> dict:
-        out = {k: v for k, v in self.__dict__.items() if k != "extra"}
-        out.update(self.extra)
-        out.update(tokens_per_s=self.tokens_per_s, hit_rate=self.hit_rate,
-                   decode_hit_rate=hit_rate(self.decode_hits, self.decode_misses) or 0.0,
-                   bound=self.bound)
-        return out
-
-
-SPLITS = ("simple", "equal")
-
-
-def split_batch(seqs: Sequence[int], n_ubatch: int, split: str = "simple") -> list[np.ndarray]:
-    """The ubatches llama.cpp makes of a batch whose rows belong to sequences ``seqs``: row
-    indices, each ubatch's in the order it computes them. ``simple`` (a unified KV cache,
-    llama_batch_allocr::split_simple): ``n_ubatch`` consecutive rows at a time. ``equal`` (a
-    KV stream per sequence, as forecache batch loads the model; split_equal with sequential
-    ids): from the first unused row, the sequences whose ids follow each other (in batch
-    order), then as many rows of each as all of them have, within ``n_ubatch``, grouped by
-    sequence; rows of sequences whose ids do not follow go to later ubatches."""
-    n = len(seqs)
-    if split == "simple":
-        return [np.arange(a, min(a + n_ubatch, n)) for a in range(0, n, n_ubatch)]
-    if split != "equal":
-        raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
-    rows_of: dict[int, list[int]] = {}
-    for i, q in enumerate(seqs):
-        rows_of.setdefault(q, []).append(i)
-    taken = dict.fromkeys(rows_of, 0)  # a sequence's rows are taken in order
-    used = [False] * n
-    out = []
-    start = 0
-    while start < n:
-        chain: list[int] = []
-        for i in range(start, n):
-            q = seqs[i]
-            # a sequence already in the chain has q <= chain[-1]: only the next id joins
-            if used[i] or (chain and q != chain[-1] + 1):
-                continue
-            chain.append(q)
-            if len(chain) == n_ubatch:
-                break
-        per = min(len(rows_of[q]) - taken[q] for q in chain)
-        per = max(1, min(per, n_ubatch // len(chain)))
-        u = []
-        for q in chain:
-            got = rows_of[q][taken[q]:taken[q] + per]
-            taken[q] += per
-            u.extend(got)
-            for i in got:
-                used[i] = True
-        out.append(np.array(u))
-        while start < n and used[start]:
-            start += 1
-    return out
-
-
-@dataclass
-class _Seq:
-    """A request decoding in sequence ``seq`` of a batch job (``batch.decode_many``'s)."""
-
-    req: int
-    seq: int
-    first_row: int  # of the request's rows in the merged request
-    prompt: int
-    answer: int
-    admitted: float
-    fed: int = 0  # prompt rows already in a batch
-    out: int = 0  # tokens sampled; the last one is fed in the next batch
-
-
-def merge_requests(requests: Sequence[Request]) -> tuple[Request, np.ndarray]:
-    """One request whose rows are ``requests``' rows one after the other, and where each
-    starts: a ubatch of a batch job takes rows of several requests from it."""
-    starts = np.cumsum([0] + [r.n_tokens for r in requests])
-
-    def cat(name: str) -> np.ndarray | None:
-        parts = [getattr(r, name) for r in requests]
-        return None if any(p is None for p in parts) else np.concatenate(parts)
-
-    merged = Request(experts=np.concatenate([r.experts for r in requests]),
-                     token_ids=cat("token_ids"), weights=cat("weights"),
-                     gate_input=cat("gate_input"), phase=cat("phase"))
-    return merged, starts[:-1]
-
-
-def simulate_batch(requests: Sequence[Request], shape: SimShape, profile: Profile,
-                   cfg: SimConfig, predictor: Predictor | None = None, *,
-                   steady: bool = False) -> BatchResult:
-    """Replay ``requests`` as one batch job, as ``forecache batch`` decodes it
-    (``batch.decode_many``): up to ``cfg.n_seq`` sequences; each step's llama batch holds
-    every decoding sequence's next token, then prompt chunks of the sequences still prefilling
-    up to ``n_batch`` tokens, handed over in sequence-id order (a new request takes the lowest
-    free id), and runs as the ubatches llama.cpp splits it into
-    (``split_batch`` by ``cfg.split``: ``n_ubatch`` consecutive rows by default); a finished
-    sequence frees its slot for the next request, longest first (prompt + answer, ties in
-    input order); with ``split="equal"``, once none is left to admit, the highest sequence
-    moves into a freed lower id, its KV stream copied (``decode_many``'s ``move_down``). A
-    request's prefill rows are its prompt and its decode rows its answer: the last prompt row
-    samples the first answer token, each answer token but the last is fed back. Every layer's
-    attention, on the device or, with ``cfg.kv_host``, on the CPU: with a KV stream per
-    sequence (``split="equal"``) a ubatch reads each of its sequences' KV once (its context so
-    far) and computes every row against its own context; with a unified KV cache
-    (``"simple"``) every row attends over all the cells in use, as llama.cpp masks the others.
-    The policy and predictor see one job, as at run time.
-    ``steady``: stop when no request is left to admit and a sequence finishes (the batch would
-    drain from there): the throughput of a full batch, without the job's tail."""
-    if not requests:
-        raise ValueError("no requests to simulate")
-    if cfg.little_k or cfg.spec_draft:
-        raise ValueError("a batch replay decodes exactly: no MoBiLE little passes or drafts")
-    n_batch = cfg.n_batch if cfg.n_batch is not None else max(cfg.n_ubatch, cfg.n_seq)
-    if cfg.n_seq < 1 or n_batch < cfg.n_seq:
-        raise ValueError(f"a batch of {n_batch} tokens cannot hold the next tokens of "
-                         f"{cfg.n_seq} sequences")
-    prompt, answer = [], []
-    for i, r in enumerate(requests):
-        phase = r.phase if r.phase is not None else np.ones(r.n_tokens, np.int8)
-        p = int((phase == 0).sum())
-        if p < 1 or p == r.n_tokens or (phase[:p] != 0).any():
-            raise ValueError(f"request {i}: a batch replay needs prompt rows, then answer rows")
-        prompt.append(p)
-        answer.append(r.n_tokens - p)
-    merged, starts = merge_requests(requests)
-    sim = Simulator(shape, profile, cfg, logged_layers(requests, shape.layers), predictor)
-    # one job for the policy and the predictor, as decode_many runs it
-    if sim.policy is not None:
-        sim.policy.begin_request()
-    if sim.forecaster is not None:
-        sim.forecaster.begin_request()
-    pending = deque(sorted(range(len(requests)), key=lambda i: -requests[i].n_tokens))
-    free = list(range(cfg.n_seq))
-    active: list[_Seq] = []
-    t0 = sim.t
-    latency = 0.0
-    generated = finished = prompt_fed = 0
-    prefill_s = decode_s = 0.0
-    n_steps = n_ubatches = moves = 0
-    decode_steps = decode_step_ubatches = 0  # steps of decoding rows only, and their ubatches
-    # each sequence's KV stream: its share of the context llama.cpp is loaded with
-    ctx_per_seq = max(p + a for p, a in zip(prompt, answer, strict=True))
-    dec_hits = dec_misses = 0
-    kv, d = shape.kv_bytes, shape.d_model
-    while pending or active:
-        while free and pending:
-            i = pending.popleft()
-            seq = free.pop(free.index(min(free)))  # the lowest free id, as decode_many
-            active.append(_Seq(i, seq, int(starts[i]), prompt[i], answer[i], sim.t))
-        rows: list[int] = []
-        ctx: list[int] = []  # each row's context: its sequence's tokens up to it
-        seqs: list[int] = []
-        sampled: list[int] = []  # batch rows with logits
-        done: list[_Seq] = []  # sequences sampled from this batch, in row order
-        for s in active:  # each decoding sequence's last sampled token first
-            if s.out:
-                sampled.append(len(rows))
-                done.append(s)
-                rows.append(s.first_row + s.prompt + s.out - 1)
-                ctx.append(s.prompt + s.out)
-                seqs.append(s.seq)
-        n_decode = len(rows)
-        for s in active:  # then prompt chunks, while the batch has room
-            if s.fed < s.prompt and len(rows) < n_batch:
-                take = min(s.prompt - s.fed, n_batch - len(rows))
-                rows.extend(range(s.first_row + s.fed, s.first_row + s.fed + take))
-                ctx.extend(range(s.fed + 1, s.fed + take + 1))
-                seqs.extend([s.seq] * take)
-                s.fed += take
-                prompt_fed += take
-                if s.fed == s.prompt:
-                    sampled.append(len(rows) - 1)
-                    done.append(s)
-        n_steps += 1
-        logit = np.zeros(len(rows), bool)
-        logit[sampled] = True
-        decoding = np.arange(len(rows)) < n_decode
-        # the rows go to llama.cpp in sequence-id order, as decode_many hands them over
-        order = np.argsort(np.array(seqs), kind="stable")
-        rows_a, ctx_a = np.array(rows)[order], np.array(ctx, np.float64)[order]
-        seqs_a, logit, decoding = np.array(seqs)[order], logit[order], decoding[order]
-        parts = split_batch(seqs_a.tolist(), cfg.n_ubatch, cfg.split)
-        if decoding.all():
-            decode_steps += 1
-            decode_step_ubatches += len(parts)
-        if cfg.split == "simple":
-            # a unified KV cache holds every sequence's cells in one stream, and each row
-            # attends over all the cells in use, the others masked
-            cells = float(ctx_a[np.r_[seqs_a[1:] != seqs_a[:-1], True]].sum())
-        for u in parts:
-            c, q = ctx_a[u], seqs_a[u]
-            if cfg.split == "simple":
-                attention = (cells * kv, 4.0 * d * len(u) * cells)
-            else:
-                # a sequence's rows are contiguous: its last row in the ubatch has its longest
-                # context, the KV the ubatch reads for it
-                last = np.r_[q[1:] != q[:-1], True]
-                attention = (float(c[last].sum()) * kv, 4.0 * d * float(c.sum()))
-            hits, misses = sim.hits, sim.misses
-            t = sim._ubatch(merged, rows_a[u], attention, int(logit[u].sum()))
-            n_ubatches += 1
-            if decoding[u].all():
-                decode_s += t
-                dec_hits += sim.hits - hits
-                dec_misses += sim.misses - misses
-            else:
-                prefill_s += t
-        generated += len(done)
-        ended = False
-        for s in done:
-            s.out += 1
-            if s.out >= s.answer:
-                active.remove(s)
-                free.append(s.seq)
-                latency += sim.t - s.admitted
-                finished += 1
-                ended = True
-        if steady and not pending and ended:
-            break
-        while not pending and cfg.split == "equal" and free and active:
-            # decode_many's move_down: the highest sequence takes the lowest free id below
-            # it, its whole KV stream copied (read and written) where the cache lives
-            top = max(active, key=lambda x: x.seq)
-            low_id = min(free)
-            if low_id > top.seq:
-                break
-            free.remove(low_id)
-            free.append(top.seq)
-            top.seq = low_id
-            stream = 2.0 * ctx_per_seq * shape.layers * kv
-            dt = stream / ((profile.cpu_mem_gbps if cfg.kv_host else profile.gpu_mem_gbps) * 1e9)
-            sim.t += dt
-            sim.runtime_s += dt
-            sim.engine.advance_to(sim.t)
-            moves += 1
-    if sim.forecaster is not None:
-        sim.forecaster.end_request()
-    job = sim.t - t0
-    eng = sim.engine
-    busy = {"CPU": sim.cpu_s, "PCIe": sim.stall + sim.bus_s, "runtime": sim.runtime_s}
-    busy["GPU"] = max(job - sum(busy.values()), 0.0)
-    extra = {k: v for k, v in eng.stats.items() if k != "h2d_bytes"}
-    extra.update(layers_simulated=len(sim.layers), stage_slots=sim.n_stage,
-                 decode_gates_in_c=sim.fast_gates, n_batch=n_batch, n_ubatch=cfg.n_ubatch,
-                 kv_host=cfg.kv_host, policy=cfg.policy, split=cfg.split, moves=moves,
-                 decode_steps=decode_steps, decode_step_ubatches=decode_step_ubatches)
-    if isinstance(sim.policy, Prefetcher):
-        extra.update(prefetch_loads=sim.policy.prefetch_loads,
-                     stale_predictions=sim.policy.stale_predictions)
-    return BatchResult(
-        n_requests=len(requests), n_seq=cfg.n_seq, job_s=job, generated=generated,
-        complete=finished == len(requests), prompt_tokens=prompt_fed, prefill_s=prefill_s,
-        decode_s=decode_s, n_steps=n_steps,
-        n_ubatches=n_ubatches, hits=sim.hits, misses=sim.misses, decode_hits=dec_hits,
-        decode_misses=dec_misses, h2d_bytes=int(eng.stats["h2d_bytes"]), stall_s=sim.stall,
-        host_layers=sim.host_layers, attention_s=sim.attn_s,
-        latency_s=latency / max(finished, 1), busy=busy, extra=extra)

@@ -27,7 +27,7 @@ from forecache.generate import SamplingParams, generate, text_tokens
 from forecache.gguf.header import ModelFile
 from forecache.gguf.identity import identity
 from forecache.interrupt import Terminated, deferred_signals
-from forecache.requests import Request, read_requests
+from forecache.jobs.requests import Request, read_requests
 from forecache.trace.format import TraceError, TraceFile, TraceWriter
 from forecache.trace.stats import lru_hit_curves
 
@@ -47,7 +47,7 @@ def builtin_prompts_path(name: str) -> Path:
 
 def load_prompts(path: str | os.PathLike[str]) -> list[Request]:
     """Read a prompts JSONL file with the rules of ``forecache batch`` input
-    (``forecache.requests``); its sampling fields are ignored, tracing is greedy. Every line is
+    (``forecache.jobs.requests``); its sampling fields are ignored, tracing is greedy. Every line is
     checked before any work starts: the first bad line refuses the file, with its number."""
     p = Path(path)
     items, errors = read_requests(p)

@@ -47,7 +47,7 @@ def add_dense_hparams(w: GGUFWriter, c: DenseConfig, qtype: str) -> None:
     """The qwen2 hyperparameter keys, as the HF converter writes them for Qwen2."""
     from gguf import GGML_QUANT_VERSION
 
-    from forecache.gguf.specs import QTYPES
+    from forecache.gguf.qtypes import QTYPES
 
     w.add_block_count(c.layers)
     w.add_context_length(c.context_length)

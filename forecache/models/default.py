@@ -9,7 +9,8 @@ from forecache.paths import cache_dir
 
 # The trained reference model shipped in the package (tools/reference_model); when a checkout
 # lacks it, a random-weight `tiny` is made instead so the main command still runs.
-REFERENCE_MODEL = Path(__file__).resolve().parent / "data" / "models" / "forecache-ref-q8_0.gguf"
+REFERENCE_MODEL = (Path(__file__).resolve().parents[1] / "data" / "models" /
+                   "forecache-ref-q8_0.gguf")
 # its dense draft for speculative decoding (`--draft`), trained by the same recipe: same
 # vocabulary, width and depth
 REFERENCE_DRAFT = REFERENCE_MODEL.with_name("forecache-ref-draft-q8_0.gguf")

@@ -32,9 +32,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from forecache.draft_model import CrossModelPredictor, DraftContext, fill_batch, vocab_mismatch
 from forecache.errors import setting
+from forecache.generate import SamplingParams
 from forecache.native import llama_cpp_module
+from forecache.speculative.draft import (
+    CrossModelPredictor,
+    DraftContext,
+    fill_batch,
+    vocab_mismatch,
+)
 
 if TYPE_CHECKING:
     from forecache.llama import Llama
@@ -49,6 +55,10 @@ _NEUTRAL = {"typical_p": 1.0, "mirostat_mode": 0, "logits_processor": None,
             "stopping_criteria": None, "grammar": None}
 
 
+# llama-cpp-python's generate() defaults, as forecache's sampling settings default to them
+_DEFAULTS = SamplingParams()
+
+
 @dataclass(frozen=True)
 class Sampler:
     """llama.cpp's sampling chain as llama-cpp-python builds it, as a distribution over the
@@ -56,11 +66,11 @@ class Sampler:
     top-k, top-p and min-p over the softmax at temperature 1, then the temperature (``temp`` 0:
     greedy, < 0: plain softmax)."""
 
-    temp: float = 0.8
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
+    temp: float = _DEFAULTS.temperature
+    top_k: int = _DEFAULTS.top_k
+    top_p: float = _DEFAULTS.top_p
+    min_p: float = _DEFAULTS.min_p
+    repeat_penalty: float = _DEFAULTS.repeat_penalty
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     penalty_last_n: int = 64
@@ -123,9 +133,12 @@ def sampler_for(kwargs: dict[str, Any], penalty_last_n: int = 64) -> Sampler | N
     for key, neutral in _NEUTRAL.items():
         if key in kwargs and kwargs[key] != neutral:
             return None
-    return Sampler(temp=float(kwargs.get("temp", 0.8)), top_k=int(kwargs.get("top_k", 40)),
-                   top_p=float(kwargs.get("top_p", 0.95)), min_p=float(kwargs.get("min_p", 0.05)),
-                   repeat_penalty=float(kwargs.get("repeat_penalty", 1.0)),
+    d = _DEFAULTS
+    return Sampler(temp=float(kwargs.get("temp", d.temperature)),
+                   top_k=int(kwargs.get("top_k", d.top_k)),
+                   top_p=float(kwargs.get("top_p", d.top_p)),
+                   min_p=float(kwargs.get("min_p", d.min_p)),
+                   repeat_penalty=float(kwargs.get("repeat_penalty", d.repeat_penalty)),
                    frequency_penalty=float(kwargs.get("frequency_penalty", 0.0)),
                    presence_penalty=float(kwargs.get("presence_penalty", 0.0)),
                    penalty_last_n=penalty_last_n)

@@ -1,4 +1,5 @@
-"""Fitting a few parameters to measurements without scipy."""
+"""Fitting a few parameters to measurements without scipy: the rates a batch plan is priced
+with (``jobs.plan``) and the simulator's calibration (``sim.calibrate``)."""
 
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import yaml
 
-from forecache.default_model import DEFAULT_PRESET, ensure_default_model, ensure_tiny_model
 from forecache.errors import setting
 from forecache.gguf.specs import load_specs, models_yaml
+from forecache.models.default import DEFAULT_PRESET, ensure_default_model, ensure_tiny_model
 from forecache.paths import model_dir
 
 

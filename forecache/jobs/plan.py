@@ -19,10 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from forecache.atomic_file import write_atomic
 from forecache.cache.budget import format_size
 from forecache.cache.cost import Profile
-from forecache.cache.fit import nelder_mead
 from forecache.cache.plans import (
     Estimate,
     Layout,
@@ -33,13 +31,14 @@ from forecache.cache.plans import (
     ubatch_stage,
 )
 from forecache.cache.setup import DEFAULT_MACHINE, CacheConfig
-from forecache.cache.shape import SimShape, model_shape
+from forecache.cache.shape import ModelShape, model_shape
 from forecache.errors import setting
 from forecache.gguf.header import ModelFile
 from forecache.gguf.identity import fingerprint
+from forecache.jobs.fit import nelder_mead
 from forecache.llama import Llama
 from forecache.native.libs import MAX_SEQUENCES
-from forecache.paths import cache_dir
+from forecache.paths import cache_dir, write_atomic
 
 # what the fit moves: rates and the runtime's fixed costs (log-space)
 FITTED = ("launch_s", "mem_gbps", "gflops", "seq_s", "token_s", "sample_s", "hook_s",
@@ -166,7 +165,7 @@ def profile_with(base: Profile, x: dict[str, float], on_cpu: bool) -> Profile:
     return p
 
 
-def stage_layout(shape: SimShape, plan: Plan, budget: int,
+def stage_layout(shape: ModelShape, plan: Plan, budget: int,
                  non_expert_bytes: int | None = None) -> Layout:
     """The layout the measured stages ran under: ``plan`` at ``budget``."""
     lay = layout(shape, budget, Workload(1, CONTEXT, 1, CONTEXT + 64), plan, non_expert_bytes)
@@ -175,7 +174,7 @@ def stage_layout(shape: SimShape, plan: Plan, budget: int,
     return lay
 
 
-def predict_stage(shape: SimShape, profile: Profile, plan: Plan, budget: int,
+def predict_stage(shape: ModelShape, profile: Profile, plan: Plan, budget: int,
                   sample_: StageSample, non_expert_bytes: int | None = None,
                   lay: Layout | None = None) -> float:
     """The model's seconds for a measured stage under ``plan``'s layout (``lay``, when known),
@@ -211,7 +210,7 @@ def measured_hooks(samples: Sequence[StageSample], layers: int) -> dict[str, flo
             "decode_gate_s": float(np.median(one)) if one else 0.0}
 
 
-def fit_profile(shape: SimShape, base: Profile, plan: Plan, budget: int,
+def fit_profile(shape: ModelShape, base: Profile, plan: Plan, budget: int,
                 samples: Sequence[StageSample], *, on_cpu: bool,
                 non_expert_bytes: int | None = None) -> Profile:
     """The profile whose predictions best match ``samples``: the rows' sampling, the pass's
@@ -305,7 +304,7 @@ def calibrate(llm: Llama, plan: Plan, budget: int, *,
                        name="measured", device="this machine (CPU build)")
     mf = llm.model_file
     return fit_profile(shape, base, plan, budget, samples, on_cpu=on_cpu,
-                       non_expert_bytes=mf.total_bytes() - mf.expert_bytes())
+                       non_expert_bytes=mf.non_expert_bytes())
 
 
 def job_workload(prompt_lens: Sequence[int], max_tokens: Sequence[int],
@@ -359,7 +358,7 @@ def choose_plan(model_path: str | Path, cfg: CacheConfig | None, prompt_lens: Se
 
     mf = require_moe(model_path)
     shape = model_shape(mf)
-    ne = mf.total_bytes() - mf.expert_bytes()
+    ne = mf.non_expert_bytes()
     dev = cache_device()
     on_cpu = dev.type == "cpu"
     work = job_workload(prompt_lens, max_tokens, ctx_per_seq)

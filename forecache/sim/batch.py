@@ -1,0 +1,322 @@
+"""A batch job replayed through the simulator: ``forecache batch``'s continuous batching of
+``n_seq`` sequences, whose ubatches hold rows of several requests and also pay attention over
+each row's context (``simulate_batch``), and how llama.cpp splits a batch into ubatches
+(``split_batch``)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from forecache.cache.cost import Profile
+from forecache.cache.policies import hit_rate
+from forecache.cache.prefetcher import Prefetcher
+from forecache.predictor.base import Predictor
+from forecache.sim.shapes import ModelShape
+from forecache.sim.simulate import SimConfig, Simulator
+from forecache.trace.format import Request, logged_layers
+
+# what a batch job's critical path waits on: the device's compute, the CPU (host experts,
+# host attention), the bus (copies the compute waits for) and the runtime's own steps
+RESOURCES = ("GPU", "CPU", "PCIe", "runtime")
+
+
+@dataclass
+class BatchResult:
+    """A batch job replayed by ``simulate_batch``."""
+
+    n_requests: int
+    n_seq: int
+    job_s: float  # virtual time from the first admission to the last finish (or the drain)
+    generated: int  # tokens sampled: the requests' answer lengths (up to the drain)
+    complete: bool  # every request finished (not stopped at the drain)
+    prompt_tokens: int  # prompt rows fed
+    prefill_s: float  # ubatches with prompt rows (the decode rows beside them included)
+    decode_s: float  # ubatches of decode rows only
+    n_steps: int  # llama batches
+    n_ubatches: int
+    hits: int
+    misses: int
+    decode_hits: int  # in the ubatches of decode rows only
+    decode_misses: int
+    h2d_bytes: int
+    stall_s: float  # compute waiting for copies
+    host_layers: int  # layers computed wholly on the CPU by the policy
+    attention_s: float
+    latency_s: float  # mean time from a request's admission to its last token (finished ones)
+    busy: dict[str, float]  # critical-path seconds by resource (RESOURCES)
+    extra: dict
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens a second over the job (up to the drain, for a steady replay)."""
+        return self.generated / self.job_s if self.job_s > 0 else 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return hit_rate(self.hits, self.misses) or 0.0
+
+    @property
+    def bound(self) -> str:
+        """The resource the job's critical path spends most of its time on."""
+        return max(RESOURCES, key=lambda k: self.busy.get(k, 0.0))
+
+    def to_json(self) -> dict:
+        out = {k: v for k, v in self.__dict__.items() if k != "extra"}
+        out.update(self.extra)
+        out.update(tokens_per_s=self.tokens_per_s, hit_rate=self.hit_rate,
+                   decode_hit_rate=hit_rate(self.decode_hits, self.decode_misses) or 0.0,
+                   bound=self.bound)
+        return out
+
+
+SPLITS = ("simple", "equal")
+
+
+def split_batch(seqs: Sequence[int], n_ubatch: int, split: str = "simple") -> list[np.ndarray]:
+    """The ubatches llama.cpp makes of a batch whose rows belong to sequences ``seqs``: row
+    indices, each ubatch's in the order it computes them. ``simple`` (a unified KV cache,
+    llama_batch_allocr::split_simple): ``n_ubatch`` consecutive rows at a time. ``equal`` (a
+    KV stream per sequence, as forecache batch loads the model; split_equal with sequential
+    ids): from the first unused row, the sequences whose ids follow each other (in batch
+    order), then as many rows of each as all of them have, within ``n_ubatch``, grouped by
+    sequence; rows of sequences whose ids do not follow go to later ubatches."""
+    n = len(seqs)
+    if split == "simple":
+        return [np.arange(a, min(a + n_ubatch, n)) for a in range(0, n, n_ubatch)]
+    if split != "equal":
+        raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    rows_of: dict[int, list[int]] = {}
+    for i, q in enumerate(seqs):
+        rows_of.setdefault(q, []).append(i)
+    taken = dict.fromkeys(rows_of, 0)  # a sequence's rows are taken in order
+    used = [False] * n
+    out = []
+    start = 0
+    while start < n:
+        chain: list[int] = []
+        for i in range(start, n):
+            q = seqs[i]
+            # a sequence already in the chain has q <= chain[-1]: only the next id joins
+            if used[i] or (chain and q != chain[-1] + 1):
+                continue
+            chain.append(q)
+            if len(chain) == n_ubatch:
+                break
+        per = min(len(rows_of[q]) - taken[q] for q in chain)
+        per = max(1, min(per, n_ubatch // len(chain)))
+        u = []
+        for q in chain:
+            got = rows_of[q][taken[q]:taken[q] + per]
+            taken[q] += per
+            u.extend(got)
+            for i in got:
+                used[i] = True
+        out.append(np.array(u))
+        while start < n and used[start]:
+            start += 1
+    return out
+
+
+@dataclass
+class _Seq:
+    """A request decoding in sequence ``seq`` of a batch job (``batch.decode_many``'s)."""
+
+    req: int
+    seq: int
+    first_row: int  # of the request's rows in the merged request
+    prompt: int
+    answer: int
+    admitted: float
+    fed: int = 0  # prompt rows already in a batch
+    out: int = 0  # tokens sampled; the last one is fed in the next batch
+
+
+def merge_requests(requests: Sequence[Request]) -> tuple[Request, np.ndarray]:
+    """One request whose rows are ``requests``' rows one after the other, and where each
+    starts: a ubatch of a batch job takes rows of several requests from it."""
+    starts = np.cumsum([0] + [r.n_tokens for r in requests])
+
+    def cat(name: str) -> np.ndarray | None:
+        parts = [getattr(r, name) for r in requests]
+        return None if any(p is None for p in parts) else np.concatenate(parts)
+
+    merged = Request(experts=np.concatenate([r.experts for r in requests]),
+                     token_ids=cat("token_ids"), weights=cat("weights"),
+                     gate_input=cat("gate_input"), phase=cat("phase"))
+    return merged, starts[:-1]
+
+
+def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Profile,
+                   cfg: SimConfig, predictor: Predictor | None = None, *,
+                   steady: bool = False) -> BatchResult:
+    """Replay ``requests`` as one batch job, as ``forecache batch`` decodes it
+    (``batch.decode_many``): up to ``cfg.n_seq`` sequences; each step's llama batch holds
+    every decoding sequence's next token, then prompt chunks of the sequences still prefilling
+    up to ``n_batch`` tokens, handed over in sequence-id order (a new request takes the lowest
+    free id), and runs as the ubatches llama.cpp splits it into
+    (``split_batch`` by ``cfg.split``: ``n_ubatch`` consecutive rows by default); a finished
+    sequence frees its slot for the next request, longest first (prompt + answer, ties in
+    input order); with ``split="equal"``, once none is left to admit, the highest sequence
+    moves into a freed lower id, its KV stream copied (``decode_many``'s ``move_down``). A
+    request's prefill rows are its prompt and its decode rows its answer: the last prompt row
+    samples the first answer token, each answer token but the last is fed back. Every layer's
+    attention, on the device or, with ``cfg.kv_host``, on the CPU: with a KV stream per
+    sequence (``split="equal"``) a ubatch reads each of its sequences' KV once (its context so
+    far) and computes every row against its own context; with a unified KV cache
+    (``"simple"``) every row attends over all the cells in use, as llama.cpp masks the others.
+    The policy and predictor see one job, as at run time.
+    ``steady``: stop when no request is left to admit and a sequence finishes (the batch would
+    drain from there): the throughput of a full batch, without the job's tail."""
+    if not requests:
+        raise ValueError("no requests to simulate")
+    if cfg.little_k or cfg.spec_draft:
+        raise ValueError("a batch replay decodes exactly: no MoBiLE little passes or drafts")
+    n_batch = cfg.n_batch if cfg.n_batch is not None else max(cfg.n_ubatch, cfg.n_seq)
+    if cfg.n_seq < 1 or n_batch < cfg.n_seq:
+        raise ValueError(f"a batch of {n_batch} tokens cannot hold the next tokens of "
+                         f"{cfg.n_seq} sequences")
+    prompt, answer = [], []
+    for i, r in enumerate(requests):
+        phase = r.phase if r.phase is not None else np.ones(r.n_tokens, np.int8)
+        p = int((phase == 0).sum())
+        if p < 1 or p == r.n_tokens or (phase[:p] != 0).any():
+            raise ValueError(f"request {i}: a batch replay needs prompt rows, then answer rows")
+        prompt.append(p)
+        answer.append(r.n_tokens - p)
+    merged, starts = merge_requests(requests)
+    sim = Simulator(shape, profile, cfg, logged_layers(requests, shape.layers), predictor)
+    # one job for the policy and the predictor, as decode_many runs it
+    if sim.policy is not None:
+        sim.policy.begin_request()
+    if sim.forecaster is not None:
+        sim.forecaster.begin_request()
+    pending = deque(sorted(range(len(requests)), key=lambda i: -requests[i].n_tokens))
+    free = list(range(cfg.n_seq))
+    active: list[_Seq] = []
+    t0 = sim.t
+    latency = 0.0
+    generated = finished = prompt_fed = 0
+    prefill_s = decode_s = 0.0
+    n_steps = n_ubatches = moves = 0
+    decode_steps = decode_step_ubatches = 0  # steps of decoding rows only, and their ubatches
+    # each sequence's KV stream: its share of the context llama.cpp is loaded with
+    ctx_per_seq = max(p + a for p, a in zip(prompt, answer, strict=True))
+    dec_hits = dec_misses = 0
+    kv, d = shape.kv_bytes, shape.d_model
+    while pending or active:
+        while free and pending:
+            i = pending.popleft()
+            seq = free.pop(free.index(min(free)))  # the lowest free id, as decode_many
+            active.append(_Seq(i, seq, int(starts[i]), prompt[i], answer[i], sim.t))
+        rows: list[int] = []
+        ctx: list[int] = []  # each row's context: its sequence's tokens up to it
+        seqs: list[int] = []
+        sampled: list[int] = []  # batch rows with logits
+        done: list[_Seq] = []  # sequences sampled from this batch, in row order
+        for s in active:  # each decoding sequence's last sampled token first
+            if s.out:
+                sampled.append(len(rows))
+                done.append(s)
+                rows.append(s.first_row + s.prompt + s.out - 1)
+                ctx.append(s.prompt + s.out)
+                seqs.append(s.seq)
+        n_decode = len(rows)
+        for s in active:  # then prompt chunks, while the batch has room
+            if s.fed < s.prompt and len(rows) < n_batch:
+                take = min(s.prompt - s.fed, n_batch - len(rows))
+                rows.extend(range(s.first_row + s.fed, s.first_row + s.fed + take))
+                ctx.extend(range(s.fed + 1, s.fed + take + 1))
+                seqs.extend([s.seq] * take)
+                s.fed += take
+                prompt_fed += take
+                if s.fed == s.prompt:
+                    sampled.append(len(rows) - 1)
+                    done.append(s)
+        n_steps += 1
+        logit = np.zeros(len(rows), bool)
+        logit[sampled] = True
+        decoding = np.arange(len(rows)) < n_decode
+        # the rows go to llama.cpp in sequence-id order, as decode_many hands them over
+        order = np.argsort(np.array(seqs), kind="stable")
+        rows_a, ctx_a = np.array(rows)[order], np.array(ctx, np.float64)[order]
+        seqs_a, logit, decoding = np.array(seqs)[order], logit[order], decoding[order]
+        parts = split_batch(seqs_a.tolist(), cfg.n_ubatch, cfg.split)
+        if decoding.all():
+            decode_steps += 1
+            decode_step_ubatches += len(parts)
+        if cfg.split == "simple":
+            # a unified KV cache holds every sequence's cells in one stream, and each row
+            # attends over all the cells in use, the others masked
+            cells = float(ctx_a[np.r_[seqs_a[1:] != seqs_a[:-1], True]].sum())
+        for u in parts:
+            c, q = ctx_a[u], seqs_a[u]
+            if cfg.split == "simple":
+                attention = (cells * kv, 4.0 * d * len(u) * cells)
+            else:
+                # a sequence's rows are contiguous: its last row in the ubatch has its longest
+                # context, the KV the ubatch reads for it
+                last = np.r_[q[1:] != q[:-1], True]
+                attention = (float(c[last].sum()) * kv, 4.0 * d * float(c.sum()))
+            hits, misses = sim.hits, sim.misses
+            t = sim._ubatch(merged, rows_a[u], attention, int(logit[u].sum()))
+            n_ubatches += 1
+            if decoding[u].all():
+                decode_s += t
+                dec_hits += sim.hits - hits
+                dec_misses += sim.misses - misses
+            else:
+                prefill_s += t
+        generated += len(done)
+        ended = False
+        for s in done:
+            s.out += 1
+            if s.out >= s.answer:
+                active.remove(s)
+                free.append(s.seq)
+                latency += sim.t - s.admitted
+                finished += 1
+                ended = True
+        if steady and not pending and ended:
+            break
+        while not pending and cfg.split == "equal" and free and active:
+            # decode_many's move_down: the highest sequence takes the lowest free id below
+            # it, its whole KV stream copied (read and written) where the cache lives
+            top = max(active, key=lambda x: x.seq)
+            low_id = min(free)
+            if low_id > top.seq:
+                break
+            free.remove(low_id)
+            free.append(top.seq)
+            top.seq = low_id
+            stream = 2.0 * ctx_per_seq * shape.layers * kv
+            dt = stream / ((profile.cpu_mem_gbps if cfg.kv_host else profile.gpu_mem_gbps) * 1e9)
+            sim.t += dt
+            sim.runtime_s += dt
+            sim.engine.advance_to(sim.t)
+            moves += 1
+    if sim.forecaster is not None:
+        sim.forecaster.end_request()
+    job = sim.t - t0
+    eng = sim.engine
+    busy = {"CPU": sim.cpu_s, "PCIe": sim.stall + sim.bus_s, "runtime": sim.runtime_s}
+    busy["GPU"] = max(job - sum(busy.values()), 0.0)
+    extra = {k: v for k, v in eng.stats.items() if k != "h2d_bytes"}
+    extra.update(layers_simulated=len(sim.layers), stage_slots=sim.n_stage,
+                 decode_gates_in_c=sim.fast_gates, n_batch=n_batch, n_ubatch=cfg.n_ubatch,
+                 kv_host=cfg.kv_host, policy=cfg.policy, split=cfg.split, moves=moves,
+                 decode_steps=decode_steps, decode_step_ubatches=decode_step_ubatches)
+    if isinstance(sim.policy, Prefetcher):
+        extra.update(prefetch_loads=sim.policy.prefetch_loads,
+                     stale_predictions=sim.policy.stale_predictions)
+    return BatchResult(
+        n_requests=len(requests), n_seq=cfg.n_seq, job_s=job, generated=generated,
+        complete=finished == len(requests), prompt_tokens=prompt_fed, prefill_s=prefill_s,
+        decode_s=decode_s, n_steps=n_steps,
+        n_ubatches=n_ubatches, hits=sim.hits, misses=sim.misses, decode_hits=dec_hits,
+        decode_misses=dec_misses, h2d_bytes=int(eng.stats["h2d_bytes"]), stall_s=sim.stall,
+        host_layers=sim.host_layers, attention_s=sim.attn_s,
+        latency_s=latency / max(finished, 1), busy=busy, extra=extra)
