@@ -180,21 +180,36 @@ fi
 cp "$WORK/traces.json" "$OUT/traces.json"
 if [ "$STEP" = setup ]; then log "setup done after $((SECONDS - T0)) s"; exit 0; fi
 
-# policy_bench with a time box: NAME TRACE BUDGET POLICIES
+# policy_bench with a time box: NAME TRACE BUDGET POLICIES [FLAGS...]
 bench() {
     local name=$1 trace=$2 budget=$3 policies=$4 t
+    shift 4
     t=$(left)
     if [ "$t" -lt 30 ]; then log "skipped $name: $t s left"; return 0; fi
     local tr=(); [ "$trace" != none ] && tr=(--routing-trace "$trace")
     log "bench $name ($t s left)"
     timeout "$t" "$PY" benchmarks/policy_bench.py -m "$MODEL" --gpu-budget "$budget" \
         --policies "$policies" --prompt-len "$PROMPT" --gen "$GEN" --prompts 1 \
-        "${THREADS[@]}" "${tr[@]}" --json "$OUT/bench_$name.json" >&2 \
+        "${THREADS[@]}" "${tr[@]}" "$@" --json "$OUT/bench_$name.json" >&2 \
         || log "bench $name did not finish (exit $?)"
 }
 FIT=$WORK/traces/olmoe-fit.npz
 bench fit24 "$FIT" "$BIG" all-gpu,ncmoe,ncmoe-mmap,promoe,infinity
 bench fit12 "$FIT" "$SMALL" ncmoe,ncmoe-mmap,promoe
+# where promoe's time goes, layer by layer (a run of its own: recording costs a little), kept
+# in bench_fit24.json as "timeline_run" (the device returns at most 8 files)
+bench timeline "$FIT" "$BIG" promoe --timeline
+"$PY" - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+tl, fit = out / "bench_timeline.json", out / "bench_fit24.json"
+if tl.exists():
+    report = json.loads(fit.read_text()) if fit.exists() else {}
+    report["timeline_run"] = json.loads(tl.read_text())
+    fit.write_text(json.dumps(report, indent=1))
+    tl.unlink()
+EOF
 # the fixed cost when nothing misses: every expert in a slot against every layer on the GPU,
 # both replayed, and the replay's own cost (every layer on the GPU on the model's own routing)
 bench full "$FIT" "$FULL" all-gpu,promoe

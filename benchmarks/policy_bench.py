@@ -42,6 +42,8 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--routing-trace", type=Path, default=None,
                     help="replay this trace's routing in every run")
+    ap.add_argument("--timeline", action="store_true",
+                    help="record and report each cached run's per-layer timeline")
     ap.add_argument("--json", type=Path, default=None, help="write the report here")
     a = ap.parse_args()
 
@@ -58,7 +60,7 @@ def main() -> int:
                        gpu_budget=parse_size(a.gpu_budget) if a.gpu_budget else None,
                        cache_fraction=a.cache_fraction, prompt_len=a.prompt_len, n_gen=a.gen,
                        n_prompts=a.prompts, n_threads=a.threads,
-                       routing_trace=a.routing_trace,
+                       routing_trace=a.routing_trace, timeline=a.timeline,
                        progress=lambda s: print(s, file=sys.stderr))
     report.update({"device": dev.name, "device_description": dev.description,
                    "h2d_gbps": h2d, "host": platform.node(), "command": " ".join(sys.argv),

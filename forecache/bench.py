@@ -12,6 +12,7 @@ from pathlib import Path
 from forecache.cache.policies import hit_rate
 from forecache.cache.registry import NCMOE_RUNS, policy_spec
 from forecache.cache.setup import CacheConfig
+from forecache.cache.timeline import format_summary, summarize
 from forecache.errors import setting
 from forecache.generate import SamplingParams, generate, text_tokens
 from forecache.gguf.header import require_moe
@@ -63,6 +64,7 @@ class PolicyResult:
     cache_slots: int
     host_layers: int
     ratios: dict[str, dict[str, float]]
+    timeline: dict | None = None  # the cache's timeline summarized (``cache.timeline``)
 
 
 def bench_prompts(llm: Llama, n_prompts: int, prompt_len: int,
@@ -101,11 +103,12 @@ def _sized(policy: str, gpu_budget: int | None, fraction: float | None, **kw: ob
 def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n_gen: int, *,
                n_ctx: int, n_threads: int | None, decode_gate: bool = True,
                draft: str | None = None, use_mmap: bool = False,
-               routing_trace: Path | Routing | None = None) -> dict:
+               routing_trace: Path | Routing | None = None, timeline: bool = False) -> dict:
     """Load the model under ``cfg``, warm up, then generate ``n_gen`` tokens for every prompt
     (``decode_gate=False``: every gate calls the Python policy; ``draft``: speculative;
     ``use_mmap``: host weights mmap'd, else read into (pinned) buffers as --no-mmap does;
-    ``routing_trace``: every expert matmul reads that trace's routing, not the router's)."""
+    ``routing_trace``: every expert matmul reads that trace's routing, not the router's;
+    ``timeline``: the expert cache's timeline of the timed prompts, summarized per layer)."""
     spec: dict = {} if draft is None else {"draft": draft}
     if routing_trace is not None:
         spec["routing_trace"] = routing_trace
@@ -116,14 +119,18 @@ def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n
         # a warm-up as long as the prompts (a first pass of a shape sets up its kernels), sharing
         # no prefix with them, so that the first prompt is timed as the others are
         generate(llm, prompts[0][::-1], 2, SamplingParams(greedy=True), ignore_eos=True)
-        if llm.expert_cache is not None:
-            llm.expert_cache.reset_stats()
+        cache = llm.expert_cache
+        if cache is not None:
+            cache.reset_stats()
+            if timeline:
+                cache.start_timeline()
         runs = []
         t0 = time.perf_counter()
         for p in prompts:
             runs.append(generate(llm, p, n_gen, SamplingParams(greedy=True), ignore_eos=True))
         wall = time.perf_counter() - t0
         stats = llm.expert_stats()
+        spans = cache.timeline() if cache is not None and timeline else None
         if llm.replay is not None:
             llm.replay.check()
     n = len(runs)
@@ -140,6 +147,7 @@ def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n
         "tokens": [r.tokens for r in runs],
         "stats": stats,
         "per_prompt": [(r.ttft_s, r.tpot_s) for r in runs],
+        **({"timeline": summarize(*spans)} if spans is not None else {}),
     }
 
 
@@ -171,11 +179,12 @@ def _baseline(raw: dict[str, dict], base: str) -> dict[str, float] | None:
 def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
               cache_fraction: float | None, prompt_len: int, n_gen: int, n_prompts: int = 3,
               n_ctx: int | None = None, n_threads: int | None = None,
-              routing_trace: Path | None = None,
+              routing_trace: Path | None = None, timeline: bool = False,
               progress: Callable[[str], None] = lambda s: None) -> dict:
     """Every policy (and stock run, ``STOCK_RUNS``) on the same prompts, each on the routing of
     ``routing_trace`` when given, all with ``n_threads`` (default: as llama.cpp picks them, one
-    per physical core); returns results, ratios and whether tokens agreed."""
+    per physical core); returns results, ratios and whether tokens agreed (``timeline``: with
+    each cached run's timeline summarized per layer, ``cache.timeline``)."""
     n_threads = n_threads or llama_cpp_threads()
     routing = None
     if routing_trace is not None:  # mapped once for every run; a bad trace stops them all here
@@ -199,7 +208,8 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
                                                      cache_fraction, **extra)
         try:
             raw[pol] = run_policy(model, cfg, prompts, n_gen, n_ctx=n_ctx, n_threads=n_threads,
-                                  draft=draft, use_mmap=mmap, routing_trace=routing)
+                                  draft=draft, use_mmap=mmap, routing_trace=routing,
+                                  timeline=timeline)
         except (ValueError, RuntimeError, OSError) as e:
             # one placement that cannot run (a budget too small, a failed load) leaves the others'
             # figures standing; the report names it
@@ -243,6 +253,10 @@ def format_table(report: dict) -> str:
                                                                   for b in BASELINES))
     for pol, err in report.get("errors", {}).items():
         lines.append(f"{pol}: failed ({err})")
+    for r in report["results"]:
+        if r.get("timeline"):
+            lines.append(f"timeline of {r['policy']} (the cache's work, a pass):")
+            lines.append(format_summary(r["timeline"]))
     if report.get("routing_trace"):
         lines.append("ratios: prefill (TTFT) speedup / decode (TPOT) speedup; every run replays "
                      f"the routing of {Path(report['routing_trace']).name} (tokens meaningless, "

@@ -154,8 +154,9 @@ class Llama(llama_cpp.Llama):
         # the default placement is never expected to decode slower than --n-cpu-moe
         self.policy_choice: Choice | None = None
         if cache is not None:
-            self.policy_choice = default_choice(self.model_file, cache, n_ctx=n_ctx,
-                                                n_ubatch=n_ubatch)
+            self.policy_choice = default_choice(
+                self.model_file, cache, n_ctx=n_ctx, n_ubatch=n_ubatch,
+                routing_hit=routing.decode_hit_rate if routing_trace is not None else None)
             if self.policy_choice is not None:
                 cache = dataclasses.replace(cache, policy=self.policy_choice.policy)
         self.cache_config: CacheConfig | None = cache

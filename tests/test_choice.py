@@ -13,6 +13,7 @@ import pytest
 from forecache.cache.choice import (
     MARGIN,
     PRIOR,
+    DecodeShape,
     Evidence,
     choose,
     hit_at,
@@ -22,8 +23,9 @@ from forecache.cache.choice import (
 )
 from forecache.cache.cost import CostModel, Profile
 from forecache.cache.measured import MIN_LOOKUPS, load_evidence, record_path, record_run
-from forecache.cache.setup import expert_shape
+from forecache.cache.setup import CacheConfig, expert_shape, split_cost
 from forecache.gguf.header import read_model_file
+from forecache.native.ggml_devices import cache_device
 from forecache.sim.run import decode_shape, run_one, slots_for
 from forecache.sim.shapes import shape_of
 from forecache.sim.simulate import SimConfig
@@ -77,6 +79,18 @@ def test_target_needs_measured_locality_for_promoe() -> None:
     # a slower measured copy rate or CPU makes promoe's estimate slower, never faster
     slow = choose(ds, RTX4090, cost, Evidence(0.65, "run", 4096, copy_gbps=8.0, host_scale=2.0))
     assert slow.promoe_s > measured.promoe_s and slow.ncmoe_s > measured.ncmoe_s
+
+
+def test_stock_placement_when_every_expert_fits() -> None:
+    """With every expert in the budget ncmoe keeps every layer on the device: the default is
+    llama.cpp's own placement whatever the routing, and says why."""
+    sh = shape_of("qwen2-57b-a14b", "q4_k")
+    ds = decode_shape(sh, sh.experts)
+    ds = DecodeShape(**{**ds.__dict__, "ncmoe_host_layers": 0})
+    cost = CostModel.from_profile(RTX4090, sh.expert)
+    for ev in (PRIOR, Evidence(0.95, "run", 4096)):
+        c = choose(ds, RTX4090, cost, ev)
+        assert c.policy == "ncmoe" and "every routed expert fits" in c.reason()
 
 
 def test_cache_fills_are_charged_where_the_bus_cannot_carry_them() -> None:
@@ -153,13 +167,38 @@ def test_measured_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert load_evidence(model, "GPU0", 0.5).lookups == 1000
 
 
+def test_split_starts_from_the_measured_rates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              tiny_model) -> None:  # type: ignore[no-untyped-def]
+    """promoe's split starts from the rates the last run on this device measured, not from the
+    default profile's; a profile named on purpose is taken as it is."""
+    monkeypatch.setenv("FORECACHE_CACHE_DIR", str(tmp_path / "cache"))
+    model = read_model_file(tiny_model("q8_0"))
+    dev = cache_device()
+    cfg = CacheConfig(policy="promoe", cache_fraction=0.5)
+    start = split_cost(model, cfg, dev)
+    assert (start.copy_gbps, start.host_scale) == (RTX4090.h2d_gbps, 1.0)  # nothing measured
+    ran = CostModel.from_profile(RTX4090, expert_shape(model))
+    ran.copy_gbps, ran.copy_measured, ran.host_scale = 41.5, True, 2.5
+    assert record_run(model, dev.name, 0.5, 750, 250, ran)
+    cost = split_cost(model, cfg, dev)
+    assert (cost.copy_gbps, cost.host_scale, cost.copy_measured) == (41.5, 2.5, True)
+    # a run that measures the copies too little to correct them keeps the rate on record
+    assert record_run(model, dev.name, 0.5, 750, 250, cost)
+    assert split_cost(model, cfg, dev).copy_gbps == 41.5
+    named = split_cost(model, CacheConfig(policy="promoe", cache_fraction=0.5,
+                                          machine="rtx4090"), dev)
+    assert (named.copy_gbps, named.host_scale) == (RTX4090.h2d_gbps, 1.0)
+    other = split_cost(model, cfg, None)
+    assert other.copy_gbps == RTX4090.h2d_gbps
+
+
 def test_run_states_its_choice_and_learns_the_routing(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """On the CPU build with a machine profile named, ``forecache run`` with no policy states
     the choice in one line; a promoe run keeps its decode hit rate, and the next choice says it
     used it. The reference model's experts are small: ncmoe either way."""
     monkeypatch.setenv("FORECACHE_CACHE_DIR", str(tmp_path / "cache"))
-    args = ("run", "--gpu-budget", "320MiB", "--machine", "rtx4090", "-n", "40")
+    args = ("run", "--gpu-budget", "300MiB", "--machine", "rtx4090", "-n", "40")
     first = run_cli(*args, check=True)
     line = next(x for x in first.stderr.splitlines() if x.startswith("policy "))
     assert line.startswith("policy ncmoe:") and "prior: uniform routing" in line

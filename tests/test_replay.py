@@ -548,3 +548,46 @@ def test_static_under_replay_pins_the_replayed_routings_experts(
     with Llama.open(model, cache=CacheConfig(policy="static", cache_fraction=0.5), n_ctx=256,
                     n_threads=1) as llm:
         assert not np.array_equal(llm.cache_config.profile, want)
+
+
+def test_default_guard_decides_from_the_replayed_routing(tiny_model: Callable[..., Path],
+                                                         tmp_path: Path) -> None:
+    """With no policy named, the default placement is estimated from the routing the run
+    replays, not from what the model's own router did before."""
+    from forecache.cache.budget import plan_memory
+    from forecache.cache.setup import resolve_cache_config
+    from forecache.gguf.header import read_model_file
+    from forecache.llama import Llama
+    from forecache.native.ggml_devices import cache_device
+
+    model = tiny_model("q8_0")
+    mf, dev = read_model_file(model), cache_device()
+    budget = None
+    for mib in range(200, 2048, 2):  # the smallest budget that holds some experts, not all
+        try:
+            plan = plan_memory(mf, mib << 20, n_ctx=256, n_ubatch=512, device_name=dev.name,
+                               device_total=dev.memory_total)
+        except ValueError:
+            continue
+        if 0 < plan.ncmoe_cpu_layers() < len(mf.moe_layers()):
+            budget = mib << 20
+            break
+    assert budget is not None
+    n_pre, n_dec = 20, 40
+    rng = np.random.default_rng(3)
+    sticky = np.tile(rng.permutation(N_EXPERT)[:TOP_K].astype(np.int16), (n_pre + n_dec,
+                                                                           N_LAYERS, 1))
+    phase = np.arange(n_pre + n_dec) >= n_pre
+    traces = {"sticky": _write_trace(tmp_path / "sticky.npz", sticky, phase),
+              "spread": _prefill_decode_trace(tmp_path / "spread.npz", n_pre, n_dec, seed=4)}
+    seen = {}
+    for name, trace in traces.items():
+        cfg = resolve_cache_config(None, budget, None, machine="rtx4090")
+        with Llama.open(model, cache=cfg, n_ctx=256, n_threads=1, routing_trace=trace) as llm:
+            choice = llm.policy_choice
+            assert choice is not None and choice.evidence.source == "replay"
+            assert choice.evidence.lookups == n_dec * N_LAYERS * TOP_K
+            assert "measured by the routing replayed" in choice.reason()
+            seen[name] = choice
+    assert seen["sticky"].evidence.locality > seen["spread"].evidence.locality
+    assert seen["sticky"].hit > seen["spread"].hit

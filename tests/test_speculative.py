@@ -16,7 +16,16 @@ from forecache.cache.setup import CacheConfig
 from forecache.generate import SamplingParams, generate, last_logits
 from forecache.llama import Llama
 from forecache.models.default import REFERENCE_DRAFT, REFERENCE_MODEL
-from forecache.speculative.speculator import Sampler, sampler_for, verify
+from forecache.speculative.speculator import (
+    BACKOFF,
+    MIN_SPEC_STEPS,
+    PLAIN_PROBE,
+    REPROBE,
+    DraftLength,
+    Sampler,
+    sampler_for,
+    verify,
+)
 from tests.conftest import assert_same_tokens
 
 if TYPE_CHECKING:
@@ -259,3 +268,40 @@ def test_cli_reports_speculation(tiny_model: Callable[[str], Path]) -> None:
     assert 0.0 <= s["acceptance"] <= 1.0 and "draft" not in plain["stats"]
     line = spec_summary(s)
     assert line.startswith("speculative (self-cached drafts): ") and "accepted" in line
+
+
+def _drive(length: DraftLength, spec_s: float, plain_s: float, tokens: int) -> list[int]:
+    """Feed ``length`` steps that each accept half their drafts: a drafted step costs
+    ``spec_s`` a token it yields, a plain token ``plain_s``; the draft lengths it asked for."""
+    asked, done = [], 0
+    while done < tokens:
+        k = length.next_k()
+        asked.append(k)
+        if k == 0:
+            length.plain(plain_s)
+            done += 1
+        else:
+            acc = k // 2
+            length.update(acc, k, spec_s * (acc + 1))
+            done += acc + 1
+    return asked
+
+
+def test_drafting_stops_while_it_does_not_pay() -> None:
+    """Adaptive drafting measures plain decoding after its first steps and decodes plain for a
+    while when a drafted token costs more; it tries drafting again afterwards."""
+    slow = DraftLength(None)
+    asked = _drive(slow, spec_s=0.020, plain_s=0.010, tokens=200)
+    first = asked.index(0)
+    assert first == MIN_SPEC_STEPS  # measured, then the plain probe
+    run = asked[first:first + PLAIN_PROBE + BACKOFF]
+    assert run == [0] * (PLAIN_PROBE + BACKOFF)  # probe, then the back-off
+    assert asked[first + PLAIN_PROBE + BACKOFF] > 0  # drafting is tried again
+    assert slow.backoffs >= 2 and asked.count(0) > len(asked) // 2
+    fast = DraftLength(None)
+    asked = _drive(fast, spec_s=0.005, plain_s=0.010, tokens=200)
+    # kept drafting, probing the plain rate once and every REPROBE steps after
+    steps = sum(k > 0 for k in asked)
+    assert fast.backoffs == 0 and asked.count(0) == PLAIN_PROBE * (1 + steps // REPROBE)
+    fixed = DraftLength(3)
+    assert set(_drive(fixed, spec_s=0.020, plain_s=0.010, tokens=100)) == {3}

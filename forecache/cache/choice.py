@@ -52,7 +52,7 @@ class Evidence:
     """What the estimate knows of this model's routing and this machine's rates."""
 
     locality: float
-    source: str  # "prior", or what measured it: "run", "trace" or both ("run+trace")
+    source: str  # "prior", or what measured it: "run", "trace" or both ("run+trace"); "replay"
     lookups: int = 0  # decode expert lookups measured
     copy_gbps: float | None = None  # measured host-to-device rate of expert copies
     host_scale: float = 1.0  # measured / modelled CPU expert compute time
@@ -159,8 +159,12 @@ class Choice:
         """One line: what was chosen, the two estimates, and where the routing figure came
         from."""
         s, e = self.shape, self.evidence
+        if s.ncmoe_host_layers == 0:
+            return ("policy ncmoe: every routed expert fits the budget, so llama.cpp's own "
+                    "placement (every layer on the device, no expert cache to pay for)")
         ratio = self.ncmoe_s / self.promoe_s if self.promoe_s > 0 else 0.0
-        by = {"run": "a promoe run", "trace": "a trace"}.get(e.source, "promoe runs and traces")
+        by = {"run": "a promoe run", "trace": "a trace",
+              "replay": "the routing replayed"}.get(e.source, "promoe runs and traces")
         where = ("prior: uniform routing" if e.source == "prior" else
                  f"measured by {by}, {e.lookups} decode lookups"
                  f"{f' at share {e.share:.2f}' if e.share is not None else ''}")
@@ -175,8 +179,9 @@ class Choice:
 
 def choose(shape: DecodeShape, profile: Profile, cost: CostModel,
            evidence: Evidence = PRIOR) -> Choice:
-    """promoe when its estimated decode beats ncmoe's by ``MARGIN``, else ncmoe. Measured rates
-    in ``evidence`` correct ``cost`` (copy bandwidth, CPU compute time)."""
+    """promoe when its estimated decode beats ncmoe's by ``MARGIN``, else ncmoe; always ncmoe when
+    every expert fits (nothing would miss: the cache's hooks would be its only effect). Measured
+    rates in ``evidence`` correct ``cost`` (copy bandwidth, CPU compute time)."""
     cost = replace(cost, host_scale=evidence.host_scale,
                    copy_gbps=evidence.copy_gbps or cost.copy_gbps)
     nc = ncmoe_decode_s(shape, profile, cost)
@@ -184,4 +189,5 @@ def choose(shape: DecodeShape, profile: Profile, cost: CostModel,
     # cache's fills are charged by promoe_filled_s
     pm, hit = promoe_filled_s(shape, profile, cost, shape.n_slots / shape.n_expert,
                               evidence.locality)
-    return Choice("promoe" if pm * MARGIN <= nc else "ncmoe", pm, nc, hit, evidence, shape)
+    promoe = pm * MARGIN <= nc and shape.ncmoe_host_layers > 0
+    return Choice("promoe" if promoe else "ncmoe", pm, nc, hit, evidence, shape)

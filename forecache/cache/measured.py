@@ -61,14 +61,25 @@ def load_evidence(model: ModelFile, device: str, share: float) -> Evidence | Non
     if not below:
         return None
     at, loc, lookups, source = max(below, key=lambda p: p[0])
+    copy, scale = _rates(data, device)
+    return Evidence(loc, source, lookups, copy, scale, at)
+
+
+def _rates(data: dict, device: str) -> tuple[float | None, float]:
     dev = (data.get("devices") or {}).get(device)
     dev = dev if isinstance(dev, dict) else {}
     try:
         copy = float(dev["copy_gbps"]) if dev.get("copy_gbps") else None
         scale = float(dev.get("host_scale", 1.0))
     except (TypeError, ValueError):
-        copy, scale = None, 1.0
-    return Evidence(loc, source, lookups, copy, scale, at)
+        return None, 1.0
+    return copy, scale
+
+
+def measured_rates(model: ModelFile, device: str) -> tuple[float | None, float]:
+    """The expert copy rate (GB/s; None: never measured) and the CPU's measured / modelled
+    expert compute time that the last promoe run of ``model`` on ``device`` kept."""
+    return _rates(_read(record_path(model)), device)
 
 
 def add_localities(model: ModelFile, points: Sequence[tuple[float, float, int]], source: str,

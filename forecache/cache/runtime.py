@@ -10,6 +10,7 @@ import numpy as np
 
 from forecache.cache.forecast import Forecaster, ForecastWorker
 from forecache.cache.policies import Policy, first_use
+from forecache.cache.timeline import TIMELINE_CAPACITY, TimelineSpan
 from forecache.native import api
 from forecache.native.cache_api import (  # noqa: F401  (LOW re-exported)
     CHUNK_PROJECTION,
@@ -21,6 +22,7 @@ from forecache.native.cache_api import (  # noqa: F401  (LOW re-exported)
     CacheStats,
     Event,
     ForecacheAPI,
+    Span,
 )
 
 # (layer, ids [n, k], router weights [n, k] | None, gate input [n, d] | None)
@@ -362,6 +364,30 @@ class ExpertCache:
         if self._api.cache_get_stats(self._handle, layer, ctypes.byref(s)) != 0:
             raise ValueError(f"no layer {layer}")
         return s.as_dict()
+
+    def start_timeline(self, capacity: int | None = None) -> None:
+        """Record a timeline of the cache's work from now (``cache.timeline``): the last
+        ``capacity`` spans (default ``TIMELINE_CAPACITY``) are kept."""
+        cap = TIMELINE_CAPACITY if capacity is None else capacity
+        if cap < 1 or self._api.cache_set_timeline(self._handle, cap) != 0:
+            raise ValueError(f"a timeline keeps at least one span (asked for {cap})")
+
+    def timeline(self, *, stop: bool = True) -> tuple[list[TimelineSpan], int]:
+        """The spans recorded since ``start_timeline`` (or the previous call), oldest first, and
+        how many were dropped for lack of room; ``stop``: recording ends."""
+        spans: list[TimelineSpan] = []
+        dropped = 0
+        buf = (Span * 4096)()
+        lost = ctypes.c_uint64()
+        while True:
+            n = self._api.cache_timeline(self._handle, buf, len(buf), ctypes.byref(lost))
+            dropped += lost.value
+            spans.extend(TimelineSpan.from_c(buf[i]) for i in range(n))
+            if n < len(buf):
+                break
+        if stop:
+            self._api.cache_set_timeline(self._handle, 0)
+        return spans, dropped
 
     def decode_counts(self) -> tuple[int, int]:
         """Hits and misses of decode gates (one token) since the cache was made."""

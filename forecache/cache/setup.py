@@ -14,10 +14,10 @@ from forecache.cache.budget import (
     plan_memory,
     slots_for_fraction,
 )
-from forecache.cache.choice import PRIOR, Choice, DecodeShape, choose
+from forecache.cache.choice import PRIOR, Choice, DecodeShape, Evidence, choose, locality
 from forecache.cache.cost import CostModel, ExpertShape, Profile
 from forecache.cache.forecast import Forecaster
-from forecache.cache.measured import load_evidence
+from forecache.cache.measured import load_evidence, measured_rates
 from forecache.cache.policies import HostOnlyPolicy, Policy, PolicyInputs
 from forecache.cache.prefetcher import Features, Prefetcher, stage_slots_for
 from forecache.cache.registry import PolicySpec, build_policy, policy_spec
@@ -25,7 +25,13 @@ from forecache.cache.runtime import DEFAULT_CHUNK_BYTES, ExpertCache, RouteCallb
 from forecache.errors import setting
 from forecache.gguf.header import EXPERT_TENSOR_PATTERN, ModelFile
 from forecache.native.cache_api import CHUNK_EXPERT
-from forecache.native.ggml_devices import Device, cache_device, host_buffer_type
+from forecache.native.ggml_devices import (
+    CopyProbeError,
+    Device,
+    cache_device,
+    host_buffer_type,
+    measure_copy,
+)
 from forecache.predictor.base import Predictor
 
 # the machine profile promoe's host/device split starts from until it has measured the rates
@@ -123,13 +129,15 @@ def resolve_cache_config(policy: str | None, gpu_budget: int | str | None,
                        little_resident=little_resident)
 
 
-def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int
+def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int,
+                   routing_hit: Callable[[int], tuple[float, int]] | None = None,
                    ) -> Choice | None:
     """For a configuration whose policy nobody named: promoe or ncmoe, whichever the cost model
     (with this model's measured routing and rates when a run kept them) expects to decode
-    faster at this budget. None where there is nothing to choose: a policy was named, the cache
-    is sized by a fraction (ncmoe needs a budget), or a CPU-only build with no ``machine``
-    (device and host are the same memory)."""
+    faster at this budget; ``routing_hit`` (slots a layer -> LRU hit rate and lookups): the
+    routing the run will replay, which then decides in place of the measured one. None where
+    there is nothing to choose: a policy was named, the cache is sized by a fraction (ncmoe needs
+    a budget), or a CPU-only build with no ``machine`` (device and host are the same memory)."""
     if not cfg.auto or cfg.gpu_budget is None:
         return None
     dev = cache_device()
@@ -149,7 +157,12 @@ def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: 
                         dense_bytes=plan.non_expert_bytes, n_layer=model.n_layer)
     profile = Profile.load(cfg.machine or DEFAULT_MACHINE)
     cost = CostModel.from_profile(profile, expert_shape(model))
-    evidence = load_evidence(model, dev.name, shape.n_slots / shape.n_expert)
+    share = shape.n_slots / shape.n_expert
+    evidence = load_evidence(model, dev.name, share)
+    if routing_hit is not None:
+        hit, lookups = routing_hit(shape.n_slots)
+        copy, scale = measured_rates(model, dev.name)
+        evidence = Evidence(locality(hit, share), "replay", lookups, copy, scale, share)
     return choose(shape, profile, cost, evidence or PRIOR)
 
 
@@ -225,8 +238,7 @@ def make_policy(cfg: CacheConfig, n_slots: list[int], model: ModelFile | None = 
     on_cpu = device is not None and device.type == "cpu"
     if cfg.spec.proactive and cfg.features.split and model is not None and \
             (cfg.machine is not None or not on_cpu):
-        cost = CostModel.from_profile(Profile.load(cfg.machine or DEFAULT_MACHINE),
-                                      expert_shape(model))
+        cost = split_cost(model, cfg, device)
     policy = build_policy(cfg.policy, n_slots, PolicyInputs(
         features=cfg.features, cost=cost, profile=cfg.profile,
         top_k=model.n_expert_used if model is not None else 1))
@@ -234,6 +246,35 @@ def make_policy(cfg: CacheConfig, n_slots: list[int], model: ModelFile | None = 
         raise ValueError(f"policy {cfg.policy} is llama.cpp's own placement: it has no expert "
                          "cache to attach")
     return policy
+
+
+# the pinned copy that probes a GPU's host-to-device rate when a split starts without a measured
+# one: long enough to reach the bus rate (tens of ms at most, once per load)
+RATE_PROBE_BYTES = 64 << 20
+RATE_PROBE_ITERS = 3
+
+
+def split_cost(model: ModelFile, cfg: CacheConfig, device: Device | None) -> CostModel:
+    """The cost model a proactive policy's host/device split starts from: ``cfg.machine``'s
+    profile when one is named; else the default profile with this machine's rates where they are
+    known: the expert copy rate and CPU compute time the last run of ``model`` on ``device``
+    measured (``cache.measured``), else the copy rate probed now (a GPU). The run corrects them
+    as it measures (``CostModel.calibrate``)."""
+    cost = CostModel.from_profile(Profile.load(cfg.machine or DEFAULT_MACHINE),
+                                  expert_shape(model))
+    if cfg.machine is not None or device is None:
+        return cost
+    copy_gbps, host_scale = measured_rates(model, device.name)
+    cost.host_scale = host_scale
+    if copy_gbps is not None and copy_gbps > 0:
+        cost.copy_gbps, cost.copy_measured = copy_gbps, True  # kept again by this run's record
+    elif device.type == "gpu":
+        try:  # a probe's rate is a starting point, not a measured expert copy rate to keep
+            cost.copy_gbps = measure_copy(device.index, RATE_PROBE_BYTES,
+                                          RATE_PROBE_ITERS).h2d_gbps
+        except CopyProbeError:
+            pass
+    return cost
 
 
 def make_forecaster(model: ModelFile, cfg: CacheConfig, n_slots: list[int],

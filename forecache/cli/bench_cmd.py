@@ -34,10 +34,13 @@ from forecache.cli.model_arg import model_option
 @click.option("--routing-trace", type=click.Path(path_type=Path), default=None,
               help="Replay this trace's routing in every run (a real model's, or synth-trace's "
                    "fitted to one) instead of the model's router: the tokens are meaningless.")
+@click.option("--timeline", is_flag=True,
+              help="Record each cached run's timeline (ids read back, gates, waits for copies, "
+                   "CPU expert compute, expert groups, copies) and report it per layer.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def bench(model: Path, policies: str, gpu_budget: str | None, cache_fraction: float | None,
           prompt_len: int, n_gen: int, n_prompts: int, threads: int | None, ablation: bool,
-          rates: str | None, routing_trace: Path | None, as_json: bool) -> None:
+          rates: str | None, routing_trace: Path | None, timeline: bool, as_json: bool) -> None:
     """Run each policy on the same prompts; report TTFT, TPOT, hit rate, H2D and ratios."""
     from forecache.bench import (
         STOCK_RUNS,
@@ -56,9 +59,9 @@ def bench(model: Path, policies: str, gpu_budget: str | None, cache_fraction: fl
                                  f"{', '.join(POLICIES + STOCK_RUNS)}", param_hint="--policies")
     if ablation and rates:
         raise click.UsageError("give --ablation or --rates, not both")
-    if routing_trace is not None and (ablation or rates):
-        raise click.UsageError("--routing-trace goes with the policy table, not --ablation "
-                               "or --rates")
+    if (routing_trace is not None or timeline) and (ablation or rates):
+        raise click.UsageError("--routing-trace and --timeline go with the policy table, not "
+                               "--ablation or --rates")
     if routing_trace is not None and not routing_trace.is_file():
         raise click.BadParameter(f"{routing_trace} does not exist: give a trace from "
                                  "`forecache trace` or `forecache synth-trace`",
@@ -91,6 +94,7 @@ def bench(model: Path, policies: str, gpu_budget: str | None, cache_fraction: fl
     report = run_bench(model, names, gpu_budget=budget,
                        cache_fraction=cache_fraction, prompt_len=prompt_len, n_gen=n_gen,
                        n_prompts=n_prompts, n_threads=threads, routing_trace=routing_trace,
+                       timeline=timeline,
                        progress=progress)
     click.echo(json.dumps(report) if as_json else format_table(report))
     if report["errors"]:

@@ -57,6 +57,7 @@ bool fc_host_compute(forecache_cache * c, fc_layer & L, int32_t proj, ggml_tenso
             ggml_backend_tensor_set(t, out->data, 0, ggml_nbytes(out));
         });
     L.stats.host_s += fc_seconds(t0);
+    fc_span(c, FORECACHE_SPAN_HOST, (int32_t) (&L - c->layers.data()), proj, (int32_t) (n_used*n_tokens), t0, fc_clock::now());
     return ok;
 }
 
@@ -166,6 +167,7 @@ bool fc_host_entries(forecache_cache * c, fc_layer & L, int32_t p, const ggml_te
             c->h_out.resize(ggml_nelements(out));
             memcpy(c->h_out.data(), out->data, ggml_nbytes(out));
         });
+    fc_span(c, FORECACHE_SPAN_HOST, (int32_t) (&L - c->layers.data()), p, (int32_t) n, t0, fc_clock::now());
     std::lock_guard<std::mutex> lock(c->mtx);
     L.stats.host_s += fc_seconds(t0);
     return ok;
@@ -211,6 +213,7 @@ bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor *
             const auto t0 = fc_clock::now();
             c->cv_done.wait(lock, [&] { return fc_entry_ready(c, L, i, p); });
             L.stats.stall_s += fc_seconds(t0);
+            fc_span(c, FORECACHE_SPAN_WAIT, (int32_t) (&L - c->layers.data()), p, 0, t0, fc_clock::now());
         }
         // a group reads the layer's slots or the stage slots, not both
         const bool stage = L.sch_s[i] >= L.n_slots;
@@ -219,10 +222,12 @@ bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor *
             j++;
         }
         lock.unlock();
+        const auto t0 = fc_clock::now();
         if (!fc_group_compute(c, L, p, t, i, j)) {
             ok = false;
             break;
         }
+        fc_span(c, FORECACHE_SPAN_GROUP, (int32_t) (&L - c->layers.data()), p, j - i, t0, fc_clock::now());
         lock.lock();
         for (int32_t k = i; k < j && !stage; k++) {
             L.consumed[L.sch_s[k]*L.n_proj + p]++;

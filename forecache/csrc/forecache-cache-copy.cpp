@@ -115,6 +115,9 @@ void fc_run(forecache_cache * c, const fc_chunk & ch, std::unique_lock<std::mute
     L.stats.n_chunks   += 1;
     L.stats.copy_s     += dt;
     L.stats.chunk_max_s = std::max(L.stats.chunk_max_s, dt);
+    if (c->tl_on.load(std::memory_order_relaxed)) {
+        fc_span_add(c, FORECACHE_SPAN_COPY, ch.layer, ch.proj, ch.expert, ch.slot, 1, bytes, t0, t1);
+    }
     c->cv_done.notify_all();
 }
 

@@ -290,7 +290,26 @@ struct forecache_cache {
     fc_clock::time_point    low_start; // when the last lower-priority chunk started
     fc_clock::time_point    low_end;   // and finished
     std::thread             worker;
+
+    // timeline (forecache_cache_set_timeline): a ring of the last tl_cap spans
+    std::atomic<bool>           tl_on{false};
+    std::mutex                  tl_mtx;
+    std::vector<forecache_span> tl_ring;
+    size_t                      tl_head = 0;    // oldest span
+    size_t                      tl_n    = 0;
+    uint64_t                    tl_dropped = 0;
+    fc_clock::time_point        tl_t0;
 };
+
+// records a span of the timeline when one is being recorded; cheap otherwise
+void fc_span_add(forecache_cache * c, int32_t kind, int32_t layer, int32_t proj, int32_t expert, int32_t slot,
+        int32_t n, uint64_t bytes, fc_clock::time_point t0, fc_clock::time_point t1);
+inline void fc_span(forecache_cache * c, int32_t kind, int32_t layer, int32_t proj, int32_t n,
+        fc_clock::time_point t0, fc_clock::time_point t1) {
+    if (c->tl_on.load(std::memory_order_relaxed)) {
+        fc_span_add(c, kind, layer, proj, -1, -1, n, 0, t0, t1);
+    }
+}
 
 // forecache-cache-copy.cpp: slots and the copy engine (lock held unless said)
 bool fc_eligible(const forecache_cache * c, const fc_chunk & ch);

@@ -254,7 +254,11 @@ bool fc_read_ids(forecache_cache * c, int32_t il, const ggml_tensor * ids_t) {
     const int64_t n_used   = ids_t->ne[0];
     const int64_t n_tokens = ids_t->ne[1];
     c->raw.resize(ggml_nbytes(ids_t));
+    const auto t0 = fc_clock::now();
     ggml_backend_tensor_get(ids_t, c->raw.data(), 0, c->raw.size());
+    if (c->tl_on.load(std::memory_order_relaxed)) {
+        fc_span_add(c, FORECACHE_SPAN_IDS, il, -1, -1, -1, (int32_t) n_tokens, c->raw.size(), t0, fc_clock::now());
+    }
     c->ids.resize(n_used*n_tokens);
     for (int64_t i1 = 0; i1 < n_tokens; i1++) {
         for (int64_t i0 = 0; i0 < n_used; i0++) {
@@ -341,6 +345,7 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
     if (!fc_read_ids(c, il, ids_t)) {
         return false;
     }
+    const auto t_gate = fc_clock::now();
 
     const float * weights = nullptr;
     auto wit = c->weights_of.find(ids_t);
@@ -427,12 +432,14 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
         L.stats.host_layers++;
     }
     fc_release_unused_stage(c, il);
+    fc_span(c, FORECACHE_SPAN_GATE, il, -1, (int32_t) n_tokens, t_gate, fc_clock::now());
     if (!host) {
         if (!c->reorder) {
             if (!fc_all_ready(c, L, 0, L.n_proj)) {
                 const auto t0 = fc_clock::now();
                 c->cv_done.wait(lock, [&] { return fc_all_ready(c, L, 0, L.n_proj); });
                 L.stats.stall_s += fc_seconds(t0);
+                fc_span(c, FORECACHE_SPAN_WAIT, il, -1, 0, t0, fc_clock::now());
             }
         }
         if (!fc_grouped(L)) {
@@ -500,6 +507,7 @@ int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
             const auto t0 = fc_clock::now();
             c->cv_done.wait(lock, [&] { return fc_all_ready(c, L, p, p + 1); });
             L.stats.stall_s += fc_seconds(t0);
+            fc_span(c, FORECACHE_SPAN_WAIT, it->second.first, p, 0, t0, fc_clock::now());
         }
         if (!fc_grouped(L) && fc_all_ready(c, L, p, p + 1)) {
             L.stats.n_groups++;

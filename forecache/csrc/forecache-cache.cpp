@@ -1,4 +1,4 @@
-// forecache expert cache: the C API (init and free, loads, schedules, stage slots, stats).
+// forecache expert cache: the C API (init and free, loads, schedules, stage slots, stats, timeline).
 // See forecache-cache-impl.h for how the expert cache's files divide the work.
 
 #include "forecache-cache-impl.h"
@@ -577,4 +577,68 @@ void forecache_cache_reset_stats(struct forecache_cache * cache) {
 
 size_t forecache_cache_stats_size(void) {
     return sizeof(forecache_cache_stats);
+}
+
+void fc_span_add(forecache_cache * c, int32_t kind, int32_t layer, int32_t proj, int32_t expert, int32_t slot,
+        int32_t n, uint64_t bytes, fc_clock::time_point t0, fc_clock::time_point t1) {
+    std::lock_guard<std::mutex> lock(c->tl_mtx);
+    if (c->tl_ring.empty()) {
+        return;
+    }
+    forecache_span sp = {};
+    sp.kind   = kind;
+    sp.layer  = layer;
+    sp.proj   = proj;
+    sp.expert = expert;
+    sp.slot   = slot;
+    sp.n      = n;
+    sp.pass   = c->epoch; // the graph thread writes it; the copy thread calls with c->mtx held
+    sp.bytes  = bytes;
+    sp.t0     = std::chrono::duration<double>(t0 - c->tl_t0).count();
+    sp.t1     = std::chrono::duration<double>(t1 - c->tl_t0).count();
+    const size_t cap = c->tl_ring.size();
+    if (c->tl_n == cap) {
+        c->tl_head = (c->tl_head + 1) % cap; // the oldest goes
+        c->tl_n--;
+        c->tl_dropped++;
+    }
+    c->tl_ring[(c->tl_head + c->tl_n) % cap] = sp;
+    c->tl_n++;
+}
+
+int32_t forecache_cache_set_timeline(struct forecache_cache * cache, int32_t capacity) {
+    if (capacity < 0) {
+        return -1;
+    }
+    std::lock_guard<std::mutex> lock(cache->tl_mtx);
+    cache->tl_on.store(false);
+    cache->tl_ring.assign((size_t) capacity, forecache_span{});
+    cache->tl_head    = 0;
+    cache->tl_n       = 0;
+    cache->tl_dropped = 0;
+    cache->tl_t0      = fc_clock::now();
+    cache->tl_on.store(capacity > 0);
+    return 0;
+}
+
+int32_t forecache_cache_timeline(struct forecache_cache * cache, struct forecache_span * out, int32_t n_max, uint64_t * dropped) {
+    std::lock_guard<std::mutex> lock(cache->tl_mtx);
+    const size_t n = std::min(cache->tl_n, (size_t) std::max(n_max, 0));
+    const size_t cap = cache->tl_ring.size();
+    for (size_t i = 0; i < n; i++) {
+        out[i] = cache->tl_ring[(cache->tl_head + i) % cap];
+    }
+    if (cap > 0) {
+        cache->tl_head = (cache->tl_head + n) % cap;
+    }
+    cache->tl_n -= n;
+    if (dropped != nullptr) {
+        *dropped = cache->tl_dropped;
+    }
+    cache->tl_dropped = 0;
+    return (int32_t) n;
+}
+
+size_t forecache_span_size(void) {
+    return sizeof(forecache_span);
 }

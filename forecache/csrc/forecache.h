@@ -15,7 +15,7 @@ extern "C" {
 
 // Version of this API and of the patches it needs in llama.cpp; bumped whenever either changes.
 // The Python side reads it from this header and refuses a library that reports another.
-#define FORECACHE_PATCH_VERSION 15
+#define FORECACHE_PATCH_VERSION 16
 
 // Returns FORECACHE_PATCH_VERSION of the library the caller is linked against.
 LLAMA_API int32_t forecache_patch_version(void);
@@ -340,6 +340,44 @@ LLAMA_API void    forecache_cache_reset_stats(struct forecache_cache * cache);
 
 // sizeof(struct forecache_cache_stats): lets a binding that mirrors the struct refuse a mismatch.
 LLAMA_API size_t  forecache_cache_stats_size(void);
+
+//
+// Timeline: spans of the cache's work, layer by layer, for finding where a pass's time goes
+//
+
+enum forecache_span_kind {
+    FORECACHE_SPAN_IDS   = 0, // a layer's routed ids read back (waits for the device to reach them)
+    FORECACHE_SPAN_GATE  = 1, // the gate: the decode gate or the hook, with the router weights and input read
+    FORECACHE_SPAN_WAIT  = 2, // compute waiting for copies (one projection, or the layer)
+    FORECACHE_SPAN_HOST  = 3, // experts computed on the CPU from host memory (the layer, or host entries)
+    FORECACHE_SPAN_GROUP = 4, // an expert group computed from slots
+    FORECACHE_SPAN_COPY  = 5, // a chunk copied host -> slot, on the copy thread
+};
+
+struct forecache_span {
+    int32_t  kind;
+    int32_t  layer;
+    int32_t  proj;     // projection, -1: every projection of the layer or expert
+    int32_t  expert;   // copies: the expert; -1 otherwise
+    int32_t  slot;     // copies: the slot (n_slots + j: stage slot j); -1 otherwise
+    int32_t  n;        // ids, gates: tokens routed; host: rows computed; groups: schedule entries
+    uint64_t pass;     // the forward pass (forecache_cache_passes) it ran in
+    uint64_t bytes;    // copies: bytes copied; ids: bytes read back
+    double   t0;       // seconds since forecache_cache_set_timeline started recording
+    double   t1;
+};
+
+// Starts recording spans, keeping the last `capacity` (older ones are dropped and counted), or stops
+// for capacity 0. Starting clears what was recorded and restarts the clock. Returns 0, or -1 for a
+// negative capacity.
+LLAMA_API int32_t forecache_cache_set_timeline(struct forecache_cache * cache, int32_t capacity);
+
+// Moves up to n_max recorded spans, oldest first, into `out` and returns how many; *dropped (when not
+// NULL) is set to the spans dropped for lack of room since the previous call.
+LLAMA_API int32_t forecache_cache_timeline(struct forecache_cache * cache, struct forecache_span * out, int32_t n_max, uint64_t * dropped);
+
+// sizeof(struct forecache_span): lets a binding that mirrors the struct refuse a mismatch.
+LLAMA_API size_t forecache_span_size(void);
 
 //
 // Routing replay: expert matmuls read a recorded routing instead of the router's choice

@@ -92,6 +92,26 @@ class Event(ctypes.Structure):
     ]
 
 
+class Span(ctypes.Structure):
+    """struct forecache_span: a span of the cache's work on its timeline
+    (forecache_cache_timeline)."""
+
+    _fields_ = [
+        ("kind", c_int32),
+        ("layer", c_int32),
+        ("proj", c_int32),
+        ("expert", c_int32),
+        ("slot", c_int32),
+        ("n", c_int32),
+        ("pass_id", c_uint64),
+        ("bytes", c_uint64),
+        ("t0", c_double),
+        ("t1", c_double),
+    ]
+
+
+# enum forecache_span_kind, in order
+SPAN_KINDS = ("ids", "gate", "wait", "host", "group", "copy")
 # enum forecache_event_kind
 EVENT_GATE, EVENT_MARKER = 0, 1
 # copy priorities (0 is the highest): a layer's misses, predicted experts
@@ -292,6 +312,22 @@ class ForecacheAPI(CFunctions):
     def cache_stats_size() -> int:
         """sizeof(struct forecache_cache_stats)."""
 
+    # -- timeline --------------------------------------------------------------------------------
+    @c_function([c_void_p, c_int32], c_int32)
+    def cache_set_timeline(cache: CachePtr, capacity: int) -> int:
+        """Record the last ``capacity`` spans from now (cleared, clock restarted), 0 stops: 0,
+        or -1 for a negative capacity."""
+
+    @c_function([c_void_p, POINTER(Span), c_int32, POINTER(c_uint64)], c_int32)
+    def cache_timeline(cache: CachePtr, out: Ptr[Span], n_max: int,
+                       dropped: Ptr[c_uint64]) -> int:
+        """Move up to ``n_max`` spans, oldest first, into ``out``: how many; ``dropped``: spans
+        lost for lack of room since the last call."""
+
+    @c_function([], c_size_t)
+    def span_size() -> int:
+        """sizeof(struct forecache_span)."""
+
     # -- routing replay --------------------------------------------------------------------------
     @c_function([c_void_p, c_int32, c_size_t, c_char_p, c_size_t], c_void_p)
     def replay_init(ctx: ContextPtr, n_tokens_max: int, dev_index: int,
@@ -317,6 +353,7 @@ class ForecacheAPI(CFunctions):
 _MIRRORS: dict[type[ctypes.Structure], str] = {
     CacheStats: "forecache_cache_stats_size",
     Event: "forecache_event_size",
+    Span: "forecache_span_size",
 }
 
 

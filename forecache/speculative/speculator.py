@@ -179,6 +179,7 @@ class SpecStats:
     steps: int = 0  # verification passes
     drafted: int = 0
     accepted: int = 0
+    undrafted: int = 0  # tokens decoded without drafts while drafting did not pay
 
     def add(self, drafted: int, accepted: int) -> None:
         """One verification of ``drafted`` tokens that accepted ``accepted``."""
@@ -188,23 +189,81 @@ class SpecStats:
 
     def to_json(self, kind: str, k: int) -> dict:
         return {"draft": kind, "draft_k": k, "verify_passes": self.steps,
-                "drafted": self.drafted, "accepted": self.accepted,
+                "drafted": self.drafted, "accepted": self.accepted, "undrafted": self.undrafted,
                 "acceptance": self.accepted / self.drafted if self.drafted else None,
                 "mean_accepted": self.accepted / self.steps if self.steps else None}
 
 
+# Adaptive drafting is judged by time: a drafted step's seconds per token it yields against a
+# plain token's. After MIN_SPEC_STEPS steps, PLAIN_PROBE plain tokens measure the plain rate
+# (again every REPROBE steps); while drafting costs more a token, BACKOFF tokens are decoded plain
+# before drafting is measured afresh.
+MIN_SPEC_STEPS = 4
+PLAIN_PROBE = 2
+REPROBE = 64
+BACKOFF = 32
+EMA = 0.3  # weight of the newest step in the running per-token times
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else (1 - EMA) * old + EMA * new
+
+
 class DraftLength:
     """The draft length: fixed when given, else adaptive from the acceptance (two more after a
-    step that accepted every draft, one fewer after one that did not, within 1..MAX_K)."""
+    step that accepted every draft, one fewer after one that did not, within 1..MAX_K); adaptive
+    drafting also stops while a drafted step yields tokens more slowly than plain decoding
+    (``next_k`` 0: decode the next token plain), since acceptance times the draft's cost decides
+    whether it pays, not acceptance alone."""
 
     def __init__(self, k: int | None, most: int = MAX_K) -> None:
         self.fixed = k is not None
         self.most = max(min(most, MAX_K), 1)  # what one verification ubatch can hold
         self.k = min(k if k is not None else DEFAULT_K, self.most)
+        self.spec_s: float | None = None  # seconds a token, drafted steps (running)
+        self.plain_s: float | None = None  # seconds a token, plain decoding (running)
+        self.spec_steps = 0  # drafted steps since drafting (re)started
+        self.plain_left = 0  # plain tokens before drafting again
+        self.probing = False  # those plain tokens measure the plain rate (not a back-off)
+        self.backoffs = 0
 
-    def update(self, accepted: int, drafted: int) -> None:
-        if not self.fixed:
-            self.k = min(self.k + 2, self.most) if accepted == drafted else max(self.k - 1, 1)
+    def next_k(self) -> int:
+        """Tokens to draft for the next step; 0: decode it plain."""
+        return 0 if self.plain_left > 0 else self.k
+
+    def update(self, accepted: int, drafted: int, seconds: float | None = None) -> None:
+        """A drafted step that accepted ``accepted`` of ``drafted`` in ``seconds`` (drafts,
+        verification and the rule; None: not timed)."""
+        if self.fixed:
+            return
+        self.k = min(self.k + 2, self.most) if accepted == drafted else max(self.k - 1, 1)
+        if seconds is None:
+            return
+        self.spec_s = _ema(self.spec_s, seconds / (accepted + 1))
+        self.spec_steps += 1
+        if self.spec_steps < MIN_SPEC_STEPS:
+            return
+        if self.plain_s is None or self.spec_steps % REPROBE == 0:
+            self.plain_left, self.probing = PLAIN_PROBE, True
+        elif self.spec_s > self.plain_s:
+            self._back_off()
+
+    def plain(self, seconds: float) -> None:
+        """A token decoded plain in ``seconds``, as ``next_k`` asked."""
+        self.plain_s = _ema(self.plain_s, seconds)
+        self.plain_left = max(self.plain_left - 1, 0)
+        if self.plain_left:
+            return
+        if self.probing:
+            self.probing = False
+            if self.spec_s is not None and self.spec_s > self.plain_s:
+                self._back_off()
+        else:  # a back-off ended: drafting is measured afresh
+            self.spec_s, self.spec_steps = None, 0
+
+    def _back_off(self) -> None:
+        self.plain_left, self.probing = BACKOFF, False
+        self.backoffs += 1
 
 
 class _Rows:
@@ -451,10 +510,14 @@ class Speculator:
                 generated.append(x)
                 yield x
                 pos = llm.n_tokens
-                k = min(self.length.k, llm.n_ctx() - pos - 1)  # the drafts fit the context
+                t0 = time.perf_counter()
+                k = min(self.length.next_k(), llm.n_ctx() - pos - 1)  # the drafts fit the context
                 if k < 1:
                     llm.eval([x])
                     x, _ = sampler.pick(_last_logits(llm), rng, generated)
+                    if self.length.next_k() == 0:
+                        self.length.plain(time.perf_counter() - t0)
+                        self.stats.undrafted += 1
                     continue
                 drafts, qs = self.draft.propose(llm, x, pos, k, sampler, rng, generated)
                 cache = llm.expert_cache
@@ -470,7 +533,7 @@ class Speculator:
                 low.llama_memory_seq_rm(low.llama_get_memory(llm.ctx), -1, keep_to, -1)
                 llm.n_tokens = keep_to
                 self.stats.add(len(drafts), len(accepted))
-                self.length.update(len(accepted), len(drafts))
+                self.length.update(len(accepted), len(drafts), time.perf_counter() - t0)
                 for t in accepted:
                     generated.append(t)
                     yield t

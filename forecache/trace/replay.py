@@ -23,7 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from forecache.trace.format import TraceError, TraceFile
+from forecache.trace.format import Request, TraceError, TraceFile
+from forecache.trace.stats import lru_hit_rate
 
 
 class ReplayError(ValueError):
@@ -44,6 +45,13 @@ class Routing:
         want = 1 if decode else 0
         rows = np.flatnonzero(self.phase == want)
         return rows if rows.size else np.arange(len(self.phase))
+
+    def decode_hit_rate(self, n_slots: int) -> tuple[float, int]:
+        """The hit rate of a per-layer LRU cache of ``n_slots`` experts over this routing's decode
+        rows (every row passing through it), and the decode lookups it counts."""
+        req = Request(experts=self.experts, phase=self.phase)
+        lookups = int((self.phase == 1).sum()) * self.experts.shape[1] * self.experts.shape[2]
+        return lru_hit_rate([req], n_slots, phase=1), lookups
 
     def counts(self, moe_layers: list[int], n_layer: int, n_expert: int) -> np.ndarray:
         """Routed-expert counts [n_layer, n_expert] over every row (llama.cpp's blocks; the

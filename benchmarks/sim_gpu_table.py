@@ -1,0 +1,346 @@
+"""The simulator next to the GPU: every row of BENCHMARKS.md's H200 tables, simulated.
+
+    python benchmarks/sim_gpu_table.py [--profile h200-xeon] [--rows LABEL,...] [--json OUT]
+
+Replays what the GPU check (``benchmarks/gpu_check.sh run``, 2026-11-26, NVIDIA H200 with a
+16-core Xeon host) measured, on the same routing and the same placement: Qwen2-57B-A14B in
+llama.cpp's Q4_K_M mix (28 MoE layers, 64 experts, top-8), slots and ``--n-cpu-moe`` layers as
+the runtime's memory plan splits each budget (``cache.budget.plan_memory`` over the model's
+tensor plan: 1173 slots and 18 stage slots at 24 GiB, 413 and 6 at 12 GiB, 10 and 22 ncmoe host
+layers), the routings ``benchmarks/replay_traces.py`` wrote there (seed 0, 512 prompt rows, 80
+decode rows) and the shared OLMoE-1B-7B trace mapped onto 28 layers (``trace.replay``). Each run
+is simulated as ``policy_bench.py`` ran it then: a warm-up of the prompt's first 8 tokens and one
+generated token (it moved both replay cursors, and the measured prompt reused its 8-token KV
+prefix, so the timed prompt is one ubatch of 504 rows), then the timed prompt and 63 decode
+passes. promoe and infinity predict as the runtime did without trained predictors (history at
+window 1; an empty EAM collection at window 2) and plan their host split with the cost model the
+runtime starts from (``cache.setup.DEFAULT_MACHINE``'s profile with the copy rate probed on the
+device: ``--plan-profile``). ``all-gpu`` is ncmoe at a budget that keeps every layer on the
+device.
+
+Prints "row | measured TTFT/TPOT | simulated TTFT/TPOT | error %" and writes every figure to
+``--json``. The issue's tolerance is 15%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from forecache.cache.budget import MemoryPlan, compute_buffer_bytes, parse_size
+from forecache.cache.cost import CostModel, Profile
+from forecache.cache.prefetcher import stage_slots_for
+from forecache.cache.registry import policy_spec
+from forecache.cache.setup import DEFAULT_MACHINE, EAM_WINDOW
+from forecache.gguf.header import is_expert_tensor
+from forecache.gguf.specs import get_spec, tensor_plan
+from forecache.predictor.base import Predictor
+from forecache.predictor.eam import EAMPredictor
+from forecache.predictor.history import HistoryPredictor
+from forecache.sim.shapes import ModelShape, shape_of
+from forecache.sim.simulate import SimConfig, Simulator
+from forecache.trace.format import Request
+from forecache.trace.replay import Routing, load_routing, map_routing
+from forecache.trace.synth import OLMOE_FIT, SynthParams, synthesize
+
+ROOT = Path(__file__).resolve().parents[1]
+OLMOE_REAL = ROOT.parent / "shared" / "traces" / "olmoe_1b_7b_nf4gemm_decode_4x512.npz"
+TOLERANCE = 0.15
+
+MODEL, QTYPE = "qwen2-57b-a14b", "q4_k_m"
+PROMPT, GEN = 512, 64  # gpu_check.sh: one prompt of 512 tokens, 64 generated
+DECODE_ROWS = GEN + 16  # the decode rows replay_traces.py wrote (--decode GEN+16)
+N_CTX = max(512, PROMPT + GEN + 16)  # bench.workload's context
+N_UBATCH = 512
+# policy_bench's warm-up then: the prompt's first 8 tokens and 2 generated (one decode pass); the
+# timed prompt reuses those 8 tokens' KV (a common prefix), so its one ubatch is the other 504
+WARM_PROMPT, WARM_DECODE = 8, 1
+
+# benchmarks/replay_traces.py's TRACES (synth-trace's parameters), seed 0
+SYNTH = {
+    "uniform": SynthParams(skew=0.0, focus=0.0, stick=0.0, follow=0.0),
+    "skewed": SynthParams(skew=2.0, focus=0.2, stick=0.3, follow=0.5),
+    "olmoe-fit": OLMOE_FIT,
+}
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measured row: its table, routing, budget and run, what was measured, and whether it
+    was the first run of its process (``policy_bench.py`` call)."""
+
+    label: str
+    routing: str
+    budget: str
+    policy: str  # a simulator policy, or "all-gpu"
+    ttft_ms: float
+    tpot_ms: float
+    first: bool = False
+    hit: float | None = None  # measured hit rate %
+    h2d_gb: float | None = None
+
+
+# Measured: BENCHMARKS.md, "GPU: the target on replayed routing (NVIDIA H200), 2026-11-26"
+# (gpu_check.sh run at 5ce918b; bench_fit24/fit12/fixed/routings.json). ``first``: the first
+# policy of its policy_bench.py call (gpu_check.sh's order), whose timed prompt was the process's
+# first 512-token-class ubatch.
+MEASURED = (
+    Row("fit 24G all-gpu", "olmoe-fit", "64GiB", "all-gpu", 274.2, 7.38, first=True),
+    Row("fit 24G ncmoe", "olmoe-fit", "24GiB", "ncmoe", 345.2, 30.26),
+    Row("fit 24G ncmoe-mmap", "olmoe-fit", "24GiB", "ncmoe-mmap", 1380.2, 30.73),
+    Row("fit 24G promoe", "olmoe-fit", "24GiB", "promoe", 908.2, 22.36, hit=85.8, h2d_gb=35.97),
+    Row("fit 24G infinity", "olmoe-fit", "24GiB", "infinity", 898.7, 18.02, hit=89.5,
+        h2d_gb=26.75),
+    Row("fit 12G ncmoe", "olmoe-fit", "12GiB", "ncmoe", 702.0, 53.81, first=True),
+    Row("fit 12G ncmoe-mmap", "olmoe-fit", "12GiB", "ncmoe-mmap", 3233.4, 54.65),
+    Row("fit 12G promoe", "olmoe-fit", "12GiB", "promoe", 1508.1, 60.60, hit=50.7,
+        h2d_gb=124.85),
+    Row("uniform 24G ncmoe", "uniform", "24GiB", "ncmoe", 426.5, 26.36, first=True),
+    Row("uniform 24G promoe", "uniform", "24GiB", "promoe", 384.6, 45.23, hit=65.2,
+        h2d_gb=93.26),
+    Row("skewed 24G ncmoe", "skewed", "24GiB", "ncmoe", 448.8, 28.69, first=True),
+    Row("skewed 24G promoe", "skewed", "24GiB", "promoe", 757.5, 18.34, hit=88.8, h2d_gb=28.05),
+    Row("real 24G ncmoe", "olmoe-real", "24GiB", "ncmoe", 428.5, 27.46, first=True),
+    Row("real 24G promoe", "olmoe-real", "24GiB", "promoe", 741.8, 26.79, hit=82.3,
+        h2d_gb=45.31),
+    Row("full 64G all-gpu", "olmoe-fit", "64GiB", "all-gpu", 283.6, 7.63, first=True),
+    Row("full 64G promoe", "olmoe-fit", "64GiB", "promoe", 165.4, 8.66, hit=100.0, h2d_gb=0.0),
+)
+# Not simulated: "all-gpu, the model's own (random-weight) routing" (221.0 / 7.27 ms): that
+# routing was not recorded.
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Slots a layer as the runtime's memory plan gives them (``pre``: before stage slots are
+    held back, which is what ncmoe's layers and ``stage_slots_for`` read) and the stage slots."""
+
+    pre: list[int]
+    post: list[int]
+    stage: int
+
+    def sim_slots(self) -> list[int]:
+        """Slots to give the simulator, which takes its stage slots one a layer from the last
+        cached layers (``Simulator``): ``post`` with those added back, so it ends at ``post``."""
+        out = list(self.post)
+        cached = [il for il, n in enumerate(out) if n > 1]
+        for k in range(self.stage):
+            out[cached[-1 - k % len(cached)]] += 1
+        return out
+
+
+def placement(budget: str) -> Placement:
+    """The runtime's split of ``budget`` for the model (``cache.setup.place``): its memory plan
+    from the tensors make-model writes (``plan_memory`` reads the same numbers from the file)."""
+    spec = get_spec(MODEL)
+    plans = tensor_plan(spec, QTYPE)
+    per: dict[int, int] = {}
+    other = 0
+    for t in plans:
+        if is_expert_tensor(t.name):
+            il = int(t.name.split(".")[1])
+            per[il] = per.get(il, 0) + t.nbytes
+        else:
+            other += t.nbytes
+    layers = sorted(per)
+    kv = spec.layers * N_CTX * spec.kv_dim * 2 * 2  # f16 K and V, every layer
+    plan = MemoryPlan(budget=parse_size(budget), non_expert_bytes=other, kv_bytes=kv,
+                      compute_bytes=compute_buffer_bytes(N_UBATCH, spec.top_k, spec.expert_ff,
+                                                         spec.d_model, spec.vocab),
+                      layer_bytes=tuple(per[il] // spec.experts for il in layers),
+                      n_expert=spec.experts, moe_layers=layers)
+    pre = plan.slots_per_layer()
+    stage = stage_slots_for(spec.experts, pre)
+    return Placement(pre, plan.slots_per_layer(held=stage), stage)
+
+
+def routing(name: str, shape: ModelShape, olmoe_real: Path = OLMOE_REAL) -> Routing:
+    """A routing as the GPU run replayed it, mapped onto the model (``trace.replay``)."""
+    if name == "olmoe-real":
+        if not olmoe_real.is_file():
+            raise SystemExit(f"{olmoe_real}: no such trace (the shared OLMoE-1B-7B trace)")
+        return load_routing(olmoe_real, n_layers=shape.layers, n_expert=shape.experts,
+                            top_k=shape.top_k)
+    reqs = synthesize(SYNTH[name], n_layers=shape.layers, n_expert=shape.experts,
+                      top_k=shape.top_k, tokens=[PROMPT + DECODE_ROWS], prefill=[PROMPT], seed=0)
+    r = reqs[0]
+    return map_routing(r.experts, r.weights, r.phase, n_layers=shape.layers,
+                       n_expert=shape.experts, top_k=shape.top_k, source=name)
+
+
+def replayed_requests(rt: Routing) -> tuple[Request, Request]:
+    """(warm-up, timed) as the replay fed them: prompt rows and decode rows each from their own
+    cursor (``RoutingReplay.table``), the warm-up's first."""
+    cursor = {False: 0, True: 0}
+
+    def take(decode: bool, n: int) -> np.ndarray:
+        rows = rt.rows(decode)
+        pick = rows[(cursor[decode] + np.arange(n)) % rows.size]
+        cursor[decode] = (cursor[decode] + n) % rows.size
+        return pick
+
+    def request(n_prompt: int, n_decode: int) -> Request:
+        rows = np.r_[take(False, n_prompt), take(True, n_decode)]
+        phase = np.r_[np.zeros(n_prompt, np.int8), np.ones(n_decode, np.int8)]
+        return Request(experts=rt.experts[rows].astype(np.int16), weights=None, phase=phase)
+
+    warm = request(WARM_PROMPT, WARM_DECODE)
+    timed = request(PROMPT - WARM_PROMPT, GEN - 1)
+    return warm, timed
+
+
+def predictor_for(policy: str, shape: ModelShape) -> tuple[Predictor | None, int]:
+    """The predictor and window the runtime ran ``policy`` with (``cache.setup.make_forecaster``,
+    no trained predictors, no EAM collection)."""
+    if policy == "promoe":
+        return HistoryPredictor(shape.layers, shape.experts, shape.top_k), 1
+    if policy == "infinity":
+        return EAMPredictor(shape.layers, shape.experts, shape.top_k, prior_weight=0.0), \
+            EAM_WINDOW
+    return None, 2
+
+
+@dataclass
+class Simulated:
+    ttft_s: float
+    tpot_s: float
+    hit: float | None
+    h2d_gb: float
+    host_layers: int
+    extra: dict
+
+
+def simulate_row(row: Row, shape: ModelShape, profile: Profile, plan_profile: Profile | None,
+                 routings: dict[str, Routing]) -> Simulated:
+    """One row on the modelled machine."""
+    budget = "64GiB" if row.policy == "all-gpu" else row.budget
+    policy = "ncmoe" if row.policy == "all-gpu" else row.policy
+    pl = placement(budget)
+    spec = policy_spec(policy, simulated=True)
+    slots = pl.sim_slots() if spec.proactive else pl.pre
+    pred, window = predictor_for(policy, shape)
+    cfg = SimConfig(policy, slots, window=window, n_ubatch=N_UBATCH)
+    sim = Simulator(shape, profile, cfg, range(shape.layers), pred)
+    if spec.proactive:
+        assert sim.n_stage == pl.stage and sim.n_slots == pl.post, (sim.n_stage, sim.n_slots)
+    if sim.policy is not None and getattr(sim.policy, "cost", None) is not None and \
+            plan_profile is not None:
+        # the split plans as the runtime's does (cache.setup.split_cost): the default machine's
+        # profile with the copy rate probed on the device
+        cost = CostModel.from_profile(plan_profile, shape.expert)
+        cost.copy_gbps = profile.h2d_gbps
+        sim.policy.cost = cost
+    warm, timed = replayed_requests(routings[row.routing])
+    sim.run_request(warm)
+    hits, misses, h2d = sim.hits, sim.misses, sim.engine.stats["h2d_bytes"]
+    host0 = sim.host_layers
+    prefill, decode = sim.run_request(timed)
+    hits, misses = sim.hits - hits, sim.misses - misses
+    cached = spec.cached
+    return Simulated(prefill, float(np.mean(decode)),
+                     100.0 * hits / (hits + misses) if cached and hits + misses else None,
+                     (sim.engine.stats["h2d_bytes"] - h2d) / 1e9, sim.host_layers - host0,
+                     {"stall_s": sim.stall, "cpu_s": sim.cpu_s, "runtime_s": sim.runtime_s})
+
+
+def error(sim: float, measured: float) -> float:
+    return sim / measured - 1.0
+
+
+def simulate_table(rows: Sequence[Row], profile: Profile, plan_profile: Profile | None = None,
+                   olmoe_real: Path = OLMOE_REAL,
+                   progress: Callable[[str], None] = lambda s: None) -> list[dict]:
+    """Every row simulated: the row's measured and simulated figures and the errors."""
+    shape = shape_of(MODEL, QTYPE)
+    routings = {name: routing(name, shape, olmoe_real)
+                for name in dict.fromkeys(r.routing for r in rows)}
+    out = []
+    for row in rows:
+        t0 = time.perf_counter()
+        s = simulate_row(row, shape, profile, plan_profile, routings)
+        progress(f"{row.label}: {time.perf_counter() - t0:.1f} s")
+        out.append({"row": row.label, "routing": row.routing, "budget": row.budget,
+                    "policy": row.policy, "first_in_process": row.first,
+                    "measured_ttft_ms": row.ttft_ms, "measured_tpot_ms": row.tpot_ms,
+                    "sim_ttft_ms": s.ttft_s * 1e3, "sim_tpot_ms": s.tpot_s * 1e3,
+                    "ttft_error": error(s.ttft_s * 1e3, row.ttft_ms),
+                    "tpot_error": error(s.tpot_s * 1e3, row.tpot_ms),
+                    "measured_hit": row.hit, "sim_hit": s.hit, "measured_h2d_gb": row.h2d_gb,
+                    "sim_h2d_gb": s.h2d_gb, "sim_host_layers": s.host_layers, **s.extra})
+    return out
+
+
+def summary(results: Sequence[dict]) -> dict:
+    """Rows within the tolerance, those outside (and in which figure), and how much more the
+    first runs of their processes measured than simulated (ms: mean, min, max)."""
+    within = {m: sum(abs(r[f"{m}_error"]) <= TOLERANCE for r in results)
+              for m in ("ttft", "tpot")}
+    outside = []
+    for r in results:
+        off = [m.upper() for m in ("ttft", "tpot") if abs(r[f"{m}_error"]) > TOLERANCE]
+        if off:
+            outside.append(f"{r['row']} ({'/'.join(off)})")
+    excess = [r["measured_ttft_ms"] - r["sim_ttft_ms"] for r in results if r["first_in_process"]]
+    return {"ttft_within": within["ttft"], "tpot_within": within["tpot"], "outside": outside,
+            "first_run_excess_ms": (f"{np.mean(excess):.0f} ms on average ({min(excess):.0f} to "
+                                    f"{max(excess):.0f})") if excess else "-"}
+
+
+def format_table(results: Sequence[dict]) -> str:
+    lines = [f"{'row':<20} | {'measured TTFT/TPOT ms':>22} | {'simulated TTFT/TPOT ms':>22} | "
+             f"{'error % TTFT/TPOT':>18} | {'hit % meas/sim':>14}"]
+    for r in results:
+        hit = "-" if r["measured_hit"] is None else \
+            f"{r['measured_hit']:.1f}/{r['sim_hit']:.1f}"
+        mark = "*" if r["first_in_process"] else " "
+        lines.append(f"{r['row']:<19}{mark} | {r['measured_ttft_ms']:>11.1f} / "
+                     f"{r['measured_tpot_ms']:<8.2f} | {r['sim_ttft_ms']:>11.1f} / "
+                     f"{r['sim_tpot_ms']:<8.2f} | {r['ttft_error'] * 100:>+7.1f} / "
+                     f"{r['tpot_error'] * 100:<+8.1f} | {hit:>14}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--profile", default="h200-xeon", help="the machine's profile")
+    ap.add_argument("--plan-profile", default=DEFAULT_MACHINE,
+                    help="the profile promoe's host split plans with (the runtime's default)")
+    ap.add_argument("--rows", default=None, help="comma-separated row labels (default: all)")
+    ap.add_argument("--olmoe-real", type=Path, default=OLMOE_REAL)
+    ap.add_argument("--json", type=Path, default=None)
+    a = ap.parse_args()
+    rows = MEASURED
+    if a.rows:
+        want = [s.strip() for s in a.rows.split(",")]
+        unknown = [w for w in want if w not in {r.label for r in MEASURED}]
+        if unknown:
+            raise SystemExit(f"unknown rows {unknown}; rows: {[r.label for r in MEASURED]}")
+        rows = tuple(r for r in MEASURED if r.label in want)
+    profile = Profile.load(a.profile)
+    plan = Profile.load(a.plan_profile)
+    results = simulate_table(rows, profile, plan, a.olmoe_real,
+                             progress=lambda s: print(s, flush=True))
+    print(f"\n{MODEL} {QTYPE}, profile {profile.name}, promoe's split planned with "
+          f"{plan.name} (copy rate {profile.h2d_gbps} GB/s)")
+    print(format_table(results))
+    s = summary(results)
+    print(f"* the first run of its process: its TTFT carries a one-time cost the simulator does "
+          f"not model; measured over simulated TTFT there {s['first_run_excess_ms']}")
+    print(f"within {TOLERANCE * 100:.0f}%: {s['ttft_within']} of {len(results)} TTFTs, "
+          f"{s['tpot_within']} of {len(results)} TPOTs; outside: "
+          f"{', '.join(s['outside']) or 'none'}")
+    if a.json:
+        a.json.write_text(json.dumps({"profile": profile.name, "plan_profile": plan.name,
+                                      "tolerance": TOLERANCE, "summary": s, "rows": results},
+                                     indent=1))
+        print(f"wrote {a.json}")
+
+
+if __name__ == "__main__":
+    main()
