@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from forecache.cache.budget import MemoryPlan, compute_buffer_bytes, parse_size
-from forecache.cache.cost import CostModel, Profile
+from forecache.cache.cost import Profile
 from forecache.cache.prefetcher import stage_slots_for
 from forecache.cache.registry import policy_spec
 from forecache.cache.setup import DEFAULT_MACHINE, EAM_WINDOW
@@ -225,17 +225,12 @@ def simulate_row(row: Row, shape: ModelShape, profile: Profile, plan_profile: Pr
     spec = policy_spec(policy, simulated=True)
     slots = pl.sim_slots() if spec.proactive else pl.pre
     pred, window = predictor_for(policy, shape)
-    cfg = SimConfig(policy, slots, window=window, n_ubatch=N_UBATCH)
+    # the split plans as the runtime's does (cache.setup.split_cost): the default machine's
+    # profile with the copy rate probed on the device
+    cfg = SimConfig(policy, slots, window=window, n_ubatch=N_UBATCH, plan_profile=plan_profile)
     sim = Simulator(shape, profile, cfg, range(shape.layers), pred)
     if spec.proactive:
         assert sim.n_stage == pl.stage and sim.n_slots == pl.post, (sim.n_stage, sim.n_slots)
-    if sim.policy is not None and getattr(sim.policy, "cost", None) is not None and \
-            plan_profile is not None:
-        # the split plans as the runtime's does (cache.setup.split_cost): the default machine's
-        # profile with the copy rate probed on the device
-        cost = CostModel.from_profile(plan_profile, shape.expert)
-        cost.copy_gbps = profile.h2d_gbps
-        sim.policy.cost = cost
     warm, timed = replayed_requests(routings[row.routing])
     sim.run_request(warm)
     hits, misses, h2d = sim.hits, sim.misses, sim.engine.stats["h2d_bytes"]

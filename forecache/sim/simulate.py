@@ -85,6 +85,10 @@ class SimConfig:
     # how llama.cpp splits a batch into ubatches (``split_batch``): "simple", n_ubatch rows at a
     # time (a unified KV cache); "equal", as with a KV stream per sequence (forecache batch)
     split: str = "simple"
+    # the profile the policy's host split plans with (None: the simulated machine's own). The
+    # runtime plans with its default machine's profile and the device's probed copy rate
+    # (``cache.setup.split_cost``): given, the plan takes the simulated machine's copy rate too
+    plan_profile: Profile | None = None
 
     def slots_at(self, layer: int) -> int:
         """Slots of model layer ``layer``."""
@@ -148,7 +152,9 @@ class Simulator:
                 self.n_slots[cached[-1 - k % len(cached)]] -= 1
         self.engine = SimEngine(shape, self.n_slots, profile, whole_expert_chunks=not f.chunk,
                                 n_stage=stage)
-        cost = CostModel.from_profile(profile, shape.expert)
+        cost = CostModel.from_profile(cfg.plan_profile or profile, shape.expert)
+        if cfg.plan_profile is not None:
+            cost.copy_gbps = profile.h2d_gbps
         self.policy: Policy | None = spec.policy.create(self.n_slots, PolicyInputs(
             features=f, cost=cost, profile=cfg.static_profile, top_k=shape.top_k)) \
             if spec.policy is not None else None
