@@ -14,9 +14,10 @@ generated token (it moved both replay cursors, and the measured prompt reused it
 prefix, so the timed prompt is one ubatch of 504 rows), then the timed prompt and 63 decode
 passes. promoe and infinity predict as the runtime did without trained predictors (history at
 window 1; an empty EAM collection at window 2) and plan their host split with the cost model the
-runtime starts from (``cache.setup.DEFAULT_MACHINE``'s profile with the copy rate probed on the
-device: ``--plan-profile``). ``all-gpu`` is ncmoe at a budget that keeps every layer on the
-device.
+runtime measured then started from (``--plan-profile``, default the 4090 profile, with the
+device's copy rate; the runtime now plans with ``cache.setup.DEFAULT_GPU_MACHINE`` on a GPU:
+``--plan-profile h200-xeon`` simulates that). ``all-gpu`` is ncmoe at a budget that keeps every
+layer on the device.
 
 Prints "row | measured TTFT/TPOT | simulated TTFT/TPOT | error %" and writes every figure to
 ``--json``. The issue's tolerance is 15%.
@@ -305,7 +306,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", default="h200-xeon", help="the machine's profile")
     ap.add_argument("--plan-profile", default=DEFAULT_MACHINE,
-                    help="the profile promoe's host split plans with (the runtime's default)")
+                    help="the profile promoe's host split plans with (default: the one the "
+                         "measured runs planned with)")
     ap.add_argument("--rows", default=None, help="comma-separated row labels (default: all)")
     ap.add_argument("--olmoe-real", type=Path, default=OLMOE_REAL)
     ap.add_argument("--json", type=Path, default=None)

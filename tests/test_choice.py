@@ -23,9 +23,15 @@ from forecache.cache.choice import (
 )
 from forecache.cache.cost import CostModel, Profile
 from forecache.cache.measured import MIN_LOOKUPS, load_evidence, record_path, record_run
-from forecache.cache.setup import CacheConfig, expert_shape, split_cost
+from forecache.cache.setup import (
+    DEFAULT_GPU_MACHINE,
+    CacheConfig,
+    default_machine,
+    expert_shape,
+    split_cost,
+)
 from forecache.gguf.header import read_model_file
-from forecache.native.ggml_devices import cache_device
+from forecache.native.ggml_devices import Device, cache_device
 from forecache.sim.run import decode_shape, run_one, slots_for
 from forecache.sim.shapes import shape_of
 from forecache.sim.simulate import SimConfig
@@ -190,6 +196,17 @@ def test_split_starts_from_the_measured_rates(tmp_path: Path, monkeypatch: pytes
     assert (named.copy_gbps, named.host_scale) == (RTX4090.h2d_gbps, 1.0)
     other = split_cost(model, cfg, None)
     assert other.copy_gbps == RTX4090.h2d_gbps
+
+
+def test_gpu_splits_plan_with_the_gpu_measured_profile() -> None:
+    """On a GPU the split starts from the profile measured on a GPU run, whose hand-off of a
+    projection's host rows costs what the GPU showed; a CPU build keeps the 4090 host's."""
+    gpu = Device(0, "CUDA0", "NVIDIA H200", "gpu", "CUDA", 143 << 30, 140 << 30)
+    assert default_machine(gpu) == DEFAULT_GPU_MACHINE
+    assert default_machine(cache_device()) == "rtx4090"
+    assert default_machine(None) == "rtx4090"
+    measured = Profile.load(DEFAULT_GPU_MACHINE)
+    assert measured.h2d_gbps == 55.2 and measured.thread_s > 10 * RTX4090.thread_s
 
 
 def test_run_states_its_choice_and_learns_the_routing(tmp_path: Path,

@@ -34,8 +34,19 @@ from forecache.native.ggml_devices import (
 )
 from forecache.predictor.base import Predictor
 
-# the machine profile promoe's host/device split starts from until it has measured the rates
+# the machine profile promoe's host/device split starts from until it has measured the rates:
+# on a GPU, the one profile whose runtime costs were measured on a GPU run of forecache (an
+# H200's: a split projection's hand-off to the CPU and back costs ~0.37 ms there, against the
+# CPU build's 6 us in the 4090 profile, so a split plan with that profile splits far too often);
+# the 4090 host's otherwise (a CPU build splits only with a machine named)
 DEFAULT_MACHINE = "rtx4090"
+DEFAULT_GPU_MACHINE = "h200-xeon"
+
+
+def default_machine(device: Device | None) -> str:
+    """The profile a split plans with on ``device`` when no machine is named."""
+    return DEFAULT_GPU_MACHINE if device is not None and device.type == "gpu" else \
+        DEFAULT_MACHINE
 # layers ahead the EAM predictor forecasts: its matches are request-level, so distance costs
 # little accuracy and gives the copies time
 EAM_WINDOW = 2
@@ -155,7 +166,7 @@ def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: 
                         n_slots=min(slots[il] for il in layers),
                         ncmoe_host_layers=plan.ncmoe_cpu_layers(),
                         dense_bytes=plan.non_expert_bytes, n_layer=model.n_layer)
-    profile = Profile.load(cfg.machine or DEFAULT_MACHINE)
+    profile = Profile.load(cfg.machine or default_machine(dev))
     cost = CostModel.from_profile(profile, expert_shape(model))
     share = shape.n_slots / shape.n_expert
     evidence = load_evidence(model, dev.name, share)
@@ -256,11 +267,11 @@ RATE_PROBE_ITERS = 3
 
 def split_cost(model: ModelFile, cfg: CacheConfig, device: Device | None) -> CostModel:
     """The cost model a proactive policy's host/device split starts from: ``cfg.machine``'s
-    profile when one is named; else the default profile with this machine's rates where they are
-    known: the expert copy rate and CPU compute time the last run of ``model`` on ``device``
-    measured (``cache.measured``), else the copy rate probed now (a GPU). The run corrects them
-    as it measures (``CostModel.calibrate``)."""
-    cost = CostModel.from_profile(Profile.load(cfg.machine or DEFAULT_MACHINE),
+    profile when one is named; else the device's default profile (``default_machine``) with this
+    machine's rates where they are known: the expert copy rate and CPU compute time the last run
+    of ``model`` on ``device`` measured (``cache.measured``), else the copy rate probed now (a
+    GPU). The run corrects them as it measures (``CostModel.calibrate``)."""
+    cost = CostModel.from_profile(Profile.load(cfg.machine or default_machine(device)),
                                   expert_shape(model))
     if cfg.machine is not None or device is None:
         return cost

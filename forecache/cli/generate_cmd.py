@@ -11,7 +11,7 @@ import click
 
 from forecache.cache.prefetcher import Features
 from forecache.cache.registry import POLICIES
-from forecache.cache.setup import DEFAULT_MACHINE, CacheConfig, resolve_cache_config
+from forecache.cache.setup import DEFAULT_GPU_MACHINE, CacheConfig, resolve_cache_config
 from forecache.cli.model_arg import model_option
 from forecache.interrupt import deferred_signals
 from forecache.native.libs import MAX_THREADS
@@ -84,7 +84,8 @@ def cache_options(fn):  # type: ignore[no-untyped-def]
                            "turns it off).")(fn)
     fn = click.option("--machine", default=None,
                       help="promoe: machine profile (shipped name or JSON) the CPU/device split "
-                           f"starts from (default {DEFAULT_MACHINE}; no split on a CPU build); "
+                           f"starts from (default {DEFAULT_GPU_MACHINE} on a GPU; no split on a "
+                           "CPU build); "
                            "the measured rates correct it during the run.")(fn)
     fn = click.option("--window", type=click.IntRange(1, 64), default=None,
                       help="promoe: predict this many layers ahead (default: the window the "
