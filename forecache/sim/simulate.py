@@ -564,17 +564,15 @@ class Simulator:
             host_end = self.t + self._host(len(on_host) * sh.proj_bytes[p],
                                            host_rows * sh.proj_flops) if on_host else self.t
             staged = any(s >= L.n_slots for s in L.sch_s[:n])
-            if n and not L.streams and not staged and eng.all_ready_proj(il, p):
+            if n and not L.streams and not staged and not on_host and \
+                    eng.all_ready_proj(il, p):
                 # every slot entry in place: the node runs as rewritten, no gathered group (as
-                # fc_node_hook; with host entries fc_split_node, the CPU computing them meanwhile)
+                # fc_node_hook). A split projection never does: C computes its device entries as
+                # expert groups (fc_grouped, fc_slot_compute), the CPU its host entries meanwhile
                 dev = L.sch_e[:n]
                 self.t += self._node(dev, sum(rows_of[e] for e in dev), p)
                 eng.advance_to(self.t)
                 eng.consume(il, range(n), p)
-                if on_host:
-                    self.cpu_s += max(host_end - self.t, 0.0)
-                    self.t = max(self.t, host_end) + self._merge.merge_proj_s(host_rows)
-                    eng.advance_to(self.t)
                 continue
             i = 0
             while i < n:
