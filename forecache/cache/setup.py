@@ -169,11 +169,12 @@ def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: 
     profile = Profile.load(cfg.machine or default_machine(dev))
     cost = CostModel.from_profile(profile, expert_shape(model))
     share = shape.n_slots / shape.n_expert
-    evidence = load_evidence(model, dev.name, share)
-    if routing_hit is not None:
+    if routing_hit is not None:  # the routing replayed decides, with this device's rates
         hit, lookups = routing_hit(shape.n_slots)
         copy, scale = measured_rates(model, dev.name)
         evidence = Evidence(locality(hit, share), "replay", lookups, copy, scale, share)
+    else:
+        evidence = load_evidence(model, dev.name, share)
     return choose(shape, profile, cost, evidence or PRIOR)
 
 
