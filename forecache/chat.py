@@ -159,9 +159,16 @@ def expert_summary(stats: dict) -> str:
         return f"experts: {stats['policy']}, computed from host memory"
     rate = stats["hit_rate"]
     hit = f"hit {rate * 100:.0f}%" if rate is not None else "hit -"
-    return (f"experts: {stats['policy']} {hit}, cache {stats['slots_filled']}/"
+    text = (f"experts: {stats['policy']} {hit}, cache {stats['slots_filled']}/"
             f"{stats['cache_slots']} slots ({format_size(stats['slot_bytes'])} on "
             f"{stats['device']})")
+    if "disk_reads" in stats:
+        host = stats["host_hit_rate"]
+        text += (f"; disk tier: host hit {host * 100:.0f}%, " if host is not None else
+                 "; disk tier: ") + \
+            (f"{stats['disk_reads']} experts read ({format_size(stats['disk_bytes'])}), "
+             f"waited {stats['disk_wait_s'] * 1000:.0f} ms")
+    return text
 
 
 def stats_report(session: ChatSession) -> str:

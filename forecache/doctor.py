@@ -7,8 +7,10 @@ import time
 
 import numpy as np
 
+from forecache.diskprobe import measure_disk
 from forecache.native import build_info, llama_cpp_module, patch_version
 from forecache.native.ggml_devices import CopyProbeError, backends, devices, measure_copy
+from forecache.paths import model_dir
 
 
 def host_memory_bandwidth_gbps(nbytes: int = 256 << 20, repeats: int = 5) -> float:
@@ -63,6 +65,10 @@ def collect(measure: bool = True, probe_bytes: int = 256 << 20) -> dict:
         report["devices"].append(entry)
     if measure:
         report["host_memcpy_gbps"] = round(host_memory_bandwidth_gbps(probe_bytes), 2)
+        try:  # where models are kept: the disk tier reads experts from there
+            report["disk"] = measure_disk(model_dir(), probe_bytes)
+        except OSError as e:
+            report["disk"] = {"path": str(model_dir()), "error": str(e)}
     return report
 
 
@@ -103,6 +109,15 @@ def format_report(r: dict) -> str:
         lines.append(f"host memory        {r['host_memory_bytes'] / gib:.1f} GiB")
     if "host_memcpy_gbps" in r:
         lines.append(f"host memcpy        {r['host_memcpy_gbps']:.1f} GB/s (1 thread, read+write)")
+    disk = r.get("disk")
+    if disk and "error" in disk:
+        lines.append(f"disk               {disk['path']}: cannot measure ({disk['error']})")
+    elif disk:
+        rates = ", ".join(f"{k[2:-5]} in flight {v:.2f} GB/s" for k, v in disk.items()
+                          if k.startswith("qd"))
+        lines.append(f"disk               {disk['path']}: {rates} "
+                     f"({disk['read_bytes'] >> 20} MiB reads, "
+                     f"{'direct I/O' if disk['direct_io'] else 'through the page cache'})")
     lines.append("devices:")
     for d in r["devices"]:
         lines.append(f"  [{d['index']}] {d['name']} ({d['type']}, {d['backend']}): "

@@ -24,6 +24,7 @@ import numpy as np
 
 from forecache.cache.budget import format_size
 from forecache.cache.choice import Choice
+from forecache.cache.disk import experts_left_on_disk
 from forecache.cache.measured import record_run
 from forecache.cache.policies import hit_rate
 from forecache.cache.runtime import ExpertCache
@@ -88,7 +89,10 @@ class Llama(llama_cpp.Llama):
     ``gamma``; ``little_resident`` keeps only the top expert and those already on the device
     (of the top ``little_k``, default all); ``"exact"`` (the default) is the model as it is.
     ``n_seq_max`` sizes the context for that many sequences decoded together, each with
-    n_ctx / n_seq_max of the context (``forecache batch``). ``routing_trace`` (benchmarks only)
+    n_ctx / n_seq_max of the context (``forecache batch``). ``host_budget`` (bytes or a size):
+    host memory for the model's weights that stay on the host, its experts included; experts
+    beyond it stay in the GGUF file and the disk tier reads them as they are needed (a model
+    larger than host memory). ``routing_trace`` (benchmarks only)
     replays a trace's routing (a path, or a ``Routing`` already mapped onto this model) in every
     expert matmul instead of the router's (``trace.replay``;
     the tokens are then meaningless, and each batch is one ubatch). ``cache`` passes a ready
@@ -102,6 +106,7 @@ class Llama(llama_cpp.Llama):
                  mode: str = "exact", gamma: float = 0.7, little_k: int | None = None,
                  little_resident: bool = False, draft: str | None = None,
                  draft_k: int | None = None, n_seq_max: int = 1,
+                 host_budget: int | str | None = None,
                  cache: CacheConfig | None = AUTO,
                  routing_trace: str | os.PathLike[str] | Routing | None = None,
                  **kwargs: Any) -> None:
@@ -131,7 +136,11 @@ class Llama(llama_cpp.Llama):
             cache = resolve_cache_config(policy, gpu_budget, cache_fraction, predictor=predictor,
                                          window=window, machine=machine,
                                          little_k=(little_k or -1) if mode == "mobile" else 0,
-                                         gamma=gamma, little_resident=little_resident)
+                                         gamma=gamma, little_resident=little_resident,
+                                         host_budget=host_budget)
+        elif host_budget is not None:
+            raise ValueError(f"{setting('host_budget')} goes with the policy keywords; with "
+                             f"{setting('cache')} set CacheConfig(host_budget=...)")
         self.placement: Placement | None = None
         n_ctx = int(kwargs.get("n_ctx", 512)) or int(self.model_file.arch_kv("context_length",
                                                                             4096))
@@ -164,7 +173,10 @@ class Llama(llama_cpp.Llama):
             kwargs.setdefault("n_gpu_layers", -1)
             self.placement = place(self.model_file, cache, n_ctx=n_ctx, n_ubatch=n_ubatch)
         verbose = bool(kwargs.get("verbose", True))
-        with load_log(not verbose) as log:
+        on_disk = self.placement is not None and self.placement.disk is not None
+        if on_disk:  # the other weights read into memory, not faulted in from the file's pages
+            kwargs.setdefault("use_mmap", False)
+        with load_log(not verbose) as log, experts_left_on_disk(on_disk):
             try:
                 super().__init__(str(model_path), **kwargs, **self._load_params(n_seq_max))
             except (ValueError, RuntimeError) as e:
@@ -475,6 +487,10 @@ class Llama(llama_cpp.Llama):
         out["slots_filled"] = sum(int(np.count_nonzero(cache.layer_state(il)[1] != SLOT_EMPTY))
                                   for il, info in cache.layers.items() if info.n_slots)
         out["slot_bytes"] = sum(info.n_slots * info.expert_bytes for info in cache.layers.values())
+        if cache.disk is not None:
+            out.update({k: s[k] for k in ("disk_reads", "disk_bytes", "disk_direct_bytes",
+                                          "disk_s", "disk_wait_s", "host_hits", "host_misses")})
+            out["host_hit_rate"] = hit_rate(s["host_hits"], s["host_misses"])
         return out
 
     def _attach_replay(self, routing: Routing, n_ubatch: int) -> None:

@@ -36,6 +36,8 @@ def test_doctor_json_reports_build_and_devices() -> None:
     assert report["patch_series_hash"]
     assert report["cpu_count"] >= 1
     assert report["host_memcpy_gbps"] > 0
+    disk = report["disk"]  # the disk tier's read rate where models are kept
+    assert disk["qd1_gbps"] > 0 and disk["qd8_gbps"] > 0 and isinstance(disk["direct_io"], bool)
     assert any(d["type"] == "cpu" and d["memory_total_bytes"] > 0 for d in report["devices"])
     for d in report["devices"]:
         if d["type"] == "gpu":

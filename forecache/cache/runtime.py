@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from forecache.cache.disk import DiskTier
 from forecache.cache.forecast import Forecaster, ForecastWorker
 from forecache.cache.policies import Policy, first_use
 from forecache.cache.timeline import TIMELINE_CAPACITY, TimelineSpan
@@ -98,7 +99,8 @@ class ExpertCache:
     def __init__(self, ctx: int, n_slots: Sequence[int], policy: Policy, *, device: int,
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, on_route: RouteCallback | None = None,
                  gate_input: bool = False, forecaster: Forecaster | None = None,
-                 reorder: bool = True, stage_slots: int = 0) -> None:
+                 reorder: bool = True, stage_slots: int = 0,
+                 disk: DiskTier | None = None) -> None:
         self._api = c_api = api()
         arr = (ctypes.c_int32 * len(n_slots))(*n_slots)
         err = ctypes.create_string_buffer(512)
@@ -116,6 +118,14 @@ class ExpertCache:
                                            ctypes.byref(nb))
             if found == 0:
                 self.layers[il] = LayerInfo(n_e.value, n_s.value, nb.value)
+        self.disk = disk
+        if disk is not None:  # before any load: copies then read their experts from the file
+            n_host = (ctypes.c_int32 * len(disk.n_host))(*disk.n_host)
+            if c_api.cache_set_disk(handle, str(disk.path).encode(), n_host, len(disk.n_host),
+                                    disk.n_readers, err, len(err)) != 0:
+                c_api.cache_free(handle)
+                self._handle = None
+                raise CacheError(f"cannot set up the disk tier: {err.value.decode()}")
         self._state = {il: ((ctypes.c_int32 * max(info.n_slots, 1))(),
                             (ctypes.c_int32 * max(info.n_slots, 1))())
                        for il, info in self.layers.items()}
@@ -192,6 +202,21 @@ class ExpertCache:
 
     def stage_slots(self) -> int:
         return self._n_stage
+
+    def host_state(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
+        """The disk tier's host slots of ``layer``: their experts (-1: empty) and whether each
+        read is done (empty arrays without a disk tier)."""
+        n = self.disk.n_host[layer] if self.disk is not None else 0
+        ex, ready = (ctypes.c_int32 * max(n, 1))(), (ctypes.c_int32 * max(n, 1))()
+        got = self._api.cache_host_state(self._handle, layer, ex, ready)
+        return (np.ctypeslib.as_array(ex)[:max(got, 0)].copy(),
+                np.ctypeslib.as_array(ready)[:max(got, 0)].astype(bool))
+
+    def disk_read(self, layer: int, experts: Sequence[int], priority: int) -> int:
+        """Queue reads of ``experts`` of ``layer`` into its host slots (the disk tier's
+        prefetch): the number queued, -1 without a disk tier."""
+        arr = (ctypes.c_int32 * max(len(experts), 1))(*experts)
+        return self._api.cache_disk_read(self._handle, layer, arr, len(experts), priority)
 
     def little_routing(self, layer: int) -> list[int]:
         """The full top-k of each token the little passes since ``set_little`` turned them on

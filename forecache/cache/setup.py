@@ -16,6 +16,7 @@ from forecache.cache.budget import (
 )
 from forecache.cache.choice import PRIOR, Choice, DecodeShape, Evidence, choose, locality
 from forecache.cache.cost import CostModel, ExpertShape, Profile
+from forecache.cache.disk import DiskPlan, DiskTier, plan_disk, readers_default
 from forecache.cache.forecast import Forecaster
 from forecache.cache.measured import load_evidence, measured_rates
 from forecache.cache.policies import HostOnlyPolicy, Policy, PolicyInputs
@@ -83,9 +84,16 @@ class CacheConfig:
     little_k: int = 0
     gamma: float = 0.7
     little_resident: bool = False
+    # host memory for the model's experts (with its non-expert weights on the host): the experts
+    # beyond it stay in the file and the disk tier reads them (None: every expert in memory)
+    host_budget: int | None = None
 
     def __post_init__(self) -> None:
         spec = policy_spec(self.policy)
+        if self.host_budget is not None and spec.placement != "slots":
+            raise ValueError(f"{setting('host_budget')} runs in forecache's expert cache, and "
+                             f"policy {self.policy} reads every expert from memory: use "
+                             f"{setting('policy', 'promoe')}, infinity or lru")
         sizes = [x for x in (self.gpu_budget, self.cache_fraction, self.slots_per_layer)
                  if x is not None]
         if len(sizes) > 1:
@@ -108,6 +116,8 @@ class CacheConfig:
 # Device memory left free when the budget is taken from the GPU's free memory: other processes,
 # the driver's own allocations and fragmentation.
 AUTO_BUDGET_RESERVE = 0.05
+# a CPU-only build's share of each layer's experts in slots when only a host budget is given
+DISK_CPU_SLOT_FRACTION = 0.125
 AUTO_BUDGET_MIN_RESERVE = 512 << 20
 
 
@@ -116,11 +126,18 @@ def resolve_cache_config(policy: str | None, gpu_budget: int | str | None,
                          window: int | None = None, machine: str | None = None,
                          features: Features | None = None, stage_slots: int | None = None,
                          little_k: int = 0, gamma: float = 0.7,
-                         little_resident: bool = False) -> CacheConfig | None:
+                         little_resident: bool = False,
+                         host_budget: int | str | None = None) -> CacheConfig | None:
     """The configuration users get from what they gave: promoe unless a policy is named; sized by
     the budget or fraction given, else by the GPU's free memory. With nothing given on a
     CPU-only build, None: llama.cpp's own placement, since device and host are the same memory."""
     budget = parse_size(gpu_budget) if isinstance(gpu_budget, str) else gpu_budget
+    host = parse_size(host_budget) if isinstance(host_budget, str) else host_budget
+    if host is not None and budget is None and cache_fraction is None and \
+            cache_device().type == "cpu":
+        # the disk tier lives in the expert cache; on a CPU-only build its slots are host
+        # memory too, so they stay few
+        cache_fraction = DISK_CPU_SLOT_FRACTION
     if budget is None and cache_fraction is None and \
             (policy is None or policy_spec(policy).placement != "host"):
         dev = cache_device()
@@ -137,7 +154,7 @@ def resolve_cache_config(policy: str | None, gpu_budget: int | str | None,
                        cache_fraction=cache_fraction, predictor=predictor, window=window,
                        machine=machine, features=features or Features(), auto=policy is None,
                        stage_slots=stage_slots, little_k=little_k, gamma=gamma,
-                       little_resident=little_resident)
+                       little_resident=little_resident, host_budget=host)
 
 
 def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int,
@@ -149,8 +166,8 @@ def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: 
     routing the run will replay, which then decides in place of the measured one. None where
     there is nothing to choose: a policy was named, the cache is sized by a fraction (ncmoe needs
     a budget), or a CPU-only build with no ``machine`` (device and host are the same memory)."""
-    if not cfg.auto or cfg.gpu_budget is None:
-        return None
+    if not cfg.auto or cfg.gpu_budget is None or cfg.host_budget is not None:
+        return None  # (stock's placements need every expert in memory)
     dev = cache_device()
     if dev.type == "cpu" and cfg.machine is None:
         return None
@@ -187,6 +204,7 @@ class Placement:
     n_slots: list[int]
     host_layers: list[int]  # layers whose experts are in host memory
     stage_slots: int = 0  # promoe/infinity: stage slots beside the slots
+    disk: DiskPlan | None = None  # host slots of the disk tier (cfg.host_budget)
 
 
 def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int) -> Placement:
@@ -217,7 +235,15 @@ def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int) -> P
             stage_slots_for(model.n_expert, slots) if dev.type != "cpu" else 0
     if plan is not None and stage:
         slots = (plan.slots_per_layer(held=stage) + [0] * model.n_layer)[:model.n_layer]
-    return Placement(dev, plan, spec.policy.layer_slots(model, slots), layers, stage)
+    slots = spec.policy.layer_slots(model, slots)
+    disk = None
+    if cfg.host_budget is not None:
+        on_gpu = dev.type != "cpu"
+        slot_bytes = 0 if on_gpu else (sum(slots) + stage) * max(model.layer_expert_bytes())
+        disk = plan_disk(model, cfg.host_budget, on_gpu=on_gpu, slot_bytes=slot_bytes)
+        if disk is not None:  # every layer computes from slots: its experts are not in memory
+            slots = [max(n, 1) if il in layers else n for il, n in enumerate(slots)]
+    return Placement(dev, plan, slots, layers, stage, disk)
 
 
 def expert_overrides(placement: Placement) -> dict[str, Any]:
@@ -369,9 +395,13 @@ def attach(ctx: int, placement: Placement, cfg: CacheConfig, policy: Policy,
             forecaster = make_forecaster(model, cfg, placement.n_slots, say)
         chunk = chunk if f.chunk else CHUNK_EXPERT
         reorder = f.reorder
+    disk = None
+    if placement.disk is not None:
+        assert model is not None, "the disk tier reads the model file"
+        disk = DiskTier(model.path, placement.disk.n_host, readers_default())
     return ExpertCache(ctx, placement.n_slots, policy, device=placement.device.index,
                        chunk_bytes=chunk, on_route=cfg.on_route, forecaster=forecaster,
-                       reorder=reorder, stage_slots=placement.stage_slots)
+                       reorder=reorder, stage_slots=placement.stage_slots, disk=disk)
 
 
 def attach_observer(ctx: int, model: ModelFile, device: int, on_route: RouteCallback, *,

@@ -17,8 +17,10 @@ from forecache.native.cache_api import SPAN_KINDS, Span
 # spans a recording keeps (56 bytes each): a 512-token prompt of a 28-layer model and 64 tokens
 # of decode take about 25,000
 TIMELINE_CAPACITY = 1 << 18
-# kinds on the critical path of the graph thread, and the copy thread's
+# kinds on the critical path of the graph thread
 PATH_KINDS = ("ids", "gate", "wait", "host", "group")
+# spans on threads of their own (the copy engine, the disk tier's readers), beside a pass
+OFF_PATH_KINDS = ("copy", "read")
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ def summarize(spans: list[TimelineSpan], dropped: int = 0) -> dict:
             continue
         bounds: dict[int, list[float]] = {}
         for s in group:
-            if s.kind == "copy":
+            if s.kind in OFF_PATH_KINDS:
                 continue
             b = bounds.setdefault(s.pass_id, [s.t0, s.t1])
             b[0], b[1] = min(b[0], s.t0), max(b[1], s.t1)

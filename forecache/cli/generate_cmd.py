@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 import click
 
+from forecache.cache.budget import format_size
 from forecache.cache.prefetcher import Features
 from forecache.cache.registry import POLICIES
 from forecache.cache.setup import DEFAULT_GPU_MACHINE, CacheConfig, resolve_cache_config
@@ -95,6 +96,11 @@ def cache_options(fn):  # type: ignore[no-untyped-def]
                       help="promoe's predictor (auto: learned when trained for the model; eam: "
                            "MoE-Infinity's EAM matching, from the collection `forecache train "
                            "--predictor eam` makes).")(fn)
+    fn = click.option("--host-budget", default=None,
+                      help="Host memory for the model's weights kept on the host, its experts "
+                           "included (e.g. 48GiB); experts beyond it stay in the GGUF file and "
+                           "are read as they are needed: a model larger than host memory "
+                           "(default: every expert in memory).")(fn)
     fn = click.option("--cache-fraction", type=float, default=None,
                       help="Share of each layer's experts held in device slots (0-1].")(fn)
     fn = click.option("--gpu-budget", default=None,
@@ -121,7 +127,8 @@ def cache_config(policy: str | None, gpu_budget: str | None, cache_fraction: flo
                  no_reorder: bool = False, no_split: bool = False,
                  machine: str | None = None, stage_slots: int | None = None,
                  mode: str = "exact", gamma: float = 0.7, little_k: int | None = None,
-                 little_resident: bool = False) -> CacheConfig | None:
+                 little_resident: bool = False,
+                 host_budget: str | None = None) -> CacheConfig | None:
     """The CacheConfig the cache options ask for: promoe unless a policy is named, sized by the
     GPU's free memory unless a size is given; None (llama.cpp's own placement) on a CPU-only build
     given no option."""
@@ -129,15 +136,19 @@ def cache_config(policy: str | None, gpu_budget: str | None, cache_fraction: flo
                                 window=window, machine=machine, stage_slots=stage_slots,
                                 little_k=(little_k or -1) if mode == "mobile" else 0,
                                 gamma=gamma, little_resident=little_resident,
+                                host_budget=host_budget,
                                 features=Features(prefetch=not no_prefetch, chunk=not no_chunk,
                                                   preempt=not no_preempt,
                                                   reorder=not no_reorder, split=not no_split))
 
 
 def say_choice(llm: Llama) -> None:
-    """The default placement's one line (what forecache chose and why), when it chose."""
+    """The default placement's one line (what forecache chose and why), when it chose, and
+    where the disk tier keeps the experts, when there is one."""
     if llm.policy_choice is not None:
         click.echo(llm.policy_choice.reason(), err=True)
+    if llm.placement is not None and llm.placement.disk is not None:
+        click.echo(llm.placement.disk.describe(), err=True)
 
 
 def _print_stats(res: GenerationResult) -> None:
@@ -229,6 +240,11 @@ def run(model: Path, prompt: str | None, n_predict: int, **cache_opts: object) -
     stop.raise_if_set()
     _print_stats(res)
     click.echo(f"[{expert_summary(res.stats)}]", err=True)
+    if "disk_reads" in res.stats and res.tokens:
+        n = len(res.tokens)
+        click.echo(f"[disk: {res.stats['disk_reads'] / n:.1f} experts "
+                   f"({format_size(res.stats['disk_bytes'] / n)}) read a token, "
+                   f"{res.stats['disk_wait_s'] * 1000 / n:.1f} ms waited a token]", err=True)
     if "draft" in res.stats:
         click.echo(f"[{spec_summary(res.stats)}]", err=True)
 

@@ -39,6 +39,29 @@ bool fc_host_compute(forecache_cache * c, fc_layer & L, int32_t proj, ggml_tenso
     const auto t0 = fc_clock::now();
     const int64_t n_used   = t->src[3]->ne[0];
     const int64_t n_tokens = t->src[3]->ne[1];
+    const int32_t il       = (int32_t) (&L - c->layers.data());
+
+    if (L.n_host > 0) {
+        // the layer's experts are on disk: every row through its expert's host slot, as they are read
+        const int64_t b_rows = b->ne[1];
+        std::vector<float> in(ggml_nelements(b));
+        ggml_backend_tensor_get(b, in.data(), 0, ggml_nbytes(b));
+        std::vector<int32_t> rows(n_used*n_tokens);
+        for (int64_t it = 0; it < n_tokens; it++) {
+            for (int64_t iu = 0; iu < n_used; iu++) {
+                rows[it*n_used + iu] = (int32_t) (it*b_rows + (b_rows == 1 ? 0 : iu));
+            }
+        }
+        std::vector<float> out;
+        const bool ok = fc_host_rows(c, L, proj, in.data(), b->ne[0], rows.data(), c->ids.data(), n_used*n_tokens, out, t->ne[0]);
+        if (ok) {
+            ggml_backend_tensor_set(t, out.data(), 0, ggml_nbytes(t));
+        }
+        std::lock_guard<std::mutex> lock(c->mtx);
+        L.stats.host_s += fc_seconds(t0);
+        fc_span(c, FORECACHE_SPAN_HOST, il, proj, (int32_t) (n_used*n_tokens), t0, fc_clock::now());
+        return ok;
+    }
 
     ggml_tensor * x   = nullptr;
     ggml_tensor * ids = nullptr;
@@ -57,7 +80,7 @@ bool fc_host_compute(forecache_cache * c, fc_layer & L, int32_t proj, ggml_tenso
             ggml_backend_tensor_set(t, out->data, 0, ggml_nbytes(out));
         });
     L.stats.host_s += fc_seconds(t0);
-    fc_span(c, FORECACHE_SPAN_HOST, (int32_t) (&L - c->layers.data()), proj, (int32_t) (n_used*n_tokens), t0, fc_clock::now());
+    fc_span(c, FORECACHE_SPAN_HOST, il, proj, (int32_t) (n_used*n_tokens), t0, fc_clock::now());
     return ok;
 }
 
@@ -148,25 +171,7 @@ bool fc_host_entries(forecache_cache * c, fc_layer & L, int32_t p, const ggml_te
         }
     }
     const int64_t n = (int64_t) rows.size();
-    ggml_tensor * x   = nullptr;
-    ggml_tensor * ids = nullptr;
-    const bool ok = fc_mini_graph(c->cpu, nullptr,
-        [&](ggml_context * ctx) {
-            x   = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, b->ne[0], 1, n);
-            ids = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 1, n);
-            ggml_tensor * out = ggml_mul_mat_id(ctx, L.host[p], x, ids);
-            return out->ne[0] == t->ne[0] ? out : nullptr;
-        },
-        [&] {
-            for (int64_t r = 0; r < n; r++) {
-                memcpy((float *) x->data + r*b->ne[0], c->h_in.data() + rows[r]*b->ne[0], b->ne[0]*sizeof(float));
-            }
-            memcpy(ids->data, experts.data(), n*sizeof(int32_t));
-        },
-        [&](ggml_tensor * out) {
-            c->h_out.resize(ggml_nelements(out));
-            memcpy(c->h_out.data(), out->data, ggml_nbytes(out));
-        });
+    const bool ok = fc_host_rows(c, L, p, c->h_in.data(), b->ne[0], rows.data(), experts.data(), n, c->h_out, t->ne[0]);
     fc_span(c, FORECACHE_SPAN_HOST, (int32_t) (&L - c->layers.data()), p, (int32_t) n, t0, fc_clock::now());
     std::lock_guard<std::mutex> lock(c->mtx);
     L.stats.host_s += fc_seconds(t0);
@@ -211,9 +216,13 @@ bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor *
         std::unique_lock<std::mutex> lock(c->mtx);
         if (!fc_entry_ready(c, L, i, p)) {
             const auto t0 = fc_clock::now();
-            c->cv_done.wait(lock, [&] { return fc_entry_ready(c, L, i, p); });
+            c->cv_done.wait(lock, [&] { return fc_entry_ready(c, L, i, p) || c->disk_failed; });
             L.stats.stall_s += fc_seconds(t0);
             fc_span(c, FORECACHE_SPAN_WAIT, (int32_t) (&L - c->layers.data()), p, 0, t0, fc_clock::now());
+        }
+        if (c->disk_failed) {
+            ok = false; // an expert could not be read
+            break;
         }
         // a group reads the layer's slots or the stage slots, not both
         const bool stage = L.sch_s[i] >= L.n_slots;

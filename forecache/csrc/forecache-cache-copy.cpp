@@ -3,12 +3,21 @@
 
 #include "forecache-cache-impl.h"
 
-bool fc_eligible(const forecache_cache * c, const fc_chunk & ch) {
+// the entries a streamed chunk waits for have computed its projection from its slot
+bool fc_need_met(const forecache_cache * c, const fc_chunk & ch) {
     if (ch.need <= 0) {
         return true;
     }
     const fc_layer & L = c->layers[ch.layer];
     return L.consumed[ch.slot*L.n_proj + ch.proj] >= ch.need;
+}
+
+bool fc_eligible(const forecache_cache * c, const fc_chunk & ch) {
+    const fc_layer & L = c->layers[ch.layer];
+    if (L.n_host > 0 && !fc_host_ready(L, ch.expert)) {
+        return false; // its expert is still on disk
+    }
+    return fc_need_met(c, ch);
 }
 
 bool fc_has_eligible(const forecache_cache * c) {
@@ -63,6 +72,12 @@ void fc_count(forecache_cache * c, const fc_chunk & ch, int32_t d) {
     if (ch.entry < 0) {
         L.pending[ch.slot] += d;
     }
+    if (L.n_host > 0) {
+        L.hwant[ch.expert] += d;
+        if (d < 0) {
+            c->cv_read.notify_all(); // its host slot may be taken again
+        }
+    }
 }
 
 // copies one chunk; called with the lock held, releases it during the copy
@@ -73,6 +88,11 @@ void fc_run(forecache_cache * c, const fc_chunk & ch, std::unique_lock<std::mute
         c->st_started[j] = 1;
     } else if (ch.entry < 0) {
         L.started[ch.slot] = 1;
+    }
+    const int32_t hs = L.n_host > 0 ? L.hslot_of[ch.expert] : -1; // eligible: its read is done
+    if (hs >= 0) {
+        L.hbusy[hs]++;
+        L.hstamp[hs] = ++c->hclock;
     }
     if (ch.first && ch.priority == 0) {
         const double w = fc_seconds(ch.queued_at);
@@ -97,8 +117,9 @@ void fc_run(forecache_cache * c, const fc_chunk & ch, std::unique_lock<std::mute
         const ggml_tensor * src = L.host[p];
         ggml_tensor * dst = j >= 0 ? c->stage[p] : L.pool[p];
         const size_t size = ch.proj < 0 ? src->nb[2] : ch.size;
-        ggml_backend_tensor_set(dst, (const uint8_t *) src->data + ch.expert*src->nb[2] + ch.offset,
-                (j >= 0 ? j : ch.slot)*dst->nb[2] + ch.offset, size);
+        const uint8_t * from = hs >= 0 ? (const uint8_t *) L.hpool[p]->data + (size_t) hs*src->nb[2]
+                                       : (const uint8_t *) src->data + ch.expert*src->nb[2];
+        ggml_backend_tensor_set(dst, from + ch.offset, (j >= 0 ? j : ch.slot)*dst->nb[2] + ch.offset, size);
         bytes += size;
     }
     const auto   t1 = fc_clock::now();
@@ -110,6 +131,9 @@ void fc_run(forecache_cache * c, const fc_chunk & ch, std::unique_lock<std::mute
         c->low_end   = t1;
     }
     c->running--;
+    if (hs >= 0) {
+        L.hbusy[hs]--;
+    }
     fc_count(c, ch, -1);
     L.stats.h2d_bytes  += bytes;
     L.stats.n_chunks   += 1;
@@ -124,7 +148,13 @@ void fc_run(forecache_cache * c, const fc_chunk & ch, std::unique_lock<std::mute
 void fc_worker(forecache_cache * c) {
     std::unique_lock<std::mutex> lock(c->mtx);
     while (true) {
-        c->cv_work.wait(lock, [c] { return c->stop || (!c->paused && fc_has_eligible(c)); });
+        c->cv_work.wait(lock, [c] {
+            if (c->stop) {
+                return true;
+            }
+            fc_request_reads(c); // copies that could run but for their expert's read
+            return !c->paused && fc_has_eligible(c);
+        });
         if (c->stop) {
             return;
         }
@@ -141,6 +171,15 @@ void fc_queue_copy(forecache_cache * c, int32_t il, int32_t expert, int32_t slot
     fc_layer & L = c->layers[il];
     const auto now = fc_clock::now();
     bool first = true;
+    if (L.n_host > 0) {
+        L.huses[expert]++;
+        if (fc_host_ready(L, expert)) {
+            L.stats.host_hits++;
+        } else {
+            L.stats.host_misses++;
+            fc_disk_request(c, il, expert, priority);
+        }
+    }
     if (proj < 0 && c->chunk_bytes == FORECACHE_CHUNK_EXPERT) {
         fc_chunk ch = {il, slot, -1, expert, priority, entry, need, true, 0, 0, now};
         fc_count(c, ch, +1);

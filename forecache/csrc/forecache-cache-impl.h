@@ -36,6 +36,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -166,6 +167,20 @@ struct fc_layer {
 
     forecache_cache_stats stats = {};
 
+    // disk tier (forecache_cache_set_disk; lock held): n_host host slots of all projections, in hpool
+    int32_t n_host = 0;
+    ggml_tensor * hpool[FC_MAX_PROJ] = {};
+    uint64_t file_off[FC_MAX_PROJ] = {}; // where host[p]'s data starts in the model file
+    std::vector<int32_t>  hslot_of;   // expert -> host slot, -1
+    std::vector<int32_t>  hexpert_of; // host slot -> expert, -1
+    std::vector<uint8_t>  hready;     // host slot -> its read is done
+    std::vector<int32_t>  hbusy;      // host slot -> copies and host computes reading it now
+    std::vector<uint64_t> hstamp;     // host slot -> last use
+    std::vector<int32_t>  hwant;      // expert -> queued or running chunks copying it
+    std::vector<int32_t>  hhold;      // expert -> host computes that wait for it or read it
+    std::vector<uint32_t> huses;      // expert -> times a copy or host compute needed it
+    std::vector<int8_t>   hreq;       // expert -> priority its read is queued at, -1
+
     // routing of the current ubatch
     uint64_t            epoch     = 0;
     uint64_t            routed_pass = 0; // epoch of the last routing, set before its gate decides
@@ -291,6 +306,21 @@ struct forecache_cache {
     fc_clock::time_point    low_end;   // and finished
     std::thread             worker;
 
+    // disk tier readers (forecache-cache-disk.cpp), under mtx
+    int                     disk_fd    = -1;
+    int                     disk_dfd   = -1;       // the same file opened for direct I/O, -1 when refused
+    size_t                  disk_align = 4096;
+    size_t                  disk_max   = 0;        // largest projection of one expert
+    std::string             disk_path;
+    std::deque<std::pair<int32_t, int32_t>> rq[FC_N_PRIORITIES]; // queued reads (layer, expert)
+    std::condition_variable cv_read;
+    std::vector<std::thread> readers;
+    ggml_context          * host_ctx = nullptr;
+    ggml_backend_buffer_t   host_buf = nullptr;
+    bool                    disk_failed = false;
+    int32_t                 reading     = 0;       // reads in flight
+    uint64_t                hclock = 0;
+
     // timeline (forecache_cache_set_timeline): a ring of the last tl_cap spans
     std::atomic<bool>           tl_on{false};
     std::mutex                  tl_mtx;
@@ -346,6 +376,19 @@ bool fc_group_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor 
 bool fc_host_entries(forecache_cache * c, fc_layer & L, int32_t p, const ggml_tensor * t);
 bool fc_scatter_host(forecache_cache * c, ggml_tensor * t);
 bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor * t);
+
+// forecache-cache-disk.cpp: the disk tier (lock held unless said)
+void fc_disk_request(forecache_cache * c, int32_t il, int32_t expert, int32_t priority);
+bool fc_host_ready(const fc_layer & L, int32_t expert);
+bool fc_need_met(const forecache_cache * c, const fc_chunk & ch);
+void fc_request_reads(forecache_cache * c);
+bool fc_disk_busy(const forecache_cache * c);
+void fc_disk_stop(forecache_cache * c); // lock not held
+// computes rows of projection p on the CPU from host memory: for each r < n, row rows[r] of `in`
+// (n_in rows of ne0 floats) through expert experts[r] into row r of `out`; a layer with a disk tier
+// reads its experts into host slots first, a batch at a time (lock not held)
+bool fc_host_rows(forecache_cache * c, fc_layer & L, int32_t p, const float * in, int64_t ne0,
+        const int32_t * rows, const int32_t * experts, int64_t n, std::vector<float> & out, int64_t ne0_out);
 
 // forecache-cache-route.cpp: the node hook and the gate
 int32_t fc_preempt(forecache_cache * cache, int32_t layer, const std::vector<uint8_t> & wanted);

@@ -437,9 +437,12 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
         if (!c->reorder) {
             if (!fc_all_ready(c, L, 0, L.n_proj)) {
                 const auto t0 = fc_clock::now();
-                c->cv_done.wait(lock, [&] { return fc_all_ready(c, L, 0, L.n_proj); });
+                c->cv_done.wait(lock, [&] { return fc_all_ready(c, L, 0, L.n_proj) || c->disk_failed; });
                 L.stats.stall_s += fc_seconds(t0);
                 fc_span(c, FORECACHE_SPAN_WAIT, il, -1, 0, t0, fc_clock::now());
+            }
+            if (c->disk_failed) {
+                return false;
             }
         }
         if (!fc_grouped(L)) {
@@ -505,9 +508,12 @@ int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
         std::unique_lock<std::mutex> lock(c->mtx);
         if (!fc_grouped(L) && !groupable && !fc_all_ready(c, L, p, p + 1)) {
             const auto t0 = fc_clock::now();
-            c->cv_done.wait(lock, [&] { return fc_all_ready(c, L, p, p + 1); });
+            c->cv_done.wait(lock, [&] { return fc_all_ready(c, L, p, p + 1) || c->disk_failed; });
             L.stats.stall_s += fc_seconds(t0);
             fc_span(c, FORECACHE_SPAN_WAIT, it->second.first, p, 0, t0, fc_clock::now());
+        }
+        if (c->disk_failed) {
+            return -1; // an expert could not be read
         }
         if (!fc_grouped(L) && fc_all_ready(c, L, p, p + 1)) {
             L.stats.n_groups++;

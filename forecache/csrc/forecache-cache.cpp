@@ -163,6 +163,7 @@ void forecache_cache_free(struct forecache_cache * cache) {
         cache->cv_work.notify_all();
         cache->worker.join();
     }
+    fc_disk_stop(cache);
     cache->host.finish();
     if (cache->sched != nullptr) {
         ggml_backend_sched_synchronize(cache->sched);
@@ -537,7 +538,9 @@ size_t forecache_event_size(void) {
 
 void forecache_cache_wait_idle(struct forecache_cache * cache) {
     std::unique_lock<std::mutex> lock(cache->mtx);
-    cache->cv_done.wait(lock, [cache] { return cache->running == 0 && (cache->paused || !fc_has_eligible(cache)); });
+    cache->cv_done.wait(lock, [cache] {
+        return cache->disk_failed || (cache->running == 0 && (cache->paused || (!fc_has_eligible(cache) && !fc_disk_busy(cache))));
+    });
 }
 
 // How forecache_cache_get_stats combines a field of the layers' stats (FORECACHE_CACHE_STATS_FIELDS).

@@ -14,3 +14,6 @@ void forecache_set_err(char * err, size_t err_size, const char * fmt, ...)
 // The layer of a routed-expert tensor named "blk.<il>.<name>_exps.weight" (llama.cpp's names), or -1
 // for any other tensor.
 int forecache_expert_layer(const char * name);
+
+// Whether the loader leaves routed-expert tensors in the file (forecache_set_disk_experts).
+bool forecache_disk_experts();

@@ -15,7 +15,7 @@ extern "C" {
 
 // Version of this API and of the patches it needs in llama.cpp; bumped whenever either changes.
 // The Python side reads it from this header and refuses a library that reports another.
-#define FORECACHE_PATCH_VERSION 16
+#define FORECACHE_PATCH_VERSION 17
 
 // Returns FORECACHE_PATCH_VERSION of the library the caller is linked against.
 LLAMA_API int32_t forecache_patch_version(void);
@@ -121,7 +121,15 @@ typedef int32_t (*forecache_gate_hook)(
     X(uint64_t, decode_misses,  SUM) \
     X(uint64_t, events_dropped, SUM) /* gate events dropped because the queue was full (counted for the cache, not per layer) */ \
     X(uint64_t, staged,         SUM) /* experts copied into stage slots (forecache_cache_stage) */ \
-    X(uint64_t, stage_used,     SUM) /* schedule entries computed from a stage slot */
+    X(uint64_t, stage_used,     SUM) /* schedule entries computed from a stage slot */ \
+    X(uint64_t, disk_reads,     SUM) /* experts read from the model file into the host tier (forecache_cache_set_disk) */ \
+    X(uint64_t, disk_bytes,     SUM) /* bytes of experts read */ \
+    X(uint64_t, disk_direct_bytes, SUM) /* of those, bytes read with direct I/O (past the kernel's page cache) */ \
+    X(double,   disk_s,         SUM) /* time the reader threads spent reading */ \
+    X(double,   disk_wait_s,    SUM) /* time host compute waited for reads */ \
+    X(uint64_t, host_hits,      SUM) /* experts a copy or host compute needed that the host tier held */ \
+    X(uint64_t, host_misses,    SUM) /* ... that had to be read first */ \
+    X(uint64_t, host_evictions, SUM) /* experts evicted from the host tier */
 
 struct forecache_cache_stats {
 #define FORECACHE_CACHE_STATS_FIELD(type, name, combine) type name;
@@ -284,6 +292,45 @@ LLAMA_API void forecache_cache_set_decode_gate(
         bool                     preempt);
 
 //
+// Disk tier: experts in the model file, a host expert cache in memory, the slots above it
+//
+// For models whose experts do not fit in host memory. Load the model with forecache_set_disk_experts on:
+// the loader then maps every routed-expert tensor from the file without reading it. The cache's disk tier
+// keeps n_host[il] experts of each layer (all projections) in host slots (pinned where the device has a
+// pinned host buffer type) and reads the others from the file when a copy into a slot or a host compute
+// needs them, or ahead of need (forecache_cache_disk_read), by reader threads of its own: whole
+// projections, with direct I/O where the file system allows it (else read and dropped from the page
+// cache), several in flight, highest priority first. Copies into slots wait, chunk by chunk, for their
+// expert's read; host compute waits for the reads of the experts it computes next. A host slot goes to
+// the expert it is read for, evicting the least used expert (then the least recently used) that no
+// queued copy or running compute needs. The expert tensors in the mapping are never read.
+
+// Makes the loader leave routed-expert tensors in the file (see above) for the models loaded while set.
+LLAMA_API void forecache_set_disk_experts(bool on);
+
+// Turns on the disk tier of a cache whose model was loaded with forecache_set_disk_experts: `path` is the
+// model's GGUF file (one file), n_host[il] the host slots of each of n_layer layers (every layer with
+// experts needs at least one, and at least one device slot), n_readers the reads in flight. Call once,
+// before the first ubatch. Returns 0, or -1 (message in err).
+LLAMA_API int32_t forecache_cache_set_disk(
+        struct forecache_cache * cache,
+        const char             * path,
+        const int32_t          * n_host,
+        int32_t                  n_layer,
+        int32_t                  n_readers,
+        char                   * err,
+        size_t                   err_size);
+
+// Queues reads of `experts` of `layer` into its host slots with `priority` (those held or queued at a
+// higher priority already are skipped). Returns the number queued, or -1 for bad arguments or without
+// a disk tier.
+LLAMA_API int32_t forecache_cache_disk_read(struct forecache_cache * cache, int32_t layer, const int32_t * experts, int32_t n, int32_t priority);
+
+// Host slot -> expert (-1 empty) of `layer` and whether its read is done (1) or in flight (0), into arrays
+// of n_host entries. Returns n_host (0 without a disk tier), or -1 for a bad layer.
+LLAMA_API int32_t forecache_cache_host_state(const struct forecache_cache * cache, int32_t layer, int32_t * expert_of, int32_t * ready);
+
+//
 // Gate events: every routed layer, for a prediction thread
 //
 
@@ -352,17 +399,18 @@ enum forecache_span_kind {
     FORECACHE_SPAN_HOST  = 3, // experts computed on the CPU from host memory (the layer, or host entries)
     FORECACHE_SPAN_GROUP = 4, // an expert group computed from slots
     FORECACHE_SPAN_COPY  = 5, // a chunk copied host -> slot, on the copy thread
+    FORECACHE_SPAN_READ  = 6, // an expert read from the model file into a host slot, on a reader thread
 };
 
 struct forecache_span {
     int32_t  kind;
     int32_t  layer;
     int32_t  proj;     // projection, -1: every projection of the layer or expert
-    int32_t  expert;   // copies: the expert; -1 otherwise
-    int32_t  slot;     // copies: the slot (n_slots + j: stage slot j); -1 otherwise
+    int32_t  expert;   // copies, reads: the expert; -1 otherwise
+    int32_t  slot;     // copies: the slot (n_slots + j: stage slot j); reads: the host slot; -1 otherwise
     int32_t  n;        // ids, gates: tokens routed; host: rows computed; groups: schedule entries
     uint64_t pass;     // the forward pass (forecache_cache_passes) it ran in
-    uint64_t bytes;    // copies: bytes copied; ids: bytes read back
+    uint64_t bytes;    // copies: bytes copied; reads: bytes read; ids: bytes read back
     double   t0;       // seconds since forecache_cache_set_timeline started recording
     double   t1;
 };

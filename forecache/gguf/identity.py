@@ -8,12 +8,15 @@ retrained or requantized one included) differ there. It is cached by (path, size
 from __future__ import annotations
 
 import hashlib
+import mmap
+import os
 from typing import Any
 
 from forecache.gguf.header import ModelFile
 from forecache.paths import cache_dir, write_atomic
 
 _SAMPLE = 4096
+_PAGE = mmap.PAGESIZE
 FINGERPRINT_VERSION = 1
 
 
@@ -31,14 +34,21 @@ def fingerprint(model: ModelFile) -> str:
     except OSError:
         pass
     h = hashlib.sha256()
-    with open(model.path, "rb") as f:
+    with open(model.path, "rb", buffering=0) as f:
         h.update(f.read(model.data_offset))
+        # no readahead around the samples, and none of them left in the page cache: a model
+        # larger than host memory has no room for them (its disk tier reads experts itself)
+        _advise(f.fileno(), 0, 0, "POSIX_FADV_RANDOM")
         for t in sorted(model.tensors, key=lambda t: t.offset):
             start = model.data_offset + t.offset
             for frac in (0, 1, 2, 3):
                 off = start + max(0, (t.nbytes - _SAMPLE) * frac // 3)
+                n = min(_SAMPLE, t.nbytes)
                 f.seek(off)
-                h.update(f.read(min(_SAMPLE, t.nbytes)))
+                h.update(f.read(n))
+                # whole pages: the kernel drops only pages wholly inside the range
+                a0 = off // _PAGE * _PAGE
+                _advise(f.fileno(), a0, -(-(off + n) // _PAGE) * _PAGE - a0, "POSIX_FADV_DONTNEED")
     digest = h.hexdigest()
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
@@ -46,6 +56,15 @@ def fingerprint(model: ModelFile) -> str:
     except OSError:
         pass  # a read-only cache only costs a re-hash next time
     return digest
+
+
+def _advise(fd: int, offset: int, length: int, advice: str) -> None:
+    """posix_fadvise where the platform has it (a hint: errors are ignored)."""
+    if hasattr(os, advice):
+        try:
+            os.posix_fadvise(fd, offset, length, getattr(os, advice))
+        except OSError:
+            pass
 
 
 def identity(model: ModelFile) -> dict[str, Any]:

@@ -111,7 +111,7 @@ class Span(ctypes.Structure):
 
 
 # enum forecache_span_kind, in order
-SPAN_KINDS = ("ids", "gate", "wait", "host", "group", "copy")
+SPAN_KINDS = ("ids", "gate", "wait", "host", "group", "copy", "read")
 # enum forecache_event_kind
 EVENT_GATE, EVENT_MARKER = 0, 1
 # copy priorities (0 is the highest): a layer's misses, predicted experts
@@ -311,6 +311,29 @@ class ForecacheAPI(CFunctions):
     @c_function([], c_size_t)
     def cache_stats_size() -> int:
         """sizeof(struct forecache_cache_stats)."""
+
+    # -- disk tier -------------------------------------------------------------------------------
+    @c_function([c_bool], None)
+    def set_disk_experts(on: bool) -> None:
+        """Models loaded while on leave their routed-expert tensors in the file (mapped, unread)."""
+
+    @c_function([c_void_p, c_char_p, POINTER(c_int32), c_int32, c_int32, c_char_p, c_size_t],
+                c_int32)
+    def cache_set_disk(cache: CachePtr, path: bytes, n_host: Ptr[c_int32], n_layer: int,
+                       n_readers: int, err: ctypes.Array[ctypes.c_char], err_size: int) -> int:
+        """Turn on the disk tier: ``n_host[il]`` host slots per layer, filled from the GGUF at
+        ``path`` by ``n_readers`` reads in flight: 0, or -1 (message in ``err``)."""
+
+    @c_function([c_void_p, c_int32, POINTER(c_int32), c_int32, c_int32], c_int32)
+    def cache_disk_read(cache: CachePtr, layer: int, experts: Ptr[c_int32], n: int,
+                        priority: int) -> int:
+        """Queue reads of ``experts`` of ``layer`` into host slots: the number queued, or -1."""
+
+    @c_function([c_void_p, c_int32, POINTER(c_int32), POINTER(c_int32)], c_int32)
+    def cache_host_state(cache: CachePtr, layer: int, expert_of: Ptr[c_int32],
+                         ready: Ptr[c_int32]) -> int:
+        """Each host slot's expert (-1: empty) and whether its read is done: n_host (0 without a
+        disk tier), or -1 bad layer."""
 
     # -- timeline --------------------------------------------------------------------------------
     @c_function([c_void_p, c_int32], c_int32)

@@ -1,0 +1,117 @@
+"""The disk tier's plan: how many experts of each layer a host memory budget keeps in host slots,
+the rest read from the model file as they are needed (``forecache_cache_set_disk``)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from forecache.cache.budget import format_size
+from forecache.errors import setting
+from forecache.gguf.header import ModelFile
+from forecache.native import api
+
+# reads in flight: an NVMe drive reaches its rate at a queue depth of about 8
+DEFAULT_READERS = 8
+# on a GPU build llama.cpp keeps the token embeddings on the host; every other non-expert weight
+# goes to the device
+HOST_INPUT_TENSORS = ("token_embd.weight", "per_layer_token_embd.weight")
+
+
+@dataclass(frozen=True)
+class DiskTier:
+    """What the C cache's disk tier is given: the model file, host slots per layer, reads in
+    flight."""
+
+    path: Path
+    n_host: list[int]
+    n_readers: int = DEFAULT_READERS
+
+
+@dataclass(frozen=True)
+class DiskPlan:
+    """Host slots per layer (0 for layers without experts) and what they hold."""
+
+    n_host: list[int]
+    host_bytes: int  # the model's other weights kept on the host
+    host_expert_bytes: int  # the host slots
+    disk_expert_bytes: int  # routed experts that live only in the file
+    expert_bytes: int  # one expert, all projections (the largest layer's)
+
+    @property
+    def experts_on_disk(self) -> float:
+        """Share of the routed experts' bytes beyond the host slots."""
+        total = self.host_expert_bytes + self.disk_expert_bytes
+        return self.disk_expert_bytes / total if total else 0.0
+
+    def describe(self) -> str:
+        """One line for the user: where the experts live."""
+        per = sorted(set(n for n in self.n_host if n))
+        return (f"disk tier: {format_size(self.host_expert_bytes)} of host slots "
+                f"({'/'.join(map(str, per))} experts a layer), "
+                f"{format_size(self.disk_expert_bytes)} of experts read from the file "
+                f"({self.experts_on_disk:.0%})")
+
+
+def host_weight_bytes(model: ModelFile, *, on_gpu: bool) -> int:
+    """Bytes of the model's non-expert weights that llama.cpp keeps in host memory: all of them
+    on a CPU-only build, the token embeddings on a GPU."""
+    if not on_gpu:
+        return model.non_expert_bytes()
+    return sum(t.nbytes for t in model.tensors if t.name in HOST_INPUT_TENSORS)
+
+
+def plan_disk(model: ModelFile, host_budget: int, *, on_gpu: bool,
+              slot_bytes: int = 0) -> DiskPlan | None:
+    """Host slots per MoE layer for ``host_budget`` bytes of host memory: the budget less the
+    non-expert weights kept on the host (and ``slot_bytes`` of device slots, which are host
+    memory on a CPU-only build), split evenly over the layers' experts. None when every expert
+    fits: the model then loads as usual. Raises ``ValueError`` with the fix when the budget
+    cannot hold the non-expert weights and each layer's top-k experts."""
+    layers = model.moe_layers()
+    per_expert = max(model.layer_expert_bytes())
+    top_k = max(model.n_expert_used, 1)
+    fixed = host_weight_bytes(model, on_gpu=on_gpu) + slot_bytes
+    need = fixed + len(layers) * top_k * per_expert
+    if host_budget < need:
+        raise ValueError(
+            f"{setting('host_budget')} {format_size(host_budget)} is below the "
+            f"{format_size(need)} the host needs: {format_size(fixed)} of non-expert weights"
+            f"{' and expert slots' if slot_bytes else ''} and {top_k} experts of each of "
+            f"{len(layers)} layers; raise it to at least {format_size(need)}")
+    if host_budget - fixed >= model.total_expert_bytes():
+        return None
+    n = min(model.n_expert, (host_budget - fixed) // (per_expert * len(layers)))
+    n_host = [0] * model.n_layer
+    for il in layers:
+        n_host[il] = n
+    held = n * per_expert * len(layers)
+    return DiskPlan(n_host, fixed, held, model.total_expert_bytes() - held, per_expert)
+
+
+def readers_default() -> int:
+    """Reads in flight: ``DEFAULT_READERS``, fewer on a machine with few cores."""
+    return max(2, min(DEFAULT_READERS, 4 * (os.cpu_count() or 1)))
+
+
+_LOADING = threading.Lock()  # the loader's switch is process-wide: one load at a time sets it
+
+
+@contextmanager
+def experts_left_on_disk(on: bool = True) -> Iterator[None]:
+    """Models loaded inside leave their routed-expert tensors in the file (mapped, never read):
+    the disk tier reads them. Does nothing when ``on`` is false."""
+    if not on:
+        yield
+        return
+    c_api = api()
+    with _LOADING:
+        c_api.set_disk_experts(True)
+        try:
+            yield
+        finally:
+            c_api.set_disk_experts(False)
