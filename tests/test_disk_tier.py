@@ -183,3 +183,40 @@ def test_a_host_budget_too_small_is_one_line_from_the_cli(tiny_model: Callable[.
     assert res.returncode != 0
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1 and "--host-budget 1.0 MiB is below" in lines[0], res.stderr
+
+
+def test_disk_reads_match_the_simulator(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    """The runtime's reads from the file against the simulator's replay of the same routing
+    (``sim.disk_reads``): within 15%, counting the device slots' first fill. A reactive policy,
+    whose reads follow from the routing alone (promoe's prefetches depend on timing: its
+    figures are in BENCHMARKS.md)."""
+    policy = "lru"
+    from forecache.generate import SamplingParams, generate
+    from forecache.jobs.requests import Request as JobRequest
+    from forecache.sim.disk_reads import predict_disk_reads
+    from forecache.sim.shapes import model_shape
+    from forecache.trace.format import TraceFile
+    from forecache.trace.record import record_trace
+
+    model = _own_copy(tiny_model("q8_0"), tmp_path)
+    mf = read_model_file(model)
+    prompt, n_gen = TEXT * 6, 24
+    cfg = CacheConfig(policy, cache_fraction=SLOT_FRACTION, host_budget=_quarter_budget(mf),
+                      predictor="history")
+    with Llama(str(model), cache=cfg, verbose=False, n_ctx=2048, n_batch=512, n_ubatch=512,
+               n_threads=2) as llm:
+        res = generate(llm, prompt, n_gen, SamplingParams(greedy=True), ignore_eos=True)
+        measured = llm.expert_cache.stats()["disk_reads"]
+        assert llm.placement is not None and llm.placement.disk is not None
+        n_host = llm.placement.disk.n_host[mf.moe_layers()[0]]
+        n_slots = llm.placement.n_slots
+    trace = tmp_path / "routing.npz"
+    record_trace(model, [JobRequest("r", 1, prompt=prompt)], trace, n_gen=n_gen, chat=False,
+                 n_ctx=2048, n_batch=512)
+    with TraceFile(trace) as tf:
+        reqs = list(tf.requests(gate_input=False))
+    assert reqs[0].n_tokens >= res.prompt_tokens + len(res.tokens) - 1
+    pred = predict_disk_reads(reqs, model_shape(mf), n_host, n_slots, policy=policy,
+                              n_ubatch=512)
+    expected = pred.reads + pred.initial_reads
+    assert measured > 0 and abs(measured - expected) <= 0.15 * expected, (measured, pred)

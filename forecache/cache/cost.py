@@ -33,6 +33,26 @@ PAGEABLE_SHARE = 0.25
 
 
 @dataclass(frozen=True)
+class DiskProfile:
+    """The disk under the host expert store (a profile's ``disk`` section): a read costs
+    ``latency_us`` plus its bytes at ``gbps``, the reads in flight sharing ``gbps``."""
+
+    gbps: float  # read rate with enough reads in flight
+    latency_us: float  # fixed cost of one read, submission to its first byte
+    queue_depth: int = 8  # reads forecache keeps in flight (its reader threads)
+    readahead_kib: int = 128  # the kernel's read-around when a page of an mmap'd file faults
+    source: str = ""
+
+    @property
+    def latency_s(self) -> float:
+        return self.latency_us * 1e-6
+
+    @property
+    def readahead_bytes(self) -> int:
+        return self.readahead_kib << 10
+
+
+@dataclass(frozen=True)
 class Profile:
     """A machine, as the simulator's timing model sees it."""
 
@@ -73,11 +93,32 @@ class Profile:
     # experts), which the driver stages through a pinned buffer. 0: PAGEABLE_SHARE of h2d_gbps
     h2d_pageable_gbps: float = 0.0
     source: str = ""
+    # the disk under the host expert store (None: none modelled; the JSON's "disk" object)
+    disk: DiskProfile | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.disk, dict):  # from JSON, or a profile saved with asdict
+            try:
+                object.__setattr__(self, "disk", DiskProfile(**self.disk))
+            except TypeError as e:
+                raise ValueError(f"profile {self.name}: its disk section needs gbps and "
+                                 f"latency_us (and may give queue_depth, readahead_kib, "
+                                 f"source): {e}") from e
 
     def shared_dram_factor(self) -> float:
         """What copies and CPU expert compute each keep of their rate while both read DRAM."""
-        demand = self.h2d_gbps + self.cpu_mem_gbps
-        return min(1.0, self.dram_gbps / demand) if self.dram_gbps > 0 else 1.0
+        return self.dram_factor(copy=True, cpu=True)
+
+    def dram_factor(self, *, copy: bool, cpu: bool, disk: bool = False) -> float:
+        """What each of the DRAM users running at once keeps of its rate: host-to-device
+        copies, CPU expert compute and disk reads landing in host memory, each at its full
+        rate unless together they ask for more than ``dram_gbps``."""
+        disk = disk and self.disk is not None
+        if copy + cpu + disk < 2:  # one user alone runs at its own rate
+            return 1.0
+        demand = (self.h2d_gbps if copy else 0.0) + (self.cpu_mem_gbps if cpu else 0.0) + \
+            (self.disk.gbps if disk and self.disk is not None else 0.0)
+        return min(1.0, self.dram_gbps / demand) if self.dram_gbps > 0 and demand > 0 else 1.0
 
     def pageable_gbps(self) -> float:
         """Host-to-device bandwidth from pageable (mmap'd) host memory."""

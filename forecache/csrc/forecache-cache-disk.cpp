@@ -345,6 +345,15 @@ bool fc_host_rows(forecache_cache * c, fc_layer & L, int32_t p, const float * in
             for (int32_t e : batch) {
                 L.hbusy[L.hslot_of[e]]++;
             }
+            // the next batch's reads run while this one computes
+            int32_t ahead = 0;
+            for (int64_t r = 0; r < n && ahead < cap; r++) {
+                const int32_t e = experts[r];
+                if (!done[r] && !in_batch[e] && L.hslot_of[e] < 0 && L.hreq[e] < 0) {
+                    fc_disk_request(c, il, e, 0);
+                    ahead++;
+                }
+            }
         }
         lock.unlock();
 

@@ -32,6 +32,7 @@ from gguf import (
 
 from forecache.gguf.qtypes import QTYPES, parse_qtype
 from forecache.gguf.specs import (
+    ARCHES,
     FF_IS_EXPERT_FF,
     GATING,
     ModelSpec,
@@ -429,12 +430,16 @@ def make_model(
     tensor data is written; `fuse_gate_up` writes each layer's gate and up experts as one
     tensor, as the converter's --fuse-gate-up-exps does. The file is written next to
     `out_path` under a temporary name and renamed when complete. Raises ValueError for an
-    unknown preset or type.
+    unknown preset or type, or a preset whose architecture make-model does not write.
     """
     started = time.monotonic()
     qtype = qtype.lower()
     parse_qtype(qtype)
     spec = get_spec(preset).with_layers(n_layers)
+    if not spec.writable:
+        raise ValueError(f"make-model cannot write {spec.name}: its architecture {spec.arch} is "
+                         f"a shape for the simulator only (make-model writes "
+                         f"{', '.join(ARCHES)})")
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
     plans = tensor_plan(spec, qtype, fuse_gate_up)

@@ -73,14 +73,15 @@ def tensor_type(name: str, ne: tuple[int, ...], qtype: str, n_layer: int = 1,
                 n_expert: int = 0) -> GGMLQuantizationType:
     """Choose the ggml type of one tensor when the model is written as `qtype`.
 
-    1-D tensors (norms, biases), the experts' biases and the routers stay F32: llama.cpp's
-    quantizer never quantizes them and routing is sensitive to their precision. Matrices get
-    the requested type (mxfp4: the routed experts, the rest q8_0; q4_k_m: by layer, as
-    ``q4_k_m_type``), or llama.cpp's fallback when the row length (ne[0]) does not fit its
+    1-D tensors (norms, biases), the experts' biases, the routers and the convolutions stay
+    F32: llama.cpp's quantizer never quantizes them and routing is sensitive to their precision.
+    Matrices get the requested type (mxfp4: the routed experts, the rest q8_0; q4_k_m: by layer,
+    as ``q4_k_m_type``), or llama.cpp's fallback when the row length (ne[0]) does not fit its
     block size. ``n_layer`` and ``n_expert`` are the model's, for the by-layer choices.
     """
     if len(ne) == 1 or name.endswith((".bias", "ffn_gate_inp.weight",
-                                      "ffn_gate_inp_shexp.weight", "shortconv.conv.weight")):
+                                      "ffn_gate_inp_shexp.weight", "shortconv.conv.weight",
+                                      "ssm_conv1d.weight")):
         return GGMLQuantizationType.F32
     want = parse_qtype(qtype)
     if want == GGMLQuantizationType.MXFP4 and not name.endswith(EXPERT_TENSOR_SUFFIX):

@@ -100,6 +100,18 @@ class ModelSpec:
     # spans conv_cache tokens)
     attention_layers: tuple[int, ...] | None = None
     conv_cache: int | None = None
+    # qwen35moe: Gated DeltaNet (linear attention) in the layers outside attention_layers, with
+    # linear_k_heads query/key heads and linear_v_heads value heads of linear_head_dim each and
+    # a causal convolution conv_cache wide
+    linear_k_heads: int | None = None
+    linear_v_heads: int | None = None
+    linear_head_dim: int | None = None
+
+    @property
+    def writable(self) -> bool:
+        """make-model writes this model (its architecture is in ``ARCHES``); the others are
+        shapes for sizes and the simulator only."""
+        return self.arch in ARCHES
 
     @property
     def moe_layers(self) -> int:
@@ -151,6 +163,11 @@ class ModelSpec:
             problems.append("olmoe norms q and k over d_model: kv_heads = heads")
         if self.arch == "lfm2moe" and (self.attention_layers is None or not self.conv_cache):
             problems.append("lfm2moe needs attention_layers and conv_cache")
+        if self.arch == "qwen35moe" and (self.attention_layers is None or not self.conv_cache or
+                                         None in (self.linear_k_heads, self.linear_v_heads,
+                                                  self.linear_head_dim)):
+            problems.append("qwen35moe needs attention_layers, conv_cache, linear_k_heads, "
+                            "linear_v_heads and linear_head_dim")
         if self.attention_layers is not None and not set(self.attention_layers) <= set(
                 range(self.layers)):
             problems.append("attention_layers must be layer indices")
@@ -175,8 +192,8 @@ class ModelSpec:
                 0 < self.expert_groups_used <= self.expert_groups):
             problems.append("experts must split into expert_groups, of which "
                             "1..expert_groups are used")
-        if self.arch not in ARCHES:
-            problems.append(f"make-model writes {', '.join(ARCHES)}, not {self.arch}")
+        if self.arch not in LAYOUT_ARCHES:
+            problems.append(f"forecache lays out {', '.join(LAYOUT_ARCHES)}, not {self.arch}")
         if not 256 + 1 <= self.text_tokens <= self.vocab - 3:
             problems.append("text_tokens must leave room for 3 special tokens in vocab")
         if problems:
@@ -245,6 +262,12 @@ ARCHES = tuple(MODEL_ARCH_NAMES[a] for a in (MODEL_ARCH.QWEN2MOE, MODEL_ARCH.QWE
                                              MODEL_ARCH.GRANITE_MOE, MODEL_ARCH.DEEPSEEK2,
                                              MODEL_ARCH.GPT_OSS, MODEL_ARCH.LFM2MOE))
 
+#: Architectures whose tensors forecache lays out (sizes, the simulator's shapes) but make-model
+#: does not write: qwen35moe's Gated DeltaNet layers need header keys and tensors make-model
+#: has no writer for.
+SHAPE_ONLY_ARCHES = (MODEL_ARCH_NAMES[MODEL_ARCH.QWEN35MOE],)
+LAYOUT_ARCHES = ARCHES + SHAPE_ONLY_ARCHES
+
 
 #: Architectures whose llama.cpp loader takes gate and up experts fused in one tensor (the
 #: converter's --fuse-gate-up-exps).
@@ -265,9 +288,9 @@ def tensor_plan(spec: ModelSpec, qtype: str, fuse_gate_up: bool = False) -> list
     included, attention sinks and a router bias; lfm2moe has short convolutions in the layers
     without attention, dense leading layers and a selection bias, and no output matrix.
     """
-    if spec.arch not in ARCHES:
+    if spec.arch not in LAYOUT_ARCHES:
         raise ValueError(f"cannot lay out architecture {spec.arch!r}; supported: "
-                         f"{', '.join(ARCHES)}")
+                         f"{', '.join(LAYOUT_ARCHES)}")
     if fuse_gate_up and spec.arch not in FUSED_GATE_UP:
         raise ValueError(f"llama.cpp loads fused gate/up experts for {', '.join(FUSED_GATE_UP)}"
                          f", not {spec.arch}")
@@ -276,7 +299,7 @@ def tensor_plan(spec: ModelSpec, qtype: str, fuse_gate_up: bool = False) -> list
 
     def add(tensor: MODEL_TENSOR, suffix: str, shape: tuple[int, ...], kind: str,
             bid: int | None = None) -> None:
-        name = TENSOR_NAMES[tensor].format(bid=bid) + "." + suffix
+        name = TENSOR_NAMES[tensor].format(bid=bid) + ("." + suffix if suffix else "")
         out.append(TensorPlan(name, shape, tensor_type(name, shape, qtype, spec.layers,
                                                        spec.experts), kind))
 
@@ -286,8 +309,8 @@ def tensor_plan(spec: ModelSpec, qtype: str, fuse_gate_up: bool = False) -> list
     for b in range(spec.layers):
         add(T.ATTN_NORM, "weight", (d,), "norm", b)
         _attention(spec, b, add)
-        oss = spec.arch == MODEL_ARCH_NAMES[MODEL_ARCH.GPT_OSS]
-        add(T.ATTN_POST_NORM if oss else T.FFN_NORM, "weight", (d,), "norm", b)
+        post = spec.arch in ("gpt-oss", "qwen35moe")  # named post_attention_norm
+        add(T.ATTN_POST_NORM if post else T.FFN_NORM, "weight", (d,), "norm", b)
         if b < spec.dense_layers:
             add(T.FFN_GATE, "weight", (d, spec.ff), "dense_ffn", b)
             add(T.FFN_UP, "weight", (d, spec.ff), "dense_ffn", b)
@@ -311,6 +334,9 @@ def _attention(spec: ModelSpec, b: int, add: _Add) -> None:
     T = MODEL_TENSOR
     d, kv, q = spec.d_model, spec.kv_dim, spec.q_dim
     arch = spec.arch
+    if arch == "qwen35moe":
+        _qwen35_attention(spec, b, add)
+        return
     if spec.attention_layers is not None and b not in spec.attention_layers:
         assert spec.conv_cache is not None
         add(T.SHORTCONV_CONV, "weight", (spec.conv_cache, d), "attention", b)
@@ -353,12 +379,42 @@ def _experts(spec: ModelSpec, b: int, add: _Add, fuse_gate_up: bool) -> None:
         add(t, "weight", shape, "expert", b)
         if oss:  # beside the weights, read by the same routed ids (ADD_ID)
             add(t, "bias", shape[1:], "expert_bias", b)
-    if spec.arch == "qwen2moe":  # its shared expert's sigmoid gate
+    if spec.arch in ("qwen2moe", "qwen35moe"):  # its shared expert's sigmoid gate
         add(T.FFN_GATE_INP_SHEXP, "weight", (d,), "shared_expert", b)
     if spec.shared_experts:
         add(T.FFN_GATE_SHEXP, "weight", (d, fs), "shared_expert", b)
         add(T.FFN_UP_SHEXP, "weight", (d, fs), "shared_expert", b)
         add(T.FFN_DOWN_SHEXP, "weight", (fs, d), "shared_expert", b)
+
+
+def _qwen35_attention(spec: ModelSpec, b: int, add: _Add) -> None:
+    """qwen35moe's block ``b`` as the vendored llama.cpp loads it (models/qwen35moe.cpp): full
+    attention in ``attention_layers`` (q carries an output gate as wide as itself; q and k
+    normed per head), Gated DeltaNet elsewhere (q, k and v in one matrix, a z gate, a causal
+    convolution over them, per-head decay and beta, a normed, gated output)."""
+    T = MODEL_TENSOR
+    d = spec.d_model
+    assert spec.attention_layers is not None and spec.conv_cache is not None
+    if b in spec.attention_layers:
+        add(T.ATTN_Q, "weight", (d, 2 * spec.q_dim), "attention", b)
+        add(T.ATTN_K, "weight", (d, spec.kv_dim), "attention", b)
+        add(T.ATTN_V, "weight", (d, spec.kv_dim), "attention", b)
+        add(T.ATTN_OUT, "weight", (spec.q_dim, d), "attention", b)
+        add(T.ATTN_Q_NORM, "weight", (spec.head_dim,), "norm", b)
+        add(T.ATTN_K_NORM, "weight", (spec.head_dim,), "norm", b)
+        return
+    assert None not in (spec.linear_k_heads, spec.linear_v_heads, spec.linear_head_dim)
+    hd, n_v = spec.linear_head_dim, spec.linear_v_heads
+    key, value = hd * spec.linear_k_heads, hd * n_v  # type: ignore[operator]
+    add(T.ATTN_QKV, "weight", (d, 2 * key + value), "attention", b)
+    add(T.ATTN_GATE, "weight", (d, value), "attention", b)
+    add(T.SSM_CONV1D, "weight", (spec.conv_cache, 2 * key + value), "attention", b)
+    add(T.SSM_DT, "bias", (n_v,), "attention", b)
+    add(T.SSM_A, "", (n_v,), "attention", b)
+    add(T.SSM_BETA, "weight", (d, n_v), "attention", b)
+    add(T.SSM_ALPHA, "weight", (d, n_v), "attention", b)
+    add(T.SSM_NORM, "weight", (hd,), "norm", b)
+    add(T.SSM_OUT, "weight", (value, d), "attention", b)
 
 
 def _latent_attention(spec: ModelSpec, b: int, add: _Add) -> None:

@@ -100,6 +100,11 @@ def resolve_model(arg: str | os.PathLike[str] | None) -> Path:
     if text in specs:
         if text == DEFAULT_PRESET:
             return ensure_tiny_model()
+        if not specs[text].writable:
+            raise ModelNotFoundError(
+                f"{text!r} is a shape for the simulator, not a published model, and make-model "
+                f"does not write its architecture ({specs[text].arch}): pass "
+                f"{setting('model_path', 'PATH')} to a GGUF of it")
         dest = model_dir() / f"{text}-random-q4_k.gguf"
         raise ModelNotFoundError(
             f"{text!r} is a shape, not a published model: make a random-weight stand-in with "

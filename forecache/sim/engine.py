@@ -3,7 +3,8 @@
 ``SimEngine`` has the calls of ``cache.runtime.ExpertCache`` (load, preempt, schedule,
 layer_state and the slot states the node hook waits on) and keeps time by the profile: one
 worker copying chunks highest priority first, streamed copies that wait for their slot's previous
-expert, the in-use guard. A test holds it to the C engine's slot states and copy order.
+expert, the in-use guard. A test holds it to the C engine's slot states and copy order. With a
+disk tier (``disk``, ``sim.hosttier.HostTier``) a chunk also waits for its expert's read.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 
 from forecache.cache.cost import Profile
 from forecache.cache.prefetcher import HIGH, SLOT_COPYING, SLOT_EMPTY, SLOT_QUEUED, SLOT_READY
+from forecache.sim.hosttier import HostTier
 from forecache.sim.shapes import ModelShape
 
 N_PRIORITIES = 4
@@ -99,10 +101,19 @@ class SimEngine:
         self.paused = False  # as forecache_cache_pause: no copy starts
         self.low_start = float("-inf")  # when the last lower-priority chunk started
         self.low_end = float("-inf")  # and finished
+        self.disk: HostTier | None = None  # the host tier over the file (``attach_disk``)
         self.stats = {"h2d_bytes": 0, "n_chunks": 0, "hi_wait_s": 0.0, "hi_wait_max_s": 0.0,
                       "hi_tasks": 0, "dropped_chunks": 0, "refused_loads": 0, "streamed": 0,
                       "host_entries": 0, "hi_block_s": 0.0, "hi_block_max_s": 0.0,
                       "staged": 0, "stage_used": 0}
+
+    def attach_disk(self, n_host: Sequence[int], evict: str = "uses") -> HostTier:
+        """Give each layer ``n_host[layer]`` host slots over the model file (the C cache's
+        ``forecache_cache_set_disk``), evicted by ``evict``: from now on copies wait for their
+        experts' reads."""
+        self.disk = HostTier(self, n_host, len(self.shape.proj_bytes), self.shape.expert_bytes,
+                             self.profile, evict)
+        return self.disk
 
     # -- the copy engine a policy drives (called at self.now) ----------------------------------
     def load(self, layer: int, expert: int, slot: int, priority: int) -> int:
@@ -135,6 +146,8 @@ class SimEngine:
                     self.stats["hi_tasks"] += 1
                 c.priority = 0
                 self.queue[0].append(c)
+                if self.disk is not None:  # a needed expert's read before predicted ones
+                    self.disk.request(layer, c.expert, 0)
         n = self._drop(1, layer, lambda c: c.entry < 0)
         self._kick()
         return n
@@ -382,6 +395,10 @@ class SimEngine:
         """Run ``fn`` at virtual time ``t`` (a prediction arriving from the predictor thread)."""
         heapq.heappush(self._events, (t, next(self._seq), "call", fn))
 
+    def post(self, t: float, kind: str, payload: object) -> None:
+        """An event of ``kind`` at time ``t`` (the disk tier's: "disk")."""
+        heapq.heappush(self._events, (t, next(self._seq), kind, payload))
+
     def advance_to(self, t: float) -> None:
         """Run every event up to time ``t``; the clock ends at ``t``."""
         while self._events and self._events[0][0] <= t:
@@ -393,6 +410,9 @@ class SimEngine:
         """Run events until ``cond`` holds; returns the time it first does."""
         while not cond():
             if not self._events:
+                if self.disk is not None and self.disk.queued:
+                    raise RuntimeError("simulated compute waits for reads that no host slot can "
+                                       "take: every one is needed")
                 raise RuntimeError("simulated compute waits for a copy that is never queued")
             self._step()
         return self.now
@@ -402,11 +422,32 @@ class SimEngine:
         self.now = max(self.now, t)
         if kind == "done":
             self._finish(payload)  # type: ignore[arg-type]
+        elif kind == "disk":
+            assert self.disk is not None
+            self.disk.on_event(payload)  # type: ignore[arg-type]
         else:
             payload()  # type: ignore[operator]
         self._kick()
 
+    def runnable_experts(self, layer: int) -> set[int]:
+        """Experts of ``layer`` with a queued chunk that could run but for its read."""
+        return {c.expert for q in self.queue for c in q
+                if c.layer == layer and (c.need <= 0 or
+                                         self.layers[layer].consumed[c.slot][c.proj] >= c.need)}
+
+    def _runnable_priority(self, layer: int, expert: int) -> int | None:
+        """The highest priority of a queued chunk of ``expert`` that could run but for its read
+        (None: none could)."""
+        for p, q in enumerate(self.queue):
+            for c in q:
+                if c.layer == layer and c.expert == expert and (
+                        c.need <= 0 or self.layers[layer].consumed[c.slot][c.proj] >= c.need):
+                    return p
+        return None
+
     def _kick(self) -> None:
+        if self.disk is not None and self.disk.orphans:
+            self.disk.request_orphans(self._runnable_priority)
         if self.running is not None or self.paused:
             return
         ch = self._pop()
@@ -431,9 +472,13 @@ class SimEngine:
         self.running = ch
         if ch.priority > 0:
             self.low_start = self.now
+        if self.disk is not None:
+            self.disk.hold(ch.layer, ch.expert, +1, stamp=True)
         p = self.profile
-        # a copy that starts while the CPU computes experts shares DRAM with it
-        rate = p.h2d_gbps * (p.shared_dram_factor() if self.now < self.cpu_busy_until else 1.0)
+        # a copy that starts while the CPU computes experts, or disk reads land, shares DRAM
+        rate = p.h2d_gbps * p.dram_factor(
+            copy=True, cpu=self.now < self.cpu_busy_until,
+            disk=self.disk is not None and self.disk.flowing())
         dur = p.chunk_latency_s + ch.size / (rate * 1e9)
         self.busy_until = self.now + dur
         heapq.heappush(self._events, (self.busy_until, next(self._seq), "done", ch))
@@ -442,11 +487,15 @@ class SimEngine:
         self.running = None
         if ch.priority > 0:
             self.low_end = self.now
+        if self.disk is not None:
+            self.disk.hold(ch.layer, ch.expert, -1, stamp=False)
         self._count(ch, -1)
         self.stats["h2d_bytes"] += ch.size
         self.stats["n_chunks"] += 1
 
     def _eligible(self, c: _Chunk) -> bool:
+        if self.disk is not None and not self.disk.present(c.layer, c.expert):
+            return False  # its expert is still on disk
         return c.need <= 0 or self.layers[c.layer].consumed[c.slot][c.proj] >= c.need
 
     def _pop(self) -> _Chunk | None:
@@ -464,6 +513,8 @@ class SimEngine:
         self._queued_slot[key] = self._queued_slot.get(key, 0) + d
 
     def _count(self, c: _Chunk, d: int) -> None:
+        if self.disk is not None:  # a queued or running chunk keeps its expert's host slot
+            self.disk.want(c.layer, c.expert, d)
         L = self.layers[c.layer]
         if c.slot >= L.n_slots:
             for p in (range(L.n_proj) if c.proj < 0 else (c.proj,)):
@@ -480,6 +531,8 @@ class SimEngine:
     def _queue_copy(self, layer: int, expert: int, slot: int, proj: int, priority: int,
                     entry: int, need: int) -> None:
         sizes = self.shape.proj_bytes
+        if self.disk is not None:  # its expert is read first when missing (fc_queue_copy)
+            self.disk.use(layer, expert, priority)
         if proj < 0 and self.whole:
             chunks = [(-1, sum(sizes))]
         else:

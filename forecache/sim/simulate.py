@@ -30,6 +30,7 @@ from forecache.cache.prefetcher import (
 )
 from forecache.cache.registry import SIM_POLICIES, policy_spec
 from forecache.predictor.base import Predictor
+from forecache.sim.diskside import DiskSide
 from forecache.sim.engine import SimEngine
 from forecache.sim.shapes import ModelShape
 from forecache.trace.format import Request, logged_layers
@@ -89,6 +90,19 @@ class SimConfig:
     # runtime plans with its default machine's profile and the device's probed copy rate
     # (``cache.setup.split_cost``): given, the plan takes the simulated machine's copy rate too
     plan_profile: Profile | None = None
+    # the disk tier (issue 38): host slots each MoE layer keeps of its routed experts, the rest
+    # read from the model file when needed (None, or every expert: all in host memory, no disk
+    # tier). forecache's placements read into those slots (``sim.hosttier.HostTier``);
+    # llama.cpp's ncmoe-mmap gets as many experts' worth of page cache (``PageCache``), and
+    # ncmoe and offload, which read every host expert into memory, refuse a model that does not
+    # fit. ``disk_window``: layers beyond ``window`` whose predicted experts are read into host
+    # slots ahead, without a copy (0: none). ``fault_qd``: ncmoe-mmap's page faults in flight
+    # (1: a faulting thread waits for each read-ahead window). ``host_evict``: the host tier's
+    # eviction order (``sim.hosttier.HOST_EVICTIONS``; "uses" is the C tier's)
+    host_slots: int | None = None
+    disk_window: int = 0
+    fault_qd: int = 1
+    host_evict: str = "uses"
 
     def slots_at(self, layer: int) -> int:
         """Slots of model layer ``layer``."""
@@ -111,11 +125,40 @@ class SimResult:
     hook_s: float
     extra: dict
     per_layer: list[dict]
+    # the disk tier (``SimConfig.host_slots``): experts read from the file (ncmoe-mmap:
+    # read-ahead windows faulted in) and their bytes, in all and during decode tokens; the
+    # critical path's waits for them; uses of the host tier (ncmoe-mmap: of the page cache)
+    # that found the expert in memory, or not
+    disk_reads: int = 0
+    disk_bytes: int = 0
+    decode_disk_reads: int = 0
+    decode_disk_bytes: int = 0
+    disk_stall_s: float = 0.0
+    host_hits: int = 0
+    host_misses: int = 0
+
+    @property
+    def disk_reads_per_token(self) -> float:
+        """Reads from the file per decoded token."""
+        return self.decode_disk_reads / self.n_decode_tokens if self.n_decode_tokens else 0.0
+
+    @property
+    def disk_bytes_per_token(self) -> float:
+        """Bytes read from the file per decoded token."""
+        return self.decode_disk_bytes / self.n_decode_tokens if self.n_decode_tokens else 0.0
+
+    @property
+    def host_hit_rate(self) -> float | None:
+        """Share of the host tier's uses that found the expert in memory (None: no uses)."""
+        return hit_rate(self.host_hits, self.host_misses)
 
     def to_json(self) -> dict:
         out = {k: v for k, v in self.__dict__.items() if k not in ("extra", "per_layer")}
         out.update(self.extra)
         out["hit_rate"] = hit_rate(self.hits, self.misses) or 0.0
+        out.update(disk_reads_per_token=self.disk_reads_per_token,
+                   disk_bytes_per_token=self.disk_bytes_per_token,
+                   host_hit_rate=self.host_hit_rate)
         out["per_layer"] = self.per_layer
         return out
 
@@ -131,10 +174,13 @@ class Simulator:
         self.n_slots = [0] * n_layers
         if not isinstance(cfg.n_slots, int) and len(cfg.n_slots) != n_layers:
             raise ValueError(f"{len(cfg.n_slots)} slot counts for a shape of {n_layers} layers")
-        for il in self.layers:
-            self.n_slots[il] = min(cfg.slots_at(il), shape.experts)
-        f = cfg.features
         spec = self.spec = policy_spec(cfg.policy, simulated=True)
+        # with a disk tier every layer computes from slots, its experts not in memory
+        least = 1 if spec.cached and cfg.host_slots is not None and \
+            cfg.host_slots < shape.experts else 0
+        for il in self.layers:
+            self.n_slots[il] = max(min(cfg.slots_at(il), shape.experts), least)
+        f = cfg.features
         stage = 0
         if spec.proactive and f.reorder:
             stage = cfg.stage_slots if cfg.stage_slots is not None else \
@@ -176,6 +222,7 @@ class Simulator:
                                          n_predict=shape.experts, min_score=0.0)
         elif spec.proactive and f.prefetch and predictor is not None:
             self.forecaster = Forecaster(predictor, cfg.window, self.layers, self.n_slots)
+        self.disk = DiskSide(self, predictor)  # before the first load: it reads from the file
         if self.policy is not None:
             self.policy.attach(self.engine)
             for il, e, s in self.policy.initial_loads():
@@ -183,6 +230,7 @@ class Simulator:
             self.engine.wait_until(lambda: self.engine.running is None and
                                    not any(self.engine.queue))
             self.engine.stats.update(h2d_bytes=0, n_chunks=0)
+            self.disk.after_initial_loads()
         self.t = self.engine.now
         self._merge = CostModel.from_profile(profile, shape.expert)  # host entries' merge time
         self._hook_s = profile.prefetch_hook_s if spec.proactive and \
@@ -190,6 +238,15 @@ class Simulator:
         # one-token gates the engine decides in C from the policy's tables, as at run time
         # (per experts a token routes: a MoBiLE little pass routes fewer)
         self._decode_gates: dict[int, tuple | None] = {}
+        self._pred: dict[int, tuple[int, np.ndarray]] = {}  # layer -> (pass, predicted)
+        self._floor = 0.0  # the last ubatch's physical floor
+        self._bus_floor = 0.0  # and its bus floor
+        self._rng = np.random.default_rng(cfg.seed)
+        self._little = False  # the pass being simulated is a MoBiLE little pass
+        self._oracle: np.ndarray | None = None  # the big pass's routing, prefetched at its start
+        self._init_counters()
+
+    def _init_counters(self) -> None:
         self.hits = self.misses = self.host_layers = 0
         self.stall = self.hook = self.fast = 0.0
         # critical-path seconds by what they wait for, beyond the device's compute: the CPU
@@ -197,20 +254,23 @@ class Simulator:
         # are ``stall``) and the runtime's own steps (hooks, gates, passes, expert groups)
         self.cpu_s = self.bus_s = self.runtime_s = self.attn_s = 0.0
         self.fast_gates = 0
-        L = n_layers
+        L = self.shape.layers
         self.lay = {k: np.zeros(L) for k in ("predicted", "correct", "in_time", "good", "stall")}
-        self._pred: dict[int, tuple[int, np.ndarray]] = {}  # layer -> (pass, predicted)
-        self._floor = 0.0  # the last ubatch's physical floor
-        self._bus_floor = 0.0  # and its bus floor
         self.floor_prefill: list[float] = []  # per request
-        self._rng = np.random.default_rng(cfg.seed)
-        self._little = False  # the pass being simulated is a MoBiLE little pass
-        self._oracle: np.ndarray | None = None  # the big pass's routing, prefetched at its start
         self.little_passes = self.big_passes = 0
         self.spec_steps = self.spec_accepted = 0
         self.spec_cutoffs: list[int] = []  # SP-MoE's rule's choices
         self.bus_floor_prefill: list[float] = []
         self.floor_decode: list[float] = []  # per decoded token
+
+    def reset_counters(self) -> None:
+        """Forget what was counted so far and keep the state (slots, host tier, page cache,
+        predictors, clocks): what a warmed-up run measures from here."""
+        self._init_counters()
+        self.engine.stats = dict.fromkeys(self.engine.stats, 0)
+        if isinstance(self.policy, Prefetcher):
+            self.policy.prefetch_loads = self.policy.stale_predictions = 0
+        self.disk.reset_counters()
 
     # -- timing model -------------------------------------------------------------------------
     def _dev(self, nbytes: float, flops: float) -> float:
@@ -222,7 +282,8 @@ class Simulator:
         rate while copies run, and copies that start before it ends share DRAM with it."""
         p, eng = self.profile, self.engine
         copying = eng.running is not None or any(eng.queue)
-        mem = p.cpu_mem_gbps * (p.shared_dram_factor() if copying else 1.0)
+        mem = p.cpu_mem_gbps * p.dram_factor(copy=copying, cpu=True,
+                                             disk=eng.disk is not None and eng.disk.flowing())
         t = roofline_s(p.cpu_launch_s, nbytes, mem, flops, p.cpu_gflops * 1e9)
         begin = self.t if start is None else start
         eng.cpu_busy_until = max(eng.cpu_busy_until, begin + t)
@@ -242,6 +303,7 @@ class Simulator:
             self.forecaster.begin_request()
         prefill_rows = np.flatnonzero(phase == 0)
         prefill = floor = bus = 0.0
+        self.disk.set_decoding(False)
         for i in range(0, len(prefill_rows), self.cfg.n_ubatch):
             prefill += self._ubatch(req, prefill_rows[i:i + self.cfg.n_ubatch])
             floor += self._floor
@@ -251,6 +313,7 @@ class Simulator:
             self.bus_floor_prefill.append(bus)
         decode = []
         rows = np.flatnonzero(phase != 0)
+        self.disk.set_decoding(True)
         i = 0
         while self.cfg.spec_draft and i < len(rows):
             t, n = self._spec_step(req, rows[i:])
@@ -440,6 +503,10 @@ class Simulator:
             if not on_slots:
                 eng.end_route_host(il)
                 self.host_layers += 1
+                if self.disk.tier is not None:  # its experts read into host slots first
+                    self.disk.host_layer(il, experts, dict(zip(experts.tolist(),
+                                                               counts.tolist(), strict=True)))
+                    continue
                 host = self._host_layer(experts, known.size)
                 self.t += host
                 self.cpu_s += host
@@ -497,13 +564,18 @@ class Simulator:
         ``op_offload_min_batch`` tokens on the device after copying up the experts it uses
         (ggml-backend.cpp ggml_backend_sched_compute_splits: only used experts are copied; at
         ``stock_gbps``: pinned memory's rate, or pageable memory's for mmap'd weights), and a
-        smaller one on the CPU."""
+        smaller one on the CPU. mmap'd experts the page cache lacks are faulted in first."""
         sh, p = self.shape, self.profile
         if il not in self.stock_host:
             self.hits += len(experts)
             self.t += sum(self._node(experts, pairs, j) for j in range(len(sh.proj_bytes)))
             return
         self.misses += len(experts)
+        faults = self.disk.faults(il, experts)
+        if faults:  # the computing (or copying) thread waits for each read
+            self.t += faults
+            self.stall += faults
+            self.lay["stall"][il] += faults
         if 0 < p.op_offload_min_batch <= n_tokens:
             copy = 0.0
             for j, nb in enumerate(sh.proj_bytes):
@@ -529,13 +601,19 @@ class Simulator:
             t += self._host(len(experts) * sh.proj_bytes[p], pairs * sh.proj_flops, self.t + t)
         return t
 
-    def _wait(self, il: int, cond: Callable[[], bool]) -> None:
+    def _wait(self, il: int, cond: Callable[[], bool], experts: Sequence[int] = ()) -> None:
+        """The critical path waits for ``cond`` (copies of ``experts``: a wait for one still on
+        disk counts as the disk tier's too)."""
         if cond():
             return
+        tier = self.disk.tier
+        on_disk = tier is not None and any(not tier.present(il, e) for e in experts)
         t = self.engine.wait_until(cond)
         if t > self.t:
             self.stall += t - self.t
             self.lay["stall"][il] += t - self.t
+            if on_disk:
+                self.disk.waited(t - self.t)
             self.t = t
 
     def _slot_compute(self, il: int, rows_of: dict[int, int]) -> None:
@@ -546,9 +624,15 @@ class Simulator:
         on_host = L.sch_e[n:]
         host_rows = sum(rows_of[e] for e in on_host)
         sh = self.shape
+        tier = self.disk.tier if on_host else None  # host entries read from the file first
         if not self.cfg.features.reorder or not self.spec.proactive:
             # as the C side without reordering: wait for every slot, then each projection once
-            self._wait(il, lambda: eng.all_ready(il))
+            self._wait(il, lambda: eng.all_ready(il), L.sch_e[:n])
+            if tier is not None:
+                for batch in self.disk.batches(il, on_host):
+                    self.disk.take(il, batch)
+                    self._read_wait(il, self.disk.ready_time(il, batch))
+                    self.disk.give_back(il, batch)
             for p in range(L.n_proj):
                 dev = self._node(L.sch_e[:n], sum(rows_of[e] for e in L.sch_e[:n]), p)
                 if on_host:  # computed meanwhile on the CPU, then written into the result
@@ -561,8 +645,13 @@ class Simulator:
                 eng.consume(il, range(n), p)
             return
         for p in range(L.n_proj):
-            host_end = self.t + self._host(len(on_host) * sh.proj_bytes[p],
-                                           host_rows * sh.proj_flops) if on_host else self.t
+            start = self.t
+            if tier is not None:
+                batches = self.disk.batches(il, on_host)
+                self.disk.take(il, batches[0])
+            else:
+                host_end = self.t + self._host(len(on_host) * sh.proj_bytes[p],
+                                               host_rows * sh.proj_flops) if on_host else self.t
             staged = any(s >= L.n_slots for s in L.sch_s[:n])
             if n and not L.streams and not staged and not on_host and \
                     eng.all_ready_proj(il, p):
@@ -576,7 +665,7 @@ class Simulator:
                 continue
             i = 0
             while i < n:
-                self._wait(il, lambda i=i, p=p: eng.entry_ready(il, i, p))
+                self._wait(il, lambda i=i, p=p: eng.entry_ready(il, i, p), L.sch_e[i:i + 1])
                 j = i + 1
                 kind = L.sch_s[i] >= L.n_slots  # a group reads the slots or the stage slots
                 while j < n and eng.entry_ready(il, j, p) and (L.sch_s[j] >= L.n_slots) == kind:
@@ -589,9 +678,20 @@ class Simulator:
                 eng.consume(il, range(i, j), p)
                 i = j
             if on_host:
+                if tier is not None:
+                    host_end, last = self.disk.host_entries(il, p, batches, rows_of, start)
+                    self._read_wait(il, min(last, host_end))
                 self.cpu_s += max(host_end - self.t, 0.0)
                 self.t = max(self.t, host_end) + self._merge.merge_proj_s(host_rows)
                 eng.advance_to(self.t)
+
+    def _read_wait(self, il: int, ready: float) -> None:
+        """The critical path waits until ``ready`` for reads from the file."""
+        if ready > self.t:
+            self.disk.waited(ready - self.t)
+            self.stall += ready - self.t
+            self.lay["stall"][il] += ready - self.t
+            self.t = ready
 
     def _forecast(self, il: int, ids: np.ndarray, req: Request, rows: np.ndarray) -> None:
         assert self.forecaster is not None and isinstance(self.policy, Prefetcher)
@@ -609,6 +709,7 @@ class Simulator:
             self._pred[target] = (pass_id, copied)
             eng.at(t, lambda target=target, experts=experts:
                    policy.prefetch(target, experts.tolist(), pass_id, eng))
+        self.disk.forecast(il, ids, hidden, toks, t)  # on the same thread, after these
 
     def _account_prediction(self, il: int, routed: np.ndarray) -> None:
         """ACCURACY, FETCHRATE and GOODPRED (ProMoE §4.1) of the prediction made for ``il``."""
@@ -659,21 +760,28 @@ class Simulator:
         if isinstance(self.policy, Prefetcher):
             extra.update(prefetch_loads=self.policy.prefetch_loads,
                          stale_predictions=self.policy.stale_predictions)
+        extra.update(self.disk.extra())
         return SimResult(
             ttft_s=sum(prefill) / n_req, tpot_s=float(np.mean(decode)) if decode else 0.0,
             prefill_s=sum(prefill), decode_s=float(sum(decode)), n_prefill_tokens=n_prefill,
             n_decode_tokens=len(decode), hits=self.hits, misses=self.misses,
             host_layers=self.host_layers, h2d_bytes=int(eng.stats["h2d_bytes"]),
-            stall_s=self.stall, hook_s=self.hook, extra=extra, per_layer=per_layer)
+            stall_s=self.stall, hook_s=self.hook, extra=extra, per_layer=per_layer,
+            **self.disk.result_fields())
 
 
 def simulate(requests: Sequence[Request], shape: ModelShape, profile: Profile, cfg: SimConfig,
-             predictor: Predictor | None = None) -> SimResult:
-    """Replay ``requests`` (in order, one at a time) and summarise."""
+             predictor: Predictor | None = None, warmup: Sequence[Request] = ()) -> SimResult:
+    """Replay ``requests`` (in order, one at a time) and summarise; ``warmup`` requests are
+    replayed first and not counted (caches then start as a running server's would)."""
     if not requests:
         raise ValueError("no requests to simulate")
-    layers = logged_layers(requests, shape.layers)
+    layers = logged_layers(list(warmup) + list(requests), shape.layers)
     sim = Simulator(shape, profile, cfg, layers, predictor)
+    for req in warmup:
+        sim.run_request(req)
+    if warmup:
+        sim.reset_counters()
     prefill, decode = [], []
     n_prefill = 0
     for req in requests:

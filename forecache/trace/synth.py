@@ -14,7 +14,11 @@ properties that decide what a cache and a predictor can do, one parameter each:
 
 ``fit`` searches the four parameters so that a small synthetic trace's report matches a real
 trace's (same expert count and top-k), and ``synthesize`` then writes requests at any depth.
-Everything is seeded: the same parameters and seed give the same trace.
+At another expert count and top-k (a 512-expert, top-10 shape fitted to a 64-expert, top-8
+trace) the figures that chance alone raises with k / E are matched scale-free
+(``scale_free_values``): reuse@w and the conditional accuracy as their excess over independent
+routing and over popularity, as a share of the room above those. Everything is seeded: the same
+parameters and seed give the same trace.
 """
 
 from __future__ import annotations
@@ -128,6 +132,21 @@ def target_values(summary: dict) -> dict[str, float]:
     return out
 
 
+def scale_free_values(summary: dict) -> dict[str, float]:
+    """``target_values`` with reuse@w and the conditional accuracy taken as the share of the room
+    above chance that they fill: (x - chance) / (1 - chance), chance being independent routing's
+    reuse and popularity's accuracy at the trace's own expert count and top-k. The entropies are
+    normalised by log(E) and the NMI is chance-adjusted already."""
+    out = target_values(summary)
+    for key, w, _ in FIT_TARGETS:
+        if key == "reuse":
+            ind = float(summary["reuse_independent"][w])
+            out[f"reuse@{w}"] = (out[f"reuse@{w}"] - ind) / (1.0 - ind)
+    pop = float(summary["popular_accuracy"])
+    out["cond_accuracy"] = (out["cond_accuracy"] - pop) / (1.0 - pop)
+    return out
+
+
 def _loss(got: dict[str, float], want: dict[str, float]) -> float:
     scale = {key if w is None else f"{key}@{w}": s for key, w, s in FIT_TARGETS}
     return sum(((got[k] - v) / scale[k]) ** 2 for k, v in want.items())
@@ -135,15 +154,18 @@ def _loss(got: dict[str, float], want: dict[str, float]) -> float:
 
 def fit(targets: dict[str, float], *, n_expert: int, top_k: int, n_layers: int = 8,
         tokens: int = 256, n_requests: int = 4, seed: int = 0, rounds: int = 6,
-        progress: Callable[[str], None] = lambda s: None) -> tuple[SynthParams, dict[str, float]]:
+        progress: Callable[[str], None] = lambda s: None,
+        values: Callable[[dict], dict[str, float]] = target_values,
+        ) -> tuple[SynthParams, dict[str, float]]:
     """Parameters whose synthetic trace (``n_requests`` x ``tokens`` rows, ``n_layers`` layers)
-    reports figures closest to ``targets`` (``target_values`` of a real trace), by coordinate
-    search with halving steps on a fixed seed; returns them and the figures they reach."""
+    reports figures closest to ``targets`` (``values`` of a real trace's summary:
+    ``target_values``, or ``scale_free_values`` at another shape), by coordinate search with
+    halving steps on a fixed seed; returns them and the figures they reach."""
 
     def measure(p: SynthParams) -> dict[str, float]:
         reqs = synthesize(p, n_layers=n_layers, n_expert=n_expert, top_k=top_k,
                           tokens=[tokens] * n_requests, seed=seed)
-        return target_values(report(reqs, n_expert))
+        return values(report(reqs, n_expert))
 
     best = SynthParams()
     got = measure(best)
@@ -171,31 +193,35 @@ def fit(targets: dict[str, float], *, n_expert: int, top_k: int, n_layers: int =
 
 def synthesize_like(like: Path, shape: str, *, n_requests: int, prefill: int, decode: int,
                     seed: int = 0, progress: Callable[[str], None] = lambda s: None,
-                    ) -> tuple[list[Request], dict]:
+                    scale_free: bool = False) -> tuple[list[Request], dict]:
     """Requests of ``prefill`` + ``decode`` tokens at the models.yaml model ``shape``, routed by
-    parameters fitted to the trace ``like`` (same expert count and top-k); returns them and the
-    trace meta that says what they are (synthetic, fitted to what, how close)."""
+    parameters fitted to the trace ``like`` (same expert count and top-k; with ``scale_free``,
+    any: its ``scale_free_values`` are matched at the shape's own); returns them and the trace
+    meta that says what they are (synthetic, fitted to what, how close)."""
     from forecache.gguf.specs import get_spec
 
     spec = get_spec(shape)
     with TraceFile(like) as tr:
         real = routing_stats(tr)
         units = [len(u) for u in tr.units()]
-    if (real.n_expert, real.top_k) != (spec.experts, spec.top_k):
+    if (real.n_expert, real.top_k) != (spec.experts, spec.top_k) and not scale_free:
         raise ValueError(
             f"{like.name} routes top-{real.top_k} of {real.n_expert} experts but {shape} routes "
             f"top-{spec.top_k} of {spec.experts}: fit to a trace with the same expert count and "
             "top-k")
-    targets = target_values(real.summary())
+    values = scale_free_values if scale_free else target_values
+    targets = values(real.summary())
     # fit on as many requests as long as the real ones: request entropy depends on the length,
     # and the agreement figures on the number of tokens
     tokens = int(min(512, max(64, np.median(units))))
     params, reached = fit(targets, n_expert=spec.experts, top_k=spec.top_k, tokens=tokens,
-                          n_requests=min(len(units), 8), seed=seed, progress=progress)
+                          n_requests=min(len(units), 8), seed=seed, progress=progress,
+                          values=values)
     reqs = synthesize(params, n_layers=spec.moe_layers, n_expert=spec.experts, top_k=spec.top_k,
                       tokens=[prefill + decode] * n_requests, prefill=[prefill] * n_requests,
                       seed=seed + 1)
     meta = {"n_expert": spec.experts, "preset": spec.name, "synthetic": True,
             "fitted_to": like.name, "params": asdict(params), "targets": targets,
-            "fit_reached": reached, "seed": seed}
+            "fit_reached": reached, "seed": seed,
+            "fit": "scale-free" if scale_free else "same shape"}
     return reqs, meta
