@@ -64,6 +64,9 @@ def test_models_lists_names_and_whether_they_are_found(tmp_path: Path, tiny_mode
     assert rows["qwen1.5-moe-a2.7b-chat"]["found"] is True
     assert rows["qwen2-57b-a14b-instruct"]["found"] is False
     assert rows["default"]["found"] is True and "tiny" in rows
+    # a shape make-model cannot write is listed as the simulator's, not offered to make-model
+    assert rows["qwen3.5-397b-a17b"]["kind"] == "simulator shape"
+    assert rows["qwen3-235b-a22b"]["kind"] == "random-weight shape"
 
 
 def test_a_bad_catalog_entry_is_refused(tmp_path: Path) -> None:

@@ -25,7 +25,8 @@ def models(as_json: bool) -> None:
                      "path": str(found or directory / entry.file), "hf_repo": entry.hf_repo,
                      "description": entry.description})
     for spec in load_specs().values():
-        rows.append({"name": spec.name, "kind": "random-weight shape", "found": None,
+        kind = "random-weight shape" if spec.writable else "simulator shape"
+        rows.append({"name": spec.name, "kind": kind, "found": None,
                      "path": None, "description": spec.description})
     if as_json:
         click.echo(json.dumps({"model_dir": str(directory), "models": rows}))
@@ -37,6 +38,8 @@ def models(as_json: bool) -> None:
                      f"missing: put {r['path']} there (from huggingface.co/{r['hf_repo']})")
         elif r["kind"] == "built-in":
             where = r["path"]
+        elif r["kind"] == "simulator shape":
+            where = "shape for the simulator (make-model cannot write it)"
         else:
             where = "shape for `forecache make-model --preset " + r["name"] + "`"
         click.echo(f"  {r['name']:<26} {where}")
