@@ -177,6 +177,13 @@ def test_run_says_where_the_experts_live_and_what_the_disk_costs(
     assert out["stats"]["disk_reads"] > 0 and out["stats"]["disk_bytes"] > 0
 
 
+def test_a_host_budget_that_holds_every_expert_says_so(tiny_model: Callable[..., Path]) -> None:
+    res = run_cli("run", "-m", str(tiny_model("q4_k")), "-n", "2", "--policy", "lru",
+                  "--cache-fraction", str(SLOT_FRACTION), "--host-budget", "64GiB", check=True)
+    assert "disk tier: off, 64.0 GiB of host memory holds every expert" in res.stderr, res.stderr
+    assert "[disk:" not in res.stderr
+
+
 def test_a_host_budget_too_small_is_one_line_from_the_cli(tiny_model: Callable[..., Path]) -> None:
     res = run_cli("run", "-m", str(tiny_model("q4_k")), "-n", "2", "--policy", "lru",
                   "--cache-fraction", str(SLOT_FRACTION), "--host-budget", "1MiB")
