@@ -26,14 +26,15 @@ bool fc_host_ready(const fc_layer & L, int32_t expert) {
     return s >= 0 && L.hready[s];
 }
 
-void fc_disk_request(forecache_cache * c, int32_t il, int32_t expert, int32_t priority) {
+bool fc_disk_request(forecache_cache * c, int32_t il, int32_t expert, int32_t priority) {
     fc_layer & L = c->layers[il];
     if (L.n_host == 0 || L.hslot_of[expert] >= 0 || (L.hreq[expert] >= 0 && L.hreq[expert] <= priority)) {
-        return;
+        return false;
     }
     L.hreq[expert] = (int8_t) priority;
     c->rq[priority].emplace_back(il, expert);
     c->cv_read.notify_one();
+    return true;
 }
 
 // whether a queued copy of `expert` of layer il could run but for its read
@@ -349,8 +350,7 @@ bool fc_host_rows(forecache_cache * c, fc_layer & L, int32_t p, const float * in
             int32_t ahead = 0;
             for (int64_t r = 0; r < n && ahead < cap; r++) {
                 const int32_t e = experts[r];
-                if (!done[r] && !in_batch[e] && L.hslot_of[e] < 0 && L.hreq[e] < 0) {
-                    fc_disk_request(c, il, e, 0);
+                if (!done[r] && !in_batch[e] && L.hreq[e] < 0 && fc_disk_request(c, il, e, 0)) {
                     ahead++;
                 }
             }
@@ -527,11 +527,7 @@ int32_t forecache_cache_disk_read(struct forecache_cache * cache, int32_t layer,
     int32_t queued = 0;
     for (int32_t i = 0; i < n; i++) {
         const int32_t e = experts[i];
-        if (e < 0 || e >= L.n_expert || L.hslot_of[e] >= 0 || (L.hreq[e] >= 0 && L.hreq[e] <= priority)) {
-            continue;
-        }
-        fc_disk_request(cache, layer, e, priority);
-        queued++;
+        queued += e >= 0 && e < L.n_expert && fc_disk_request(cache, layer, e, priority);
     }
     return queued;
 }

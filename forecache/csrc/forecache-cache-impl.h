@@ -378,7 +378,9 @@ bool fc_scatter_host(forecache_cache * c, ggml_tensor * t);
 bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor * t);
 
 // forecache-cache-disk.cpp: the disk tier (lock held unless said)
-void fc_disk_request(forecache_cache * c, int32_t il, int32_t expert, int32_t priority);
+// queues a read of `expert` into a host slot at `priority`; false when it is held, in flight or queued
+// at that priority or higher already
+bool fc_disk_request(forecache_cache * c, int32_t il, int32_t expert, int32_t priority);
 bool fc_host_ready(const fc_layer & L, int32_t expert);
 bool fc_need_met(const forecache_cache * c, const fc_chunk & ch);
 void fc_request_reads(forecache_cache * c);

@@ -8,14 +8,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from forecache.cache.cost import Profile
+from forecache.cache.disk import HOST_INPUT_TENSORS
 from forecache.gguf.specs import get_spec, tensor_plan
 from forecache.predictor.base import Predictor
 from forecache.sim.shapes import ModelShape
 from forecache.sim.simulate import SimConfig, SimResult, simulate
 from forecache.trace.format import Request
-
-# tensors llama.cpp keeps in host memory on a GPU build (as ``cache.disk.HOST_INPUT_TENSORS``)
-HOST_INPUT_TENSORS = ("token_embd.weight",)
 
 
 def host_weight_bytes(name: str, qtype: str = "q4_k") -> int:
