@@ -14,6 +14,7 @@
 #                                         OLMoE-fitted routing at 24 and 12 GiB (all-gpu, ncmoe with
 #                                         --no-mmap and with mmap, promoe, infinity), every expert
 #                                         resident against all-gpu and the replay's own cost, the
+#                                         disk tier (a quarter of the experts in host memory), the
 #                                         other routings, then the lossless subset as time allows
 #   benchmarks/gpu_check.sh setup OUT     run's first steps only (the bundle, doctor, the model, the
 #                                         routings): a short first call that shows the carried
@@ -180,15 +181,16 @@ fi
 cp "$WORK/traces.json" "$OUT/traces.json"
 if [ "$STEP" = setup ]; then log "setup done after $((SECONDS - T0)) s"; exit 0; fi
 
-# policy_bench with a time box: NAME TRACE BUDGET POLICIES [FLAGS...]
+# policy_bench with a time box: NAME TRACE BUDGET POLICIES [FLAGS...] (BUDGET -: none given)
 bench() {
     local name=$1 trace=$2 budget=$3 policies=$4 t
     shift 4
     t=$(left)
     if [ "$t" -lt 30 ]; then log "skipped $name: $t s left"; return 0; fi
     local tr=(); [ "$trace" != none ] && tr=(--routing-trace "$trace")
+    local gb=(); [ "$budget" != - ] && gb=(--gpu-budget "$budget")
     log "bench $name ($t s left)"
-    timeout "$t" "$PY" benchmarks/policy_bench.py -m "$MODEL" --gpu-budget "$budget" \
+    timeout "$t" "$PY" benchmarks/policy_bench.py -m "$MODEL" "${gb[@]}" \
         --policies "$policies" --prompt-len "$PROMPT" --gen "$GEN" --prompts 1 \
         "${THREADS[@]}" "${tr[@]}" "$@" --json "$OUT/bench_$name.json" >&2 \
         || log "bench $name did not finish (exit $?)"
@@ -223,6 +225,35 @@ json.dump({n: json.loads(p.read_text()) for n, p in parts.items() if p.exists()}
           open(out / "bench_fixed.json", "w"), indent=1)
 for p in parts.values():
     p.unlink(missing_ok=True)
+EOF
+# the disk tier on this build: a quarter of the experts in host slots, the rest read from the
+# model file with direct I/O (kept in bench_fit12.json as "disk_run"); the CPU build's device
+# slots, host memory there, a quarter of the experts too
+DISK_HOST=$("$PY" - "$MODEL" "$CPU" <<'EOF'
+import sys
+from forecache.cache.disk import host_weight_bytes
+from forecache.gguf.header import read_model_file
+mf = read_model_file(sys.argv[1])
+cpu = sys.argv[2] == "1"
+# the weights the host keeps and a quarter of the experts (host slots take the largest layer's
+# size), one more a layer for rounding; on a CPU build the device slots besides
+layer = max(mf.layer_expert_bytes()) * len(mf.moe_layers())
+print(host_weight_bytes(mf, on_gpu=not cpu) + (mf.n_expert // 4 + 1) * layer * (2 if cpu else 1))
+EOF
+)
+if [ "$CPU" = 1 ]; then DISK_DEV=(- --cache-fraction 0.25); else DISK_DEV=("$BIG"); fi
+bench disk "$FIT" "${DISK_DEV[0]}" lru,promoe "${DISK_DEV[@]:1}" --host-budget "$DISK_HOST" \
+    --gen 16 --prompt-len $((PROMPT < 128 ? PROMPT : 128))
+"$PY" - "$OUT" <<'EOF'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+disk, small = out / "bench_disk.json", out / "bench_fit12.json"
+if disk.exists():
+    report = json.loads(small.read_text()) if small.exists() else {}
+    report["disk_run"] = json.loads(disk.read_text())
+    small.write_text(json.dumps(report, indent=1))
+    disk.unlink()
 EOF
 # the other routings, then the real OLMoE trace mapped onto the model, in one file
 for r in "$WORK/traces/uniform.npz" "$WORK/traces/skewed.npz" "$BUNDLE/olmoe-real.npz"; do

@@ -44,6 +44,10 @@ def main() -> int:
                     help="replay this trace's routing in every run")
     ap.add_argument("--timeline", action="store_true",
                     help="record and report each cached run's per-layer timeline")
+    ap.add_argument("--host-budget", default=None,
+                    help="the cached policies with this much host memory: experts beyond it are "
+                         "read from the file by the disk tier (stock's runs keep every expert in "
+                         "memory)")
     ap.add_argument("--json", type=Path, default=None, help="write the report here")
     a = ap.parse_args()
 
@@ -61,6 +65,7 @@ def main() -> int:
                        cache_fraction=a.cache_fraction, prompt_len=a.prompt_len, n_gen=a.gen,
                        n_prompts=a.prompts, n_threads=a.threads,
                        routing_trace=a.routing_trace, timeline=a.timeline,
+                       host_budget=parse_size(a.host_budget) if a.host_budget else None,
                        progress=lambda s: print(s, file=sys.stderr))
     report.update({"device": dev.name, "device_description": dev.description,
                    "h2d_gbps": h2d, "host": platform.node(), "command": " ".join(sys.argv),

@@ -13,6 +13,7 @@ from forecache.cache.policies import hit_rate
 from forecache.cache.registry import NCMOE_RUNS, policy_spec
 from forecache.cache.setup import CacheConfig
 from forecache.cache.timeline import format_summary, summarize
+from forecache.diskprobe import DiskRate
 from forecache.errors import setting
 from forecache.generate import SamplingParams, generate, text_tokens
 from forecache.gguf.header import require_moe
@@ -65,6 +66,7 @@ class PolicyResult:
     host_layers: int
     ratios: dict[str, dict[str, float]]
     timeline: dict | None = None  # the cache's timeline summarized (``cache.timeline``)
+    disk: dict | None = None  # the disk tier's reads a decoded token (a host budget)
 
 
 def bench_prompts(llm: Llama, n_prompts: int, prompt_len: int,
@@ -147,6 +149,8 @@ def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n
         "tokens": [r.tokens for r in runs],
         "stats": stats,
         "per_prompt": [(r.ttft_s, r.tpot_s) for r in runs],
+        **({"disk": _disk_cost(stats, sum(len(r.tokens) for r in runs), llm.disk_rate)}
+           if "disk_reads" in stats else {}),
         **({"timeline": summarize(*spans)} if spans is not None else {}),
     }
 
@@ -176,15 +180,28 @@ def _baseline(raw: dict[str, dict], base: str) -> dict[str, float] | None:
     return {"ttft_s": min(r["ttft_s"] for r in runs), "tpot_s": min(r["tpot_s"] for r in runs)}
 
 
+def _disk_cost(stats: dict, n_tokens: int, rate: DiskRate | None) -> dict:
+    """What the disk tier read and waited for, a generated token (prompt passes included)."""
+    n = max(n_tokens, 1)
+    return {"reads_per_token": stats["disk_reads"] / n, "bytes_per_token": stats["disk_bytes"] / n,
+            "wait_s_per_token": stats["disk_wait_s"] / n,
+            "host_hit_rate": hit_rate(stats["host_hits"], stats["host_misses"]),
+            "direct_share": stats["disk_direct_bytes"] / stats["disk_bytes"]
+            if stats["disk_bytes"] else None,
+            "measured_gbps": rate.gbps if rate is not None else None}
+
+
 def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
               cache_fraction: float | None, prompt_len: int, n_gen: int, n_prompts: int = 3,
               n_ctx: int | None = None, n_threads: int | None = None,
               routing_trace: Path | None = None, timeline: bool = False,
+              host_budget: int | None = None,
               progress: Callable[[str], None] = lambda s: None) -> dict:
     """Every policy (and stock run, ``STOCK_RUNS``) on the same prompts, each on the routing of
     ``routing_trace`` when given, all with ``n_threads`` (default: as llama.cpp picks them, one
     per physical core); returns results, ratios and whether tokens agreed (``timeline``: with
-    each cached run's timeline summarized per layer, ``cache.timeline``)."""
+    each cached run's timeline summarized per layer, ``cache.timeline``; ``host_budget``: the
+    cached policies with the disk tier under it, stock's runs with every expert in memory)."""
     n_threads = n_threads or llama_cpp_threads()
     routing = None
     if routing_trace is not None:  # mapped once for every run; a bad trace stops them all here
@@ -204,6 +221,9 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
             continue
         progress(f"running {pol} ...")
         mmap = base == "ncmoe-mmap"
+        if host_budget is not None and base != "all-gpu" and \
+                policy_spec("ncmoe" if mmap else base).cached:
+            extra = {**extra, "host_budget": host_budget}
         cfg = None if base == "all-gpu" else _sized("ncmoe" if mmap else base, gpu_budget,
                                                      cache_fraction, **extra)
         try:
@@ -230,7 +250,7 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
     exact = [r["tokens"] for pol, r in raw.items() if not _lossy(pol)]
     return {
         "model": str(model), "prompt_len": prompt_len, "gen": n_gen, "n_prompts": n_prompts,
-        "gpu_budget": gpu_budget, "cache_fraction": cache_fraction,
+        "gpu_budget": gpu_budget, "cache_fraction": cache_fraction, "host_budget": host_budget,
         "routing_trace": str(routing_trace) if routing_trace else None, "threads": n_threads,
         # replayed routing computes meaningless tokens: they are not compared
         "same_tokens": None if routing_trace else all(t == exact[0] for t in exact),
@@ -253,6 +273,14 @@ def format_table(report: dict) -> str:
                                                                   for b in BASELINES))
     for pol, err in report.get("errors", {}).items():
         lines.append(f"{pol}: failed ({err})")
+    for r in report["results"]:
+        d = r.get("disk")
+        if d:
+            rate = f"; the file read at {d['measured_gbps']:.2f} GB/s at start" \
+                if d.get("measured_gbps") else ""
+            lines.append(f"{r['policy']}: disk tier {d['reads_per_token']:.1f} experts "
+                         f"({d['bytes_per_token'] / 2**20:.1f} MiB) read a token, "
+                         f"{d['wait_s_per_token'] * 1e3:.1f} ms waited a token{rate}")
     for r in report["results"]:
         if r.get("timeline"):
             lines.append(f"timeline of {r['policy']} (the cache's work, a pass):")

@@ -1,6 +1,7 @@
-"""How fast this machine's disk reads experts: whole-expert reads of a file of its own, past the
-page cache (direct I/O where the file system allows it), one at a time and several in flight, as
-the disk tier reads (``forecache_cache_set_disk``)."""
+"""How fast this machine's disk reads experts: whole-expert reads past the page cache (direct I/O
+where the file system allows it), one at a time and several in flight, as the disk tier reads
+(``forecache_cache_set_disk``): of a file of its own (``doctor``), or of a model file's experts
+when a run starts with a disk tier (its cost model prices reads by it)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import mmap
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 READ_BYTES = 4 << 20  # about one expert of a 4-bit 200-400B model (all projections)
@@ -60,3 +63,76 @@ def measure_disk(directory: Path, nbytes: int = 256 << 20) -> dict:
         finally:
             os.close(fd)
     return out
+
+
+ALIGN = 4096  # direct I/O wants offsets, sizes and buffers on the logical block size
+
+
+@dataclass(frozen=True)
+class DiskRate:
+    """What reading a model file's experts costs, measured: the rate with ``depth`` reads in
+    flight, one read's fixed cost (from reads one at a time), and whether direct I/O was used."""
+
+    gbps: float
+    latency_s: float
+    depth: int
+    direct: bool
+
+    def describe(self) -> str:
+        """One line for the user."""
+        return (f"{self.gbps:.2f} GB/s with {self.depth} reads in flight, "
+                f"{self.latency_s * 1e6:.0f} us a read"
+                f"{'' if self.direct else ' (buffered: this file system refuses direct I/O)'}")
+
+
+def measure_file(path: Path, ranges: Sequence[tuple[int, int]], depth: int) -> DiskRate:
+    """Read ``ranges`` (offset, size) of ``path`` as the disk tier reads experts: first a few one
+    at a time, then all of them ``depth`` at a time, past the page cache (direct I/O where the
+    file system allows it, else plain reads of pages dropped from the cache first). The
+    first reads cost each read's latency plus its bytes; the second the disk's rate."""
+    if not ranges:
+        raise ValueError("measure_file needs at least one range to read")
+    spans = [(off // ALIGN * ALIGN, -(-(off + n) // ALIGN) * ALIGN - off // ALIGN * ALIGN)
+             for off, n in ranges]
+    size = max(n for _, n in spans)
+    fd, direct = _open_direct(path)
+    try:
+        bufs = [mmap.mmap(-1, size) for _ in range(max(depth, 1))]  # page-aligned
+
+        def read(i: int) -> int:
+            off, n = spans[i]
+            buf = bufs[i % len(bufs)]
+            if n == size:
+                return os.preadv(fd, [buf], off)
+            view = memoryview(buf)[:n]
+            try:
+                return os.preadv(fd, [view], off)
+            finally:
+                view.release()
+
+        def timed(idx: Sequence[int], workers: int) -> tuple[float, int]:
+            if not direct:
+                for i in idx:
+                    os.posix_fadvise(fd, spans[i][0], spans[i][1], os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
+            if workers == 1:
+                got = sum(read(i) for i in idx)
+            else:
+                with ThreadPoolExecutor(workers) as pool:
+                    got = sum(pool.map(read, idx))
+            dt = time.perf_counter() - t0
+            if not direct:  # what the reads brought into the page cache goes again
+                for i in idx:
+                    os.posix_fadvise(fd, spans[i][0], spans[i][1], os.POSIX_FADV_DONTNEED)
+            return dt, got
+
+        n1 = min(len(spans), 4)
+        one_s, one_bytes = timed(range(n1), 1)
+        all_s, all_bytes = timed(range(len(spans)), max(depth, 1))
+        for b in bufs:
+            b.close()
+    finally:
+        os.close(fd)
+    gbps = all_bytes / max(all_s, 1e-9) / 1e9
+    latency = max(0.0, one_s / n1 - one_bytes / n1 / (gbps * 1e9))
+    return DiskRate(round(gbps, 3), latency, max(depth, 1), direct)

@@ -24,7 +24,7 @@ import numpy as np
 
 from forecache.cache.budget import format_size
 from forecache.cache.choice import Choice
-from forecache.cache.disk import experts_left_on_disk
+from forecache.cache.disk import experts_left_on_disk, probe_expert_reads, readers_default
 from forecache.cache.measured import record_run
 from forecache.cache.policies import hit_rate
 from forecache.cache.runtime import ExpertCache
@@ -39,6 +39,7 @@ from forecache.cache.setup import (
     place,
     resolve_cache_config,
 )
+from forecache.diskprobe import DiskRate
 from forecache.errors import setting
 from forecache.generate import Streamed
 from forecache.gguf.header import ModelFile, require_moe
@@ -142,6 +143,7 @@ class Llama(llama_cpp.Llama):
             raise ValueError(f"{setting('host_budget')} goes with the policy keywords; with "
                              f"{setting('cache')} set CacheConfig(host_budget=...)")
         self.placement: Placement | None = None
+        self.disk_rate: DiskRate | None = None  # the disk tier's reads, measured at start
         n_ctx = int(kwargs.get("n_ctx", 512)) or int(self.model_file.arch_kv("context_length",
                                                                             4096))
         n_ubatch = min(int(kwargs.get("n_batch", 512)), int(kwargs.get("n_ubatch", 512)))
@@ -321,9 +323,16 @@ class Llama(llama_cpp.Llama):
         assert self.placement is not None
         if cfg.spec.needs_profile and cfg.profile is None:
             cfg.profile = self.routing_profile(self.tokenize(CALIBRATION_TEXT.encode() * 2), 16)
+        if self.placement.disk is not None:  # the file's read rate, for the split's costs
+            try:
+                self.disk_rate = probe_expert_reads(self.model_file, readers_default())
+            except OSError as e:
+                self.close()
+                raise ModelLoadError(f"cannot read the experts of {self.model_file.path}: {e}; "
+                                     "the disk tier reads them from the file") from e
         self.expert_cache = attach(self.ctx, self.placement, cfg,
                                    make_policy(cfg, self.placement.n_slots, self.model_file,
-                                               self.placement.device),
+                                               self.placement.device, self.disk_rate),
                                    self.model_file,
                                    say=lambda msg: print(msg, file=sys.stderr))
         cache = self.expert_cache  # predictors that read token ids get each batch's

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from split_costs import split_costs
 
-from forecache.cache.cost import CostModel, ExpertShape, Profile
 from forecache.cache.infinity import InfinityPolicy
 from forecache.cache.prefetcher import Features, Prefetcher
 from forecache.cache.runtime import ExpertCache
@@ -43,16 +43,6 @@ def _state(cache: ExpertCache, layers: range) -> list:
              cache.resident_order(il)) for il in layers]
 
 
-def _split_costs(shape: ExpertShape) -> CostModel:
-    """Costs under which the split sends one or two of a token's misses to the host."""
-    cost = CostModel.from_profile(Profile.load("rtx4090"), shape)
-    cost.copy_gbps = cost.expert.nbytes / 40e-6 / 1e9  # one copy 40 us
-    cost.cpu_mem_gbps = cost.expert.nbytes / 60e-6 / 1e9  # one expert on the CPU ~60 us
-    cost.cpu_launch_s = cost.thread_s = 0.0
-    cost.gpu_launch_s = cost.chunk_latency_s = 1e-6
-    return cost
-
-
 @pytest.mark.parametrize("policy", ["promoe", "infinity"])
 def test_decode_gate_decides_as_the_python_gate(policy: str,
                                                 tiny_model: Callable[[str], Path]) -> None:
@@ -69,8 +59,8 @@ def test_decode_gate_decides_as_the_python_gate(policy: str,
         assert a is not None and b is not None
         shape = shape_of("tiny", "q8_0").expert
         make = Prefetcher if policy == "promoe" else InfinityPolicy
-        pol_a = make([n_slots] * n_layer, Features(), _split_costs(shape))
-        pol_b = make([n_slots] * n_layer, Features(), _split_costs(shape))
+        pol_a = make([n_slots] * n_layer, Features(), split_costs(shape))
+        pol_b = make([n_slots] * n_layer, Features(), split_costs(shape))
         table = pol_a.decode_gate(k)
         assert table is not None
         host_k = table[0]

@@ -5,6 +5,8 @@ models larger than host memory."""
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import cache
+from itertools import combinations
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +17,7 @@ from forecache.cache.prefetcher import HIGH, LOW
 from forecache.gguf.maker import make_model
 from forecache.gguf.specs import get_spec, size_report, tensor_plan
 from forecache.predictor.history import HistoryPredictor
+from forecache.sim.belady import belady_misses, min_reads
 from forecache.sim.disk_reads import host_slots_for, predict_disk_reads
 from forecache.sim.engine import SimEngine
 from forecache.sim.hosttier import PageCache, fault_s
@@ -270,3 +273,106 @@ def test_scale_free_statistics_measure_reuse_above_chance() -> None:
     assert got["cond_accuracy"] == pytest.approx(0.2)
     assert got["load_entropy"] == 0.9 and got["nmi_adjusted"] == 0.2
     assert np.isfinite(list(got.values())).all()
+
+
+# -- the fewest reads a routing allows (Belady) ----------------------------------------------------
+def _brute_min(seq: list[int], cap: int, start: frozenset[int] = frozenset()) -> int:
+    """The fewest misses of ``seq`` with ``cap`` slots from ``start``, by trying every choice
+    (keep or not, and which to evict) at every miss."""
+    @cache
+    def go(i: int, held: frozenset[int]) -> int:
+        if i == len(seq):
+            return 0
+        e = seq[i]
+        if e in held:
+            return go(i + 1, held)
+        best = go(i + 1, held)  # not kept
+        if len(held) < cap:
+            best = min(best, go(i + 1, held | {e}))
+        else:
+            for v in held:
+                best = min(best, go(i + 1, (held - {v}) | {e}))
+        return 1 + best
+
+    return go(0, start)
+
+
+def test_belady_is_the_fewest_reads_any_replacement_makes() -> None:
+    rng = np.random.default_rng(3)
+    for _ in range(12):
+        seq = rng.integers(0, 6, size=14).tolist()
+        steps = [[e] for e in seq]
+        for cap in (1, 2, 3):
+            assert min_reads(steps, cap) == _brute_min(seq, cap)
+            # the best start: the fewest misses over every starting content
+            starts = [frozenset(c) for c in combinations(range(6), cap)]
+            assert min_reads(steps, cap, free_start=True) == \
+                min(_brute_min(seq, cap, s) for s in starts)
+    # per step: a token's experts together, counted at their step
+    got = belady_misses([[0, 1], [2, 3], [0, 1], [2, 3]], 2)
+    assert got.tolist() == [2, 2, 0, 2]  # 2 and 3 go past 0 and 1, used sooner: not kept
+    assert min_reads([[0, 1], [2, 3], [0, 1], [2, 3]], 4) == 4  # cold reads only
+
+
+def test_belady_bounds_every_simulated_policys_decode_reads() -> None:
+    shape, prof = shape_of("tiny", "q8_0"), _profile()
+    reqs = _routing(seed=2)
+    n_host, n_slots = 6, 4
+    bound = 0
+    for il in range(shape.layers):
+        for r in reqs:
+            dec = [[int(e) for e in r.experts[t, il] if e >= 0]
+                   for t in np.flatnonzero(r.phase == 1)]
+            bound += min_reads(dec, n_host + n_slots, free_start=True)
+    pred = HistoryPredictor(shape.layers, shape.experts, shape.top_k)
+    pred.fit(reqs[:1])
+    base = SimConfig("lru", n_slots, window=1, host_slots=n_host)
+    runs = [simulate(reqs, shape, prof, base),
+            simulate(reqs, shape, prof, replace(base, policy="promoe"), pred),
+            simulate(reqs, shape, prof, replace(base, policy="promoe", disk_window=2), pred),
+            simulate(reqs, shape, prof, replace(base, policy="promoe", host_exclusive=True),
+                     pred)]
+    assert bound > 0
+    for r in runs:
+        assert r.decode_disk_reads >= bound, (r.decode_disk_reads, bound)
+
+
+def test_exclusive_tiers_free_a_device_experts_host_slot_and_write_it_back() -> None:
+    eng = SimEngine(SHAPE, [1], _profile(), whole_expert_chunks=True)
+    tier = eng.attach_disk([2], exclusive=True)
+    eng.load(0, 5, 0, HIGH)
+    _idle(eng)
+    assert eng.copied(0, 5) and tier.present(0, 5)
+    assert eng.schedule(0, [5], [0], HIGH) == 0  # computed from its device slot
+    for p in range(3):
+        eng.consume(0, [0], p)
+    for e in (1, 2):  # the second read takes 5's host slot: the device holds it
+        tier.request(0, e, LOW)
+        _idle(eng)
+    assert _held(eng) == {1, 2} and tier.stats.reads == 3
+    # the next pass: 6 takes 5's device slot; 5 is written back over the bus, not read again
+    eng.begin_route(0)
+    assert eng.load(0, 6, 0, HIGH) == 0
+    _idle(eng)
+    assert tier.stats.demoted == 1 and tier.present(0, 5) and 5 not in eng.layers[0].slot_of
+    assert _held(eng) == {5, 6} and tier.stats.reads == 4
+    # without exclusive tiers nothing is written back
+    eng = SimEngine(SHAPE, [1], _profile(), whole_expert_chunks=True)
+    tier = eng.attach_disk([2])
+    for e in (5, 6):
+        eng.load(0, e, 0, HIGH)
+        _idle(eng)
+    assert tier.stats.demoted == 0 and _held(eng) == {5, 6}
+
+
+def test_request_eviction_counts_the_current_requests_uses() -> None:
+    eng = SimEngine(SHAPE, [2], _profile(), whole_expert_chunks=True)
+    tier = eng.attach_disk([2], evict="request")
+    for e in (1, 1, 1, 2):  # 1 used most, in an earlier request
+        tier.use(0, e, HIGH)
+        _idle(eng)
+    tier.begin_request()
+    tier.use(0, 2, HIGH)  # 2 used in this one
+    tier.use(0, 3, HIGH)  # takes 1's slot: fewer uses this request, though more in all
+    _idle(eng)
+    assert _held(eng) == {2, 3}

@@ -170,6 +170,8 @@ def test_run_says_where_the_experts_live_and_what_the_disk_costs(
     res = run_cli("run", "-m", str(model), "-n", "8", "--policy", "lru", "--cache-fraction",
                   str(SLOT_FRACTION), "--host-budget", str(budget), check=True)
     assert "disk tier:" in res.stderr and "read from the file (" in res.stderr
+    assert re.search(r"disk tier: the file reads at [0-9.]+ GB/s with \d+ reads in flight",
+                     res.stderr), res.stderr
     assert re.search(r"\[disk: [0-9.]+ experts \(.+\) read a token", res.stderr), res.stderr
     out = run_cli_json("generate", "-m", str(model), "-p", "hello", "-n", "4", "--greedy",
                        "--policy", "lru", "--cache-fraction", str(SLOT_FRACTION),
@@ -227,3 +229,4 @@ def test_disk_reads_match_the_simulator(tiny_model: Callable[..., Path], tmp_pat
                               n_ubatch=512)
     expected = pred.reads + pred.initial_reads
     assert measured > 0 and abs(measured - expected) <= 0.15 * expected, (measured, pred)
+

@@ -59,6 +59,12 @@ def test_cpu_dry_run_writes_every_result(tmp_path: Path) -> None:
         assert phase["kinds"]["gate"]["n"] == phase["kinds"]["ids"]["n"]
     small = json.loads((out / "bench_fit12.json").read_text())
     assert {r["policy"] for r in small["results"]} == {"ncmoe", "ncmoe-mmap", "promoe"}
+    # the disk tier: both cached policies read experts from the file
+    disk = small["disk_run"]
+    assert disk["host_budget"] > 0 and not disk["errors"]
+    assert {r["policy"] for r in disk["results"]} == {"lru", "promoe"}
+    for r in disk["results"]:
+        assert r["disk"]["reads_per_token"] > 0 and r["disk"]["measured_gbps"] > 0, r
     routings = json.loads((out / "bench_routings.json").read_text())
     assert {"uniform", "skewed"} <= set(routings)
     assert all(r["routing_trace"] for r in routings.values())

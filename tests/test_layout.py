@@ -11,7 +11,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "forecache"
 
 # standard-library-only modules every layer may use
-BASE = {"forecache.paths", "forecache.interrupt", "forecache.errors"}
+BASE = {"forecache.paths", "forecache.interrupt", "forecache.errors", "forecache.diskprobe"}
 # package (or module) -> the forecache packages and modules it may import besides BASE
 ALLOWED = {
     **{m: set() for m in BASE},

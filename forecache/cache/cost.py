@@ -9,7 +9,9 @@ A missing expert either streams through a slot (its copy is on the critical path
 side) or has its tokens computed by the CPU from host memory while the device computes the rest of
 the layer (schedule entries with slot -1). Per layer, `CostModel.plan` minimises the later of the
 two sides finishing; at run time the measured copy rate and host compute time correct the profile
-as they come in.
+as they come in. With a disk tier, an expert missing from host memory is read from the model file
+first, whichever side computes it; computing a whole layer on the host also reads the experts the
+device holds and host memory does not.
 """
 
 from __future__ import annotations
@@ -198,6 +200,11 @@ def shared_dram(a_s: float, b_s: float, factor: float) -> tuple[float, float]:
 MIN_CALIBRATION_S = 0.02
 
 
+# a layer's routed expert as the split sees it: (expert, token rows, has a slot) and, with a disk
+# tier, whether it is in host memory (False: read from the model file first)
+Row = tuple[int, int, bool] | tuple[int, int, bool, bool]
+
+
 @dataclass(frozen=True)
 class Split:
     """A layer's plan: experts computed on the host beside the slots, or the whole layer there."""
@@ -227,13 +234,24 @@ class CostModel:
     host_scale: float = 1.0  # measured / modelled host compute time
     predicted_host_s: float = 0.0  # modelled time of what was sent to the host so far
     copy_measured: bool = False  # copy_gbps comes from the run, not the profile
+    disk_gbps: float = 0.0  # the disk tier's read rate with its reads in flight (0: no disk)
+    disk_latency_s: float = 0.0  # one read's fixed cost, submission to first byte
 
     @classmethod
     def from_profile(cls, profile: Profile, expert: ExpertShape) -> CostModel:
         p = profile
         return cls(expert, p.h2d_gbps, p.chunk_latency_s, p.gpu_mem_gbps, p.gpu_tflops,
                    p.gpu_launch_s, p.cpu_mem_gbps, p.cpu_gflops, p.cpu_launch_s, p.thread_s,
-                   p.shared_dram_factor())
+                   p.shared_dram_factor(),
+                   disk_gbps=p.disk.gbps if p.disk is not None else 0.0,
+                   disk_latency_s=p.disk.latency_s if p.disk is not None else 0.0)
+
+    def reads_s(self, n: int) -> float:
+        """``n`` whole experts read from the model file, several in flight: the first read's
+        latency, then their bytes at the disk's rate (0 without a disk)."""
+        if n <= 0 or self.disk_gbps <= 0:
+            return 0.0
+        return self.disk_latency_s + n * self.expert.nbytes / (self.disk_gbps * 1e9)
 
     def copy_s(self) -> float:
         """One whole expert, host to device."""
@@ -269,24 +287,27 @@ class CostModel:
         """Host rows of a split layer, every projection."""
         return len(self.expert.proj_bytes) * self.merge_proj_s(pairs)
 
-    def plan(self, rows: Sequence[tuple[int, int, bool]], in_flight: int) -> Split:
+    def plan(self, rows: Sequence[Row], in_flight: int) -> Split:
         """The cheapest way to compute a layer whose experts are ``rows`` (expert, token rows,
-        has a slot); ``in_flight`` of those with a slot are still being copied.
+        has a slot[, in host memory]); ``in_flight`` of those with a slot are still being
+        copied.
 
         Missing experts with the fewest rows go to the host first, as many as make the later
         side finish soonest (every prefix is tried: the host's launches and the merge are fixed
         costs worth paying only for enough experts); computing the whole layer on the host, as
-        the reactive baselines do, is the alternative."""
+        the reactive baselines do, is the alternative. With a disk tier a missing expert not in
+        host memory is read whichever side computes it, so its read does not change the choice;
+        the whole layer on the host also reads the experts the device holds and the host does
+        not (``best_split``)."""
         split, _ = self.best_split(rows, in_flight)
         self.predicted_host_s += split.host_s / self.host_scale
         return split
 
-    def best_split(self, rows: Sequence[tuple[int, int, bool]], in_flight: int
-                   ) -> tuple[Split, float]:
-        """``plan``'s choice and the seconds it expects the layer's experts to take."""
-        missing = sorted(((e, r) for e, r, slotted in rows if not slotted),
-                         key=lambda m: (m[1], m[0]))
-        n_all, pairs_all = len(rows), sum(r for _, r, _ in rows)
+    def best_split(self, rows: Sequence[Row], in_flight: int) -> tuple[Split, float]:
+        """``plan``'s choice and the seconds it expects the layer's experts to take, less the
+        reads every choice makes."""
+        missing = sorted(((r[0], r[1]) for r in rows if not r[2]), key=lambda m: (m[1], m[0]))
+        n_all, pairs_all = len(rows), sum(r[1] for r in rows)
         c = self.copy_s()
         best_t = max(c * (in_flight + len(missing)), self.dev_s(n_all, pairs_all))
         best_k, best_host, pairs = 0, 0.0, 0
@@ -299,7 +320,9 @@ class CostModel:
             t = max(dev, host_t) + self.merge_s(pairs)
             if t < best_t:
                 best_t, best_k, best_host = t, k, alone
-        whole = self.host_s(n_all, pairs_all)
+        # on the host, the experts only the device holds are read first (fc_host_rows)
+        whole = self.host_s(n_all, pairs_all) + \
+            self.reads_s(sum(1 for r in rows if r[2] and len(r) > 3 and not r[3]))
         if whole < best_t:
             return Split([], whole_layer=True, host_s=whole), whole
         return Split([e for e, _ in missing[:best_k]], host_s=best_host), best_t

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forecache.cache.budget import format_size
+from forecache.diskprobe import DiskRate, measure_file
 from forecache.errors import setting
 from forecache.gguf.header import ModelFile
 from forecache.native import api
@@ -91,6 +92,34 @@ def plan_disk(model: ModelFile, host_budget: int, *, on_gpu: bool,
         n_host[il] = n
     held = n * per_expert * len(layers)
     return DiskPlan(n_host, fixed, held, model.total_expert_bytes() - held, per_expert)
+
+
+# what the start-up probe of a model file's experts reads: enough to reach the disk's rate, little
+# enough to cost a fraction of a second
+PROBE_BYTES = 64 << 20
+PROBE_EXPERTS = (2, 64)
+
+
+def probe_ranges(model: ModelFile) -> list[tuple[int, int]]:
+    """(file offset, bytes) of what the start-up probe reads: whole experts (one range a
+    projection), about PROBE_BYTES of them, scattered over the MoE layers as routing reads them."""
+    layers = model.moe_layers()
+    lo, hi = PROBE_EXPERTS
+    n = max(lo, min(hi, PROBE_BYTES // max(max(model.layer_expert_bytes()), 1)))
+    ranges = []
+    for k in range(n):
+        il = layers[k % len(layers)]
+        e = (k * 7919 + il) % model.n_expert
+        for t in model.expert_tensors(il):
+            size = t.nbytes // model.n_expert
+            ranges.append((model.data_offset + t.offset + e * size, size))
+    return ranges
+
+
+def probe_expert_reads(model: ModelFile, depth: int) -> DiskRate:
+    """The disk tier's read rate, measured at start on ``model``'s own experts (each
+    projection one read, ``depth`` in flight; ``probe_ranges``)."""
+    return measure_file(model.path, probe_ranges(model), depth)
 
 
 def readers_default() -> int:

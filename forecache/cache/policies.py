@@ -90,6 +90,12 @@ class CopyEngine(Protocol):
         computes one from slot ``n_slots + stage slot``."""
         ...
 
+    def host_resident(self, layer: int) -> set[int] | None:
+        """With a disk tier, the experts of ``layer`` whose read into host memory is done (the
+        others are read from the model file before either side computes them); None without
+        one: every expert is in host memory."""
+        ...
+
 
 def hit_rate(hits: int, misses: int) -> float | None:
     """Share of routed experts found in a slot; None when nothing was routed."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from forecache.cache.cost import CostModel
+from forecache.cache.cost import CostModel, Row
 from forecache.cache.policies import CopyEngine, Policy, PolicyInputs
 from forecache.native.cache_api import (  # noqa: F401  (re-exported for the simulator)
     HIGH,
@@ -159,8 +159,10 @@ class Prefetcher(Policy):
             victims = free + self.eviction_order(layer, needed, expert_of, oldest)
             host: list[int] = []
             if self.cost is not None and counts is not None:
-                rows = [(e, int(r), e in where or e in staged)
-                        for e, r in zip(need, counts.tolist(), strict=True)]
+                in_host = engine.host_resident(layer)
+                rows: list[Row] = [(e, int(r), e in where or e in staged) if in_host is None
+                                   else (e, int(r), e in where or e in staged, e in in_host)
+                                   for e, r in zip(need, counts.tolist(), strict=True)]
                 in_flight = sum(1 for e in need if e in where and state[where[e]] != SLOT_READY)
                 plan = self.cost.plan(rows, in_flight)
                 if plan.whole_layer:

@@ -212,6 +212,13 @@ class ExpertCache:
         return (np.ctypeslib.as_array(ex)[:max(got, 0)].copy(),
                 np.ctypeslib.as_array(ready)[:max(got, 0)].astype(bool))
 
+    def host_resident(self, layer: int) -> set[int] | None:
+        """The experts of ``layer`` in host memory with a disk tier, None without one."""
+        if self.disk is None or not self.disk.n_host[layer]:
+            return None
+        experts, ready = self.host_state(layer)
+        return {int(e) for e in experts[ready].tolist()}
+
     def disk_read(self, layer: int, experts: Sequence[int], priority: int) -> int:
         """Queue reads of ``experts`` of ``layer`` into its host slots (the disk tier's
         prefetch): the number queued, -1 without a disk tier."""

@@ -23,6 +23,7 @@ from forecache.cache.policies import HostOnlyPolicy, Policy, PolicyInputs
 from forecache.cache.prefetcher import Features, Prefetcher, stage_slots_for
 from forecache.cache.registry import PolicySpec, build_policy, policy_spec
 from forecache.cache.runtime import DEFAULT_CHUNK_BYTES, ExpertCache, RouteCallback
+from forecache.diskprobe import DiskRate
 from forecache.errors import setting
 from forecache.gguf.header import EXPERT_TENSOR_PATTERN, ModelFile
 from forecache.native.cache_api import CHUNK_EXPERT
@@ -268,15 +269,16 @@ def expert_shape(model: ModelFile) -> ExpertShape:
 
 
 def make_policy(cfg: CacheConfig, n_slots: list[int], model: ModelFile | None = None,
-                device: Device | None = None) -> Policy:
+                device: Device | None = None, disk_rate: DiskRate | None = None) -> Policy:
     """The slot policy of ``cfg`` (``cache.registry``). A proactive policy's host/device split
     needs ``model``; without an explicit ``cfg.machine`` it is off when the cache ``device`` is
-    the CPU itself (on a CPU build both sides are the same cores)."""
+    the CPU itself (on a CPU build both sides are the same cores). ``disk_rate``: the disk
+    tier's reads as measured at start, which the split prices its reads by."""
     cost = None
     on_cpu = device is not None and device.type == "cpu"
     if cfg.spec.proactive and cfg.features.split and model is not None and \
             (cfg.machine is not None or not on_cpu):
-        cost = split_cost(model, cfg, device)
+        cost = split_cost(model, cfg, device, disk_rate)
     policy = build_policy(cfg.policy, n_slots, PolicyInputs(
         features=cfg.features, cost=cost, profile=cfg.profile,
         top_k=model.n_expert_used if model is not None else 1))
@@ -292,14 +294,18 @@ RATE_PROBE_BYTES = 64 << 20
 RATE_PROBE_ITERS = 3
 
 
-def split_cost(model: ModelFile, cfg: CacheConfig, device: Device | None) -> CostModel:
+def split_cost(model: ModelFile, cfg: CacheConfig, device: Device | None,
+               disk_rate: DiskRate | None = None) -> CostModel:
     """The cost model a proactive policy's host/device split starts from: ``cfg.machine``'s
     profile when one is named; else the device's default profile (``default_machine``) with this
     machine's rates where they are known: the expert copy rate and CPU compute time the last run
     of ``model`` on ``device`` measured (``cache.measured``), else the copy rate probed now (a
-    GPU). The run corrects them as it measures (``CostModel.calibrate``)."""
-    cost = CostModel.from_profile(Profile.load(cfg.machine or default_machine(device)),
-                                  expert_shape(model))
+    GPU). The run corrects them as it measures (``CostModel.calibrate``). With a disk tier, its
+    reads cost what ``disk_rate`` measured, unless the named profile gives its disk."""
+    profile = Profile.load(cfg.machine or default_machine(device))
+    cost = CostModel.from_profile(profile, expert_shape(model))
+    if disk_rate is not None and (cfg.machine is None or profile.disk is None):
+        cost.disk_gbps, cost.disk_latency_s = disk_rate.gbps, disk_rate.latency_s
     if cfg.machine is not None or device is None:
         return cost
     copy_gbps, host_scale = measured_rates(model, device.name)

@@ -149,6 +149,8 @@ def say_choice(llm: Llama) -> None:
         click.echo(llm.policy_choice.reason(), err=True)
     if llm.placement is not None and llm.placement.disk is not None:
         click.echo(llm.placement.disk.describe(), err=True)
+        if llm.disk_rate is not None:
+            click.echo(f"disk tier: the file reads at {llm.disk_rate.describe()}", err=True)
     elif llm.cache_config is not None and llm.cache_config.host_budget is not None:
         click.echo(f"disk tier: off, {format_size(llm.cache_config.host_budget)} of host memory "
                    "holds every expert", err=True)

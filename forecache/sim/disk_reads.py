@@ -11,16 +11,20 @@ from forecache.cache.cost import Profile
 from forecache.cache.disk import HOST_INPUT_TENSORS
 from forecache.gguf.specs import get_spec, tensor_plan
 from forecache.predictor.base import Predictor
-from forecache.sim.shapes import ModelShape
+from forecache.sim.shapes import ModelShape, shape_of
 from forecache.sim.simulate import SimConfig, SimResult, simulate
 from forecache.trace.format import Request
 
 
 def host_weight_bytes(name: str, qtype: str = "q4_k") -> int:
     """Bytes of a models.yaml model's non-expert weights that llama.cpp keeps on the host on a
-    GPU build: the token embeddings."""
-    return sum(t.nbytes for t in tensor_plan(get_spec(name), qtype)
-               if t.name in HOST_INPUT_TENSORS)
+    GPU build: the token embeddings (a shape-only trace model's: the size of its head, whose
+    matrix has the same dimensions)."""
+    try:
+        spec = get_spec(name)
+    except ValueError:
+        return shape_of(name, qtype).head_bytes
+    return sum(t.nbytes for t in tensor_plan(spec, qtype) if t.name in HOST_INPUT_TENSORS)
 
 
 def host_slots_for(shape: ModelShape, host_budget: int, host_weights: int = 0) -> int:

@@ -50,7 +50,8 @@ class DiskSide:
         room = n_host * len(sim.layers)  # experts host memory holds
         if spec.cached:
             self.tier = sim.engine.attach_disk([n_host if il in sim.layers else 0
-                                                for il in range(shape.layers)], cfg.host_evict)
+                                                for il in range(shape.layers)], cfg.host_evict,
+                                               cfg.host_exclusive, cfg.host_read_ahead)
             f = cfg.features
             if cfg.disk_window > 0 and spec.proactive and f.prefetch and predictor is not None:
                 self.forecaster = Forecaster(copy.deepcopy(predictor),
@@ -79,6 +80,11 @@ class DiskSide:
     @property
     def active(self) -> bool:
         return self.tier is not None or self.pages is not None
+
+    def begin_request(self) -> None:
+        """A request starts."""
+        if self.tier is not None:
+            self.tier.begin_request()
 
     def set_decoding(self, on: bool) -> None:
         """Reads from now on count as a decode token's (True) or a prompt's."""
@@ -243,6 +249,8 @@ class DiskSide:
                     "host_slots": self.sim.cfg.host_slots,
                     "disk_window": self.sim.cfg.disk_window, "host_evict": self.tier.evict,
                     "host_evictions": s.evictions, "host_displaced": s.displaced,
+                    "host_exclusive": self.sim.cfg.host_exclusive, "host_demoted": s.demoted,
+                    "host_read_ahead": self.sim.cfg.host_read_ahead,
                     "initial_disk_reads": self.initial_reads}
         if self.pages is not None:
             return {"decode_disk_stall_s": self.decode_stall_s,

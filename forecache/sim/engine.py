@@ -61,6 +61,7 @@ class _Layer:
     key: list[int] = field(default_factory=list)  # expert -> eviction key (lowest goes first)
     key_step: int = 0  # added to a routed expert's key per token row
     routed_pass: int = 0  # the forward pass the layer was last routed in
+    used: list[bool] = field(default_factory=list)  # slot -> computed from since its copy
 
 
 class SimEngine:
@@ -75,7 +76,7 @@ class SimEngine:
         self.layers = [_Layer(n, n_proj, [-1] * n, pending=[0] * n,
                               pend_proj=[[0] * n_proj for _ in range(n)], started=[False] * n,
                               in_use=[False] * n, last_entry=[-1] * n, stamp=[0] * n,
-                              key=[0] * shape.experts)
+                              key=[0] * shape.experts, used=[False] * n)
                        for n in n_slots]
         # stage slots: device memory outside every layer's slots, lent to one layer's expert at a
         # time (forecache_cache_stage); chunk.slot n_slots + j of its layer is stage slot j
@@ -107,13 +108,20 @@ class SimEngine:
                       "host_entries": 0, "hi_block_s": 0.0, "hi_block_max_s": 0.0,
                       "staged": 0, "stage_used": 0}
 
-    def attach_disk(self, n_host: Sequence[int], evict: str = "uses") -> HostTier:
+    def attach_disk(self, n_host: Sequence[int], evict: str = "uses",
+                    exclusive: bool = False, read_ahead: bool = True) -> HostTier:
         """Give each layer ``n_host[layer]`` host slots over the model file (the C cache's
         ``forecache_cache_set_disk``), evicted by ``evict``: from now on copies wait for their
-        experts' reads."""
+        experts' reads. ``exclusive``, ``read_ahead``: as ``HostTier``'s."""
         self.disk = HostTier(self, n_host, len(self.shape.proj_bytes), self.shape.expert_bytes,
-                             self.profile, evict)
+                             self.profile, evict, exclusive=exclusive, read_ahead=read_ahead)
         return self.disk
+
+    def copied(self, layer: int, expert: int) -> bool:
+        """``expert`` of ``layer`` is in a device slot, its copy done."""
+        L = self.layers[layer]
+        s = L.slot_of.get(expert)
+        return s is not None and L.pending[s] == 0 and L.last_entry[s] < 0
 
     # -- the copy engine a policy drives (called at self.now) ----------------------------------
     def load(self, layer: int, expert: int, slot: int, priority: int) -> int:
@@ -126,8 +134,7 @@ class SimEngine:
             return 1
         for s in (slot, prev):
             if s >= 0:
-                self._drop(0, layer, lambda c, s=s: c.slot == s, slot=s)
-                self._empty(L, s)
+                self._evict(layer, s)
         self._map(L, expert, slot)
         self._queue_copy(layer, expert, slot, -1, priority, -1, 0)
         self._stamp(L, slot)
@@ -199,8 +206,7 @@ class SimEngine:
                 e, s = L.sch_e[i], L.sch_s[i]
                 for t in (s, L.slot_of.get(e, -1)):
                     if t >= 0:
-                        self._drop(0, layer, lambda c, t=t: c.slot == t, slot=t)
-                        self._empty(L, t)
+                        self._evict(layer, t)
                 self._map(L, e, s)
         for p in range(1 if self.whole else L.n_proj):
             for i in range(n):
@@ -273,6 +279,10 @@ class SimEngine:
                     SLOT_COPYING if self.stage_started[j] else SLOT_QUEUED
                 out[o[1]] = (j, st)
         return out
+
+    def host_resident(self, layer: int) -> set[int] | None:
+        """With a disk tier, the experts of ``layer`` read into host slots; None without."""
+        return None if self.disk is None else self.disk.resident(layer)
 
     def _staged_at(self, layer: int, expert: int, slot: int) -> bool:
         j = slot - self.layers[layer].n_slots
@@ -388,6 +398,7 @@ class SimEngine:
         for i in entries:
             if L.sch_s[i] < L.n_slots:
                 L.consumed[L.sch_s[i]][p] += 1
+                L.used[L.sch_s[i]] = True
         self._kick()
 
     # -- virtual time -------------------------------------------------------------------------
@@ -588,6 +599,21 @@ class SimEngine:
         L.streams = False
         L.n_dev = 0
 
+    def _evict(self, layer: int, slot: int) -> None:
+        """Empty ``slot`` of ``layer`` for another expert, its queued copies dropped; exclusive
+        tiers write a copied expert leaving it back to a host slot if it was computed there
+        (one only predicted, never used, is not worth a host slot)."""
+        L = self.layers[layer]
+        e = L.expert_of[slot]
+        demote = e >= 0 and self.disk is not None and self.disk.exclusive and \
+            L.slot_of.get(e) == slot and L.pending[slot] == 0 and L.last_entry[slot] < 0 and \
+            L.used[slot]
+        self._drop(0, layer, lambda c: c.slot == slot, slot=slot)
+        self._empty(L, slot)
+        if demote:
+            assert self.disk is not None
+            self.disk.demote(layer, e)
+
     @staticmethod
     def _empty(L: _Layer, slot: int) -> None:
         e = L.expert_of[slot]
@@ -601,5 +627,6 @@ class SimEngine:
         L.expert_of[slot] = expert
         L.slot_of[expert] = slot
         L.started[slot] = False
+        L.used[slot] = False
 
 

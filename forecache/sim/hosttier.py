@@ -39,8 +39,10 @@ DISK_PREFETCH = 2
 # host-tier eviction orders (``HostTier.evict``): "uses", the C tier's (fewest uses, then least
 # recently used); "lru" (least recently used); "device-first" ("uses", but experts that have a
 # device slot go first: the device serves them, so the host keeps other experts); "predicted"
-# ("uses", a prediction of the disk window counting as a use: MoE-Infinity's predicted next use)
-HOST_EVICTIONS = ("uses", "lru", "device-first", "predicted")
+# ("uses", a prediction of the disk window counting as a use: MoE-Infinity's predicted next use);
+# "request" (fewest uses in the current request, as MoE-Infinity's per-request expert activation
+# counts, then "uses")
+HOST_EVICTIONS = ("uses", "lru", "device-first", "predicted", "request")
 
 
 @dataclass
@@ -63,6 +65,7 @@ class _HostLayer:
     want: dict[int, int] = field(default_factory=dict)  # expert -> queued or running chunks
     hold: dict[int, int] = field(default_factory=dict)  # expert -> host computes needing it
     uses: dict[int, int] = field(default_factory=dict)  # expert -> times needed, kept on eviction
+    req_uses: dict[int, int] = field(default_factory=dict)  # expert -> times needed this request
 
 
 @dataclass
@@ -80,16 +83,20 @@ class DiskStats:
     misses: int = 0
     evictions: int = 0
     displaced: int = 0
+    demoted: int = 0  # exclusive tiers: experts written back from the device to a host slot
 
 
 class HostTier:
     """forecache's host expert slots over the model file, in the engine's virtual time."""
 
     def __init__(self, engine: SimEngine, n_host: Sequence[int], n_proj: int,
-                 expert_bytes: int, profile: Profile, evict: str = "uses") -> None:
+                 expert_bytes: int, profile: Profile, evict: str = "uses", *,
+                 exclusive: bool = False, read_ahead: bool = True) -> None:
         if evict not in HOST_EVICTIONS:
             raise ValueError(f"host eviction {evict!r}: one of {', '.join(HOST_EVICTIONS)}")
         self.evict = evict
+        self.exclusive = exclusive
+        self.read_ahead = read_ahead
         if profile.disk is None:
             raise ValueError(f"profile {profile.name} has no disk section: the disk tier needs "
                              "its rate, latency and queue depth")
@@ -120,16 +127,28 @@ class HostTier:
         s = L.slot_of.get(expert)
         return s is not None and L.ready[s]
 
+    def resident(self, layer: int) -> set[int] | None:
+        """The experts of ``layer`` in host slots with their reads done; None for a layer
+        without host slots (its experts all in host memory)."""
+        L = self.layers[layer]
+        if L.n_host == 0:
+            return None
+        return {e for e, s in L.slot_of.items() if L.ready[s]}
+
     def use(self, layer: int, expert: int, priority: int) -> None:
         """A copy of ``expert`` is queued, or a host compute takes it: counted as a use, a hit
         or a miss, and read at ``priority`` when missing (as fc_queue_copy, fc_host_rows)."""
         L = self.layers[layer]
         L.uses[expert] = L.uses.get(expert, 0) + 1
+        L.req_uses[expert] = L.req_uses.get(expert, 0) + 1
         if self.present(layer, expert):
             self.stats.hits += 1
         else:
             self.stats.misses += 1
-            self.request(layer, expert, priority)
+            # without read-ahead a decode token's predicted copy waits for its layer's routing
+            # to want it (``SimEngine.preempt`` asks for its read then)
+            if priority == 0 or self.read_ahead or not self.decoding:
+                self.request(layer, expert, priority)
 
     def want(self, layer: int, expert: int, d: int) -> None:
         """A chunk copying ``expert`` queued (+1), or done or dropped (-1)."""
@@ -192,6 +211,63 @@ class HostTier:
                 L.uses[int(e)] = L.uses.get(int(e), 0) + 1
         return sum(self.request(layer, int(e), priority) for e in experts)
 
+    def begin_request(self) -> None:
+        """A request starts: its own uses are counted from none ("request" eviction)."""
+        for L in self.layers:
+            L.req_uses.clear()
+
+    def demote(self, layer: int, expert: int) -> None:
+        """Exclusive tiers: ``expert``, copied, leaves its device slot; written back over the
+        bus (device to host, beside the host-to-device copies) into a host slot unless it
+        holds one, or the victim is used more than it is."""
+        L = self.layers[layer]
+        if L.n_host == 0 or expert in L.slot_of:
+            return
+        s = self._victim(layer, L)
+        if s < 0:
+            return
+        old = L.expert_of[s]
+        if old in L.want:
+            return  # only waiting copies want it: not displaced for a write-back
+        if old >= 0 and not self.eng.copied(layer, old) and \
+                self._key(L, old, L.stamp[s]) > self._key(L, expert, self.clock + 1):
+            return
+        if old >= 0:
+            del L.slot_of[old]
+            self.ready_at.pop((layer, old), None)
+            self.stats.evictions += 1
+            if old in L.want:
+                self.stats.displaced += 1
+                self.orphans.add((layer, old))
+        if (layer, expert) in self.queued:  # no read: the write-back brings it
+            del self.queued[(layer, expert)]
+        L.expert_of[s] = expert
+        L.slot_of[expert] = s
+        L.ready[s] = False
+        self.stats.demoted += 1
+        p = self.profile
+        done = self.eng.now + p.chunk_latency_s + self.expert_bytes / (p.h2d_gbps * 1e9)
+        self.eng.at(done, lambda: self._landed(layer, expert, s))
+
+    def _landed(self, layer: int, expert: int, s: int) -> None:
+        """A write-back from the device is in its host slot."""
+        L = self.layers[layer]
+        if L.expert_of[s] != expert or L.ready[s]:
+            return
+        L.ready[s] = True
+        self.clock += 1
+        L.stamp[s] = self.clock
+        self.ready_at[(layer, expert)] = self.eng.now
+        self._dispatch()
+
+    def _key(self, L: _HostLayer, e: int, stamp: int) -> tuple:
+        """``e``'s eviction key (lowest goes first) by ``evict``."""
+        if self.evict == "lru":
+            return (0, 0, stamp)
+        if self.evict == "request":
+            return (L.req_uses.get(e, 0), L.uses.get(e, 0), stamp)
+        return (0, L.uses.get(e, 0), stamp)
+
     def flowing(self) -> bool:
         """A read is moving bytes into DRAM now."""
         now = self.eng.now
@@ -213,8 +289,9 @@ class HostTier:
                 return s
             if not L.ready[s] or L.busy[s] or e in L.hold:
                 continue
-            k = (0, L.stamp[s]) if self.evict == "lru" else \
-                (e not in on_device, L.uses.get(e, 0), L.stamp[s])
+            # exclusive tiers: an expert copied to the device has no claim to a host slot
+            first = not self.eng.copied(il, e) if self.exclusive else e not in on_device
+            k = (first, *self._key(L, e, L.stamp[s]))
             if e not in L.want:
                 if key is None or k < key:
                     best, key = s, k

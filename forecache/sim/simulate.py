@@ -103,6 +103,12 @@ class SimConfig:
     disk_window: int = 0
     fault_qd: int = 1
     host_evict: str = "uses"
+    # exclusive tiers: an expert copied to a device slot gives up its host slot first, and one
+    # leaving a device slot is written back to a host slot (``HostTier.demote``)
+    host_exclusive: bool = False
+    # False: a predicted expert's copy reads nothing from the file; its read waits for the
+    # layer's routing to want it (only experts already in host slots are copied ahead)
+    host_read_ahead: bool = True
 
     def slots_at(self, layer: int) -> int:
         """Slots of model layer ``layer``."""
@@ -301,6 +307,7 @@ class Simulator:
             self.policy.begin_request()
         if self.forecaster is not None:
             self.forecaster.begin_request()
+        self.disk.begin_request()
         prefill_rows = np.flatnonzero(phase == 0)
         prefill = floor = bus = 0.0
         self.disk.set_decoding(False)
