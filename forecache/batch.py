@@ -152,6 +152,9 @@ class _Sequence:
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
     t0: float = field(default_factory=time.perf_counter)
     t_first: float = 0.0
+    # some llama.cpp pass held another request's rows too: its logits were computed by kernels
+    # for several rows (and its prompt split by theirs), which round them otherwise
+    batched: bool = False
 
 
 def sampler(sp: SamplingParams) -> Sampler:
@@ -229,7 +232,9 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
     Once no request waits, a sequence that finishes hands its id to the sequence with the
     highest id (``compact``: its KV stream is copied down), so that the decoding sequences'
     ids stay one run and a step stays one ubatch as the job drains.
-    ``on_done`` gets each record as it finishes; ``stop`` ends the loop at the next step."""
+    ``on_done`` gets each record as it finishes (``batched``: a pass also held another request's
+    rows, so its logits, though never its draws, depend on which); ``stop`` ends the loop at the
+    next step."""
     from llama_cpp import llama_cpp as low
 
     ctx = llm.ctx
@@ -268,7 +273,7 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
         t_end = time.perf_counter()
         decode_s = t_end - s.t_first
         on_done({"id": s.req.id, "text": text, "tokens": len(s.out),
-                 "prompt_tokens": len(s.prompt), "finish_reason": reason,
+                 "prompt_tokens": len(s.prompt), "finish_reason": reason, "batched": s.batched,
                  "timings": {"ttft_s": round(s.t_first - s.t0, 6),
                              "total_s": round(t_end - s.t0, 6),
                              "tokens_per_s": round((len(s.out) - 1) / decode_s, 3)
@@ -325,6 +330,10 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
             batch.seq_id[i][0] = seq
             batch.logits[i] = logits
         batch.n_tokens = len(tokens)
+        seqs = {seq for _, seq, _ in entries}
+        if len(seqs) > 1:
+            for s in active:
+                s.batched = s.batched or s.seq in seqs
         if cache is not None:
             cache.begin_ubatch(np.asarray([tokens[r] for r in order], dtype=np.int32))
         rc = low.llama_decode(ctx, batch)

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -62,6 +67,44 @@ def test_truncated_file(tmp_path: Path, tiny_model: Callable[[str], Path]) -> No
     cut_header = tmp_path / "cut-header.gguf"
     cut_header.write_bytes(data[:2000])
     _assert_one_line_error(["generate", "-m", str(cut_header), "-p", "x"], "truncated")
+
+
+def _with_tail(model: Path, path: Path, tail: int) -> Path:
+    """A copy of ``model`` followed by ``tail`` zero bytes (a hole: no disk is used)."""
+    shutil.copyfile(model, path)
+    with open(path, "r+b") as f:
+        f.truncate(model.stat().st_size + tail)
+    return path
+
+
+def test_a_long_tail_after_the_tensors_is_refused_unread(tmp_path: Path,
+                                                         tiny_model: Callable[[str], Path]
+                                                         ) -> None:
+    """A valid model followed by gigabytes of zeros is refused in one line (the file, the bytes
+    after the tensors, the fix) before llama.cpp maps the file, which would fault every page
+    of it in; padding after the last tensor is still a model."""
+    model = tiny_model("q8_0")
+    end = model.stat().st_size
+    huge = _with_tail(model, tmp_path / "huge.gguf", 64 << 30)
+    with pytest.raises(GGUFError, match=f"has {64 << 30} bytes after its last tensor, which "
+                       f"ends at byte {end}; .*{re.escape(f'`truncate -s {end} {huge}`')}"):
+        require_moe(huge)
+    assert require_moe(_with_tail(model, tmp_path / "padded.gguf", 4096)).is_moe
+    # through the command line, with a tail of 2 GiB: a run that read it would grow past it
+    tail = _with_tail(model, tmp_path / "tail.gguf", 2 << 30)
+    proc = subprocess.Popen([sys.executable, "-m", "forecache", "generate", "-m", str(tail),
+                             "-p", "x", "-n", "1"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    err = proc.stderr.read()
+    _, status, usage = os.wait4(proc.pid, 0)  # the child's own peak memory
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    assert proc.returncode == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and f"has {2 << 30} bytes after its last tensor" in lines[0], err
+    assert usage.ru_maxrss * 1024 < 1 << 30, f"peak RSS {usage.ru_maxrss >> 10} MiB"
+    for p in (huge, tail):  # holes, but tools that copy the directory would write them out
+        p.unlink()
 
 
 def test_non_moe_model(tmp_path: Path) -> None:

@@ -204,6 +204,58 @@ def test_sigterm_keeps_finished_records(tmp_path: Path, tiny_model) -> None:
     assert 1 <= len(recs) < 24 and all("text" in r for r in recs)
 
 
+def _kill_after(model: Path, src: Path, out: Path, parallel: int, records: int) -> int:
+    """Run a batch job and SIGKILL it once ``records`` records are in ``out``; the records it
+    wrote."""
+    proc = subprocess.Popen([sys.executable, "-m", "forecache", "batch", "-m", str(model),
+                             "--input", str(src), "--output", str(out), "--parallel",
+                             str(parallel)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not (out.exists() and out.read_bytes().count(b"\n") >= records):
+        assert proc.poll() is None, "the job finished before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    return len(_records(out))
+
+
+@pytest.mark.skipif(not REFERENCE_MODEL.is_file(), reason="reference model not in this checkout")
+def test_seeded_requests_across_a_kill(tmp_path: Path) -> None:
+    """A request's text depends on its own seed and logits only: decoded alone (--parallel 1),
+    killed and resumed, every text is the uninterrupted job's, sampled ones included. Beside
+    other requests llama.cpp's kernels for several rows round a sequence's logits by which
+    requests share its passes, so such records say "batched": true (README); their greedy texts
+    (this trained model has no near ties in them) are still the ones decoded alone."""
+    prompts = [p for _, p in GREEDY] + ["Once upon a time", "The king of", "for i in range("]
+    lines = []
+    for i, p in enumerate(prompts * 2):
+        sampled = i >= len(prompts)
+        lines.append(json.dumps({"id": f"{'s' if sampled else 'g'}{i % len(prompts)}",
+                                 "prompt": p, "max_tokens": 32,
+                                 **({"seed": 1000 + i} if sampled else {"temperature": 0})}))
+    src = _write(tmp_path / "in.jsonl", lines)
+    alone = tmp_path / "alone.jsonl"
+    run_cli("batch", "-m", str(REFERENCE_MODEL), "--input", str(src), "--output", str(alone),
+            "--parallel", "1", check=True)
+    want = {r["id"]: r for r in _records(alone)}
+    assert len(want) == 16 and not any(r["batched"] for r in want.values())
+    for parallel in (1, 4):
+        out = tmp_path / f"out{parallel}.jsonl"
+        first = _kill_after(REFERENCE_MODEL, src, out, parallel, 3)
+        assert 3 <= first < 16
+        res = run_cli("batch", "-m", str(REFERENCE_MODEL), "--input", str(src), "--output",
+                      str(out), "--parallel", str(parallel))
+        assert res.returncode == 0 and f"{first} of 16" in res.stderr, res.stderr
+        got = {r["id"]: r for r in _records(out)}
+        assert got.keys() == want.keys()
+        for rid, r in got.items():
+            if parallel == 1 or not r["batched"] or rid.startswith("g"):
+                assert r["text"] == want[rid]["text"], (parallel, rid, r, want[rid])
+        batched = [rid for rid, r in got.items() if r["batched"]]
+        assert (len(batched) >= 12) if parallel == 4 else not batched, batched
+
+
 def test_unreadable_input_and_corrupt_output_are_refused_untouched(tmp_path: Path,
                                                                    tiny_model) -> None:
     model = str(tiny_model("q8_0"))

@@ -1,12 +1,30 @@
-"""An interrupted make-model leaves neither a half-written model nor its temporary file."""
+"""An interrupted make-model leaves neither a half-written model nor its temporary file; a
+signal while llama.cpp may call back into Python reaches its handler once the call is done."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
+
+
+def test_signals_held_reach_their_handler_after_the_block() -> None:
+    """A log callback that llama.cpp calls cannot pass an exception on, so a load holds the
+    signals from their Python handlers (which raise) and hands them over when it returns."""
+    from forecache.interrupt import signals_held
+
+    reached = []
+    with pytest.raises(KeyboardInterrupt):
+        with signals_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            reached.append("after the signal")
+    assert reached == ["after the signal"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_sigterm_during_make_model_leaves_nothing(tmp_path: Path) -> None:

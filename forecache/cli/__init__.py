@@ -41,5 +41,6 @@ _register()
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """The command line, its errors one line each (``forecache.__main__.main`` runs it with
+    the signals taken over from the start)."""
     main_guard(cli)

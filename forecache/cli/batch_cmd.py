@@ -58,10 +58,12 @@ def batch(model: Path, input_path: Path, output_path: Path, plan_text: str | Non
           progress: bool | None, verbose: bool, **cache_opts: object) -> None:
     """Run every request of a JSONL file, appending one JSON result a line to OUTPUT.
 
-    Temperature 0 is greedy; sampled requests are reproducible for a given "seed". A malformed
-    line becomes an error record and the job goes on; a killed job is resumed by running the
-    same command again. The longest requests start first; once every request is in OUTPUT, its
-    records are put in the input's order.
+    Temperature 0 is greedy; a sampled request draws from its own "seed". A record says
+    "batched": true when its request shared llama.cpp passes with others, whose kernels round
+    its logits otherwise: decoded again beside other requests, its text may differ (README). A
+    malformed line becomes an error record and the job goes on; a killed job is resumed by
+    running the same command again. The longest requests start first; once every request is in
+    OUTPUT, its records are put in the input's order.
     """
     from tqdm import tqdm
 

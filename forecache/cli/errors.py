@@ -11,7 +11,7 @@ from forecache.build import BuildError
 from forecache.cache.runtime import CacheError
 from forecache.errors import use_flag_names
 from forecache.gguf.header import GGUFError
-from forecache.interrupt import Terminated, raise_terminated
+from forecache.interrupt import Terminated, raise_on_signals, signal_line
 from forecache.native import PatchedBuildError
 from forecache.native.libs import ModelLoadError
 
@@ -22,10 +22,11 @@ USER_ERRORS = (GGUFError, PatchedBuildError, ModelLoadError, BuildError, CacheEr
 
 def main_guard(cli: click.Group) -> None:
     """Run the CLI; known errors print ``forecache: error: ...`` and exit 1, Ctrl-C exits 130."""
-    # SIGTERM unwinds like Ctrl-C, so partial outputs are removed by their writers' cleanup.
-    signal.signal(signal.SIGTERM, raise_terminated)
-    use_flag_names()  # the library's messages name --flags, not keyword arguments
     try:
+        # from here on SIGTERM unwinds like Ctrl-C, so partial outputs are removed by their
+        # writers' cleanup (inside the try: one that comes at once is taken below)
+        raise_on_signals()
+        use_flag_names()  # the library's messages name --flags, not keyword arguments
         cli.main(standalone_mode=False)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)
@@ -43,6 +44,6 @@ def main_guard(cli: click.Group) -> None:
 
 def _exit_on_signal(exc: BaseException | None, lead: str) -> None:
     """Exit 143 for SIGTERM (Terminated), 130 for Ctrl-C, saying which."""
-    term = isinstance(exc, Terminated)
-    click.echo(f"{lead}forecache: {'terminated' if term else 'interrupted'}", err=True)
-    sys.exit(128 + (signal.SIGTERM if term else signal.SIGINT))
+    signum = signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
+    click.echo(f"{lead}{signal_line(signum)}", err=True)
+    sys.exit(128 + signum)

@@ -9,7 +9,8 @@ every array (the vocabulary and the merges) and a view for every tensor, which t
 long on the default model (370 ms against 10 ms, growing with the vocabulary), and a damaged
 file surfaces as numpy's errors ("cannot reshape array ...", an IndexError, "cannot mmap an empty
 file"). This reader walks the header once, keeps only the lengths of long arrays, never reads
-tensor data, checks counts against the file's size and the tensors' extent against its length,
+tensor data, checks counts against the file's size and the tensors' extent against its length
+(a file cut short, or one with more than a few bytes after its tensors, is refused),
 and raises :class:`GGUFError` with one line naming the fix; as it reads it also records for
 ``checks`` what llama.cpp asserts on (each key's value type, the first duplicated token).
 """
@@ -40,6 +41,10 @@ DEFAULT_ALIGNMENT = 32
 # Arrays longer than this (token lists, merges) are not materialised; only their length is kept.
 MAX_ARRAY_KEEP = 64
 MAX_ARRAY_DEPTH = 2  # GGUF writers nest arrays one level at most
+# Bytes a file may hold after its last tensor: writers pad it to the alignment at most, and a
+# little more costs nothing, but llama.cpp maps the whole file and, prefetching, faults every
+# page of it in, tail included (8 GiB of zeros after a 17 MB model: 8.2 GB resident at once).
+MAX_TRAILING_BYTES = 1 << 20
 
 # value types of the GGUF key-value section
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
@@ -334,6 +339,10 @@ def _parse(mm: mmap.mmap, p: Path, size: int) -> ModelFile:
     if end > size:
         raise GGUFError(f"{p} is truncated: {size} bytes on disk, its tensors need {end}; "
                         "the download or copy did not finish, re-copy or re-create it")
+    if size - end > MAX_TRAILING_BYTES:
+        raise GGUFError(f"{p} has {size - end} bytes after its last tensor, which ends at "
+                        f"byte {end}; llama.cpp would read them all: re-copy the model, or cut "
+                        f"them off with `truncate -s {end} {p}`")
     return ModelFile(p, version, kv, lengths, tensors, data_offset, size, kv_types,
                      r.duplicate_token)
 
