@@ -28,7 +28,6 @@ bound. ``lru`` is the same memory under online LRU, for scale. Same arguments, s
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -46,7 +45,7 @@ from forecache.sim.shapes import ModelShape, shape_of
 from forecache.trace.format import Request
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from disk_sim import FLASH_MOE_TOKS, SHAPE, TRACES, decode_traces, replay_like  # noqa: E402
+from disk_sim import FLASH_MOE_TOKS, decode_traces, replay_like, setup_args  # noqa: E402
 
 
 def layer_steps(requests: list[Request], il: int) -> tuple[list[list[int]], list[bool]]:
@@ -117,18 +116,7 @@ def lru_decode_misses(steps: list[list[int]], mask: np.ndarray, capacity: int) -
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--traces", type=Path, default=TRACES)
-    ap.add_argument("--like", type=Path, nargs="*", default=None)
-    ap.add_argument("--shape", default=SHAPE)
-    ap.add_argument("--budget", default="24GiB")
-    ap.add_argument("--host", default="64GiB")
-    ap.add_argument("--host-reserve", default="4GiB")
-    ap.add_argument("--profile", default="rtx4090")
-    ap.add_argument("--disk-gbps", type=float, default=7.0)
-    ap.add_argument("--requests", type=int, default=4)
-    ap.add_argument("--prefill", type=int, default=128)
-    ap.add_argument("--decode", type=int, default=128)
+    ap = setup_args(__doc__.splitlines()[0])
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--capacities", default="",
                     help="experts a layer, besides the host slots and device + host slots")

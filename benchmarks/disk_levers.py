@@ -36,12 +36,11 @@ from forecache.sim.simulate import SimConfig
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from disk_sim import (  # noqa: E402
     FLASH_MOE_TOKS,
-    SHAPE,
-    TRACES,
     decode_traces,
     measure,
     replay_like,
     row,
+    setup_args,
 )
 
 LEVERS = {
@@ -78,18 +77,7 @@ def run_trace(like: Path, args: argparse.Namespace, levers: list[str]) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--traces", type=Path, default=TRACES)
-    ap.add_argument("--like", type=Path, nargs="*", default=None)
-    ap.add_argument("--shape", default=SHAPE)
-    ap.add_argument("--budget", default="24GiB")
-    ap.add_argument("--host", default="64GiB")
-    ap.add_argument("--host-reserve", default="4GiB")
-    ap.add_argument("--profile", default="rtx4090")
-    ap.add_argument("--disk-gbps", type=float, default=7.0)
-    ap.add_argument("--requests", type=int, default=4)
-    ap.add_argument("--prefill", type=int, default=128)
-    ap.add_argument("--decode", type=int, default=128)
+    ap = setup_args(__doc__.splitlines()[0])
     ap.add_argument("--window", type=int, default=2)
     ap.add_argument("--disk-window", type=int, default=0,
                     help="disk_sim.py's chosen window (0 measured best there)")

@@ -114,8 +114,10 @@ def row(r: SimResult) -> dict:
     return d
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def setup_args(description: str) -> argparse.ArgumentParser:
+    """The machine, model and routing options this benchmark and its companions
+    (disk_bound.py, disk_levers.py) share."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--traces", type=Path, default=TRACES)
     ap.add_argument("--like", type=Path, nargs="*", default=None,
                     help="these traces only (default: every decode trace in --traces)")
@@ -129,6 +131,11 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--prefill", type=int, default=128)
     ap.add_argument("--decode", type=int, default=128)
+    return ap
+
+
+def main() -> None:
+    ap = setup_args(__doc__.splitlines()[0])
     ap.add_argument("--disk-windows", default="0,2,4,8")
     ap.add_argument("--evictions", default="uses",
                     help="host-tier eviction orders to measure at the chosen window")

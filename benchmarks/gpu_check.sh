@@ -195,23 +195,27 @@ bench() {
         "${THREADS[@]}" "${tr[@]}" "$@" --json "$OUT/bench_$name.json" >&2 \
         || log "bench $name did not finish (exit $?)"
 }
+# one bench's report moved into another's under KEY (the device returns at most 8 files):
+# keep_in FROM INTO KEY
+keep_in() {
+    "$PY" - "$OUT/$1" "$OUT/$2" "$3" <<'EOF'
+import json, sys
+from pathlib import Path
+src, dst, key = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+if src.exists():
+    report = json.loads(dst.read_text()) if dst.exists() else {}
+    report[key] = json.loads(src.read_text())
+    dst.write_text(json.dumps(report, indent=1))
+    src.unlink()
+EOF
+}
 FIT=$WORK/traces/olmoe-fit.npz
 bench fit24 "$FIT" "$BIG" all-gpu,ncmoe,ncmoe-mmap,promoe,infinity
 bench fit12 "$FIT" "$SMALL" ncmoe,ncmoe-mmap,promoe
 # where promoe's time goes, layer by layer (a run of its own: recording costs a little), kept
 # in bench_fit24.json as "timeline_run" (the device returns at most 8 files)
 bench timeline "$FIT" "$BIG" promoe --timeline
-"$PY" - "$OUT" <<'EOF'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-tl, fit = out / "bench_timeline.json", out / "bench_fit24.json"
-if tl.exists():
-    report = json.loads(fit.read_text()) if fit.exists() else {}
-    report["timeline_run"] = json.loads(tl.read_text())
-    fit.write_text(json.dumps(report, indent=1))
-    tl.unlink()
-EOF
+keep_in bench_timeline.json bench_fit24.json timeline_run
 # the fixed cost when nothing misses: every expert in a slot against every layer on the GPU,
 # both replayed, and the replay's own cost (every layer on the GPU on the model's own routing)
 bench full "$FIT" "$FULL" all-gpu,promoe
@@ -244,17 +248,7 @@ EOF
 if [ "$CPU" = 1 ]; then DISK_DEV=(- --cache-fraction 0.25); else DISK_DEV=("$BIG"); fi
 bench disk "$FIT" "${DISK_DEV[0]}" lru,promoe "${DISK_DEV[@]:1}" --host-budget "$DISK_HOST" \
     --gen 16 --prompt-len $((PROMPT < 128 ? PROMPT : 128))
-"$PY" - "$OUT" <<'EOF'
-import json, sys
-from pathlib import Path
-out = Path(sys.argv[1])
-disk, small = out / "bench_disk.json", out / "bench_fit12.json"
-if disk.exists():
-    report = json.loads(small.read_text()) if small.exists() else {}
-    report["disk_run"] = json.loads(disk.read_text())
-    small.write_text(json.dumps(report, indent=1))
-    disk.unlink()
-EOF
+keep_in bench_disk.json bench_fit12.json disk_run
 # the other routings, then the real OLMoE trace mapped onto the model, in one file
 for r in "$WORK/traces/uniform.npz" "$WORK/traces/skewed.npz" "$BUNDLE/olmoe-real.npz"; do
     if [ -f "$r" ]; then bench "r_$(basename "$r" .npz)" "$r" "$BIG" ncmoe,promoe; fi
