@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import tempfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -51,11 +50,10 @@ from forecache.cache.budget import parse_size
 from forecache.cache.cost import Profile
 from forecache.predictor.base import Predictor
 from forecache.sim.disk_reads import host_slots_for, host_weight_bytes
-from forecache.sim.run import fit_predictor, fresh, slots_for, split_requests
+from forecache.sim.run import fit_predictor, fresh, routed_like, slots_for
 from forecache.sim.shapes import ModelShape, shape_of
 from forecache.sim.simulate import SimConfig, SimResult, simulate
-from forecache.trace import synth
-from forecache.trace.format import Request, TraceFile
+from forecache.trace.format import Request
 
 ROOT = Path(__file__).resolve().parents[1]
 TRACES = ROOT.parent / "shared" / "traces"
@@ -81,15 +79,7 @@ def decode_traces(directory: Path) -> list[Path]:
 def replay_like(like: Path, args: argparse.Namespace) -> tuple[list[Request], list[Request],
                                                               object, dict]:
     """Routing at the shape fitted to ``like``'s statistics: (fit, replay, trace info, meta)."""
-    reqs, meta = synth.synthesize_like(like, args.shape, n_requests=args.requests,
-                                       prefill=args.prefill, decode=args.decode, seed=args.seed,
-                                       scale_free=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "routing.npz"
-        synth.write_trace(path, reqs, meta)
-        with TraceFile(path) as tf:
-            info = tf.info()
-            fit, replay = split_requests(tf, 0.5)
+    info, fit, replay, meta = routed_like(like, args.shape, args, scale_free=True)
     return fit, replay, info, meta
 
 

@@ -94,6 +94,9 @@ class Profile:
     # file (its default; ``h2d_gbps`` is pinned memory's, as --no-mmap and forecache load host
     # experts), which the driver stages through a pinned buffer. 0: PAGEABLE_SHARE of h2d_gbps
     h2d_pageable_gbps: float = 0.0
+    # cards of this kind in the machine, each with its own link to the host at ``h2d_gbps``
+    # (the per-card figures above), all sharing the host's DRAM (``dram_gbps``)
+    devices: int = 1
     source: str = ""
     # the disk under the host expert store (None: none modelled; the JSON's "disk" object)
     disk: DiskProfile | None = None
@@ -111,14 +114,18 @@ class Profile:
         """What copies and CPU expert compute each keep of their rate while both read DRAM."""
         return self.dram_factor(copy=True, cpu=True)
 
-    def dram_factor(self, *, copy: bool, cpu: bool, disk: bool = False) -> float:
+    def dram_factor(self, *, copy: bool, cpu: bool, disk: bool = False, copies: int = 1
+                    ) -> float:
         """What each of the DRAM users running at once keeps of its rate: host-to-device
-        copies, CPU expert compute and disk reads landing in host memory, each at its full
-        rate unless together they ask for more than ``dram_gbps``."""
+        copies (``copies`` of them at once, one per device link), CPU expert compute and disk
+        reads landing in host memory, each at its full rate unless together they ask for more
+        than ``dram_gbps``."""
         disk = disk and self.disk is not None
-        if copy + cpu + disk < 2:  # one user alone runs at its own rate
+        n_copy = copies if copy else 0
+        if n_copy + cpu + disk < 2:  # one user alone runs at its own rate
             return 1.0
-        demand = (self.h2d_gbps if copy else 0.0) + (self.cpu_mem_gbps if cpu else 0.0) + \
+        demand = (self.h2d_gbps * n_copy if copy else 0.0) + \
+            (self.cpu_mem_gbps if cpu else 0.0) + \
             (self.disk.gbps if disk and self.disk is not None else 0.0)
         return min(1.0, self.dram_gbps / demand) if self.dram_gbps > 0 and demand > 0 else 1.0
 

@@ -2,7 +2,8 @@
 
 ``SimEngine`` has the calls of ``cache.runtime.ExpertCache`` (load, preempt, schedule,
 layer_state and the slot states the node hook waits on) and keeps time by the profile: one
-worker copying chunks highest priority first, streamed copies that wait for their slot's previous
+worker per device link copying chunks highest priority first (a layer's chunks over its
+device's link, ``bus_of``), streamed copies that wait for their slot's previous
 expert, the in-use guard. A test holds it to the C engine's slot states and copy order. With a
 disk tier (``disk``, ``sim.hosttier.HostTier``) a chunk also waits for its expert's read.
 """
@@ -68,8 +69,15 @@ class SimEngine:
     """The C copy engine's contract in virtual time (csrc/forecache.h, forecache-cache.cpp)."""
 
     def __init__(self, shape: ModelShape, n_slots: Sequence[int], profile: Profile, *,
-                 whole_expert_chunks: bool = False, n_stage: int = 0) -> None:
+                 whole_expert_chunks: bool = False, n_stage: int = 0,
+                 bus_of: Sequence[int] | None = None) -> None:
         self.shape = shape
+        # the device link each layer's copies take (None: one device); each link has its own
+        # worker, all of them reading the one host store
+        self.bus_of = list(bus_of) if bus_of is not None else [0] * len(n_slots)
+        if len(self.bus_of) != len(n_slots):
+            raise ValueError(f"{len(self.bus_of)} layer devices for {len(n_slots)} layers")
+        self.n_buses = max(self.bus_of, default=0) + 1
         self.profile = profile
         self.whole = whole_expert_chunks
         n_proj = len(shape.proj_bytes)
@@ -94,7 +102,7 @@ class SimEngine:
         self._queued_slot: dict[tuple[int, int], int] = {}
         self.now = 0.0
         self.busy_until = 0.0
-        self.running: _Chunk | None = None
+        self.runs: list[_Chunk | None] = [None] * self.n_buses  # each link's copying chunk
         self.cpu_busy_until = 0.0  # the CPU computes experts from DRAM until then
         self._events: list[tuple[float, int, str, object]] = []
         self._seq = itertools.count()
@@ -107,6 +115,13 @@ class SimEngine:
                       "hi_tasks": 0, "dropped_chunks": 0, "refused_loads": 0, "streamed": 0,
                       "host_entries": 0, "hi_block_s": 0.0, "hi_block_max_s": 0.0,
                       "staged": 0, "stage_used": 0}
+        if self.n_buses > 1:  # bytes over each device's link
+            self.stats.update({f"h2d_bytes_dev{d}": 0 for d in range(self.n_buses)})
+
+    @property
+    def running(self) -> _Chunk | None:
+        """A chunk being copied over some link (None: every link is idle)."""
+        return next((c for c in self.runs if c is not None), None)
 
     def attach_disk(self, n_host: Sequence[int], evict: str = "uses",
                     exclusive: bool = False, read_ahead: bool = True) -> HostTier:
@@ -459,9 +474,15 @@ class SimEngine:
     def _kick(self) -> None:
         if self.disk is not None and self.disk.orphans:
             self.disk.request_orphans(self._runnable_priority)
-        if self.running is not None or self.paused:
+        if self.paused:
             return
-        ch = self._pop()
+        for bus in range(self.n_buses):
+            if self.runs[bus] is None:
+                self._start(bus)
+
+    def _start(self, bus: int) -> None:
+        """Start the next chunk over link ``bus``, if one can run."""
+        ch = self._pop(bus)
         if ch is None:
             return
         L = self.layers[ch.layer]
@@ -480,7 +501,7 @@ class SimEngine:
             if b > 0:
                 self.stats["hi_block_s"] += b
                 self.stats["hi_block_max_s"] = max(self.stats["hi_block_max_s"], b)
-        self.running = ch
+        self.runs[bus] = ch
         if ch.priority > 0:
             self.low_start = self.now
         if self.disk is not None:
@@ -489,13 +510,15 @@ class SimEngine:
         # a copy that starts while the CPU computes experts, or disk reads land, shares DRAM
         rate = p.h2d_gbps * p.dram_factor(
             copy=True, cpu=self.now < self.cpu_busy_until,
-            disk=self.disk is not None and self.disk.flowing())
+            disk=self.disk is not None and self.disk.flowing(),
+            copies=sum(c is not None for c in self.runs))
         dur = p.chunk_latency_s + ch.size / (rate * 1e9)
         self.busy_until = self.now + dur
         heapq.heappush(self._events, (self.busy_until, next(self._seq), "done", ch))
 
     def _finish(self, ch: _Chunk) -> None:
-        self.running = None
+        bus = self.bus_of[ch.layer]
+        self.runs[bus] = None
         if ch.priority > 0:
             self.low_end = self.now
         if self.disk is not None:
@@ -503,16 +526,18 @@ class SimEngine:
         self._count(ch, -1)
         self.stats["h2d_bytes"] += ch.size
         self.stats["n_chunks"] += 1
+        if self.n_buses > 1:
+            self.stats[f"h2d_bytes_dev{bus}"] += ch.size
 
     def _eligible(self, c: _Chunk) -> bool:
         if self.disk is not None and not self.disk.present(c.layer, c.expert):
             return False  # its expert is still on disk
         return c.need <= 0 or self.layers[c.layer].consumed[c.slot][c.proj] >= c.need
 
-    def _pop(self) -> _Chunk | None:
+    def _pop(self, bus: int = 0) -> _Chunk | None:
         for q in self.queue:
             for c in q:
-                if self._eligible(c):
+                if (self.n_buses == 1 or self.bus_of[c.layer] == bus) and self._eligible(c):
                     q.remove(c)
                     self._queued(c, -1)
                     return c

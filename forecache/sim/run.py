@@ -279,17 +279,28 @@ def target_replay(args: argparse.Namespace, progress: Callable[[str], None] = pr
                          "shape's expert count and top-k")
     profile = Profile.load(args.profile)
     shape = shape_of(args.shape, "q4_k")
-    reqs, meta = synth.synthesize_like(args.like, args.shape, n_requests=args.requests,
+    info, fit, replay, meta = routed_like(args.like, args.shape, args, progress=progress)
+    n_slots = slots_for(shape, shape.layers, args.budget, None)
+    return shape, profile, n_slots, info, fit, replay, meta
+
+
+def routed_like(like: Path, shape: str, args: argparse.Namespace, *, scale_free: bool = False,
+                progress: Callable[[str], None] = lambda s: None
+                ) -> tuple[TraceInfo, list[Request], list[Request], dict]:
+    """``args.requests`` requests of ``args.prefill`` + ``args.decode`` tokens at the
+    models.yaml model ``shape``, routed like the trace ``like`` (``synth.synthesize_like``,
+    seed ``args.seed``), written as a trace and split into the half that fits predictors and
+    the half replayed: (trace info, fit, replay, the synthesis's meta)."""
+    reqs, meta = synth.synthesize_like(like, shape, n_requests=args.requests,
                                        prefill=args.prefill, decode=args.decode, seed=args.seed,
-                                       progress=progress)
+                                       progress=progress, scale_free=scale_free)
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "target.npz"
+        path = Path(tmp) / "routing.npz"
         synth.write_trace(path, reqs, meta)
         with TraceFile(path) as tf:
             info = tf.info()
             fit, replay = split_requests(tf, 0.5)
-    n_slots = slots_for(shape, shape.layers, args.budget, None)
-    return shape, profile, n_slots, info, fit, replay, meta
+    return info, fit, replay, meta
 
 
 @dataclass

@@ -109,6 +109,11 @@ class SimConfig:
     # False: a predicted expert's copy reads nothing from the file; its read waits for the
     # layer's routing to want it (only experts already in host slots are copied ahead)
     host_read_ahead: bool = True
+    # several devices (``sim.devices``): the device of each model layer, as llama.cpp's layer
+    # split assigns them (None: one device). A layer's weights, KV and (forecache) expert
+    # slots are on its device, its compute runs there and its copies take that device's link
+    # to the host; a ubatch's activations cross to the next device at each split boundary
+    layer_device: tuple[int, ...] | None = None
 
     def slots_at(self, layer: int) -> int:
         """Slots of model layer ``layer``."""
@@ -202,8 +207,12 @@ class Simulator:
             n = int(np.ceil(cfg.draft_bytes / shape.expert_bytes))
             for k in range(n if cached else 0):
                 self.n_slots[cached[-1 - k % len(cached)]] -= 1
+        if cfg.layer_device is not None and len(cfg.layer_device) != n_layers:
+            raise ValueError(f"{len(cfg.layer_device)} layer devices for a shape of {n_layers} "
+                             "layers")
         self.engine = SimEngine(shape, self.n_slots, profile, whole_expert_chunks=not f.chunk,
-                                n_stage=stage)
+                                n_stage=stage, bus_of=cfg.layer_device)
+        self.n_devices = self.engine.n_buses
         cost = CostModel.from_profile(cfg.plan_profile or profile, shape.expert)
         if cfg.plan_profile is not None:
             cost.copy_gbps = profile.h2d_gbps
@@ -235,7 +244,9 @@ class Simulator:
                 self.engine.load(il, e, s, 1)
             self.engine.wait_until(lambda: self.engine.running is None and
                                    not any(self.engine.queue))
-            self.engine.stats.update(h2d_bytes=0, n_chunks=0)
+            # the loads before the first request are not the run's copies (nor any link's)
+            self.engine.stats.update({k: 0 for k in self.engine.stats
+                                      if k.startswith("h2d_bytes")}, n_chunks=0)
             self.disk.after_initial_loads()
         self.t = self.engine.now
         self._merge = CostModel.from_profile(profile, shape.expert)  # host entries' merge time
@@ -260,6 +271,7 @@ class Simulator:
         # are ``stall``) and the runtime's own steps (hooks, gates, passes, expert groups)
         self.cpu_s = self.bus_s = self.runtime_s = self.attn_s = 0.0
         self.fast_gates = 0
+        self.hops = 0  # activations crossing between devices
         L = self.shape.layers
         self.lay = {k: np.zeros(L) for k in ("predicted", "correct", "in_time", "good", "stall")}
         self.floor_prefill: list[float] = []  # per request
@@ -443,10 +455,12 @@ class Simulator:
                 self.policy.prefetch(il, known.tolist(), eng.epoch, eng)
         cached = set(self.layers)
         p = self.profile
-        both = p.h2d_gbps + p.cpu_mem_gbps
+        both = p.h2d_gbps * self.n_devices + p.cpu_mem_gbps
         best_gbps = min(both, p.dram_gbps) if p.dram_gbps > 0 else both
         floor = compute = 0.0
         missed_bytes = 0
+        dev_at = self.cfg.layer_device
+        device = dev_at[0] if dev_at is not None else 0
         if sh.lead_bytes:  # leading dense layers: weights on the device, every row through them
             lead = self._dev(sh.lead_bytes, 2.0 * n * sh.lead_bytes / sh.bytes_per_weight)
             self.t += lead
@@ -457,6 +471,12 @@ class Simulator:
                 # a layer the trace logged no routing for is left out: the run is the model's
                 # logged layers (a partial trace's figures hold for them, not for the rest)
                 continue
+            if dev_at is not None and dev_at[il] != device:
+                hop = self._hop(n)
+                device = dev_at[il]
+                self.t += hop
+                floor += hop
+                compute += hop
             dense = self._dev(sh.layer_bytes, n * sh.layer_flops)
             if attention is not None:
                 dense += self._attention(attention[0], attention[1], n)
@@ -526,9 +546,19 @@ class Simulator:
         self.t += self.profile.token_s + max(logits - 1, 0) * self.profile.sample_s
         self.runtime_s += self.profile.token_s + max(logits - 1, 0) * self.profile.sample_s
         self._floor = floor + head
-        self._bus_floor = max(compute + head, missed_bytes / (p.h2d_gbps * 1e9))
+        self._bus_floor = max(compute + head,
+                              missed_bytes / (p.h2d_gbps * self.n_devices * 1e9))
         eng.advance_to(self.t)
         return self.t - t0
+
+    def _hop(self, n_rows: int) -> float:
+        """A ubatch's hidden state (f32) crossing from one device to the next at a split
+        boundary: down to the host and up again (no peer-to-peer between the cards)."""
+        p = self.profile
+        t = 2 * (p.chunk_latency_s + n_rows * self.shape.d_model * 4 / (p.h2d_gbps * 1e9))
+        self.bus_s += t
+        self.hops += 1
+        return t
 
     def _attention(self, nbytes: float, flops: float, n_rows: int) -> float:
         """One layer's attention over the ubatch's contexts: on the device, or with the KV cache
@@ -588,6 +618,9 @@ class Simulator:
             for j, nb in enumerate(sh.proj_bytes):
                 nbytes = len(experts) * nb
                 self.engine.stats["h2d_bytes"] += nbytes
+                if self.n_devices > 1:  # over the link of the device that owns the layer
+                    assert self.cfg.layer_device is not None
+                    self.engine.stats[f"h2d_bytes_dev{self.cfg.layer_device[il]}"] += nbytes
                 copy += p.chunk_latency_s + nbytes / (self.stock_gbps * 1e9)
                 self.t += self._node(experts, pairs, j)
             # the copies precede each projection's matmul on the same stream: loading time on
@@ -762,6 +795,8 @@ class Simulator:
             extra.update(spec_steps=self.spec_steps, spec_accepted=self.spec_accepted,
                          tokens_per_step=(self.spec_accepted + self.spec_steps) /
                          max(self.spec_steps, 1))
+        if self.n_devices > 1:
+            extra.update(devices=self.n_devices, device_hops=self.hops)
         extra["decode_gate_s"] = self.fast
         extra["decode_gates_in_c"] = self.fast_gates
         if isinstance(self.policy, Prefetcher):
