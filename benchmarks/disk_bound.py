@@ -31,21 +31,23 @@ from __future__ import annotations
 import json
 import math
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
-from forecache.cache.budget import parse_size
-from forecache.cache.cost import DiskProfile, Profile
+from forecache.cache.cost import DiskProfile
 from forecache.sim.belady import belady_misses, min_reads
-from forecache.sim.disk_reads import host_slots_for, host_weight_bytes
-from forecache.sim.run import slots_for
-from forecache.sim.shapes import ModelShape, shape_of
+from forecache.sim.shapes import ModelShape
 from forecache.trace.format import Request
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from disk_sim import FLASH_MOE_TOKS, decode_traces, replay_like, setup_args  # noqa: E402
+from disk_sim import (  # noqa: E402
+    FLASH_MOE_TOKS,
+    decode_traces,
+    machine,
+    replay_like,
+    setup_args,
+)
 
 
 def layer_steps(requests: list[Request], il: int) -> tuple[list[list[int]], list[bool]]:
@@ -117,20 +119,13 @@ def lru_decode_misses(steps: list[list[int]], mask: np.ndarray, capacity: int) -
 
 def main() -> None:
     ap = setup_args(__doc__.splitlines()[0])
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--capacities", default="",
                     help="experts a layer, besides the host slots and device + host slots")
-    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
-    base = Profile.load(args.profile)
-    if base.disk is None:
-        raise SystemExit(f"profile {args.profile} has no disk section")
-    disk = replace(base.disk, gbps=args.disk_gbps)
-    shape = shape_of(args.shape, "q4_k")
-    n_host = host_slots_for(shape, parse_size(args.host) - parse_size(args.host_reserve),
-                            host_weight_bytes(args.shape))
-    n_slots = slots_for(shape, shape.layers, args.budget, None)
+    profile, shape, n_slots, n_host = machine(args)
+    disk = profile.disk
+    assert disk is not None
     caps = {"host": n_host, "pooled": n_host + n_slots}
     for c in filter(None, args.capacities.split(",")):
         caps[f"{int(c)}"] = int(c)
@@ -195,7 +190,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({
             "shape": args.shape, "budget": args.budget, "host": args.host,
-            "host_reserve": args.host_reserve, "profile": base.name,
+            "host_reserve": args.host_reserve, "profile": profile.name,
             "disk": {"gbps": disk.gbps, "latency_us": disk.latency_us,
                      "queue_depth": disk.queue_depth},
             "n_slots": n_slots, "host_slots": n_host, "capacities": caps,

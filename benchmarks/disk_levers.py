@@ -26,17 +26,14 @@ from pathlib import Path
 
 import numpy as np
 
-from forecache.cache.budget import parse_size
-from forecache.cache.cost import Profile
-from forecache.sim.disk_reads import host_slots_for, host_weight_bytes
-from forecache.sim.run import fit_predictor, slots_for
-from forecache.sim.shapes import shape_of
+from forecache.sim.run import fit_predictor
 from forecache.sim.simulate import SimConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from disk_sim import (  # noqa: E402
     FLASH_MOE_TOKS,
     decode_traces,
+    machine,
     measure,
     replay_like,
     row,
@@ -54,13 +51,7 @@ LEVERS = {
 
 def run_trace(like: Path, args: argparse.Namespace, levers: list[str]) -> dict:
     """promoe and each lever over ``like``'s fitted routing."""
-    base = Profile.load(args.profile)
-    assert base.disk is not None
-    profile = replace(base, disk=replace(base.disk, gbps=args.disk_gbps))
-    shape = shape_of(args.shape, "q4_k")
-    n_host = host_slots_for(shape, parse_size(args.host) - parse_size(args.host_reserve),
-                            host_weight_bytes(args.shape))
-    n_slots = slots_for(shape, shape.layers, args.budget, None)
+    profile, shape, n_slots, n_host = machine(args)
     fit, replay, info, _ = replay_like(like, args)
     pname, pred = fit_predictor("auto", info, fit, args.window)
     cfg = SimConfig("promoe", n_slots, window=args.window, host_slots=n_host,
@@ -82,9 +73,7 @@ def main() -> None:
     ap.add_argument("--disk-window", type=int, default=0,
                     help="disk_sim.py's chosen window (0 measured best there)")
     ap.add_argument("--levers", default=",".join(LEVERS))
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=1, help="traces run at once")
-    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     levers = [x for x in args.levers.split(",") if x]
     for x in levers:

@@ -121,7 +121,22 @@ def setup_args(description: str) -> argparse.ArgumentParser:
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--prefill", type=int, default=128)
     ap.add_argument("--decode", type=int, default=128)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", type=Path, default=None)
     return ap
+
+
+def machine(args: argparse.Namespace) -> tuple[Profile, ModelShape, int, int]:
+    """The options' machine: the profile with its disk at ``--disk-gbps``, the shape at q4_k,
+    and the device and host slots a layer its card and host memory give."""
+    base = Profile.load(args.profile)
+    if base.disk is None:
+        raise SystemExit(f"profile {args.profile} has no disk section")
+    profile = replace(base, disk=replace(base.disk, gbps=args.disk_gbps))
+    shape = shape_of(args.shape, "q4_k")
+    n_host = host_slots_for(shape, parse_size(args.host) - parse_size(args.host_reserve),
+                            host_weight_bytes(args.shape))
+    return profile, shape, slots_for(shape, shape.layers, args.budget, None), n_host
 
 
 def main() -> None:
@@ -130,18 +145,9 @@ def main() -> None:
     ap.add_argument("--evictions", default="uses",
                     help="host-tier eviction orders to measure at the chosen window")
     ap.add_argument("--window", type=int, default=2)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
-    base = Profile.load(args.profile)
-    if base.disk is None:
-        raise SystemExit(f"profile {args.profile} has no disk section")
-    profile = replace(base, disk=replace(base.disk, gbps=args.disk_gbps))
-    shape: ModelShape = shape_of(args.shape, "q4_k")
-    host_budget = parse_size(args.host) - parse_size(args.host_reserve)
-    n_host = host_slots_for(shape, host_budget, host_weight_bytes(args.shape))
-    n_slots = slots_for(shape, shape.layers, args.budget, None)
+    profile, shape, n_slots, n_host = machine(args)
     windows = [int(w) for w in args.disk_windows.split(",")]
     traces = args.like or decode_traces(args.traces)
     if not traces:

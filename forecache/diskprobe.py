@@ -29,6 +29,43 @@ def _open_direct(path: Path) -> tuple[int, bool]:
     return os.open(path, os.O_RDONLY), False
 
 
+def _timed_reads(fd: int, spans: Sequence[tuple[int, int]], workers: int, direct: bool
+                 ) -> tuple[float, int]:
+    """Read ``spans`` (aligned offset, size) of ``fd``, ``workers`` at a time, into page-aligned
+    buffers: (seconds, bytes read). Without direct I/O their pages are dropped from the page
+    cache before (a cached page measures memory) and after (the reads leave nothing behind)."""
+    def drop() -> None:
+        if not direct:
+            for off, n in spans:
+                os.posix_fadvise(fd, off, n, os.POSIX_FADV_DONTNEED)
+
+    size = max(n for _, n in spans)
+    bufs = [mmap.mmap(-1, size) for _ in range(workers)]
+
+    def read(i: int) -> int:
+        off, n = spans[i]
+        view = memoryview(bufs[i % workers])[:n]
+        try:
+            return os.preadv(fd, [view], off)
+        finally:
+            view.release()
+
+    drop()
+    try:
+        t0 = time.perf_counter()
+        if workers == 1:
+            got = sum(read(i) for i in range(len(spans)))
+        else:
+            with ThreadPoolExecutor(workers) as pool:
+                got = sum(pool.map(read, range(len(spans))))
+        dt = time.perf_counter() - t0
+    finally:
+        for b in bufs:
+            b.close()
+    drop()
+    return dt, got
+
+
 def measure_disk(directory: Path, nbytes: int = 256 << 20) -> dict:
     """Write ``nbytes`` to a temporary file in ``directory``, then read it back in READ_BYTES
     reads at each of QUEUE_DEPTHS: the file system's rate (GB/s) at each depth and whether
@@ -45,21 +82,10 @@ def measure_disk(directory: Path, nbytes: int = 256 << 20) -> dict:
         fd, direct = _open_direct(Path(f.name))
         out["direct_io"] = direct
         try:
+            spans = [(i * READ_BYTES, READ_BYTES) for i in range(n)]
             for depth in QUEUE_DEPTHS:
-                if not direct:  # a plain read of pages still cached measures memory
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-                bufs = [mmap.mmap(-1, READ_BYTES) for _ in range(depth)]  # page-aligned
-
-                def read(i: int, bufs: list[mmap.mmap] = bufs) -> int:
-                    return os.preadv(fd, [bufs[i % len(bufs)]], i * READ_BYTES)
-
-                t0 = time.perf_counter()
-                with ThreadPoolExecutor(depth) as pool:
-                    got = sum(pool.map(read, range(n)))
-                dt = time.perf_counter() - t0
+                dt, got = _timed_reads(fd, spans, depth, direct)
                 out[f"qd{depth}_gbps"] = round(got / dt / 1e9, 2)
-                for b in bufs:
-                    b.close()
         finally:
             os.close(fd)
     return out
@@ -94,43 +120,11 @@ def measure_file(path: Path, ranges: Sequence[tuple[int, int]], depth: int) -> D
         raise ValueError("measure_file needs at least one range to read")
     spans = [(off // ALIGN * ALIGN, -(-(off + n) // ALIGN) * ALIGN - off // ALIGN * ALIGN)
              for off, n in ranges]
-    size = max(n for _, n in spans)
     fd, direct = _open_direct(path)
     try:
-        bufs = [mmap.mmap(-1, size) for _ in range(max(depth, 1))]  # page-aligned
-
-        def read(i: int) -> int:
-            off, n = spans[i]
-            buf = bufs[i % len(bufs)]
-            if n == size:
-                return os.preadv(fd, [buf], off)
-            view = memoryview(buf)[:n]
-            try:
-                return os.preadv(fd, [view], off)
-            finally:
-                view.release()
-
-        def timed(idx: Sequence[int], workers: int) -> tuple[float, int]:
-            if not direct:
-                for i in idx:
-                    os.posix_fadvise(fd, spans[i][0], spans[i][1], os.POSIX_FADV_DONTNEED)
-            t0 = time.perf_counter()
-            if workers == 1:
-                got = sum(read(i) for i in idx)
-            else:
-                with ThreadPoolExecutor(workers) as pool:
-                    got = sum(pool.map(read, idx))
-            dt = time.perf_counter() - t0
-            if not direct:  # what the reads brought into the page cache goes again
-                for i in idx:
-                    os.posix_fadvise(fd, spans[i][0], spans[i][1], os.POSIX_FADV_DONTNEED)
-            return dt, got
-
         n1 = min(len(spans), 4)
-        one_s, one_bytes = timed(range(n1), 1)
-        all_s, all_bytes = timed(range(len(spans)), max(depth, 1))
-        for b in bufs:
-            b.close()
+        one_s, one_bytes = _timed_reads(fd, spans[:n1], 1, direct)
+        all_s, all_bytes = _timed_reads(fd, spans, max(depth, 1), direct)
     finally:
         os.close(fd)
     gbps = all_bytes / max(all_s, 1e-9) / 1e9
