@@ -11,8 +11,10 @@
 #                                         machine lacks, into .gpu-bundle/ (tar + xz, about 40 MB)
 #   benchmarks/gpu_check.sh run OUT       on the GPU machine, one call of about 8 min: install the
 #                                         bundle, doctor, write the 57B model (Q4_K_M mix), replay
-#                                         OLMoE-fitted routing at 24 and 12 GiB (all-gpu, ncmoe with
-#                                         --no-mmap and with mmap, promoe, infinity), every expert
+#                                         OLMoE-fitted routing at 24 GiB (all-gpu, ncmoe with
+#                                         --no-mmap and with mmap, promoe with and without the
+#                                         prompt split, infinity), the real OLMoE trace, promoe's
+#                                         timeline, 12 GiB, every expert
 #                                         resident against all-gpu and the replay's own cost, the
 #                                         disk tier (a quarter of the experts in host memory), the
 #                                         other routings, then the lossless subset as time allows
@@ -210,12 +212,16 @@ if src.exists():
 EOF
 }
 FIT=$WORK/traces/olmoe-fit.npz
-bench fit24 "$FIT" "$BIG" all-gpu,ncmoe,ncmoe-mmap,promoe,infinity
-bench fit12 "$FIT" "$SMALL" ncmoe,ncmoe-mmap,promoe
+# promoe+prompt-split: the host split for prompts too, as before 2026-11-26 (its A/B)
+bench fit24 "$FIT" "$BIG" all-gpu,ncmoe,ncmoe-mmap,promoe,promoe+prompt-split,infinity
+# the real OLMoE trace mapped onto the model, the routing to beat (into bench_routings.json)
+REAL=$BUNDLE/olmoe-real.npz
+if [ -f "$REAL" ]; then bench r_olmoe-real "$REAL" "$BIG" ncmoe,promoe,infinity; fi
 # where promoe's time goes, layer by layer (a run of its own: recording costs a little), kept
 # in bench_fit24.json as "timeline_run" (the device returns at most 8 files)
 bench timeline "$FIT" "$BIG" promoe --timeline
 keep_in bench_timeline.json bench_fit24.json timeline_run
+bench fit12 "$FIT" "$SMALL" ncmoe,ncmoe-mmap,promoe
 # the fixed cost when nothing misses: every expert in a slot against every layer on the GPU,
 # both replayed, and the replay's own cost (every layer on the GPU on the model's own routing)
 bench full "$FIT" "$FULL" all-gpu,promoe
@@ -247,10 +253,10 @@ EOF
 )
 if [ "$CPU" = 1 ]; then DISK_DEV=(- --cache-fraction 0.25); else DISK_DEV=("$BIG"); fi
 bench disk "$FIT" "${DISK_DEV[0]}" lru,promoe "${DISK_DEV[@]:1}" --host-budget "$DISK_HOST" \
-    --gen 16 --prompt-len $((PROMPT < 128 ? PROMPT : 128))
+    --gen 8 --prompt-len $((PROMPT < 64 ? PROMPT : 64))
 keep_in bench_disk.json bench_fit12.json disk_run
-# the other routings, then the real OLMoE trace mapped onto the model, in one file
-for r in "$WORK/traces/uniform.npz" "$WORK/traces/skewed.npz" "$BUNDLE/olmoe-real.npz"; do
+# the other routings, in one file with the real trace's
+for r in "$WORK/traces/uniform.npz" "$WORK/traces/skewed.npz"; do
     if [ -f "$r" ]; then bench "r_$(basename "$r" .npz)" "$r" "$BIG" ncmoe,promoe; fi
 done
 "$PY" - "$OUT" <<'EOF'

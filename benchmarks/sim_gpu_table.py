@@ -38,7 +38,7 @@ from forecache.cache.budget import MemoryPlan, compute_buffer_bytes, parse_size
 from forecache.cache.cost import Profile
 from forecache.cache.prefetcher import stage_slots_for
 from forecache.cache.registry import policy_spec
-from forecache.cache.setup import DEFAULT_MACHINE, EAM_WINDOW
+from forecache.cache.setup import DEFAULT_GPU_MACHINE, DEFAULT_MACHINE, EAM_WINDOW
 from forecache.gguf.header import is_expert_tensor
 from forecache.gguf.specs import get_spec, tensor_plan
 from forecache.predictor.base import Predictor
@@ -116,6 +116,53 @@ MEASURED = (
 # Not simulated: "all-gpu, the model's own (random-weight) routing" (221.0 / 7.27 ms): that
 # routing was not recorded.
 
+# Measured: BENCHMARKS.md, "GPU: the check on an H100 (NVIDIA H100 80GB HBM3), 2026-11-26"
+# (gpu_check.sh run at 75d2868; benchmarks/gpu/h100-2026-11-26/). Every run warmed up with a
+# prompt as long as the timed one (no first-run cost), and promoe's split planned with h200-xeon.
+MEASURED_H100 = (
+    Row("fit 24G all-gpu", "olmoe-fit", "64GiB", "all-gpu", 147.0, 7.48),
+    Row("fit 24G ncmoe", "olmoe-fit", "24GiB", "ncmoe", 371.0, 26.71),
+    Row("fit 24G ncmoe-mmap", "olmoe-fit", "24GiB", "ncmoe-mmap", 1303.9, 26.56),
+    Row("fit 24G promoe", "olmoe-fit", "24GiB", "promoe", 560.2, 19.53, hit=85.3, h2d_gb=38.68),
+    Row("fit 24G infinity", "olmoe-fit", "24GiB", "infinity", 607.9, 16.03, hit=89.2,
+        h2d_gb=29.75),
+    Row("fit 12G ncmoe", "olmoe-fit", "12GiB", "ncmoe", 576.0, 55.11),
+    Row("fit 12G ncmoe-mmap", "olmoe-fit", "12GiB", "ncmoe-mmap", 2967.7, 53.24),
+    Row("fit 12G promoe", "olmoe-fit", "12GiB", "promoe", 1117.4, 46.74, hit=50.5,
+        h2d_gb=126.92),
+    Row("uniform 24G ncmoe", "uniform", "24GiB", "ncmoe", 333.0, 28.27),
+    Row("uniform 24G promoe", "uniform", "24GiB", "promoe", 397.3, 37.88, hit=65.1,
+        h2d_gb=93.24),
+    Row("skewed 24G ncmoe", "skewed", "24GiB", "ncmoe", 342.8, 26.74),
+    Row("skewed 24G promoe", "skewed", "24GiB", "promoe", 526.3, 16.79, hit=88.6, h2d_gb=30.15),
+    Row("real 24G ncmoe", "olmoe-real", "24GiB", "ncmoe", 323.1, 28.34),
+    Row("real 24G promoe", "olmoe-real", "24GiB", "promoe", 494.9, 23.35, hit=82.4,
+        h2d_gb=45.89),
+    Row("real 24G infinity", "olmoe-real", "24GiB", "infinity", 503.5, 32.96, hit=72.9,
+        h2d_gb=84.30),
+    Row("full 64G all-gpu", "olmoe-fit", "64GiB", "all-gpu", 151.7, 8.47),
+    Row("full 64G promoe", "olmoe-fit", "64GiB", "promoe", 213.0, 8.90, hit=100.0, h2d_gb=0.0),
+)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One GPU check's rows and how its runs were set up: the warm-up's prompt rows (it moved
+    the prompt cursor) and the profile promoe's split planned with."""
+
+    rows: tuple[Row, ...]
+    warm_prompt: int
+    plan_profile: str
+
+
+RUNS = {
+    # the warm-up passed 8 prompt tokens; the split planned with the 4090's profile
+    "h200": Run(MEASURED, WARM_PROMPT, DEFAULT_MACHINE),
+    # a warm-up as long as the prompt (its 512 rows wrap the prompt cursor: the timed prompt
+    # replays the same rows); the split planned with h200-xeon (cache.setup.DEFAULT_GPU_MACHINE)
+    "h100": Run(MEASURED_H100, PROMPT, DEFAULT_GPU_MACHINE),
+}
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -175,9 +222,11 @@ def routing(name: str, shape: ModelShape, olmoe_real: Path = OLMOE_REAL) -> Rout
                        n_expert=shape.experts, top_k=shape.top_k, source=name)
 
 
-def replayed_requests(rt: Routing) -> tuple[Request, Request]:
+def replayed_requests(rt: Routing, warm_prompt: int = WARM_PROMPT) -> tuple[Request, Request]:
     """(warm-up, timed) as the replay fed them: prompt rows and decode rows each from their own
-    cursor (``RoutingReplay.table``), the warm-up's first."""
+    cursor (``RoutingReplay.table``), the warm-up's first. A warm-up of ``warm_prompt`` prompt
+    tokens; the timed prompt reuses as many as the two share (8 of 512 at WARM_PROMPT: a common
+    prefix; none of a whole-length warm-up, the reversed prompt)."""
     cursor = {False: 0, True: 0}
 
     def take(decode: bool, n: int) -> np.ndarray:
@@ -191,8 +240,8 @@ def replayed_requests(rt: Routing) -> tuple[Request, Request]:
         phase = np.r_[np.zeros(n_prompt, np.int8), np.ones(n_decode, np.int8)]
         return Request(experts=rt.experts[rows].astype(np.int16), weights=None, phase=phase)
 
-    warm = request(WARM_PROMPT, WARM_DECODE)
-    timed = request(PROMPT - WARM_PROMPT, GEN - 1)
+    warm = request(warm_prompt, WARM_DECODE)
+    timed = request(PROMPT - warm_prompt if warm_prompt < PROMPT else PROMPT, GEN - 1)
     return warm, timed
 
 
@@ -218,7 +267,7 @@ class Simulated:
 
 
 def simulate_row(row: Row, shape: ModelShape, profile: Profile, plan_profile: Profile | None,
-                 routings: dict[str, Routing]) -> Simulated:
+                 routings: dict[str, Routing], warm_prompt: int = WARM_PROMPT) -> Simulated:
     """One row on the modelled machine."""
     budget = "64GiB" if row.policy == "all-gpu" else row.budget
     policy = "ncmoe" if row.policy == "all-gpu" else row.policy
@@ -232,7 +281,7 @@ def simulate_row(row: Row, shape: ModelShape, profile: Profile, plan_profile: Pr
     sim = Simulator(shape, profile, cfg, range(shape.layers), pred)
     if spec.proactive:
         assert sim.n_stage == pl.stage and sim.n_slots == pl.post, (sim.n_stage, sim.n_slots)
-    warm, timed = replayed_requests(routings[row.routing])
+    warm, timed = replayed_requests(routings[row.routing], warm_prompt)
     sim.run_request(warm)
     hits, misses, h2d = sim.hits, sim.misses, sim.engine.stats["h2d_bytes"]
     host0 = sim.host_layers
@@ -251,7 +300,8 @@ def error(sim: float, measured: float) -> float:
 
 def simulate_table(rows: Sequence[Row], profile: Profile, plan_profile: Profile | None = None,
                    olmoe_real: Path = OLMOE_REAL,
-                   progress: Callable[[str], None] = lambda s: None) -> list[dict]:
+                   progress: Callable[[str], None] = lambda s: None,
+                   warm_prompt: int = WARM_PROMPT) -> list[dict]:
     """Every row simulated: the row's measured and simulated figures and the errors."""
     shape = shape_of(MODEL, QTYPE)
     routings = {name: routing(name, shape, olmoe_real)
@@ -259,7 +309,7 @@ def simulate_table(rows: Sequence[Row], profile: Profile, plan_profile: Profile 
     out = []
     for row in rows:
         t0 = time.perf_counter()
-        s = simulate_row(row, shape, profile, plan_profile, routings)
+        s = simulate_row(row, shape, profile, plan_profile, routings, warm_prompt)
         progress(f"{row.label}: {time.perf_counter() - t0:.1f} s")
         out.append({"row": row.label, "routing": row.routing, "budget": row.budget,
                     "policy": row.policy, "first_in_process": row.first,
@@ -304,25 +354,30 @@ def format_table(results: Sequence[dict]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run", choices=sorted(RUNS), default="h200",
+                    help="which GPU check's rows: the H200's (BENCHMARKS.md 'GPU: the target "
+                         "on replayed routing') or the H100's ('GPU: the check on an H100')")
     ap.add_argument("--profile", default="h200-xeon", help="the machine's profile")
-    ap.add_argument("--plan-profile", default=DEFAULT_MACHINE,
+    ap.add_argument("--plan-profile", default=None,
                     help="the profile promoe's host split plans with (default: the one the "
-                         "measured runs planned with)")
+                         "run's measured rows planned with)")
     ap.add_argument("--rows", default=None, help="comma-separated row labels (default: all)")
     ap.add_argument("--olmoe-real", type=Path, default=OLMOE_REAL)
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
-    rows = MEASURED
+    run = RUNS[a.run]
+    rows = run.rows
     if a.rows:
         want = [s.strip() for s in a.rows.split(",")]
-        unknown = [w for w in want if w not in {r.label for r in MEASURED}]
+        unknown = [w for w in want if w not in {r.label for r in run.rows}]
         if unknown:
-            raise SystemExit(f"unknown rows {unknown}; rows: {[r.label for r in MEASURED]}")
-        rows = tuple(r for r in MEASURED if r.label in want)
+            raise SystemExit(f"unknown rows {unknown}; rows: {[r.label for r in run.rows]}")
+        rows = tuple(r for r in run.rows if r.label in want)
     profile = Profile.load(a.profile)
-    plan = Profile.load(a.plan_profile)
+    plan = Profile.load(a.plan_profile or run.plan_profile)
     results = simulate_table(rows, profile, plan, a.olmoe_real,
-                             progress=lambda s: print(s, flush=True))
+                             progress=lambda s: print(s, flush=True),
+                             warm_prompt=run.warm_prompt)
     print(f"\n{MODEL} {QTYPE}, profile {profile.name}, promoe's split planned with "
           f"{plan.name} (copy rate {profile.h2d_gbps} GB/s)")
     print(format_table(results))
@@ -333,7 +388,8 @@ def main() -> None:
           f"{s['tpot_within']} of {len(results)} TPOTs; outside: "
           f"{', '.join(s['outside']) or 'none'}")
     if a.json:
-        a.json.write_text(json.dumps({"profile": profile.name, "plan_profile": plan.name,
+        a.json.write_text(json.dumps({"run": a.run, "profile": profile.name,
+                                      "plan_profile": plan.name,
                                       "tolerance": TOLERANCE, "summary": s, "rows": results},
                                      indent=1))
         print(f"wrote {a.json}")

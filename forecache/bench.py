@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from forecache.cache.policies import hit_rate
+from forecache.cache.prefetcher import Features
 from forecache.cache.registry import NCMOE_RUNS, policy_spec
 from forecache.cache.setup import CacheConfig
 from forecache.cache.timeline import format_summary, summarize
@@ -27,28 +28,54 @@ BASELINES = ("ncmoe", "offload", "lru")
 # no cache: the bound a cache approaches when every expert fits), and --n-cpu-moe with mmap'd
 # (pageable) host weights; "ncmoe" itself is --no-mmap's (pinned host weights copy at the bus rate)
 STOCK_RUNS = ("all-gpu", "ncmoe-mmap")
-# runs a benchmark may add to a policy's name, as (extra CacheConfig fields, draft): MoBiLE's
-# little pass on every generated token (gamma 0, never the full model: lossy, the mode's speed
-# bound) over the top half of the top-k ("+little") or the experts in slots and the top-1
-# ("+resident"); speculative decoding with the model's little pass as the draft ("+spec", exact)
-RUN_VARIANTS: dict[str, tuple[dict, str | None]] = {
-    "+little": ({"little_k": -1, "gamma": 0.0}, None),
-    "+resident": ({"little_k": -1, "gamma": 0.0, "little_resident": True}, None),
-    "+spec": ({}, "self-little"),
+@dataclass(frozen=True)
+class Variant:
+    """A run a benchmark may add to a policy's name: extra CacheConfig fields, a draft, whether
+    its tokens may differ from the exact runs' (``lossy``), and whether it routes tokens its own
+    way (``routes``: skipped when a replayed routing fixes every token's experts)."""
+
+    kw: dict
+    draft: str | None = None
+    lossy: bool = False
+    routes: bool = True
+    note: str = ""
+
+
+# MoBiLE's little pass on every generated token (gamma 0, never the full model: lossy, the
+# mode's speed bound) over the top half of the top-k ("+little") or the experts in slots and the
+# top-1 ("+resident"); speculative decoding with the model's little pass as the draft ("+spec",
+# exact); promoe's host split for prompt-sized ubatches too ("+prompt-split"), or for none
+# ("+no-split"): the ablations of the split on a GPU
+RUN_VARIANTS: dict[str, Variant] = {
+    "+little": Variant({"little_k": -1, "gamma": 0.0}, lossy=True,
+                       note="+little/+resident: MoBiLE's little pass on every generated token "
+                            "(lossy; the mode's speed bound)"),
+    "+resident": Variant({"little_k": -1, "gamma": 0.0, "little_resident": True}, lossy=True,
+                         note="+little/+resident: MoBiLE's little pass on every generated "
+                              "token (lossy; the mode's speed bound)"),
+    "+spec": Variant({}, "self-little",
+                     note="+spec: speculative decoding with the model's little pass as the "
+                          "draft (exact)"),
+    "+prompt-split": Variant({"features": Features(prompt_split=True)}, routes=False,
+                             note="+prompt-split: the host split for prompt-sized ubatches too "
+                                  "(the rule before 2026-11-26)"),
+    "+no-split": Variant({"features": Features(split=False)}, routes=False,
+                         note="+no-split: no expert computed on the CPU beside the slots"),
 }
+PLAIN = Variant({}, routes=False)
 
 
-def _variant(name: str) -> tuple[str, dict, str | None]:
-    """A benchmark run's policy, extra CacheConfig fields and draft: "promoe+little" ->
-    ("promoe", {little_k: -1, gamma: 0}, None)."""
-    for suffix, (kw, draft) in RUN_VARIANTS.items():
+def _variant(name: str) -> tuple[str, Variant]:
+    """A benchmark run's policy and variant: "promoe+little" -> ("promoe", RUN_VARIANTS
+    ["+little"])."""
+    for suffix, v in RUN_VARIANTS.items():
         if name.endswith(suffix):
-            return name[:-len(suffix)], kw, draft
-    return name, {}, None
+            return name[:-len(suffix)], v
+    return name, PLAIN
 
 
 def _lossy(name: str) -> bool:
-    return bool(_variant(name)[1])
+    return _variant(name)[1].lossy
 
 
 @dataclass
@@ -215,8 +242,9 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
         if pol in NCMOE_RUNS and gpu_budget is None:
             progress(f"{pol} skipped: it needs {setting('gpu_budget')}")
             continue
-        base, extra, draft = _variant(pol)
-        if routing_trace is not None and (extra or draft):
+        base, variant = _variant(pol)
+        extra, draft = variant.kw, variant.draft
+        if routing_trace is not None and variant.routes:
             progress(f"{pol} skipped: a replayed routing fixes every token's experts")
             continue
         progress(f"running {pol} ...")
@@ -292,12 +320,8 @@ def format_table(report: dict) -> str:
     else:
         lines.append("ratios: prefill (TTFT) speedup / decode (TPOT) speedup; same greedy "
                      f"tokens (exact runs): {'yes' if report['same_tokens'] else 'NO'}")
-    if any(_lossy(r["policy"]) for r in report["results"]):
-        lines.append("+little/+resident: MoBiLE's little pass on every generated token (lossy; "
-                     "the mode's speed bound)")
-    if any(_variant(r["policy"])[2] for r in report["results"]):
-        lines.append("+spec: speculative decoding with the model's little pass as the draft "
-                     "(exact)")
+    notes = [_variant(r["policy"])[1].note for r in report["results"]]
+    lines.extend(dict.fromkeys(n for n in notes if n))
     return "\n".join(lines)
 
 

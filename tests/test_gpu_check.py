@@ -47,7 +47,7 @@ def test_cpu_dry_run_writes_every_result(tmp_path: Path) -> None:
     assert ent["uniform"] > ent["olmoe-fit"] > ent["skewed"]
     fit = json.loads((out / "bench_fit24.json").read_text())
     assert {r["policy"] for r in fit["results"]} == {
-        "all-gpu", "ncmoe", "ncmoe-mmap", "promoe", "infinity"}
+        "all-gpu", "ncmoe", "ncmoe-mmap", "promoe", "promoe+prompt-split", "infinity"}
     assert fit["routing_trace"].endswith("olmoe-fit.npz") and fit["same_tokens"] is None
     promoe = next(r for r in fit["results"] if r["policy"] == "promoe")
     assert promoe["ratios"]["ncmoe"]["decode_speedup"] > 0
@@ -57,6 +57,7 @@ def test_cpu_dry_run_writes_every_result(tmp_path: Path) -> None:
     for phase in tl["phases"].values():
         assert phase["passes"] > 0 and phase["kinds"]["ids"]["n"] > 0
         assert phase["kinds"]["gate"]["n"] == phase["kinds"]["ids"]["n"]
+        assert phase["host_overlap_s"] >= 0.0
     small = json.loads((out / "bench_fit12.json").read_text())
     assert {r["policy"] for r in small["results"]} == {"ncmoe", "ncmoe-mmap", "promoe"}
     # the disk tier: both cached policies read experts from the file

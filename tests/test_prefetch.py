@@ -623,3 +623,26 @@ def test_layer_on_the_cpu_still_warms_the_cache() -> None:
     assert not pol.gate(0, routed, eng, np.ones(8, np.int64))  # computed from host memory
     expert_of = eng.layer_state(0)[0].tolist()
     assert sorted(e for e in expert_of if e >= 0) == routed.tolist()[:hidden]
+
+
+def test_a_prompt_sized_ubatch_computes_every_expert_on_the_device() -> None:
+    """The host split is for small ubatches: one of DEVICE_MIN_TOKENS tokens or more copies its
+    missing experts and computes them all on the device, as llama.cpp's op offload does, even
+    where the cost model would send the layer to the CPU; ``prompt_split`` keeps the old rule."""
+    from forecache.cache.cost import CostModel, ExpertShape
+    from forecache.cache.prefetcher import DEVICE_MIN_TOKENS, Prefetcher
+
+    proj = 2048 * 1024 // 256 * 144  # OLMoE-sized q4_k experts: the CPU beats copying
+    cost = CostModel.from_profile(Profile.load("rtx4090"), ExpertShape(2048, 1024, (proj,) * 3))
+    routed = np.arange(1, 9)
+    counts = np.full(8, 2, np.int64)
+    assert cost.best_split([(e, 2, False) for e in routed.tolist()], 0)[0].whole_layer
+    for tokens, feats, on_slots in ((DEVICE_MIN_TOKENS - 1, Features(), False),
+                                    (DEVICE_MIN_TOKENS, Features(), True),
+                                    (DEVICE_MIN_TOKENS, Features(prompt_split=True), False)):
+        eng = _engine(8)
+        pol = Prefetcher([8] * 8, feats, cost)
+        assert pol.gate(0, routed, eng, counts, tokens) is on_slots, (tokens, feats)
+        if on_slots:  # every routed expert has a slot in the schedule, none is the host's
+            L = eng.layers[0]
+            assert sorted(L.sch_e) == routed.tolist() and min(L.sch_s) >= 0

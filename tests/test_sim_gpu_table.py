@@ -44,6 +44,19 @@ def test_replay_cursors_as_the_bench_ran_them() -> None:
     assert (timed.experts[504] == rt.experts[rt.rows(True)[1]]).all()
 
 
+def test_a_whole_length_warm_up_wraps_the_prompt_cursor() -> None:
+    """The H100 run's warm-up passed a prompt as long as the timed one: its 512 rows took every
+    prompt row, so the timed prompt replays them from the first, whole."""
+    shape = table.shape_of(table.MODEL, table.QTYPE)
+    rt = table.routing("uniform", shape)
+    run = table.RUNS["h100"]
+    warm, timed = table.replayed_requests(rt, run.warm_prompt)
+    assert (warm.phase == 0).sum() == (timed.phase == 0).sum() == table.PROMPT
+    assert (timed.experts[:table.PROMPT] == warm.experts[:table.PROMPT]).all()
+    assert (timed.experts[table.PROMPT] == rt.experts[rt.rows(True)[1]]).all()
+    assert run.plan_profile == "h200-xeon" and len(run.rows) == 17
+
+
 # Rows the fitted profile reproduces within the tolerance, with the figures claimed for them
 # (the TTFTs of promoe and of first runs are not: BENCHMARKS.md says why)
 CLAIMED = {"fit 24G ncmoe": ("ttft", "tpot"), "fit 12G ncmoe-mmap": ("ttft", "tpot"),

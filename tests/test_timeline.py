@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from forecache.cache.timeline import format_summary, summarize
+from forecache.cache.timeline import TimelineSpan, format_summary, overlap_s, summarize
 from forecache.generate import SamplingParams, generate
 from forecache.llama import Llama
 from tests.cli_helpers import run_cli, run_cli_json
@@ -77,6 +77,25 @@ def test_host_layers_are_host_spans(tiny_model: Callable[..., Path]) -> None:
     assert kinds["host"] == stats["host_layers"] * n_proj
     host = [s for s in spans if s.kind == "host"]
     assert all(s.n > 0 and 0 <= s.proj < n_proj for s in host)
+    pre = summarize(spans)["phases"]["prefill"]
+    assert pre["kinds"]["host"]["items"] == sum(s.n for s in host if s.pass_id == host[0].pass_id)
+    assert "host entries:" in format_summary(summarize(spans))
+
+
+def _span(kind: str, t0: float, t1: float, n: int = 1) -> TimelineSpan:
+    return TimelineSpan(kind, 0, 0, -1, -1, n, 7, 0, t0, t1)
+
+
+def test_host_overlap_is_the_time_both_threads_ran() -> None:
+    """The CPU's host entries beside the device side's groups and waits: the intersection of
+    the two unions of intervals, each counted once however many spans cover it."""
+    host = [_span("host", 0.0, 4.0, 64), _span("host", 3.0, 5.0, 32), _span("host", 9.0, 10.0)]
+    dev = [_span("group", 1.0, 2.0, 3), _span("wait", 1.5, 3.5), _span("group", 4.5, 9.5)]
+    assert overlap_s(host, dev) == pytest.approx(2.5 + 0.5 + 0.5)
+    assert overlap_s(host, []) == 0.0 and overlap_s(dev, dev) == pytest.approx(2.5 + 5.0)
+    pre = summarize([_span("ids", 0.0, 0.0, 512), *host, *dev])["phases"]["prefill"]
+    assert pre["host_overlap_s"] == pytest.approx(3.5)
+    assert pre["kinds"]["host"]["items"] == 97 and pre["kinds"]["group"]["items"] == 4
 
 
 def test_ring_keeps_the_last_spans(tiny_model: Callable[..., Path]) -> None:

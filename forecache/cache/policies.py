@@ -187,9 +187,9 @@ class Policy:
         return None
 
     def gate(self, layer: int, experts: np.ndarray, engine: CopyEngine,
-             counts: np.ndarray | None = None) -> bool:
-        """Route ``layer`` (distinct experts; ``counts``: token rows of each): queue the misses
-        ``on_gate`` asks for; True to compute from slots."""
+             counts: np.ndarray | None = None, tokens: int = 1) -> bool:
+        """Route ``layer`` (distinct experts; ``counts``: token rows of each; ``tokens``: the
+        ubatch's): queue the misses ``on_gate`` asks for; True to compute from slots."""
         loads = self.on_gate(layer, experts)
         if loads is None:
             return False

@@ -35,11 +35,27 @@ class Features:
     preempt: bool = True  # at the gate, queued predictions of the layer give way to its misses
     reorder: bool = True  # experts computed cache-first; more experts than slots stream through
     split: bool = True  # missing experts cheaper on the CPU than over the bus are computed there
+    # the split also for ubatches of DEVICE_MIN_TOKENS tokens or more (off: such a ubatch, a
+    # prompt's, computes every expert on the device, as llama.cpp's op offload does)
+    prompt_split: bool = False
+    # a smaller ubatch's projection whose experts are all in layer slots, one still copying,
+    # computes the ready ones in groups meanwhile (off: it waits for the copy and runs as the
+    # rewritten node, without a group's gather, scatter and synchronous upload)
+    small_groups: bool = False
 
     def label(self) -> str:
         off = [name for name in ("prefetch", "chunk", "preempt", "reorder", "split")
                if not getattr(self, name)]
         return "promoe" + "".join(f" --no-{n}" for n in off)
+
+
+# A ubatch of at least this many tokens computes every expert on the device unless
+# ``Features.prompt_split``: llama.cpp's own threshold for computing host experts on the device
+# (ggml-cuda's GGML_OP_OFFLOAD_MIN_BATCH). On a GPU the CPU's prompt rows cost more than their
+# copies, and its threads slow the thread that launches the device's expert groups: on an H100
+# with a 16-core host a 512-token prompt spent 343 ms computing split rows and 244 ms in groups,
+# one after the other, of 677 ms (BENCHMARKS.md, "GPU: the check on an H100").
+DEVICE_MIN_TOKENS = 32
 
 
 # ProMoE's ablation ladder: each row adds one mechanism to the one before.
@@ -125,9 +141,10 @@ class Prefetcher(Policy):
 
     # -- gate: the layer being computed --------------------------------------------------------
     def gate(self, layer: int, experts: np.ndarray, engine: CopyEngine,
-             counts: np.ndarray | None = None) -> bool:
-        """Route ``layer`` (distinct experts, first use first; ``counts``: token rows of each):
-        True to compute from slots (and the host, for the experts the split sends there)."""
+             counts: np.ndarray | None = None, tokens: int = 1) -> bool:
+        """Route ``layer`` (distinct experts, first use first; ``counts``: token rows of each;
+        ``tokens``: the ubatch's): True to compute from slots (and the host, for the experts
+        the split sends there; none for a prompt-sized ubatch unless ``prompt_split``)."""
         f = self.features
         n = self.n_slots[layer]
         with self.lock:
@@ -158,7 +175,8 @@ class Prefetcher(Policy):
             free = [s for s in range(n) if expert_of[s] < 0]
             victims = free + self.eviction_order(layer, needed, expert_of, oldest)
             host: list[int] = []
-            if self.cost is not None and counts is not None:
+            if self.cost is not None and counts is not None and \
+                    (f.prompt_split or tokens < DEVICE_MIN_TOKENS):
                 in_host = engine.host_resident(layer)
                 rows: list[Row] = [(e, int(r), e in where or e in staged) if in_host is None
                                    else (e, int(r), e in where or e in staged, e in in_host)

@@ -347,7 +347,7 @@ class ExpertCache:
             experts, counts = first_use(ids)
             if self.route_observer is not None:
                 self.route_observer(layer, experts)
-            on_slots = self.policy.gate(layer, experts, self, counts)
+            on_slots = self.policy.gate(layer, experts, self, counts, n_tokens)
             self._calibrate()
             return 0 if on_slots else 1
         except KeyboardInterrupt:

@@ -59,11 +59,39 @@ def pass_tokens(spans: list[TimelineSpan]) -> dict[int, int]:
     return out
 
 
+def _union(spans: list[TimelineSpan]) -> list[tuple[float, float]]:
+    """The time ``spans`` cover, as disjoint intervals in order."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted((s.t0, s.t1) for s in spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def overlap_s(a: list[TimelineSpan], b: list[TimelineSpan]) -> float:
+    """Seconds during which some span of ``a`` and some span of ``b`` both ran."""
+    ua, ub = _union(a), _union(b)
+    i = j = 0
+    total = 0.0
+    while i < len(ua) and j < len(ub):
+        lo, hi = max(ua[i][0], ub[j][0]), min(ua[i][1], ub[j][1])
+        total += max(0.0, hi - lo)
+        if ua[i][1] < ub[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
 def summarize(spans: list[TimelineSpan], dropped: int = 0) -> dict:
     """Per phase ("prefill": passes routing more than one token, "decode": one): passes, their
-    wall time (first span's start to last span's end, summed over the passes), seconds and count
-    of each kind in all and per layer, and the copies' bytes and rate over their busy time.
-    Copies go to the phase of the pass that was running when they finished."""
+    wall time (first span's start to last span's end, summed over the passes), seconds, count
+    and summed ``n`` (rows, entries, tokens: ``TimelineSpan.n``) of each kind in all and per
+    layer, the copies' bytes and rate over their busy time, and how long the CPU's host entries
+    ran while the device side computed groups or waited (``host_overlap_s``: their two threads
+    at once). Copies go to the phase of the pass that was running when they finished."""
     tokens = pass_tokens(spans)
     by_phase: dict[str, list[TimelineSpan]] = defaultdict(list)
     for s in spans:
@@ -79,13 +107,14 @@ def summarize(spans: list[TimelineSpan], dropped: int = 0) -> dict:
                 continue
             b = bounds.setdefault(s.pass_id, [s.t0, s.t1])
             b[0], b[1] = min(b[0], s.t0), max(b[1], s.t1)
-        kinds = {k: {"s": 0.0, "n": 0} for k in SPAN_KINDS}
+        kinds = {k: {"s": 0.0, "n": 0, "items": 0} for k in SPAN_KINDS}
         layers: dict[int, dict[str, float]] = defaultdict(lambda: dict.fromkeys(SPAN_KINDS, 0.0))
         copy_bytes = 0
         for s in group:
-            k = kinds.setdefault(s.kind, {"s": 0.0, "n": 0})
+            k = kinds.setdefault(s.kind, {"s": 0.0, "n": 0, "items": 0})
             k["s"] += s.seconds
             k["n"] += 1
+            k["items"] += max(s.n, 0)
             layers[s.layer][s.kind] = layers[s.layer].get(s.kind, 0.0) + s.seconds
             if s.kind == "copy":
                 copy_bytes += s.nbytes
@@ -97,6 +126,8 @@ def summarize(spans: list[TimelineSpan], dropped: int = 0) -> dict:
             "layers": {il: dict(v) for il, v in sorted(layers.items())},
             "copy_bytes": copy_bytes,
             "copy_gbps": copy_bytes / copy_s / 1e9 if copy_s > 0 else 0.0,
+            "host_overlap_s": overlap_s([s for s in group if s.kind == "host"],
+                                        [s for s in group if s.kind in ("group", "wait")]),
         }
     return out
 
@@ -114,6 +145,13 @@ def format_summary(summary: dict, *, per_layer: bool = True) -> str:
                      + ", ".join(f"{k} {ms.get(k, 0.0):.2f} ms" for k in PATH_KINDS)
                      + f"; copies {p['copy_bytes'] / n / 1e6:.1f} MB in {ms['copy']:.2f} ms "
                      f"({p['copy_gbps']:.1f} GB/s while copying)")
+        host = p["kinds"].get("host", {})
+        if host.get("n"):
+            lines.append(f"  host entries: {host['items'] / n:.0f} rows a pass in "
+                         f"{host['n'] / n:.1f} spans, {p.get('host_overlap_s', 0.0) * 1e3 / n:.2f}"
+                         f" ms of their {ms['host']:.2f} ms beside groups or waits; groups: "
+                         f"{p['kinds']['group']['items'] / n:.0f} entries in "
+                         f"{p['kinds']['group']['n'] / n:.1f} groups a pass")
         if per_layer:
             lines.append(f"  {'layer':>5} " + " ".join(f"{k + ' ms':>9}" for k in SPAN_KINDS))
             for il, v in p["layers"].items():
