@@ -38,10 +38,6 @@ class Features:
     # the split also for ubatches of DEVICE_MIN_TOKENS tokens or more (off: such a ubatch, a
     # prompt's, computes every expert on the device, as llama.cpp's op offload does)
     prompt_split: bool = False
-    # a smaller ubatch's projection whose experts are all in layer slots, one still copying,
-    # computes the ready ones in groups meanwhile (off: it waits for the copy and runs as the
-    # rewritten node, without a group's gather, scatter and synchronous upload)
-    small_groups: bool = False
 
     def label(self) -> str:
         off = [name for name in ("prefetch", "chunk", "preempt", "reorder", "split")

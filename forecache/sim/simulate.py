@@ -23,7 +23,6 @@ from forecache.cache.forecast import Forecaster
 from forecache.cache.infinity import InfinityPolicy
 from forecache.cache.policies import Policy, PolicyInputs, first_use, hit_rate
 from forecache.cache.prefetcher import (
-    DEVICE_MIN_TOKENS,
     SLOT_READY,
     Features,
     Prefetcher,
@@ -540,7 +539,7 @@ class Simulator:
                 self.cpu_s += host
                 eng.advance_to(self.t)
                 continue
-            self._slot_compute(il, dict(zip(experts.tolist(), counts.tolist(), strict=True)), n)
+            self._slot_compute(il, dict(zip(experts.tolist(), counts.tolist(), strict=True)))
         head = self._dev(sh.head_bytes, 2.0 * logits * sh.head_bytes / sh.bytes_per_weight)
         self.t += head
         # outside the graph: the pass's Python, and reading and sampling each further row
@@ -657,9 +656,8 @@ class Simulator:
                 self.disk.waited(t - self.t)
             self.t = t
 
-    def _slot_compute(self, il: int, rows_of: dict[int, int], n_tokens: int = 1) -> None:
-        """Compute layer ``il``'s schedule (``rows_of``: token rows routed to each expert) for a
-        ubatch of ``n_tokens``."""
+    def _slot_compute(self, il: int, rows_of: dict[int, int]) -> None:
+        """Compute layer ``il``'s schedule (``rows_of``: token rows routed to each expert)."""
         eng = self.engine
         L = eng.layers[il]
         n = L.n_dev
@@ -695,12 +693,8 @@ class Simulator:
                 host_end = self.t + self._host(len(on_host) * sh.proj_bytes[p],
                                                host_rows * sh.proj_flops) if on_host else self.t
             staged = any(s >= L.n_slots for s in L.sch_s[:n])
-            whole = n and not L.streams and not staged and not on_host
-            if whole and not eng.all_ready_proj(il, p) and n_tokens < DEVICE_MIN_TOKENS and \
-                    not self.cfg.features.small_groups:
-                # a small ubatch waits for its layer slots' copies (fc_node_hook)
-                self._wait(il, lambda p=p: eng.all_ready_proj(il, p), L.sch_e[:n])
-            if whole and eng.all_ready_proj(il, p):
+            if n and not L.streams and not staged and not on_host and \
+                    eng.all_ready_proj(il, p):
                 # every slot entry in place: the node runs as rewritten, no gathered group (as
                 # fc_node_hook). A split projection never does: C computes its device entries as
                 # expert groups (fc_grouped, fc_slot_compute), the CPU its host entries meanwhile
