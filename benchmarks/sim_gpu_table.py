@@ -148,19 +148,20 @@ MEASURED_H100 = (
 @dataclass(frozen=True)
 class Run:
     """One GPU check's rows and how its runs were set up: the warm-up's prompt rows (it moved
-    the prompt cursor) and the profile promoe's split planned with."""
+    the prompt cursor), the profile promoe's split planned with, and the machine's profile."""
 
     rows: tuple[Row, ...]
     warm_prompt: int
     plan_profile: str
+    profile: str
 
 
 RUNS = {
     # the warm-up passed 8 prompt tokens; the split planned with the 4090's profile
-    "h200": Run(MEASURED, WARM_PROMPT, DEFAULT_MACHINE),
+    "h200": Run(MEASURED, WARM_PROMPT, DEFAULT_MACHINE, "h200-xeon"),
     # a warm-up as long as the prompt (its 512 rows wrap the prompt cursor: the timed prompt
     # replays the same rows); the split planned with h200-xeon (cache.setup.DEFAULT_GPU_MACHINE)
-    "h100": Run(MEASURED_H100, PROMPT, DEFAULT_GPU_MACHINE),
+    "h100": Run(MEASURED_H100, PROMPT, DEFAULT_GPU_MACHINE, "h100-xeon"),
 }
 
 
@@ -357,7 +358,8 @@ def main() -> None:
     ap.add_argument("--run", choices=sorted(RUNS), default="h200",
                     help="which GPU check's rows: the H200's (BENCHMARKS.md 'GPU: the target "
                          "on replayed routing') or the H100's ('GPU: the check on an H100')")
-    ap.add_argument("--profile", default="h200-xeon", help="the machine's profile")
+    ap.add_argument("--profile", default=None,
+                    help="the machine's profile (default: the run's, h200-xeon or h100-xeon)")
     ap.add_argument("--plan-profile", default=None,
                     help="the profile promoe's host split plans with (default: the one the "
                          "run's measured rows planned with)")
@@ -373,7 +375,7 @@ def main() -> None:
         if unknown:
             raise SystemExit(f"unknown rows {unknown}; rows: {[r.label for r in run.rows]}")
         rows = tuple(r for r in run.rows if r.label in want)
-    profile = Profile.load(a.profile)
+    profile = Profile.load(a.profile or run.profile)
     plan = Profile.load(a.plan_profile or run.plan_profile)
     results = simulate_table(rows, profile, plan, a.olmoe_real,
                              progress=lambda s: print(s, flush=True),
