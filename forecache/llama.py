@@ -47,6 +47,7 @@ from forecache.native import llama_cpp_module, llama_cpp_package, patch_version
 from forecache.native.cache_api import SLOT_EMPTY
 from forecache.native.libs import MAX_THREADS, ModelLoadError
 from forecache.native.log import LOG_ERROR, load_log
+from forecache.native.rpc import RPCError, add_servers, parse_endpoints
 from forecache.speculative.speculator import SpecStats, Speculator, sampler_for
 from forecache.trace.replay import ReplayError, Routing, RoutingReplay, load_routing
 
@@ -110,6 +111,7 @@ class Llama(llama_cpp.Llama):
                  host_budget: int | str | None = None,
                  cache: CacheConfig | None = AUTO,
                  routing_trace: str | os.PathLike[str] | Routing | None = None,
+                 rpc: str | Sequence[str] | None = None,
                  **kwargs: Any) -> None:
         self.expert_cache: ExpertCache | None = None
         self.replay: RoutingReplay | None = None
@@ -142,6 +144,11 @@ class Llama(llama_cpp.Llama):
         elif host_budget is not None:
             raise ValueError(f"{setting('host_budget')} goes with the policy keywords; with "
                              f"{setting('cache')} set CacheConfig(host_budget=...)")
+        self.rpc: list[str] = (parse_endpoints(rpc) if isinstance(rpc, str) else list(rpc)) \
+            if rpc else []
+        if self.rpc:
+            cache = self._rpc_placement(cache)
+            kwargs.setdefault("n_gpu_layers", -1)  # the servers' devices take the layers
         self.placement: Placement | None = None
         self.disk_rate: DiskRate | None = None  # the disk tier's reads, measured at start
         n_ctx = int(kwargs.get("n_ctx", 512)) or int(self.model_file.arch_kv("context_length",
@@ -206,6 +213,23 @@ class Llama(llama_cpp.Llama):
                 "recomputes tokens and needs that; run without it")
         if draft is not None:
             self._spec = self._speculator(draft, draft_k)
+
+    def _rpc_placement(self, cache: CacheConfig | None) -> CacheConfig | None:
+        """Register the RPC servers (before the model loads: llama.cpp then splits its layers
+        over their devices) and check the placement asked for runs over them: llama.cpp's own
+        (no policy: the default) or offload. forecache's expert cache and ncmoe's budget are for
+        one local device."""
+        if cache is not None and (cache.spec.cached or cache.policy == "ncmoe") and \
+                not cache.auto:
+            raise ValueError(f"{setting('policy')} {cache.policy} with {setting('rpc')}: "
+                             "forecache's expert cache and ncmoe's budget are for one local "
+                             "device; over RPC run with no policy (llama.cpp's split) or "
+                             "offload")
+        try:
+            add_servers(self.rpc)
+        except RPCError as e:
+            raise ModelLoadError(str(e)) from e
+        return None if cache is None or cache.auto else cache
 
     @property
     def is_recurrent(self) -> bool:

@@ -106,9 +106,12 @@ def run_greedy_child(job: dict, work: Path, site: Path | None = None,
 
 
 def greedy_job(model: Path, prompts: list[list[int]], n_gen: int, repack: bool = False,
-               loader: str = "llama_cpp", **params: object) -> dict:
-    """A job for tests/stock_runner.py."""
+               loader: str = "llama_cpp", rpc: list[str] | None = None,
+               **params: object) -> dict:
+    """A job for tests/stock_runner.py (``rpc``: RPC servers whose devices it registers
+    first)."""
     return {"model": str(model), "params": params, "repack": repack, "loader": loader,
+            "rpc": rpc or [],
             "runs": [{"prompt": list(map(int, p)), "n_gen": n_gen} for p in prompts]}
 
 
@@ -123,13 +126,14 @@ class StockReference:
         self._memo: dict[str, list[tuple[list[int], np.ndarray]]] = {}
 
     def run(self, model: Path, prompts: list[list[int]], n_gen: int, repack: bool = False,
-            **params: object) -> list[tuple[list[int], np.ndarray]]:
+            rpc: list[str] | None = None, **params: object
+            ) -> list[tuple[list[int], np.ndarray]]:
         """[(greedy tokens, logits of each step [n_gen, n_vocab])] for each prompt; ``repack``
         keeps llama.cpp's default CPU weight repacking (off by default, as in forecache's
-        policies)."""
-        if self.backend != "cpu":  # every layer on the device, as forecache places them
+        policies); ``rpc``: RPC servers whose devices take the layers."""
+        if self.backend != "cpu" or rpc:  # every layer on the devices, as forecache places them
             params.setdefault("n_gpu_layers", -1)
-        job = greedy_job(model, prompts, n_gen, repack, **params)
+        job = greedy_job(model, prompts, n_gen, repack, rpc=rpc, **params)
         key = json.dumps(job, sort_keys=True)
         if key not in self._memo:
             self._memo[key] = run_greedy_child(job, self.work, self.site)

@@ -12,7 +12,8 @@ loaded by ``forecache.Llama`` instead (its own default placement), so a crash of
 is seen as this process's exit status. OUT.npz holds, for run i, ``tokens_i``
 (the greedy tokens) and ``logits_i`` ([n_gen, n_vocab]: the logits each token was picked from).
 ``repack`` false loads as forecache's policies do (use_extra_bufts = false: no CPU weight
-repacking); true keeps llama.cpp's default.
+repacking); true keeps llama.cpp's default. "rpc": [HOST:PORT, ...] registers those RPC servers'
+devices first, as llama.cpp's --rpc does, so that the model's layers split over them.
 
 Apart from that loader, this file imports nothing of forecache: only llama_cpp and numpy.
 """
@@ -46,6 +47,29 @@ def load(path: str, params: dict[str, Any], repack: bool) -> Any:
         low.llama_model_default_params = original
 
 
+def add_rpc_servers(endpoints: list[str]) -> None:
+    """Register RPC servers' devices with ggml before a model loads (common/arg.cpp's
+    add_rpc_devices, through ctypes)."""
+    import ctypes
+    from pathlib import Path
+
+    import llama_cpp
+    import llama_cpp.llama_cpp as low
+
+    low.llama_backend_init()
+    lib = Path(llama_cpp.__file__).parent / "lib"
+    # the files libllama links (their sonames): a copy under another name is another library
+    ggml, rpc = ctypes.CDLL(str(lib / "libggml.so.0")), ctypes.CDLL(str(lib / "libggml-rpc.so.0"))
+    rpc.ggml_backend_rpc_add_server.argtypes = [ctypes.c_char_p]
+    rpc.ggml_backend_rpc_add_server.restype = ctypes.c_void_p
+    ggml.ggml_backend_register.argtypes = [ctypes.c_void_p]
+    for ep in endpoints:
+        reg = rpc.ggml_backend_rpc_add_server(ep.encode())
+        if not reg:
+            raise RuntimeError(f"RPC server {ep} does not answer")
+        ggml.ggml_backend_register(reg)
+
+
 def greedy(llm: Any, prompt: list[int], n_gen: int) -> tuple[list[int], np.ndarray]:
     """``n_gen`` greedy tokens after ``prompt`` from a fresh context, and the logits of each
     step (argmax; the first of equal maxima, as llama.cpp's greedy sampler picks)."""
@@ -71,8 +95,11 @@ def main(argv: list[str]) -> int:
     if job.get("loader") == "forecache":
         from forecache import Llama
 
-        llm = Llama(job["model"], verbose=False, **job.get("params", {}))
+        rpc = {"rpc": job["rpc"]} if job.get("rpc") else {}
+        llm = Llama(job["model"], verbose=False, **job.get("params", {}), **rpc)
     else:
+        if job.get("rpc"):
+            add_rpc_servers(job["rpc"])
         llm = load(job["model"], job.get("params", {}), job.get("repack", False))
     out: dict[str, np.ndarray] = {}
     for i, run in enumerate(job["runs"]):

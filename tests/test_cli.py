@@ -8,8 +8,8 @@ import pytest
 from cli_helpers import run_cli
 
 COMMANDS = ["batch", "bench", "build", "chat", "doctor", "eval-predictor", "generate", "make-model",
-            "models", "plan", "routing-stats", "run", "serve", "simulate", "synth-trace", "trace",
-            "train"]
+            "models", "plan", "routing-stats", "rpc-server", "run", "serve", "simulate",
+            "synth-trace", "trace", "train"]
 
 
 def test_top_level_help_lists_commands() -> None:

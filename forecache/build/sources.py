@@ -36,7 +36,7 @@ TRIM_DIRS = [
 ]
 TRIM_GGML_BACKENDS = [
     "ggml-cann", "ggml-hip", "ggml-musa", "ggml-metal", "ggml-opencl", "ggml-sycl", "ggml-vulkan",
-    "ggml-webgpu", "ggml-zdnn", "ggml-kompute", "ggml-rpc", "ggml-blas", "ggml-hexagon",
+    "ggml-webgpu", "ggml-zdnn", "ggml-kompute", "ggml-blas", "ggml-hexagon",
     "ggml-openvino", "ggml-zendnn", "ggml-virtgpu", "ggml-et",
 ]
 

@@ -21,6 +21,9 @@ TRIM_CMAKE_ARGS = [
     "-DLLAMA_BUILD_SERVER=OFF",
     "-DLLAMA_BUILD_APP=OFF",
     "-DLLAMA_OPENSSL=OFF",
+    # ggml's RPC backend: a remote machine's device (or another process's) as a device of this
+    # one (forecache --rpc), in the patched build and the unpatched reference alike
+    "-DGGML_RPC=ON",
 ]
 
 # GGML_<NAME>=ON of a build with GGML_NATIVE=OFF -> the /proc/cpuinfo flag it needs

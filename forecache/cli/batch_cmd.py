@@ -12,7 +12,7 @@ import click
 from forecache.cli.generate_cmd import (
     cache_config,
     cache_options,
-    draft_args,
+    open_args,
     say_choice,
     threads_option,
 )
@@ -83,7 +83,7 @@ def batch(model: Path, input_path: Path, output_path: Path, plan_text: str | Non
     from forecache.llama import Llama
     from forecache.speculative.speculator import SELF_DRAFTS
 
-    spec = draft_args(cache_opts)
+    spec = open_args(cache_opts)
     if plan_text is not None and parallel is not None:
         raise click.UsageError("give --plan or --parallel, not both")
     plan = None

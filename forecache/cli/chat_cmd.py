@@ -12,7 +12,7 @@ import click
 from forecache.cli.generate_cmd import (
     cache_config,
     cache_options,
-    draft_args,
+    open_args,
     say_choice,
     threads_option,
     ubatch_args,
@@ -127,7 +127,7 @@ def chat(model: Path, system: str | None, max_tokens: int, temp: float, seed: in
     from forecache.llama import Llama
 
     sampling = SamplingParams(greedy=temp <= 0, temperature=temp)
-    spec = draft_args(cache_opts)
+    spec = open_args(cache_opts)
     llm = Llama.open(model, cache=cache_config(**cache_opts),  # type: ignore[arg-type]
                      n_ctx=n_ctx, n_threads=threads, seed=seed, verbose=verbose,
                      **ubatch_args(ubatch), **spec)

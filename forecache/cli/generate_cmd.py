@@ -106,6 +106,11 @@ def cache_options(fn):  # type: ignore[no-untyped-def]
     fn = click.option("--gpu-budget", default=None,
                       help="All device memory the run may use: weights, KV cache, buffers, "
                            "expert slots (e.g. 24GiB).")(fn)
+    fn = click.option("--rpc", default=None, metavar="HOST:PORT[,...]",
+                      help="llama.cpp's RPC servers (`forecache rpc-server` on each): their "
+                           "devices take the model's layers as llama.cpp splits them, with no "
+                           "policy or with offload; forecache's expert cache is not supported "
+                           "over RPC yet.")(fn)
     fn = click.option("--policy", type=click.Choice(POLICIES), default=None,
                       help="Expert placement (default: promoe where it is expected to decode "
                            "at least 1.2x faster than ncmoe for this model and budget, else "
@@ -114,11 +119,13 @@ def cache_options(fn):  # type: ignore[no-untyped-def]
     return fn
 
 
-def draft_args(cache_opts: dict) -> dict:
-    """Takes --draft and --draft-k out of the cache options: Llama.open's arguments for them
-    (none without a draft)."""
+def open_args(cache_opts: dict) -> dict:
+    """Takes --draft, --draft-k and --rpc out of the cache options: Llama.open's arguments for
+    them (none when not given)."""
     draft, draft_k = cache_opts.pop("draft", None), cache_opts.pop("draft_k", None)
-    return {} if draft is None else {"draft": draft, "draft_k": draft_k}
+    rpc = cache_opts.pop("rpc", None)
+    return ({} if draft is None else {"draft": draft, "draft_k": draft_k}) | \
+        ({} if rpc is None else {"rpc": rpc})
 
 
 def cache_config(policy: str | None, gpu_budget: str | None, cache_fraction: float | None,
@@ -197,7 +204,7 @@ def generate(model: Path, prompt: str, n_predict: int, greedy: bool, seed: int, 
     from forecache.llama import Llama
 
     sampling = SamplingParams(greedy=greedy, temperature=temp)
-    spec = draft_args(cache_opts)
+    spec = open_args(cache_opts)
     cfg = cache_config(**cache_opts)  # type: ignore[arg-type]
     with Llama.open(model, cache=cfg, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers,
                     seed=seed, verbose=verbose, **ubatch_args(ubatch), **spec) as llm, \
@@ -227,7 +234,7 @@ def run(model: Path, prompt: str | None, n_predict: int, **cache_opts: object) -
 
     path = model
     question = prompt or DEFAULT_PROMPT
-    spec = draft_args(cache_opts)
+    spec = open_args(cache_opts)
     with Llama.open(path, cache=cache_config(**cache_opts),  # type: ignore[arg-type]
                     **spec) as llm:
         text = llm.format_chat([{"role": "user", "content": question}])

@@ -10,7 +10,7 @@ import click
 from forecache.cli.generate_cmd import (
     cache_config,
     cache_options,
-    draft_args,
+    open_args,
     say_choice,
     threads_option,
     ubatch_args,
@@ -43,7 +43,7 @@ def serve(model: Path, host: str, port: int, n_ctx: int, threads: int | None,
     from forecache.serve import serve as run_server
 
     require_moe(model)  # a bad model fails before the port is taken
-    spec = draft_args(cache_opts)
+    spec = open_args(cache_opts)
     cfg = cache_config(**cache_opts)  # type: ignore[arg-type]
     sock = bind(host, port)  # before the model loads: a busy port fails at once
     policy = [cfg.policy if cfg else "none"]  # what the loaded model runs (the default chooses)

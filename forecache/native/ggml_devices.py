@@ -95,14 +95,25 @@ def host_buffer_type(index: int) -> int:
     return lib.ggml_backend_dev_host_buffer_type(dev) or lib.ggml_backend_dev_buffer_type(dev)
 
 
+def is_rpc(d: Device) -> bool:
+    """The device is another process's or machine's, through ggml's RPC backend (``--rpc``)."""
+    return d.backend.startswith("RPC")
+
+
 def cache_device() -> Device:
-    """The device expert slots live on: the first GPU, else the CPU."""
-    devs = devices()
+    """The device expert slots live on: the first local GPU, else the CPU (an RPC server's
+    device is not one: forecache's cache runs on a device of this machine)."""
+    devs = [d for d in devices() if not is_rpc(d)]
     for kind in ("gpu", "cpu"):
         for d in devs:
             if d.type == kind:
                 return d
     raise RuntimeError("ggml reports no GPU and no CPU device")
+
+
+def rpc_devices() -> list[Device]:
+    """The RPC servers' devices registered in this process (``native.rpc.add_servers``)."""
+    return [d for d in devices() if is_rpc(d)]
 
 
 @dataclass

@@ -135,10 +135,21 @@ def patch_version() -> int:
 def libggml() -> ctypes.CDLL:
     """libggml (backend registry and devices), the same file llama-cpp-python loaded."""
     libllama()
-    path = lib_dir() / "libggml.so"
-    if not path.exists():
-        raise PatchedBuildError(f"{path} is missing: {_FIX}")
+    path = ggml_lib_path("libggml")
+    if path is None:
+        raise PatchedBuildError(f"{lib_dir() / 'libggml.so'} is missing: {_FIX}")
     return ctypes.CDLL(str(path))
+
+
+def ggml_lib_path(name: str, directory: Path | None = None) -> Path | None:
+    """The file of ggml library ``name`` (``libggml``, ``libggml-rpc``) that libllama links: its
+    soname (``libggml.so.0``). A wheel holds each name as a copy of its own, and a copy loaded
+    under another name is a second library with a second backend registry."""
+    d = directory or lib_dir()
+    for candidate in (d / f"{name}.so.0", d / f"{name}.so"):
+        if candidate.exists():
+            return candidate
+    return None
 
 
 def build_info() -> dict:

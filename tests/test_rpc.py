@@ -1,0 +1,137 @@
+"""Two RPC devices on this machine (`forecache rpc-server`, the CPU backend behind each, on the
+loopback address): llama.cpp splits a model's layers over them, and forecache runs there as the
+unpatched build does with the same servers.
+
+RPC servers stay registered in the process that registered them, so every run that uses them is a
+child process of its own (the CLI, or tests/stock_runner.py)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cli_helpers import run_cli
+from conftest import StockReference, greedy_job, run_greedy_child
+
+from forecache.native.rpc import parse_endpoints
+
+PROMPTS = [list(range(10, 40)), list(range(200, 212))]
+N_GEN = 6
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(endpoint: str) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-m", "forecache", "rpc-server", endpoint,
+                             "--threads", "1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    host, port = endpoint.rsplit(":", 1)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"rpc-server {endpoint} exited: {proc.stdout.read().decode()}")
+        try:
+            with socket.create_connection((host, int(port)), timeout=0.2):
+                return proc
+        except OSError:
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"rpc-server {endpoint} did not listen within 30 s")
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[list[str]]:
+    """Two RPC servers on the loopback address, stopped after the module's tests."""
+    endpoints = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
+    procs = []
+    try:
+        for ep in endpoints:
+            procs.append(_start(ep))
+        yield endpoints
+    finally:
+        for p in procs:
+            p.terminate()
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _forecache(model: Path, servers: list[str], **params: object
+               ) -> list[tuple[list[int], np.ndarray]]:
+    return run_greedy_child(greedy_job(model, PROMPTS, N_GEN, loader="forecache",
+                                       rpc=servers, n_ctx=256, **params),
+                            Path(str(model)).parent)
+
+
+@pytest.mark.parametrize("policy", [None, "offload"])
+def test_layers_split_over_two_rpc_devices_equal_unpatched(
+        policy: str | None, tiny_model: Callable[..., Path], stock: StockReference,
+        servers: list[str]) -> None:
+    """llama.cpp's split of every layer over the two servers' devices (no policy), and offload
+    (experts in this process's memory, the other weights on the servers): greedy tokens and
+    logits equal to the unpatched build's with the same servers."""
+    model = tiny_model("q8_0")
+    ref = stock.run(model, PROMPTS, N_GEN, rpc=servers, n_ctx=256)
+    kw = {"cache": None} if policy is None else {"policy": policy}
+    ours = _forecache(model, servers, **kw)
+    for (t, lg), (rt, rl) in zip(ours, ref, strict=True):
+        assert t == rt
+        np.testing.assert_array_equal(lg, rl)
+
+
+def test_the_split_is_over_the_servers(tiny_model: Callable[..., Path],
+                                       servers: list[str]) -> None:
+    """The servers' devices appear as RPC devices and take the layers; the expert cache's device
+    stays this machine's."""
+    code = (
+        "import sys\n"
+        "from forecache.native.rpc import add_servers\n"
+        "from forecache.native.ggml_devices import cache_device, rpc_devices\n"
+        "add_servers(sys.argv[1].split(','))\n"
+        "devs = rpc_devices()\n"
+        "print(len(devs), sorted(d.description for d in devs), cache_device().name)\n")
+    res = subprocess.run([sys.executable, "-c", code, ",".join(servers)], capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    n, descs, dev = res.stdout.split(" ", 1)[0], servers, res.stdout.split()[-1]
+    assert n == "2" and all(ep in res.stdout for ep in descs) and not dev.startswith("RPC")
+    out = run_cli("generate", "-m", str(tiny_model("q8_0")), "-p", "hello", "-n", "4",
+                  "--greedy", "--rpc", ",".join(servers), "--verbose", "--threads", "1")
+    assert out.returncode == 0, out.stderr
+    assert "RPC0" in out.stderr and "RPC1" in out.stderr  # llama.cpp's load log names both
+
+
+def test_rpc_errors_are_one_line(tiny_model: Callable[..., Path], servers: list[str]) -> None:
+    model = str(tiny_model("q8_0"))
+    # forecache's expert cache is for one local device
+    res = run_cli("generate", "-m", model, "-p", "hi", "-n", "2", "--policy", "promoe",
+                  "--cache-fraction", "0.5", "--rpc", ",".join(servers))
+    assert res.returncode != 0 and "--rpc" in res.stderr and "promoe" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    # a server that does not answer
+    dead = f"127.0.0.1:{_free_port()}"
+    res = run_cli("generate", "-m", model, "-p", "hi", "-n", "2", "--rpc", dead)
+    assert res.returncode != 0 and f"RPC server {dead} does not answer" in res.stderr
+    assert "Traceback" not in res.stderr
+    # endpoints that are not HOST:PORT
+    res = run_cli("generate", "-m", model, "-p", "hi", "-n", "2", "--rpc", "localhost")
+    assert res.returncode != 0 and "'localhost' is not HOST:PORT" in res.stderr
+    assert run_cli("rpc-server", "nowhere").returncode == 2
+
+
+def test_endpoints_parse_as_llama_cpp_spells_them() -> None:
+    assert parse_endpoints("127.0.0.1:50052, host-b:1") == ["127.0.0.1:50052", "host-b:1"]
+    assert parse_endpoints("[::1]:50052") == ["[::1]:50052"]
+    for bad in ("127.0.0.1", "a:0", "a:70000", "a:1,a:1", ""):
+        with pytest.raises(ValueError):
+            parse_endpoints(bad)
