@@ -46,7 +46,7 @@ from forecache.gguf.header import ModelFile, require_moe
 from forecache.native import llama_cpp_module, llama_cpp_package, patch_version
 from forecache.native.cache_api import SLOT_EMPTY
 from forecache.native.libs import MAX_THREADS, ModelLoadError
-from forecache.native.log import LOG_ERROR, load_log
+from forecache.native.log import LOG_ERROR, abort_in_one_line, load_log
 from forecache.native.rpc import RPCError, add_servers, parse_endpoints
 from forecache.speculative.speculator import SpecStats, Speculator, sampler_for
 from forecache.trace.replay import ReplayError, Routing, RoutingReplay, load_routing
@@ -126,6 +126,7 @@ class Llama(llama_cpp.Llama):
                 raise ValueError(f"{key}={n}: use 1 to {MAX_THREADS} (or None: every core)")
         self.model_file: ModelFile = require_moe(model_path)
         patch_version()  # refuses a stock llama-cpp-python before llama.cpp touches the file
+        abort_in_one_line()
         if mode not in ("exact", "mobile"):
             raise ValueError(f"{setting('mode')} {mode!r}: use 'exact' or 'mobile'")
         if draft is not None and (mode == "mobile" or

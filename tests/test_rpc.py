@@ -7,6 +7,7 @@ child process of its own (the CLI, or tests/stock_runner.py)."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -135,3 +136,46 @@ def test_endpoints_parse_as_llama_cpp_spells_them() -> None:
     for bad in ("127.0.0.1", "a:0", "a:70000", "a:1,a:1", ""):
         with pytest.raises(ValueError):
             parse_endpoints(bad)
+
+
+def test_a_server_that_goes_away_ends_the_job_in_one_line(tiny_model: Callable[..., Path],
+                                                          tmp_path: Path) -> None:
+    """An RPC server killed while a batch job decodes over it: the job ends with one line and
+    status 1, every record written before it stays, and the job resumes from there once the
+    server is back."""
+    eps = [f"127.0.0.1:{_free_port()}" for _ in range(2)]
+    procs = [_start(ep) for ep in eps]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(f'{{"id": "r{i}", "prompt": "count {i}", "max_tokens": 96, '
+                           f'"temperature": 0}}\n' for i in range(60)))
+    args = ["-m", str(tiny_model("q8_0")), "--input", str(inp), "--output", str(out),
+            "--parallel", "1", "--threads", "1", "--rpc", ",".join(eps)]
+    job = subprocess.Popen([sys.executable, "-m", "forecache", "batch", *args],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and job.poll() is None and \
+                (not out.exists() or out.read_text().count("\n") < 2):
+            time.sleep(0.05)
+        assert job.poll() is None, "the job ended before the server could be stopped"
+        procs[1].kill()
+        _, err = job.communicate(timeout=120)
+    finally:
+        for p in procs:
+            p.kill()
+    assert job.returncode == 1, err[-2000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("forecache: llama.cpp stopped:") and "RPC" in last, err[-2000:]
+    assert "Traceback" not in err and "gdb" not in err
+    done = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(done) >= 2 and len({r["id"] for r in done}) == len(done)
+    # the servers back: the job resumes and finishes every request
+    procs = [_start(ep) for ep in eps]
+    try:
+        res = run_cli("batch", *args, timeout=600)
+    finally:
+        for p in procs:
+            p.kill()
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == \
+        sorted(f"r{i}" for i in range(60))

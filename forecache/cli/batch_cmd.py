@@ -94,7 +94,11 @@ def batch(model: Path, input_path: Path, output_path: Path, plan_text: str | Non
             raise click.BadParameter(str(e), param_hint="--plan") from None
     elif parallel is not None:
         plan = Plan(parallel, 512)
-    if spec and spec["draft"] not in SELF_DRAFTS:
+    elif "rpc" in spec:  # the plans are predicted for one local device
+        plan = Plan(1, 512)
+        click.echo("forecache: --rpc: one sequence at a time, ubatch 512 (--parallel N for "
+                   "more)", err=True)
+    if "draft" in spec and spec["draft"] not in SELF_DRAFTS:
         raise click.UsageError(f"--draft {spec['draft']}: a batch job drafts with the model's "
                                f"own little pass only ({' or '.join(SELF_DRAFTS)})")
     if output_path.resolve() == input_path.resolve():
