@@ -46,13 +46,12 @@ class Variant:
 # top-1 ("+resident"); speculative decoding with the model's little pass as the draft ("+spec",
 # exact); promoe's host split for prompt-sized ubatches too ("+prompt-split"), or for none
 # ("+no-split"): the ablations of the split on a GPU
+_LITTLE = ("+little/+resident: MoBiLE's little pass on every generated token (lossy; the mode's "
+           "speed bound)")
 RUN_VARIANTS: dict[str, Variant] = {
-    "+little": Variant({"little_k": -1, "gamma": 0.0}, lossy=True,
-                       note="+little/+resident: MoBiLE's little pass on every generated token "
-                            "(lossy; the mode's speed bound)"),
+    "+little": Variant({"little_k": -1, "gamma": 0.0}, lossy=True, note=_LITTLE),
     "+resident": Variant({"little_k": -1, "gamma": 0.0, "little_resident": True}, lossy=True,
-                         note="+little/+resident: MoBiLE's little pass on every generated "
-                              "token (lossy; the mode's speed bound)"),
+                         note=_LITTLE),
     "+spec": Variant({}, "self-little",
                      note="+spec: speculative decoding with the model's little pass as the "
                           "draft (exact)"),

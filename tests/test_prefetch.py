@@ -629,8 +629,8 @@ def test_a_prompt_sized_ubatch_computes_every_expert_on_the_device() -> None:
     """The host split is for small ubatches: one of DEVICE_MIN_TOKENS tokens or more copies its
     missing experts and computes them all on the device, as llama.cpp's op offload does, even
     where the cost model would send the layer to the CPU; ``prompt_split`` keeps the old rule."""
-    from forecache.cache.cost import CostModel, ExpertShape
-    from forecache.cache.prefetcher import DEVICE_MIN_TOKENS, Prefetcher
+    from forecache.cache.cost import DEVICE_MIN_TOKENS, CostModel, ExpertShape
+    from forecache.cache.prefetcher import Prefetcher
 
     proj = 2048 * 1024 // 256 * 144  # OLMoE-sized q4_k experts: the CPU beats copying
     cost = CostModel.from_profile(Profile.load("rtx4090"), ExpertShape(2048, 1024, (proj,) * 3))

@@ -203,6 +203,14 @@ def shared_dram(a_s: float, b_s: float, factor: float) -> tuple[float, float]:
     return (first, first + rest) if a_s <= b_s else (first + rest, first)
 
 
+# A ubatch of at least this many tokens computes every expert on the device unless the cost
+# model's ``prompt_split``: llama.cpp's own threshold for computing host experts on the device
+# (ggml-cuda's GGML_OP_OFFLOAD_MIN_BATCH). On a GPU the CPU's prompt rows cost more than their
+# copies, and its threads slow the thread that launches the device's expert groups: on an H100
+# with a 16-core host a 512-token prompt spent 343 ms computing split rows and 244 ms in groups,
+# one after the other, of 677 ms (BENCHMARKS.md, "GPU: the check on an H100").
+DEVICE_MIN_TOKENS = 32
+
 # measurements below these are too small to correct the profile with
 MIN_CALIBRATION_S = 0.02
 
@@ -243,6 +251,7 @@ class CostModel:
     copy_measured: bool = False  # copy_gbps comes from the run, not the profile
     disk_gbps: float = 0.0  # the disk tier's read rate with its reads in flight (0: no disk)
     disk_latency_s: float = 0.0  # one read's fixed cost, submission to first byte
+    prompt_split: bool = False  # the split also for ubatches of DEVICE_MIN_TOKENS or more
 
     @classmethod
     def from_profile(cls, profile: Profile, expert: ExpertShape) -> CostModel:
@@ -294,10 +303,15 @@ class CostModel:
         """Host rows of a split layer, every projection."""
         return len(self.expert.proj_bytes) * self.merge_proj_s(pairs)
 
-    def plan(self, rows: Sequence[Row], in_flight: int) -> Split:
+    def splits(self, tokens: int) -> bool:
+        """A ubatch of ``tokens`` may compute experts on the host (else every one is copied and
+        computed on the device: ``DEVICE_MIN_TOKENS``)."""
+        return tokens < DEVICE_MIN_TOKENS or self.prompt_split
+
+    def plan(self, rows: Sequence[Row], in_flight: int, tokens: int = 1) -> Split:
         """The cheapest way to compute a layer whose experts are ``rows`` (expert, token rows,
-        has a slot[, in host memory]); ``in_flight`` of those with a slot are still being
-        copied.
+        has a slot[, in host memory]) for a ubatch of ``tokens``; ``in_flight`` of those with a
+        slot are still being copied.
 
         Missing experts with the fewest rows go to the host first, as many as make the later
         side finish soonest (every prefix is tried: the host's launches and the merge are fixed
@@ -305,18 +319,21 @@ class CostModel:
         the reactive baselines do, is the alternative. With a disk tier a missing expert not in
         host memory is read whichever side computes it, so its read does not change the choice;
         the whole layer on the host also reads the experts the device holds and the host does
-        not (``best_split``)."""
-        split, _ = self.best_split(rows, in_flight)
+        not (``best_split``). A ubatch the split is not for (``splits``) stays on the device."""
+        split, _ = self.best_split(rows, in_flight, tokens)
         self.predicted_host_s += split.host_s / self.host_scale
         return split
 
-    def best_split(self, rows: Sequence[Row], in_flight: int) -> tuple[Split, float]:
+    def best_split(self, rows: Sequence[Row], in_flight: int, tokens: int = 1
+                   ) -> tuple[Split, float]:
         """``plan``'s choice and the seconds it expects the layer's experts to take, less the
         reads every choice makes."""
         missing = sorted(((r[0], r[1]) for r in rows if not r[2]), key=lambda m: (m[1], m[0]))
         n_all, pairs_all = len(rows), sum(r[1] for r in rows)
         c = self.copy_s()
         best_t = max(c * (in_flight + len(missing)), self.dev_s(n_all, pairs_all))
+        if not self.splits(tokens):
+            return Split([]), best_t
         best_k, best_host, pairs = 0, 0.0, 0
         for k, (_, r) in enumerate(missing, start=1):
             pairs += r

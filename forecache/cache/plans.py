@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 
 from forecache.cache.budget import compute_buffer_bytes, format_size
 from forecache.cache.choice import hit_at
-from forecache.cache.cost import CostModel, Profile, Split, roofline_s
-from forecache.cache.prefetcher import DEVICE_MIN_TOKENS, stage_slots_for
+from forecache.cache.cost import CostModel, Profile, roofline_s
+from forecache.cache.prefetcher import stage_slots_for
 from forecache.native.libs import STOCK_MAX_SEQUENCES
 
 if TYPE_CHECKING:
@@ -282,11 +282,7 @@ def _layer_experts(clock: _Clock, shape: ModelShape, p: Profile, cost: CostModel
     hits = min(d, round(d * resident))
     per = pairs / d
     rows = [(i, max(1, round(per)), i < hits) for i in range(d)]
-    if n_tokens >= DEVICE_MIN_TOKENS:  # the gate splits no prompt-sized ubatch (Prefetcher)
-        split = Split([])
-        t = max(cost.copy_s() * (d - hits), cost.dev_s(d, pairs))
-    else:
-        split, t = cost.best_split(rows, 0)
+    split, t = cost.best_split(rows, 0, n_tokens)
     n_host = d if split.whole_layer else len(split.host)
     host_pairs = pairs if split.whole_layer else n_host * per
     dev = cost.dev_s(d - n_host, pairs - host_pairs) if not split.whole_layer else 0.0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -35,23 +35,15 @@ class Features:
     preempt: bool = True  # at the gate, queued predictions of the layer give way to its misses
     reorder: bool = True  # experts computed cache-first; more experts than slots stream through
     split: bool = True  # missing experts cheaper on the CPU than over the bus are computed there
-    # the split also for ubatches of DEVICE_MIN_TOKENS tokens or more (off: such a ubatch, a
-    # prompt's, computes every expert on the device, as llama.cpp's op offload does)
+    # the split also for ubatches of cost.DEVICE_MIN_TOKENS tokens or more (off: such a ubatch, a
+    # prompt's, computes every expert on the device, as llama.cpp's op offload does;
+    # CostModel.splits)
     prompt_split: bool = False
 
     def label(self) -> str:
         off = [name for name in ("prefetch", "chunk", "preempt", "reorder", "split")
                if not getattr(self, name)]
         return "promoe" + "".join(f" --no-{n}" for n in off)
-
-
-# A ubatch of at least this many tokens computes every expert on the device unless
-# ``Features.prompt_split``: llama.cpp's own threshold for computing host experts on the device
-# (ggml-cuda's GGML_OP_OFFLOAD_MIN_BATCH). On a GPU the CPU's prompt rows cost more than their
-# copies, and its threads slow the thread that launches the device's expert groups: on an H100
-# with a 16-core host a 512-token prompt spent 343 ms computing split rows and 244 ms in groups,
-# one after the other, of 677 ms (BENCHMARKS.md, "GPU: the check on an H100").
-DEVICE_MIN_TOKENS = 32
 
 
 # ProMoE's ablation ladder: each row adds one mechanism to the one before.
@@ -93,6 +85,8 @@ class Prefetcher(Policy):
         super().__init__(n_slots)
         self.features = features
         self.cost = cost if features.split else None  # no cost model: every expert uses a slot
+        if self.cost is not None and self.cost.prompt_split != features.prompt_split:
+            self.cost = replace(self.cost, prompt_split=features.prompt_split)
         self.lock = threading.Lock()
         self.prefetch_loads = 0
         self.prefetch_refreshed = 0
@@ -171,8 +165,7 @@ class Prefetcher(Policy):
             free = [s for s in range(n) if expert_of[s] < 0]
             victims = free + self.eviction_order(layer, needed, expert_of, oldest)
             host: list[int] = []
-            if self.cost is not None and counts is not None and \
-                    (f.prompt_split or tokens < DEVICE_MIN_TOKENS):
+            if self.cost is not None and counts is not None and self.cost.splits(tokens):
                 in_host = engine.host_resident(layer)
                 rows: list[Row] = [(e, int(r), e in where or e in staged) if in_host is None
                                    else (e, int(r), e in where or e in staged, e in in_host)
