@@ -99,8 +99,13 @@ def test_host_overlap_is_the_time_both_threads_ran() -> None:
 
 
 def test_ring_keeps_the_last_spans(tiny_model: Callable[..., Path]) -> None:
-    with Llama(str(tiny_model("q8_0")), policy="promoe", cache_fraction=0.5, n_ctx=256,
-               predictor="history", verbose=False) as llm:
+    """The same work recorded twice, once whole and once through a ring of 10 spans. lru from a
+    warm cache repeats its work span for span (a prefetching policy's groups and waits depend on
+    timing, and a cold cache copies more than a warm one)."""
+    with Llama(str(tiny_model("q8_0")), policy="lru", cache_fraction=0.5, n_ctx=256,
+               verbose=False) as llm:
+        _record(llm)
+        llm.reset()
         full, _, _ = _record(llm)
         llm.reset()
         kept, dropped, _ = _record(llm, capacity=10)
@@ -112,7 +117,7 @@ def test_ring_keeps_the_last_spans(tiny_model: Callable[..., Path]) -> None:
         with pytest.raises(ValueError, match="at least one span"):
             cache.start_timeline(0)
     assert len(kept) == 10 and dropped > 0
-    # the same work recorded twice: as many spans, the ring keeping the newest
+    # as many spans either way (waits for a copy may differ by a few), the ring keeping the newest
     assert abs((len(kept) + dropped) - len(full)) <= len(full) // 4
     assert kept == sorted(kept, key=lambda s: s.pass_id)
     assert kept[-1].pass_id == max(s.pass_id for s in kept)
