@@ -218,14 +218,22 @@ class Llama(llama_cpp.Llama):
     def _rpc_placement(self, cache: CacheConfig | None) -> CacheConfig | None:
         """Register the RPC servers (before the model loads: llama.cpp then splits its layers
         over their devices) and check the placement asked for runs over them: llama.cpp's own
-        (no policy: the default) or offload. forecache's expert cache and ncmoe's budget are for
-        one local device."""
-        if cache is not None and (cache.spec.cached or cache.policy == "ncmoe") and \
-                not cache.auto:
-            raise ValueError(f"{setting('policy')} {cache.policy} with {setting('rpc')}: "
-                             "forecache's expert cache and ncmoe's budget are for one local "
-                             "device; over RPC run with no policy (llama.cpp's split) or "
-                             "offload")
+        (no policy: the default), offload, or an expert cache sized by a fraction, whose slots
+        go on the device each layer lives on. ncmoe's budget and byte budgets are for one local
+        device."""
+        if cache is not None and not cache.auto:
+            if cache.policy == "ncmoe":
+                raise ValueError(f"{setting('policy')} ncmoe with {setting('rpc')}: ncmoe's "
+                                 "budget is for one local device; over RPC run with no policy "
+                                 "(llama.cpp's split), offload or a cached policy")
+            if cache.spec.cached and cache.cache_fraction is None:
+                raise ValueError(f"{setting('policy')} {cache.policy} with {setting('rpc')}: "
+                                 f"size the cache with {setting('cache_fraction')} (a share "
+                                 "of each layer's experts, in slots on the device the layer is "
+                                 f"on); {setting('gpu_budget')} is for one local device")
+            if cache.spec.cached:
+                # stage slots live on the local device, which holds no layer's slots here
+                cache = dataclasses.replace(cache, stage_slots=0)
         try:
             add_servers(self.rpc)
         except RPCError as e:
@@ -518,6 +526,14 @@ class Llama(llama_cpp.Llama):
         out["decode_gate_s"], out["decode_gates"] = s["fast_s"], s["fast_gates"]
         out["hit_rate"] = hit_rate(s["hits"], s["misses"])
         out["cache_slots"] = cache.n_slots_total
+        on = {info.device for info in cache.layers.values() if info.n_slots}
+        if self.placement is not None and on != {self.placement.device.index}:
+            # slots on the devices llama.cpp put the layers on (RPC servers' devices)
+            from forecache.native.ggml_devices import devices
+
+            per_device = cache.device_stats({d.index: d.name for d in devices()})
+            out["device"] = ",".join(per_device)
+            out["devices"] = per_device
         out["slots_filled"] = sum(int(np.count_nonzero(cache.layer_state(il)[1] != SLOT_EMPTY))
                                   for il, info in cache.layers.items() if info.n_slots)
         out["slot_bytes"] = sum(info.n_slots * info.expert_bytes for info in cache.layers.values())

@@ -85,9 +85,10 @@ class ChildRunError(AssertionError):
 
 
 def run_greedy_child(job: dict, work: Path, site: Path | None = None,
-                     ) -> list[tuple[list[int], np.ndarray]]:
+                     info: dict | None = None) -> list[tuple[list[int], np.ndarray]]:
     """Run tests/stock_runner.py on ``job`` in a child process (with ``site`` first on
-    PYTHONPATH when given): [(greedy tokens, logits of each step [n_gen, n_vocab])] per run."""
+    PYTHONPATH when given): [(greedy tokens, logits of each step [n_gen, n_vocab])] per run;
+    ``info`` gets forecache's expert cache's stats and slot devices, when it had one."""
     n = len(list(work.glob("job-*.json")))
     job_path, out = work / f"job-{n}.json", work / f"out-{n}.npz"
     job_path.write_text(json.dumps(job))
@@ -102,6 +103,8 @@ def run_greedy_child(job: dict, work: Path, site: Path | None = None,
         raise ChildRunError(f"{who} exited {res.returncode} on {job['model']}:\n"
                             f"{res.stderr[-3000:]}", res.returncode)
     data = np.load(out)
+    if info is not None and "cache_info" in data:
+        info.update(json.loads(data["cache_info"].tobytes()))
     return [(data[f"tokens_{i}"].tolist(), data[f"logits_{i}"]) for i in range(len(job["runs"]))]
 
 

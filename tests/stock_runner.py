@@ -10,7 +10,9 @@ JOB.json: {"model": PATH, "params": {llama_cpp.Llama keywords}, "repack": false,
 "runs": [{"prompt": [token ids], "n_gen": N}, ...]}; with "loader": "forecache" the model is
 loaded by ``forecache.Llama`` instead (its own default placement), so a crash of either build
 is seen as this process's exit status. OUT.npz holds, for run i, ``tokens_i``
-(the greedy tokens) and ``logits_i`` ([n_gen, n_vocab]: the logits each token was picked from).
+(the greedy tokens) and ``logits_i`` ([n_gen, n_vocab]: the logits each token was picked from);
+with forecache's expert cache, ``cache_info`` (JSON bytes: its stats and the device name of each
+layer's slots).
 ``repack`` false loads as forecache's policies do (use_extra_bufts = false: no CPU weight
 repacking); true keeps llama.cpp's default. "rpc": [HOST:PORT, ...] registers those RPC servers'
 devices first, as llama.cpp's --rpc does, so that the model's layers split over them.
@@ -106,6 +108,15 @@ def main(argv: list[str]) -> int:
         tokens, logits = greedy(llm, run["prompt"], run["n_gen"])
         out[f"tokens_{i}"] = np.asarray(tokens, dtype=np.int32)
         out[f"logits_{i}"] = logits
+    cache = getattr(llm, "expert_cache", None)
+    if cache is not None:  # forecache's cache: its counters and the device of each layer's slots
+        from forecache.native.ggml_devices import devices
+
+        names = {d.index: d.name for d in devices()}
+        info = {"stats": cache.stats(),
+                "layer_devices": {il: names.get(li.device, "") for il, li in cache.layers.items()
+                                  if li.n_slots > 0}}
+        out["cache_info"] = np.frombuffer(json.dumps(info).encode(), dtype=np.uint8)
     np.savez(argv[2], **out)
     return 0
 

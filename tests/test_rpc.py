@@ -67,27 +67,59 @@ def servers() -> Iterator[list[str]]:
                 p.kill()
 
 
-def _forecache(model: Path, servers: list[str], **params: object
+def _forecache(model: Path, servers: list[str], info: dict | None = None, **params: object
                ) -> list[tuple[list[int], np.ndarray]]:
     return run_greedy_child(greedy_job(model, PROMPTS, N_GEN, loader="forecache",
                                        rpc=servers, n_ctx=256, **params),
-                            Path(str(model)).parent)
+                            Path(str(model)).parent, info=info)
 
 
-@pytest.mark.parametrize("policy", [None, "offload"])
+@pytest.mark.parametrize("policy", [None, "offload", "lru", "lfu", "static", "promoe",
+                                    "infinity"])
 def test_layers_split_over_two_rpc_devices_equal_unpatched(
         policy: str | None, tiny_model: Callable[..., Path], stock: StockReference,
         servers: list[str]) -> None:
-    """llama.cpp's split of every layer over the two servers' devices (no policy), and offload
-    (experts in this process's memory, the other weights on the servers): greedy tokens and
-    logits equal to the unpatched build's with the same servers."""
+    """llama.cpp's split of every layer over the two servers' devices (no policy); offload
+    (experts in this process's memory, the other weights on the servers); and each cached
+    policy, its slots on the server that holds the layer: greedy tokens and logits equal to
+    the unpatched build's with the same servers."""
     model = tiny_model("q8_0")
     ref = stock.run(model, PROMPTS, N_GEN, rpc=servers, n_ctx=256)
-    kw = {"cache": None} if policy is None else {"policy": policy}
-    ours = _forecache(model, servers, **kw)
+    kw: dict[str, object] = {"cache": None} if policy is None else {"policy": policy}
+    cached = policy not in (None, "offload")
+    if cached:
+        kw.update(cache_fraction=0.5)
+    info: dict = {}
+    ours = _forecache(model, servers, info, **kw)
     for (t, lg), (rt, rl) in zip(ours, ref, strict=True):
         assert t == rt
         np.testing.assert_array_equal(lg, rl)
+    if cached:  # the slots are on both servers, and served hits
+        assert sorted(set(info["layer_devices"].values())) == ["RPC0", "RPC1"], info
+        assert info["stats"]["hits"] > 0 and info["stats"]["misses"] > 0, info["stats"]
+
+
+def test_promoe_splitting_layers_over_rpc_devices_equals_unpatched(
+        tiny_model: Callable[..., Path], stock: StockReference, servers: list[str],
+        tmp_path: Path) -> None:
+    """promoe against a slow bus: layers split between slots (expert groups computed on the
+    server that holds the layer) and host experts (computed here, their rows written to the
+    server), equal to the unpatched build with the same servers."""
+    slow = json.loads((Path(__file__).parents[1] / "forecache" / "data" / "profiles" /
+                       "rtx4090.json").read_text())
+    machine = tmp_path / "slow-bus.json"
+    machine.write_text(json.dumps(dict(slow, name="slow-bus", h2d_gbps=0.01, cpu_mem_gbps=0.1)))
+    model = tiny_model("q8_0")
+    ref = stock.run(model, PROMPTS, N_GEN, rpc=servers, n_ctx=256)
+    info: dict = {}
+    ours = _forecache(model, servers, info, policy="promoe", cache_fraction=0.25,
+                      predictor="history", machine=str(machine))
+    for (t, lg), (rt, rl) in zip(ours, ref, strict=True):
+        assert t == rt
+        np.testing.assert_array_equal(lg, rl)
+    st = info["stats"]
+    assert st["host_entries"] > 0 and st["n_groups"] > 0 and st["hits"] > 0, st
+    assert sorted(set(info["layer_devices"].values())) == ["RPC0", "RPC1"], info
 
 
 def test_the_split_is_over_the_servers(tiny_model: Callable[..., Path],
@@ -114,11 +146,12 @@ def test_the_split_is_over_the_servers(tiny_model: Callable[..., Path],
 
 def test_rpc_errors_are_one_line(tiny_model: Callable[..., Path], servers: list[str]) -> None:
     model = str(tiny_model("q8_0"))
-    # forecache's expert cache is for one local device
-    res = run_cli("generate", "-m", model, "-p", "hi", "-n", "2", "--policy", "promoe",
-                  "--cache-fraction", "0.5", "--rpc", ",".join(servers))
-    assert res.returncode != 0 and "--rpc" in res.stderr and "promoe" in res.stderr
-    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    # byte budgets and ncmoe's are for one local device: a cache over RPC is sized by a fraction
+    for policy, fix in (("promoe", "--cache-fraction"), ("ncmoe", "offload")):
+        res = run_cli("generate", "-m", model, "-p", "hi", "-n", "2", "--policy", policy,
+                      "--gpu-budget", "1GiB", "--rpc", ",".join(servers))
+        assert res.returncode != 0 and "--rpc" in res.stderr and policy in res.stderr
+        assert fix in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
     # a server that does not answer
     dead = f"127.0.0.1:{_free_port()}"
     res = run_cli("generate", "-m", model, "-p", "hi", "-n", "2", "--rpc", dead)
@@ -179,3 +212,17 @@ def test_a_server_that_goes_away_ends_the_job_in_one_line(tiny_model: Callable[.
     assert res.returncode == 0, res.stderr[-2000:]
     assert sorted(json.loads(line)["id"] for line in out.read_text().splitlines()) == \
         sorted(f"r{i}" for i in range(60))
+
+
+def test_doctor_measures_each_rpc_device(servers: list[str]) -> None:
+    """`doctor --rpc` lists the servers' devices with the copy rate to each through the network;
+    a server that does not answer is one line."""
+    res = run_cli("doctor", "--json", "--probe-mib", "4", "--rpc", ",".join(servers))
+    assert res.returncode == 0, res.stderr
+    rpc = [d for d in json.loads(res.stdout)["devices"] if d["backend"] == "RPC"]
+    assert sorted(d["description"] for d in rpc) == sorted(servers)
+    assert all(d["h2d_gbps_pageable"] > 0 and d["d2h_gbps_pageable"] > 0 for d in rpc), rpc
+    dead = f"127.0.0.1:{_free_port()}"
+    res = run_cli("doctor", "--no-measure", "--rpc", dead)
+    assert res.returncode == 1 and f"RPC server {dead} does not answer" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr

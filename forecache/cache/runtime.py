@@ -43,6 +43,7 @@ class LayerInfo:
     n_expert: int
     n_slots: int
     expert_bytes: int  # one routed expert of this layer, all its projections
+    device: int = -1  # ggml device index of the device holding its slots (-1: none)
 
 
 class GateEvents:
@@ -117,7 +118,8 @@ class ExpertCache:
             found = c_api.cache_layer_info(handle, il, ctypes.byref(n_e), ctypes.byref(n_s),
                                            ctypes.byref(nb))
             if found == 0:
-                self.layers[il] = LayerInfo(n_e.value, n_s.value, nb.value)
+                self.layers[il] = LayerInfo(n_e.value, n_s.value, nb.value,
+                                            c_api.cache_layer_device(handle, il))
         self.disk = disk
         if disk is not None:  # before any load: copies then read their experts from the file
             n_host = (ctypes.c_int32 * len(disk.n_host))(*disk.n_host)
@@ -439,6 +441,21 @@ class ExpertCache:
     @property
     def n_slots_total(self) -> int:
         return sum(info.n_slots for info in self.layers.values())
+
+    def device_stats(self, names: dict[int, str]) -> dict[str, dict]:
+        """Per device holding slots (``names``: ggml device index -> name): its slots, hits,
+        misses and bytes copied to it."""
+        out: dict[str, dict] = {}
+        for il, info in self.layers.items():
+            if info.n_slots == 0:
+                continue
+            d = out.setdefault(names.get(info.device, str(info.device)),
+                               {"slots": 0, "hits": 0, "misses": 0, "h2d_bytes": 0})
+            s = self.stats(il)
+            d["slots"] += info.n_slots
+            for k in ("hits", "misses", "h2d_bytes"):
+                d[k] += s[k]
+        return out
 
     def close(self) -> None:
         """Free the C side; the context's next ubatch builds a graph without the cache."""

@@ -108,9 +108,9 @@ def cache_options(fn):  # type: ignore[no-untyped-def]
                            "expert slots (e.g. 24GiB).")(fn)
     fn = click.option("--rpc", default=None, metavar="HOST:PORT[,...]",
                       help="llama.cpp's RPC servers (`forecache rpc-server` on each): their "
-                           "devices take the model's layers as llama.cpp splits them, with no "
-                           "policy or with offload; forecache's expert cache is not supported "
-                           "over RPC yet.")(fn)
+                           "devices take the model's layers as llama.cpp splits them; a cached "
+                           "policy (sized by --cache-fraction) keeps each layer's slots on "
+                           "the device that holds the layer.")(fn)
     fn = click.option("--policy", type=click.Choice(POLICIES), default=None,
                       help="Expert placement (default: promoe where it is expected to decode "
                            "at least 1.2x faster than ncmoe for this model and budget, else "

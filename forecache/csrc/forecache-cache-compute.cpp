@@ -126,7 +126,8 @@ bool fc_group_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor 
     c->g_rows.insert(c->g_rows.end(), c->g_idx.begin(), c->g_idx.end());
 
     ggml_tensor * idx = nullptr;
-    const bool ok = fc_mini_graph(c->dev_backend, c->group_alloc,
+    const fc_device & d = c->devs[L.dev];
+    const bool ok = fc_mini_graph(d.backend, d.group_alloc,
         [&](ggml_context * ctx) {
             // b and t as leaves over the same memory: views would pull the whole model graph into this one
             ggml_tensor * b2 = fc_alias_2d(ctx, b, b->ne[0], b->ne[1]*b->ne[2]);
@@ -179,12 +180,13 @@ bool fc_host_entries(forecache_cache * c, fc_layer & L, int32_t p, const ggml_te
 }
 
 // writes the host entries' result rows (c->h_out) into node t, on the pool's device
-bool fc_scatter_host(forecache_cache * c, ggml_tensor * t) {
+bool fc_scatter_host(forecache_cache * c, const fc_layer & L, ggml_tensor * t) {
     const int64_t n = (int64_t) c->h_dst.size();
     const int64_t n_rows = t->src[3]->ne[0]*t->src[3]->ne[1];
     ggml_tensor * y   = nullptr;
     ggml_tensor * dst = nullptr;
-    return fc_mini_graph(c->dev_backend, c->group_alloc,
+    const fc_device & d = c->devs[L.dev];
+    return fc_mini_graph(d.backend, d.group_alloc,
         [&](ggml_context * ctx) {
             ggml_tensor * t2 = fc_alias_2d(ctx, t, t->ne[0], n_rows);
             y   = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, t->ne[0], n);
@@ -243,12 +245,12 @@ bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor *
         }
         L.stats.n_groups++;
         lock.unlock();
-        c->cv_work.notify_one();
+        fc_notify_work(c);
         i = j;
     }
     if (split) {
         c->host.wait();
-        ok = ok && host_ok && fc_scatter_host(c, t);
+        ok = ok && host_ok && fc_scatter_host(c, L, t);
         if (!host_ok) {
             LLAMA_LOG_ERROR("%s: host expert compute failed for %s\n", __func__, t->name);
         }

@@ -20,10 +20,17 @@ bool fc_eligible(const forecache_cache * c, const fc_chunk & ch) {
     return fc_need_met(c, ch);
 }
 
-bool fc_has_eligible(const forecache_cache * c) {
+// the device a chunk copies to: its layer's, or the stage slots' (devs[0])
+static int32_t fc_chunk_dev(const forecache_cache * c, const fc_chunk & ch) {
+    const fc_layer & L = c->layers[ch.layer];
+    return fc_stage_of(L, ch.slot) >= 0 ? 0 : L.dev;
+}
+
+// a queued chunk for device dev (-1: any) could be copied now (lock held)
+bool fc_has_eligible(const forecache_cache * c, int32_t dev) {
     for (const auto & q : c->queue) {
         for (const auto & ch : q) {
-            if (fc_eligible(c, ch)) {
+            if ((dev < 0 || fc_chunk_dev(c, ch) == dev) && fc_eligible(c, ch)) {
                 return true;
             }
         }
@@ -31,11 +38,11 @@ bool fc_has_eligible(const forecache_cache * c) {
     return false;
 }
 
-// removes and returns the first eligible chunk in priority order (lock held)
-bool fc_pop(forecache_cache * c, fc_chunk & out) {
+// removes and returns the first eligible chunk for device dev (-1: any) in priority order (lock held)
+bool fc_pop(forecache_cache * c, fc_chunk & out, int32_t dev) {
     for (auto & q : c->queue) {
         for (auto it = q.begin(); it != q.end(); ++it) {
-            if (fc_eligible(c, *it)) {
+            if ((dev < 0 || fc_chunk_dev(c, *it) == dev) && fc_eligible(c, *it)) {
                 out = *it;
                 q.erase(it);
                 return true;
@@ -48,6 +55,15 @@ bool fc_pop(forecache_cache * c, fc_chunk & out) {
 // stage slot a chunk or schedule entry of L writes or reads, or -1 for a slot of L
 int32_t fc_stage_of(const fc_layer & L, int32_t slot) {
     return slot >= L.n_slots ? slot - L.n_slots : -1;
+}
+
+// wakes the copy workers: every one when several devices share the queue (a chunk may be another's)
+void fc_notify_work(forecache_cache * c) {
+    if (c->devs.size() > 1) {
+        c->cv_work.notify_all();
+    } else {
+        c->cv_work.notify_one();
+    }
 }
 
 // adjusts the in-flight counters of the projections a chunk writes (lock held)
@@ -84,6 +100,7 @@ void fc_count(forecache_cache * c, const fc_chunk & ch, int32_t d) {
 void fc_run(forecache_cache * c, const fc_chunk & ch, std::unique_lock<std::mutex> & lock) {
     fc_layer & L = c->layers[ch.layer];
     const int32_t j = fc_stage_of(L, ch.slot);
+    fc_device & d = c->devs[j >= 0 ? 0 : L.dev];
     if (j >= 0) {
         c->st_started[j] = 1;
     } else if (ch.entry < 0) {
@@ -100,7 +117,7 @@ void fc_run(forecache_cache * c, const fc_chunk & ch, std::unique_lock<std::mute
         L.stats.hi_wait_max_s = std::max(L.stats.hi_wait_max_s, w);
         // the part of the wait spent behind the last lower-priority chunk copying (a chunk
         // that waited for its slot to be consumed may see lower ones start after it was queued)
-        const double b = std::chrono::duration<double>(c->low_end - std::max(ch.queued_at, c->low_start)).count();
+        const double b = std::chrono::duration<double>(d.low_end - std::max(ch.queued_at, d.low_start)).count();
         if (b > 0) {
             L.stats.hi_block_s    += b;
             L.stats.hi_block_max_s = std::max(L.stats.hi_block_max_s, b);
@@ -127,8 +144,8 @@ void fc_run(forecache_cache * c, const fc_chunk & ch, std::unique_lock<std::mute
 
     lock.lock();
     if (ch.priority > 0) {
-        c->low_start = t0;
-        c->low_end   = t1;
+        d.low_start = t0;
+        d.low_end   = t1;
     }
     c->running--;
     if (hs >= 0) {
@@ -145,21 +162,22 @@ void fc_run(forecache_cache * c, const fc_chunk & ch, std::unique_lock<std::mute
     c->cv_done.notify_all();
 }
 
-void fc_worker(forecache_cache * c) {
+// copies the chunks for device dev, highest priority first, over that device's own link
+void fc_worker(forecache_cache * c, int32_t dev) {
     std::unique_lock<std::mutex> lock(c->mtx);
     while (true) {
-        c->cv_work.wait(lock, [c] {
+        c->cv_work.wait(lock, [c, dev] {
             if (c->stop) {
                 return true;
             }
             fc_request_reads(c); // copies that could run but for their expert's read
-            return !c->paused && fc_has_eligible(c);
+            return !c->paused && fc_has_eligible(c, dev);
         });
         if (c->stop) {
             return;
         }
         fc_chunk ch;
-        if (fc_pop(c, ch)) {
+        if (fc_pop(c, ch, dev)) {
             fc_run(c, ch, lock);
         }
     }
@@ -199,7 +217,7 @@ void fc_queue_copy(forecache_cache * c, int32_t il, int32_t expert, int32_t slot
     if (priority == 0) {
         L.stats.hi_tasks++;
     }
-    c->cv_work.notify_one();
+    fc_notify_work(c);
 }
 
 void fc_empty_slot(fc_layer & L, int32_t slot) {
@@ -323,7 +341,7 @@ bool fc_set_schedule(forecache_cache * c, int32_t il, const int32_t * experts, c
         const int32_t j = i < n_dev ? fc_stage_of(L, s) : -1;
         const bool staged = j >= 0 && j < c->n_stage && c->st_layer[j] == il && c->st_expert[j] == e;
         const bool bad_slot = i < n_dev ? s >= L.n_slots && !staged : s != -1;
-        if (e < 0 || e >= L.n_expert || bad_slot || L.entry_of[e] >= 0 || (s < 0 && c->group_alloc == nullptr)) {
+        if (e < 0 || e >= L.n_expert || bad_slot || L.entry_of[e] >= 0 || (s < 0 && c->devs[L.dev].group_alloc == nullptr)) {
             for (int32_t k = 0; k < i; k++) {
                 L.entry_of[experts[k]] = -1;
             }

@@ -464,7 +464,7 @@ int32_t forecache_cache_set_disk(
         }
     }
     // pinned where the slots' device has pinned host memory, so that copies into slots run at the bus's rate
-    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(c->pool_buf));
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(c->devs[0].pool_buf));
     ggml_backend_buffer_type_t buft = dev != nullptr ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
     if (buft == nullptr) {
         buft = ggml_backend_cpu_buffer_type();

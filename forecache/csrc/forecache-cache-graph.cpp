@@ -10,21 +10,21 @@ bool fc_grouped(const fc_layer & L) {
     return L.streams || L.staged || L.little || L.n_dev < (int32_t) L.sch_e.size();
 }
 
-ggml_tensor * fc_view(forecache_cache * c, int64_t ne0, int64_t ne1) {
+ggml_tensor * fc_view(fc_device & d, int64_t ne0, int64_t ne1) {
     const auto key = std::make_pair(ne0, ne1);
-    auto it = c->views.find(key);
-    if (it != c->views.end()) {
+    auto it = d.views.find(key);
+    if (it != d.views.end()) {
         return it->second;
     }
-    if (ggml_get_mem_size(c->view_ctx) - ggml_used_mem(c->view_ctx) < ggml_tensor_overhead()) {
+    if (ggml_get_mem_size(d.view_ctx) - ggml_used_mem(d.view_ctx) < ggml_tensor_overhead()) {
         return nullptr;
     }
-    ggml_tensor * v = ggml_view_2d(c->view_ctx, c->slot_ids, ne0, ne1, ne0*sizeof(int32_t), 0);
+    ggml_tensor * v = ggml_view_2d(d.view_ctx, d.slot_ids, ne0, ne1, ne0*sizeof(int32_t), 0);
     ggml_format_name(v, "fc.slot_ids.%lldx%lld", (long long) ne0, (long long) ne1);
     if (ggml_backend_view_init(v) != GGML_STATUS_SUCCESS) {
         return nullptr;
     }
-    c->views[key] = v;
+    d.views[key] = v;
     return v;
 }
 
@@ -55,10 +55,11 @@ void fc_graph_hook(ggml_cgraph * graph, void * user_data) {
             continue;
         }
         ggml_tensor * ids = node->src[2];
-        if (ids->ne[0]*ids->ne[1] > ggml_nelements(c->slot_ids)) {
+        fc_device & d = c->devs[L.dev];
+        if (ids->ne[0]*ids->ne[1] > ggml_nelements(d.slot_ids)) {
             continue;
         }
-        ggml_tensor * view = fc_view(c, ids->ne[0], ids->ne[1]);
+        ggml_tensor * view = fc_view(d, ids->ne[0], ids->ne[1]);
         if (view == nullptr) {
             continue;
         }

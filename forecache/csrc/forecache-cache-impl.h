@@ -128,10 +128,29 @@ struct fc_event {
     std::vector<int32_t> tokens;
 };
 
+// a device the cache keeps slots on: the layers llama.cpp placed there (fc_layer::dev) keep their
+// slot pools in its memory, and their expert groups are computed there
+struct fc_device {
+    ggml_backend_dev_t    dev         = nullptr;
+    ggml_context        * pool_ctx    = nullptr;
+    ggml_backend_buffer_t pool_buf    = nullptr;
+    ggml_tensor         * slot_ids    = nullptr; // shared by its layers: one layer routes at a time
+    ggml_context        * view_ctx    = nullptr;
+    std::map<std::pair<int64_t, int64_t>, ggml_tensor *> views;
+    ggml_backend_t        backend     = nullptr; // the scheduler's backend of dev
+    ggml_backend_t        cpu         = nullptr; // a CPU device: the group compute's own CPU backend
+    ggml_threadpool_t     cpu_pool    = nullptr;
+    ggml_gallocr_t        group_alloc = nullptr; // scratch of expert-group compute
+    std::thread           worker;                // copies the queue's chunks for its layers
+    fc_clock::time_point  low_start;             // when its last lower-priority chunk started
+    fc_clock::time_point  low_end;               // and finished
+};
+
 struct fc_layer {
     int32_t n_expert = 0;
     int32_t n_slots  = 0;
     int32_t n_proj   = 0;
+    int32_t dev      = 0; // index in forecache_cache::devs of the device its slots are on
     size_t  expert_bytes = 0;
 
     ggml_tensor * host[FC_MAX_PROJ] = {};
@@ -217,12 +236,8 @@ struct forecache_cache {
     std::atomic<int32_t> little{0};           // forecache_cache_set_little: experts a little pass keeps
     std::atomic<bool>    little_resident{false}; // ... of those already resident, and the top-1
 
-    ggml_context        * pool_ctx = nullptr;
-    ggml_backend_buffer_t pool_buf = nullptr;
-    ggml_tensor         * slot_ids = nullptr; // storage shared by all layers: one layer routes at a time
-
-    ggml_context * view_ctx = nullptr;
-    std::map<std::pair<int64_t, int64_t>, ggml_tensor *> views;
+    // devs[0]: the device the cache was asked for; then each other device llama.cpp put a layer on
+    std::vector<fc_device> devs;
 
     size_t   chunk_bytes = 0;
     uint64_t epoch       = 1;
@@ -236,11 +251,7 @@ struct forecache_cache {
 
     ggml_backend_t cpu = nullptr;
     ggml_threadpool_t cpu_pool = nullptr;     // host compute's threads, kept across calls
-    ggml_backend_t dev_cpu = nullptr;         // CPU build: the group compute's own CPU backend
-    ggml_threadpool_t dev_cpu_pool = nullptr;
     decltype(ggml_threadpool_free) * pool_free = nullptr;
-    ggml_backend_t dev_backend = nullptr; // the scheduler's backend of the pool's device
-    ggml_gallocr_t group_alloc = nullptr; // scratch of expert-group compute
 
     std::vector<uint8_t> raw;
     std::vector<int32_t> ids;
@@ -299,12 +310,9 @@ struct forecache_cache {
     std::condition_variable cv_work;
     std::condition_variable cv_done;
     std::deque<fc_chunk>    queue[FC_N_PRIORITIES];
-    int                     running = 0;
+    int                     running = 0;       // chunks being copied, on every device
     bool                    paused  = false;
     bool                    stop    = false;
-    fc_clock::time_point    low_start; // when the last lower-priority chunk started
-    fc_clock::time_point    low_end;   // and finished
-    std::thread             worker;
 
     // disk tier readers (forecache-cache-disk.cpp), under mtx
     int                     disk_fd    = -1;
@@ -343,12 +351,13 @@ inline void fc_span(forecache_cache * c, int32_t kind, int32_t layer, int32_t pr
 
 // forecache-cache-copy.cpp: slots and the copy engine (lock held unless said)
 bool fc_eligible(const forecache_cache * c, const fc_chunk & ch);
-bool fc_has_eligible(const forecache_cache * c);
-bool fc_pop(forecache_cache * c, fc_chunk & out);
+bool fc_has_eligible(const forecache_cache * c, int32_t dev = -1);
+bool fc_pop(forecache_cache * c, fc_chunk & out, int32_t dev = -1);
+void fc_notify_work(forecache_cache * c);
 int32_t fc_stage_of(const fc_layer & L, int32_t slot);
 void fc_count(forecache_cache * c, const fc_chunk & ch, int32_t d);
 void fc_run(forecache_cache * c, const fc_chunk & ch, std::unique_lock<std::mutex> & lock);
-void fc_worker(forecache_cache * c);
+void fc_worker(forecache_cache * c, int32_t dev);
 void fc_queue_copy(forecache_cache * c, int32_t il, int32_t expert, int32_t slot, int32_t proj,
         int32_t priority, int32_t entry, int32_t need);
 void fc_empty_slot(fc_layer & L, int32_t slot);
@@ -365,7 +374,7 @@ bool fc_all_ready(const forecache_cache * c, const fc_layer & L, int32_t p0, int
 
 // forecache-cache-graph.cpp: the graph hook
 bool fc_grouped(const fc_layer & L);
-ggml_tensor * fc_view(forecache_cache * c, int64_t ne0, int64_t ne1);
+ggml_tensor * fc_view(fc_device & d, int64_t ne0, int64_t ne1);
 void fc_graph_hook(ggml_cgraph * graph, void * user_data);
 
 // forecache-cache-compute.cpp: expert compute outside the scheduler
@@ -374,7 +383,7 @@ bool fc_host_compute(forecache_cache * c, fc_layer & L, int32_t proj, ggml_tenso
 ggml_tensor * fc_alias_2d(ggml_context * ctx, ggml_tensor * src, int64_t ne0, int64_t ne1);
 bool fc_group_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor * t, int32_t i0, int32_t i1);
 bool fc_host_entries(forecache_cache * c, fc_layer & L, int32_t p, const ggml_tensor * t);
-bool fc_scatter_host(forecache_cache * c, ggml_tensor * t);
+bool fc_scatter_host(forecache_cache * c, const fc_layer & L, ggml_tensor * t);
 bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor * t);
 
 // forecache-cache-disk.cpp: the disk tier (lock held unless said)

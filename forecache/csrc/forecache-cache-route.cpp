@@ -424,7 +424,7 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
         for (int32_t e : c->ids) {
             host = host || L.entry_of[e] < 0;
         }
-        host = host || (L.streams && !c->reorder) || (fc_grouped(L) && c->group_alloc == nullptr);
+        host = host || (L.streams && !c->reorder) || (fc_grouped(L) && c->devs[L.dev].group_alloc == nullptr);
     }
     if (host) {
         fc_clear_schedule(c, il);
@@ -502,7 +502,7 @@ int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
     if (L.host_mode) {
         return fc_host_compute(c, L, p, t) ? 1 : -1;
     }
-    const bool groupable = c->group_alloc != nullptr && t->src[1]->type == GGML_TYPE_F32 &&
+    const bool groupable = c->devs[L.dev].group_alloc != nullptr && t->src[1]->type == GGML_TYPE_F32 &&
             ggml_is_contiguous(t->src[1]) && ggml_is_contiguous(t);
     {
         std::unique_lock<std::mutex> lock(c->mtx);

@@ -23,11 +23,16 @@ struct forecache_cache * forecache_cache_init(
     ggml_backend_dev_t dev = ggml_backend_dev_get(dev_index);
 
     ggml_backend_sched_t sched = ctx->get_sched();
-    bool dev_in_sched = false;
-    for (int i = 0; i < ggml_backend_sched_get_n_backends(sched); i++) {
-        dev_in_sched = dev_in_sched || ggml_backend_get_device(ggml_backend_sched_get_backend(sched, i)) == dev;
-    }
-    if (!dev_in_sched) {
+    auto sched_backend = [sched](ggml_backend_dev_t d) -> ggml_backend_t {
+        for (int i = 0; i < ggml_backend_sched_get_n_backends(sched); i++) {
+            ggml_backend_t be = ggml_backend_sched_get_backend(sched, i);
+            if (ggml_backend_get_device(be) == d) {
+                return be;
+            }
+        }
+        return nullptr;
+    };
+    if (sched_backend(dev) == nullptr) {
         forecache_set_err(err, err_size, "device %s is not used by this context", ggml_backend_dev_name(dev));
         return nullptr;
     }
@@ -89,37 +94,86 @@ struct forecache_cache * forecache_cache_init(
         return nullptr;
     }
 
-    ggml_init_params params = {
-        /*.mem_size   =*/ (size_t) (n_pool + 1)*ggml_tensor_overhead(),
-        /*.mem_buffer =*/ nullptr,
-        /*.no_alloc   =*/ true,
-    };
-    c->pool_ctx = ggml_init(params);
-    for (int il = 0; il < n_layer; il++) {
-        fc_layer & L = c->layers[il];
-        for (int p = 0; L.n_slots > 0 && p < L.n_proj; p++) {
-            const ggml_tensor * h = L.host[p];
-            L.pool[p] = ggml_new_tensor_3d(c->pool_ctx, h->type, h->ne[0], h->ne[1], L.n_slots);
-            ggml_format_name(L.pool[p], "fc.pool.%s", h->name);
-            c->pool_map[L.pool[p]] = {il, p};
+    // each layer's slots go on the device llama.cpp put its other weights on when that is a device of
+    // this context (another GPU, an RPC server's device), else on the device asked for
+    std::vector<ggml_backend_dev_t> layer_dev(n_layer, dev);
+    for (const auto & [name, t] : model.tensors_by_name) {
+        int il = -1;
+        if (sscanf(name.c_str(), "blk.%d.", &il) != 1 || il < 0 || il >= n_layer || c->host_map.count(t) != 0 ||
+                t->buffer == nullptr || ggml_backend_buffer_is_host(t->buffer)) {
+            continue;
+        }
+        ggml_backend_dev_t d = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t->buffer));
+        if (d != nullptr && sched_backend(d) != nullptr) {
+            layer_dev[il] = d;
         }
     }
-    const int64_t n_ids = (int64_t) model.hparams.n_expert_used_max() * ctx->get_cparams().n_ubatch;
-    c->slot_ids = ggml_new_tensor_1d(c->pool_ctx, GGML_TYPE_I32, std::max<int64_t>(n_ids, 1));
-    ggml_set_name(c->slot_ids, "fc.slot_ids");
-
-    ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(dev);
-    const size_t pool_size = ggml_backend_alloc_ctx_tensors_from_buft_size(c->pool_ctx, buft);
-    c->pool_buf = ggml_backend_alloc_ctx_tensors_from_buft(c->pool_ctx, buft);
-    if (c->pool_buf == nullptr) {
-        forecache_set_err(err, err_size, "cannot allocate %.1f MiB of expert slots on %s", pool_size/1048576.0, ggml_backend_dev_name(dev));
-        forecache_cache_free(c);
-        return nullptr;
+    c->devs.resize(1);
+    c->devs[0].dev = dev;
+    std::vector<int> n_pool_of(1, 1); // tensors of each device's context: its pools and slot ids
+    for (int il = 0; il < n_layer; il++) {
+        fc_layer & L = c->layers[il];
+        if (L.n_slots == 0) {
+            continue;
+        }
+        int32_t k = 0;
+        while (k < (int32_t) c->devs.size() && c->devs[k].dev != layer_dev[il]) {
+            k++;
+        }
+        if (k == (int32_t) c->devs.size()) {
+            c->devs.emplace_back();
+            c->devs[k].dev = layer_dev[il];
+            n_pool_of.push_back(1);
+        }
+        L.dev = k;
+        n_pool_of[k] += L.n_proj;
     }
-    ggml_backend_buffer_set_usage(c->pool_buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
 
-    params.mem_size = (ctx->get_cparams().n_ubatch + 16)*ggml_tensor_overhead();
-    c->view_ctx = ggml_init(params);
+    const int64_t n_ids = (int64_t) model.hparams.n_expert_used_max() * ctx->get_cparams().n_ubatch;
+    for (size_t k = 0; k < c->devs.size(); k++) {
+        fc_device & d = c->devs[k];
+        ggml_init_params params = {
+            /*.mem_size   =*/ (size_t) n_pool_of[k]*ggml_tensor_overhead(),
+            /*.mem_buffer =*/ nullptr,
+            /*.no_alloc   =*/ true,
+        };
+        d.pool_ctx = ggml_init(params);
+        for (int il = 0; il < n_layer; il++) {
+            fc_layer & L = c->layers[il];
+            for (int p = 0; L.n_slots > 0 && L.dev == (int32_t) k && p < L.n_proj; p++) {
+                const ggml_tensor * h = L.host[p];
+                L.pool[p] = ggml_new_tensor_3d(d.pool_ctx, h->type, h->ne[0], h->ne[1], L.n_slots);
+                ggml_format_name(L.pool[p], "fc.pool.%s", h->name);
+                c->pool_map[L.pool[p]] = {il, p};
+            }
+        }
+        d.slot_ids = ggml_new_tensor_1d(d.pool_ctx, GGML_TYPE_I32, std::max<int64_t>(n_ids, 1));
+        ggml_set_name(d.slot_ids, "fc.slot_ids");
+
+        ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(d.dev);
+        const size_t pool_size = ggml_backend_alloc_ctx_tensors_from_buft_size(d.pool_ctx, buft);
+        d.pool_buf = ggml_backend_alloc_ctx_tensors_from_buft(d.pool_ctx, buft);
+        if (d.pool_buf == nullptr) {
+            forecache_set_err(err, err_size, "cannot allocate %.1f MiB of expert slots on %s", pool_size/1048576.0, ggml_backend_dev_name(d.dev));
+            forecache_cache_free(c);
+            return nullptr;
+        }
+        ggml_backend_buffer_set_usage(d.pool_buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+
+        params.mem_size = (ctx->get_cparams().n_ubatch + 16)*ggml_tensor_overhead();
+        d.view_ctx = ggml_init(params);
+
+        d.backend = sched_backend(d.dev);
+        if (ggml_backend_dev_type(d.dev) == GGML_BACKEND_DEVICE_TYPE_CPU) {
+            // the scheduler's CPU backend would start its threads for every expert group
+            d.cpu = fc_cpu_backend(c, ctx->get_cparams().n_threads, d.cpu_pool);
+            if (d.cpu != nullptr) {
+                d.backend = d.cpu;
+            }
+        }
+        // expert groups are computed where the pool lives, with scratch that grows to the largest group
+        d.group_alloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(d.backend));
+    }
 
     c->cpu = fc_cpu_backend(c, ctx->get_cparams().n_threads, c->cpu_pool);
     if (c->cpu == nullptr) {
@@ -128,24 +182,9 @@ struct forecache_cache * forecache_cache_init(
         return nullptr;
     }
 
-    for (int i = 0; i < ggml_backend_sched_get_n_backends(sched); i++) {
-        ggml_backend_t be = ggml_backend_sched_get_backend(sched, i);
-        if (ggml_backend_get_device(be) == dev) {
-            c->dev_backend = be;
-            break;
-        }
+    for (size_t k = 0; k < c->devs.size(); k++) {
+        c->devs[k].worker = std::thread(fc_worker, c, (int32_t) k);
     }
-    if (ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) {
-        // the scheduler's CPU backend would start its threads for every expert group
-        c->dev_cpu = fc_cpu_backend(c, ctx->get_cparams().n_threads, c->dev_cpu_pool);
-        if (c->dev_cpu != nullptr) {
-            c->dev_backend = c->dev_cpu;
-        }
-    }
-    // expert groups are computed where the pool lives, with scratch that grows to the largest group
-    c->group_alloc = ggml_gallocr_new(ggml_backend_get_default_buffer_type(c->dev_backend));
-
-    c->worker = std::thread(fc_worker, c);
     ggml_backend_sched_set_node_hooks(sched, fc_graph_hook, fc_node_hook, c);
     ctx->reset_graph_reuse();
     return c;
@@ -155,13 +194,15 @@ void forecache_cache_free(struct forecache_cache * cache) {
     if (cache == nullptr) {
         return;
     }
-    if (cache->worker.joinable()) {
-        {
-            std::lock_guard<std::mutex> lock(cache->mtx);
-            cache->stop = true;
+    {
+        std::lock_guard<std::mutex> lock(cache->mtx);
+        cache->stop = true;
+    }
+    cache->cv_work.notify_all();
+    for (fc_device & d : cache->devs) {
+        if (d.worker.joinable()) {
+            d.worker.join();
         }
-        cache->cv_work.notify_all();
-        cache->worker.join();
     }
     fc_disk_stop(cache);
     cache->host.finish();
@@ -170,26 +211,29 @@ void forecache_cache_free(struct forecache_cache * cache) {
         ggml_backend_sched_set_node_hooks(cache->sched, nullptr, nullptr, nullptr);
         cache->lctx->reset_graph_reuse();
     }
-    if (cache->group_alloc) {
-        ggml_gallocr_free(cache->group_alloc);
-    }
     ggml_backend_free(cache->cpu);
-    ggml_backend_free(cache->dev_cpu);
-    for (ggml_threadpool_t tp : {cache->cpu_pool, cache->dev_cpu_pool}) {
-        if (tp != nullptr) {
-            cache->pool_free(tp);
+    if (cache->cpu_pool != nullptr) {
+        cache->pool_free(cache->cpu_pool);
+    }
+    for (fc_device & d : cache->devs) {
+        if (d.group_alloc) {
+            ggml_gallocr_free(d.group_alloc);
+        }
+        ggml_backend_free(d.cpu);
+        if (d.cpu_pool != nullptr) {
+            cache->pool_free(d.cpu_pool);
+        }
+        ggml_backend_buffer_free(d.pool_buf);
+        if (d.view_ctx) {
+            ggml_free(d.view_ctx);
+        }
+        if (d.pool_ctx) {
+            ggml_free(d.pool_ctx);
         }
     }
-    ggml_backend_buffer_free(cache->pool_buf);
     ggml_backend_buffer_free(cache->stage_buf);
     if (cache->stage_ctx) {
         ggml_free(cache->stage_ctx);
-    }
-    if (cache->view_ctx) {
-        ggml_free(cache->view_ctx);
-    }
-    if (cache->pool_ctx) {
-        ggml_free(cache->pool_ctx);
     }
     delete cache;
 }
@@ -198,6 +242,19 @@ void forecache_cache_set_hook(struct forecache_cache * cache, forecache_gate_hoo
     cache->hook            = hook;
     cache->hook_ud         = user_data;
     cache->want_gate_input = gate_input;
+}
+
+int32_t forecache_cache_layer_device(const struct forecache_cache * cache, int32_t layer) {
+    if (layer < 0 || layer >= (int32_t) cache->layers.size() || cache->layers[layer].n_slots == 0) {
+        return -1;
+    }
+    ggml_backend_dev_t dev = cache->devs[cache->layers[layer].dev].dev;
+    for (size_t i = 0; i < ggml_backend_dev_count(); i++) {
+        if (ggml_backend_dev_get(i) == dev) {
+            return (int32_t) i;
+        }
+    }
+    return -1;
 }
 
 int32_t forecache_cache_layer_info(
@@ -284,7 +341,7 @@ int32_t forecache_cache_set_stage(struct forecache_cache * cache, int32_t n_stag
     for (const fc_layer & L : cache->layers) {
         int32_t n = 0;
         for (const fc_layer & M : cache->layers) {
-            n += L.n_slots > 0 && M.n_slots > 0 && same_layout(L, M);
+            n += L.n_slots > 0 && M.n_slots > 0 && L.dev == 0 && M.dev == 0 && same_layout(L, M);
         }
         if (n > best) {
             best  = n;
@@ -292,11 +349,11 @@ int32_t forecache_cache_set_stage(struct forecache_cache * cache, int32_t n_stag
         }
     }
     if (first == nullptr) {
-        forecache_set_err(err, err_size, "no layer has expert slots");
+        forecache_set_err(err, err_size, "no layer has expert slots on %s", ggml_backend_dev_name(cache->devs[0].dev));
         return -1;
     }
     for (fc_layer & L : cache->layers) {
-        L.stage_ok = L.n_slots > 0 && same_layout(L, *first);
+        L.stage_ok = L.n_slots > 0 && L.dev == 0 && same_layout(L, *first); // stage slots are on devs[0]
     }
     ggml_init_params params = {
         /*.mem_size   =*/ (size_t) (first->n_proj + 1)*ggml_tensor_overhead(),
@@ -310,7 +367,7 @@ int32_t forecache_cache_set_stage(struct forecache_cache * cache, int32_t n_stag
         stage[p] = ggml_new_tensor_3d(ctx, h->type, h->ne[0], h->ne[1], n_stage);
         ggml_format_name(stage[p], "fc.stage.%d", p);
     }
-    ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(cache->pool_buf);
+    ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(cache->devs[0].pool_buf);
     ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
     if (buf == nullptr) {
         forecache_set_err(err, err_size, "cannot allocate %.1f MiB of stage slots",

@@ -174,6 +174,11 @@ LLAMA_API void forecache_cache_set_hook(
 LLAMA_API int32_t forecache_cache_layer_info(
         const struct forecache_cache * cache, int32_t layer, int32_t * n_expert, int32_t * n_slots, size_t * expert_bytes);
 
+// Index in ggml's device list of the device holding `layer`'s slots (the device llama.cpp put the
+// layer's other weights on when it is one of the context's own, else the one forecache_cache_init
+// was given), or -1 for a layer without slots.
+LLAMA_API int32_t forecache_cache_layer_device(const struct forecache_cache * cache, int32_t layer);
+
 // Slot holding `expert` (loaded or in flight), or -1.
 LLAMA_API int32_t forecache_cache_slot_of(const struct forecache_cache * cache, int32_t layer, int32_t expert);
 

@@ -181,6 +181,10 @@ class ForecacheAPI(CFunctions):
                          n_slots: Ptr[c_int32], expert_bytes: Ptr[c_size_t]) -> int:
         """A layer's experts, slots and bytes per expert: 0, or -1 if not a MoE layer."""
 
+    @c_function([c_void_p, c_int32], c_int32)
+    def cache_layer_device(cache: CachePtr, layer: int) -> int:
+        """The ggml device index of the device holding ``layer``'s slots, or -1 (no slots)."""
+
     @c_function([c_void_p, c_int32, c_int32], c_int32)
     def cache_slot_of(cache: CachePtr, layer: int, expert: int) -> int:
         """The slot holding ``expert`` (loaded or in flight), or -1."""
