@@ -11,6 +11,7 @@ need in device slots, within ``gpu_budget`` (on a GPU by default ``promoe``, or 
 from __future__ import annotations
 
 import codecs
+import ctypes
 import dataclasses
 import functools
 import os
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from forecache.cache.budget import format_size
+from forecache.cache.budget import device_slots, format_size
 from forecache.cache.choice import Choice
 from forecache.cache.disk import experts_left_on_disk, probe_expert_reads, readers_default
 from forecache.cache.measured import record_run
@@ -45,7 +46,7 @@ from forecache.generate import Streamed
 from forecache.gguf.header import ModelFile, require_moe
 from forecache.native import llama_cpp_module, llama_cpp_package, patch_version
 from forecache.native.cache_api import SLOT_EMPTY
-from forecache.native.libs import MAX_THREADS, ModelLoadError
+from forecache.native.libs import MAX_THREADS, ModelLoadError, api
 from forecache.native.log import LOG_ERROR, abort_in_one_line, load_log
 from forecache.native.rpc import RPCError, add_servers, parse_endpoints
 from forecache.speculative.speculator import SpecStats, Speculator, sampler_for
@@ -198,6 +199,8 @@ class Llama(llama_cpp.Llama):
         self.n_seq_max = n_seq_max
         low = llama_cpp_module()
         self._vocab = low.llama_model_get_vocab(self.model)
+        if cache is not None and cache.device_budgets is not None:
+            self._size_per_device(cache, n_ctx, n_ubatch)
         if cache is not None and cache.spec.cached:
             self._attach_cache(cache)
         if routing_trace is not None:
@@ -218,19 +221,18 @@ class Llama(llama_cpp.Llama):
     def _rpc_placement(self, cache: CacheConfig | None) -> CacheConfig | None:
         """Register the RPC servers (before the model loads: llama.cpp then splits its layers
         over their devices) and check the placement asked for runs over them: llama.cpp's own
-        (no policy: the default), offload, or an expert cache sized by a fraction, whose slots
-        go on the device each layer lives on. ncmoe's budget and byte budgets are for one local
-        device."""
+        (no policy: the default), offload, or an expert cache whose slots go on the device each
+        layer lives on, sized by a fraction or a budget per device (one size: every device's).
+        ncmoe's budget is for one local device."""
         if cache is not None and not cache.auto:
             if cache.policy == "ncmoe":
                 raise ValueError(f"{setting('policy')} ncmoe with {setting('rpc')}: ncmoe's "
                                  "budget is for one local device; over RPC run with no policy "
                                  "(llama.cpp's split), offload or a cached policy")
-            if cache.spec.cached and cache.cache_fraction is None:
-                raise ValueError(f"{setting('policy')} {cache.policy} with {setting('rpc')}: "
-                                 f"size the cache with {setting('cache_fraction')} (a share "
-                                 "of each layer's experts, in slots on the device the layer is "
-                                 f"on); {setting('gpu_budget')} is for one local device")
+            if cache.spec.cached and cache.gpu_budget is not None:
+                # over RPC a single size is each device's budget
+                cache = dataclasses.replace(cache, gpu_budget=None,
+                                            device_budgets=(cache.gpu_budget,))
             if cache.spec.cached:
                 # stage slots live on the local device, which holds no layer's slots here
                 cache = dataclasses.replace(cache, stage_slots=0)
@@ -351,6 +353,29 @@ class Llama(llama_cpp.Llama):
         detail = f" ({errors[-1]})" if errors else ""
         return (f"llama.cpp could not load {name}: {err}{detail}; run with "
                 f"{setting('verbose', True)} for llama.cpp's log")
+
+    def _size_per_device(self, cfg: CacheConfig, n_ctx: int, n_ubatch: int) -> None:
+        """Slots for each layer from each device's budget, now that llama.cpp has put the layers
+        on devices (``budget.device_slots``); a budget too small is refused in one line."""
+        from forecache.native.ggml_devices import devices
+
+        assert self.placement is not None and cfg.device_budgets is not None
+        n_layer = self.model_file.n_layer
+        arr = (ctypes.c_int32 * n_layer)()
+        if api().layer_devices(self.ctx, arr, n_layer) != 0:
+            self.close()
+            raise ModelLoadError(f"cannot tell which device holds each of the {n_layer} layers")
+        local = self.placement.device.index
+        layer_dev = [d if d >= 0 else local for d in arr]
+        try:
+            slots = device_slots(self.model_file, cfg.device_budgets, layer_dev,
+                                 {d.index: d.name for d in devices()}, n_ctx=n_ctx,
+                                 n_ubatch=n_ubatch)
+        except ValueError:
+            self.close()
+            raise
+        # each device's even split (infinity's moves between layers would cross devices)
+        self.placement = dataclasses.replace(self.placement, n_slots=slots)
 
     def _attach_cache(self, cfg: CacheConfig) -> None:
         assert self.placement is not None

@@ -11,8 +11,8 @@ JOB.json: {"model": PATH, "params": {llama_cpp.Llama keywords}, "repack": false,
 loaded by ``forecache.Llama`` instead (its own default placement), so a crash of either build
 is seen as this process's exit status. OUT.npz holds, for run i, ``tokens_i``
 (the greedy tokens) and ``logits_i`` ([n_gen, n_vocab]: the logits each token was picked from);
-with forecache's expert cache, ``cache_info`` (JSON bytes: its stats and the device name of each
-layer's slots).
+with forecache's expert cache, ``cache_info`` (JSON bytes: its stats, the device name of each
+layer's slots and each layer's slot count).
 ``repack`` false loads as forecache's policies do (use_extra_bufts = false: no CPU weight
 repacking); true keeps llama.cpp's default. "rpc": [HOST:PORT, ...] registers those RPC servers'
 devices first, as llama.cpp's --rpc does, so that the model's layers split over them.
@@ -115,7 +115,9 @@ def main(argv: list[str]) -> int:
         names = {d.index: d.name for d in devices()}
         info = {"stats": cache.stats(),
                 "layer_devices": {il: names.get(li.device, "") for il, li in cache.layers.items()
-                                  if li.n_slots > 0}}
+                                  if li.n_slots > 0},
+                "n_slots": [cache.layers[il].n_slots if il in cache.layers else 0
+                            for il in range(llm.model_file.n_layer)]}
         out["cache_info"] = np.frombuffer(json.dumps(info).encode(), dtype=np.uint8)
     np.savez(argv[2], **out)
     return 0

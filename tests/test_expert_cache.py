@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 
-from forecache.cache.budget import plan_memory
+from forecache.cache.budget import BudgetError, device_slots, plan_memory
 from forecache.cache.setup import CacheConfig
 from forecache.generate import SamplingParams, generate, last_logits, text_tokens
 from forecache.gguf.header import read_model_file
@@ -223,6 +223,45 @@ def test_compute_buffers_count_the_experts_width(tiny_model: Callable[..., Path]
                        n_ubatch=N_BATCH, device_name="x", device_total=1 << 50)
     assert plan.compute_bytes == compute_buffer_bytes(N_BATCH, spec.top_k, spec.expert_ff,
                                                       spec.d_model, spec.vocab)
+
+
+def test_each_devices_budget_sizes_its_own_layers(tiny_model: Callable[..., Path]) -> None:
+    """Layers split over two devices as llama.cpp splits them: each device's budget pays for its
+    own layers' weights and buffers, the output head on the last layer's device, and its slots;
+    one size is every device's; a count that fits neither or a budget without room for a slot
+    is one line naming the fix or the device."""
+    mf = read_model_file(tiny_model("q8_0"))
+    moe, n = mf.moe_layers(), mf.n_layer
+    half = n // 2
+    split = [1] * half + [2] * (n - half)
+    names = {1: "RPC0", 2: "RPC1"}
+    per_layer = sum(mf.layer_expert_bytes()[:1])
+
+    def slots(*budgets: int) -> tuple[int, int]:
+        got = device_slots(mf, tuple(budgets), split, names, n_ctx=256, n_ubatch=N_BATCH)
+        return got[moe[0]], got[moe[-1]]
+
+    lo, hi = 0, 1 << 34  # the least budget for a slot a layer on both devices
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            slots(mid)
+            hi = mid
+        except BudgetError:
+            lo = mid
+    base = hi + 4 * half * per_layer
+    a, b = slots(base, base)
+    assert 1 <= b <= a < mf.n_expert  # the second device also holds the output head
+    assert slots(base) == (a, b)  # one size: every device's
+    # a layer's expert more on the first device's budget for each of its layers: one slot more
+    # a layer there, the second unchanged
+    assert slots(base + half * per_layer, base) == (a + 1, b)
+    assert slots(base, base + (n - half) * per_layer) == (a, b + 1)
+    assert slots(1 << 40, base) == (mf.n_expert, b)
+    with pytest.raises(BudgetError, match="3 sizes.*2 devices .RPC0, RPC1."):
+        slots(base, base, base)
+    with pytest.raises(BudgetError, match="on RPC1 is too small"):
+        slots(base, 1 << 20)
 
 
 def test_budgets_follow_each_layers_expert_size(tiny_model: Callable[..., Path]) -> None:

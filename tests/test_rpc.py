@@ -20,6 +20,8 @@ import pytest
 from cli_helpers import run_cli
 from conftest import StockReference, greedy_job, run_greedy_child
 
+from forecache.cache.budget import BudgetError, device_slots, parse_budgets
+from forecache.gguf.header import read_model_file
 from forecache.native.rpc import parse_endpoints
 
 PROMPTS = [list(range(10, 40)), list(range(200, 212))]
@@ -122,6 +124,44 @@ def test_promoe_splitting_layers_over_rpc_devices_equals_unpatched(
     assert sorted(set(info["layer_devices"].values())) == ["RPC0", "RPC1"], info
 
 
+def test_a_budget_per_rpc_device(tiny_model: Callable[..., Path], stock: StockReference,
+                                 servers: list[str]) -> None:
+    """--gpu-budget A,B: each server's device gets the slots its own budget leaves after its
+    layers' weights and buffers (budget.device_slots): 3 a layer on the first, every expert on
+    the second; greedy output equal to unpatched."""
+    model = tiny_model("q8_0")
+    mf = read_model_file(model)
+    info: dict = {}
+    _forecache(model, servers, info, policy="lru", gpu_budget="1GiB")  # where llama.cpp splits
+    devs = {int(il): name for il, name in info["layer_devices"].items()}
+    names = sorted(set(devs.values()))
+    assert names == ["RPC0", "RPC1"] and info["n_slots"] == [mf.n_expert] * mf.n_layer, info
+    split = [names.index(devs[il]) for il in range(mf.n_layer)]
+
+    def slots(budgets: str) -> list[int]:
+        return device_slots(mf, parse_budgets(budgets), split, dict(enumerate(names)),
+                            n_ctx=256, n_ubatch=512)
+
+    def first_slots(b: int) -> int:
+        try:
+            return slots(f"{b}B,1GiB")[split.index(0)]
+        except BudgetError:
+            return 0
+
+    lo, hi = 0, 1 << 34  # the least budget for 3 slots a layer on the first device
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if first_slots(mid) >= 3 else (mid, hi)
+    budgets = f"{hi}B,1GiB"
+    ref = stock.run(model, PROMPTS, N_GEN, rpc=servers, n_ctx=256)
+    info = {}
+    ours = _forecache(model, servers, info, policy="promoe", gpu_budget=budgets)
+    for (t, lg), (rt, rl) in zip(ours, ref, strict=True):
+        assert t == rt
+        np.testing.assert_array_equal(lg, rl)
+    assert info["n_slots"] == [3 if s == 0 else mf.n_expert for s in split], info
+
+
 def test_the_split_is_over_the_servers(tiny_model: Callable[..., Path],
                                        servers: list[str]) -> None:
     """The servers' devices appear as RPC devices and take the layers; the expert cache's device
@@ -146,12 +186,18 @@ def test_the_split_is_over_the_servers(tiny_model: Callable[..., Path],
 
 def test_rpc_errors_are_one_line(tiny_model: Callable[..., Path], servers: list[str]) -> None:
     model = str(tiny_model("q8_0"))
-    # byte budgets and ncmoe's are for one local device: a cache over RPC is sized by a fraction
-    for policy, fix in (("promoe", "--cache-fraction"), ("ncmoe", "offload")):
-        res = run_cli("generate", "-m", model, "-p", "hi", "-n", "2", "--policy", policy,
-                      "--gpu-budget", "1GiB", "--rpc", ",".join(servers))
-        assert res.returncode != 0 and "--rpc" in res.stderr and policy in res.stderr
-        assert fix in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    # ncmoe's budget is for one local device
+    res = run_cli("generate", "-m", model, "-p", "hi", "-n", "2", "--policy", "ncmoe",
+                  "--gpu-budget", "1GiB", "--rpc", ",".join(servers))
+    assert res.returncode != 0 and "--rpc" in res.stderr and "offload" in res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    # budgets: one per device holding layers, each with room for a slot a layer
+    for budget, says in (("1GiB,1GiB,1GiB", "--gpu-budget gives 3 sizes"),
+                         ("1MiB", "on RPC0 is too small")):
+        res = run_cli("generate", "-m", model, "-p", "hi", "-n", "2", "--policy", "lru",
+                      "--gpu-budget", budget, "--rpc", ",".join(servers))
+        assert res.returncode == 1 and says in res.stderr, res.stderr
+        assert len(res.stderr.strip().splitlines()) == 1 and "Traceback" not in res.stderr
     # a server that does not answer
     dead = f"127.0.0.1:{_free_port()}"
     res = run_cli("generate", "-m", model, "-p", "hi", "-n", "2", "--rpc", dead)

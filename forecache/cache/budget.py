@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 
 from forecache.errors import setting
+from forecache.gguf.base import is_expert_tensor
 from forecache.gguf.header import ModelFile
 
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40,
@@ -152,3 +153,57 @@ def slots_for_fraction(model: ModelFile, fraction: float) -> list[int]:
     n = fraction_slots(model.n_expert, fraction)
     layers = set(model.moe_layers())
     return [n if il in layers else 0 for il in range(model.n_layer)]
+
+
+def parse_budgets(text: str) -> tuple[int, ...]:
+    """``SIZE[,SIZE...]``: one budget, or one per device holding layers."""
+    return tuple(parse_size(part) for part in text.split(","))
+
+
+def device_slots(model: ModelFile, budgets: tuple[int, ...], layer_dev: list[int],
+                 names: dict[int, str], *, n_ctx: int, n_ubatch: int) -> list[int]:
+    """Slots for each layer when llama.cpp put layer ``il`` on device ``layer_dev[il]`` and
+    ``budgets`` gives each device's memory (one per device, in device order; a single one is
+    every device's): on each device, its layers' non-expert weights (the output head's with the
+    last layer's), their KV cache and a ubatch's compute buffers come first, and the rest is
+    slots, the same count in each of its MoE layers. A budget that cannot hold one slot a layer
+    is refused in one line naming the device."""
+    moe = set(model.moe_layers())
+    devs = sorted({layer_dev[il] for il in moe})
+    if len(budgets) not in (1, len(devs)):
+        raise BudgetError(
+            f"{setting('gpu_budget')} gives {len(budgets)} sizes, and llama.cpp put the model's "
+            f"layers on {len(devs)} devices ({', '.join(names.get(d, str(d)) for d in devs)}): "
+            "give one size per device, or one size for all")
+    per_dev = dict(zip(devs, budgets if len(budgets) == len(devs) else budgets * len(devs),
+                       strict=True))
+    blk: dict[int, int] = {}
+    head = 0  # output weights, on the last layer's device; token embeddings stay on the host
+    for t in model.tensors:
+        if t.name.startswith("blk.") and not is_expert_tensor(t.name):
+            il = int(t.name.split(".")[1])
+            blk[il] = blk.get(il, 0) + t.nbytes
+        elif t.name.startswith("output"):
+            head += t.nbytes
+    kv_layer = kv_cache_bytes(model, n_ctx) / max(model.n_layer, 1)
+    n_embd = int(model.arch_kv("embedding_length", 0))
+    compute = compute_buffer_bytes(n_ubatch, model.n_expert_used, model.expert_ff(), n_embd,
+                                   model.n_vocab)
+    layer_bytes = dict(zip(model.moe_layers(), model.layer_expert_bytes(), strict=True))
+    out = [0] * model.n_layer
+    for d, budget in per_dev.items():
+        on = [il for il in range(model.n_layer) if layer_dev[il] == d]
+        fixed = int(sum(blk.get(il, 0) + kv_layer for il in on)) + compute + \
+            (head if layer_dev[model.n_layer - 1] == d else 0)
+        moe_on = [il for il in on if il in moe]
+        n = min(model.n_expert, max(budget - fixed, 0) // sum(layer_bytes[il] for il in moe_on))
+        if n < 1:
+            raise BudgetError(
+                f"budget {format_size(budget)} on {names.get(d, str(d))} is too small: its "
+                f"{len(on)} layers' weights, KV cache and compute buffers need "
+                f"{format_size(fixed)}, and one expert slot a layer "
+                f"{format_size(sum(layer_bytes[il] for il in moe_on))} more; raise "
+                f"{setting('gpu_budget')}")
+        for il in moe_on:
+            out[il] = n
+    return out

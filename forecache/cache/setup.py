@@ -10,6 +10,7 @@ import numpy as np
 
 from forecache.cache.budget import (
     MemoryPlan,
+    parse_budgets,
     parse_size,
     plan_memory,
     slots_for_fraction,
@@ -58,8 +59,10 @@ EAM_WINDOW = 2
 class CacheConfig:
     """How a run places routed experts: a policy and how much device memory it may use.
 
-    Exactly one of ``gpu_budget`` (bytes for everything on the device), ``cache_fraction`` (share of
-    each layer's experts in slots) or ``slots_per_layer`` sizes the cache; ``offload`` needs none.
+    Exactly one of ``gpu_budget`` (bytes for everything on the device), ``device_budgets`` (the
+    same for each device llama.cpp puts layers on, in device order; one: every device's),
+    ``cache_fraction`` (share of each layer's experts in slots) or ``slots_per_layer`` sizes the
+    cache; ``offload`` needs none.
     """
 
     policy: str = "offload"
@@ -88,6 +91,7 @@ class CacheConfig:
     # host memory for the model's experts (with its non-expert weights on the host): the experts
     # beyond it stay in the file and the disk tier reads them (None: every expert in memory)
     host_budget: int | None = None
+    device_budgets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         spec = policy_spec(self.policy)
@@ -95,8 +99,14 @@ class CacheConfig:
             raise ValueError(f"{setting('host_budget')} runs in forecache's expert cache, and "
                              f"policy {self.policy} reads every expert from memory: use "
                              f"{setting('policy', 'promoe')}, infinity or lru")
-        sizes = [x for x in (self.gpu_budget, self.cache_fraction, self.slots_per_layer)
-                 if x is not None]
+        sizes = [x for x in (self.gpu_budget, self.cache_fraction, self.slots_per_layer,
+                             self.device_budgets) if x is not None]
+        if self.device_budgets is not None and (spec.placement != "slots" or
+                                                self.host_budget is not None):
+            raise ValueError(f"a {setting('gpu_budget')} per device sizes the slots of a cached "
+                             f"policy (promoe, infinity, lru, ...), without "
+                             f"{setting('host_budget')}; not {self.policy}"
+                             f"{' with a disk tier' if self.host_budget is not None else ''}")
         if len(sizes) > 1:
             raise ValueError(f"give one of {setting('gpu_budget')} and "
                              f"{setting('cache_fraction')}, not both")
@@ -132,14 +142,17 @@ def resolve_cache_config(policy: str | None, gpu_budget: int | str | None,
     """The configuration users get from what they gave: promoe unless a policy is named; sized by
     the budget or fraction given, else by the GPU's free memory. With nothing given on a
     CPU-only build, None: llama.cpp's own placement, since device and host are the same memory."""
-    budget = parse_size(gpu_budget) if isinstance(gpu_budget, str) else gpu_budget
+    per_device = parse_budgets(gpu_budget) if isinstance(gpu_budget, str) and "," in gpu_budget \
+        else None
+    budget = None if per_device else \
+        parse_size(gpu_budget) if isinstance(gpu_budget, str) else gpu_budget
     host = parse_size(host_budget) if isinstance(host_budget, str) else host_budget
     if host is not None and budget is None and cache_fraction is None and \
             cache_device().type == "cpu":
         # the disk tier lives in the expert cache; on a CPU-only build its slots are host
         # memory too, so they stay few
         cache_fraction = DISK_CPU_SLOT_FRACTION
-    if budget is None and cache_fraction is None and \
+    if budget is None and cache_fraction is None and per_device is None and \
             (policy is None or policy_spec(policy).placement != "host"):
         dev = cache_device()
         if dev.type != "cpu":
@@ -155,7 +168,8 @@ def resolve_cache_config(policy: str | None, gpu_budget: int | str | None,
                        cache_fraction=cache_fraction, predictor=predictor, window=window,
                        machine=machine, features=features or Features(), auto=policy is None,
                        stage_slots=stage_slots, little_k=little_k, gamma=gamma,
-                       little_resident=little_resident, host_budget=host)
+                       little_resident=little_resident, host_budget=host,
+                       device_budgets=per_device)
 
 
 def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int,
@@ -226,12 +240,14 @@ def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int) -> P
         slots = (plan.slots_per_layer() + [0] * model.n_layer)[:model.n_layer]
     elif cfg.cache_fraction is not None:
         slots = slots_for_fraction(model, cfg.cache_fraction)
+    elif cfg.device_budgets is not None:  # sized once loaded: which device holds which layer
+        slots = [1 if il in layers else 0 for il in range(model.n_layer)]
     else:
         assert cfg.slots_per_layer is not None
         slots = [min(cfg.slots_per_layer, model.n_expert) if il in layers else 0
                  for il in range(model.n_layer)]
     stage = 0
-    if spec.proactive and cfg.features.reorder:
+    if spec.proactive and cfg.features.reorder and cfg.device_budgets is None:
         stage = cfg.stage_slots if cfg.stage_slots is not None else \
             stage_slots_for(model.n_expert, slots) if dev.type != "cpu" else 0
     if plan is not None and stage:

@@ -105,12 +105,14 @@ def cache_options(fn):  # type: ignore[no-untyped-def]
                       help="Share of each layer's experts held in device slots (0-1].")(fn)
     fn = click.option("--gpu-budget", default=None,
                       help="All device memory the run may use: weights, KV cache, buffers, "
-                           "expert slots (e.g. 24GiB).")(fn)
+                           "expert slots (e.g. 24GiB). With layers on several devices (--rpc), "
+                           "one size per device in llama.cpp's order (e.g. 20GiB,22GiB), or one "
+                           "size for each.")(fn)
     fn = click.option("--rpc", default=None, metavar="HOST:PORT[,...]",
                       help="llama.cpp's RPC servers (`forecache rpc-server` on each): their "
                            "devices take the model's layers as llama.cpp splits them; a cached "
-                           "policy (sized by --cache-fraction) keeps each layer's slots on "
-                           "the device that holds the layer.")(fn)
+                           "policy keeps each layer's slots on the device that holds the "
+                           "layer.")(fn)
     fn = click.option("--policy", type=click.Choice(POLICIES), default=None,
                       help="Expert placement (default: promoe where it is expected to decode "
                            "at least 1.2x faster than ncmoe for this model and budget, else "

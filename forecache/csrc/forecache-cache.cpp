@@ -3,6 +3,45 @@
 
 #include "forecache-cache-impl.h"
 
+// the ggml device of each layer's non-expert weights where llama.cpp put them on a device of the
+// context's scheduler (a GPU, an RPC server's device), else nullptr (host memory)
+static std::vector<ggml_backend_dev_t> fc_layer_devs(llama_context * ctx, int32_t n_layer) {
+    const llama_model & model = ctx->get_model();
+    ggml_backend_sched_t sched = ctx->get_sched();
+    std::vector<ggml_backend_dev_t> out(n_layer, nullptr);
+    for (const auto & [name, t] : model.tensors_by_name) {
+        int il = -1;
+        if (sscanf(name.c_str(), "blk.%d.", &il) != 1 || il < 0 || il >= n_layer || forecache_expert_layer(name.c_str()) >= 0 ||
+                t->buffer == nullptr || ggml_backend_buffer_is_host(t->buffer)) {
+            continue;
+        }
+        ggml_backend_dev_t d = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t->buffer));
+        for (int i = 0; d != nullptr && i < ggml_backend_sched_get_n_backends(sched); i++) {
+            if (ggml_backend_get_device(ggml_backend_sched_get_backend(sched, i)) == d) {
+                out[il] = d;
+                break;
+            }
+        }
+    }
+    return out;
+}
+
+int32_t forecache_layer_devices(struct llama_context * ctx, int32_t * dev_index, int32_t n_layer) {
+    if (n_layer != (int32_t) ctx->get_model().hparams.n_layer()) {
+        return -1;
+    }
+    const std::vector<ggml_backend_dev_t> devs = fc_layer_devs(ctx, n_layer);
+    for (int32_t il = 0; il < n_layer; il++) {
+        dev_index[il] = -1;
+        for (size_t i = 0; devs[il] != nullptr && i < ggml_backend_dev_count(); i++) {
+            if (ggml_backend_dev_get(i) == devs[il]) {
+                dev_index[il] = (int32_t) i;
+            }
+        }
+    }
+    return 0;
+}
+
 struct forecache_cache * forecache_cache_init(
         struct llama_context * ctx,
         const int32_t        * n_slots,
@@ -96,17 +135,9 @@ struct forecache_cache * forecache_cache_init(
 
     // each layer's slots go on the device llama.cpp put its other weights on when that is a device of
     // this context (another GPU, an RPC server's device), else on the device asked for
-    std::vector<ggml_backend_dev_t> layer_dev(n_layer, dev);
-    for (const auto & [name, t] : model.tensors_by_name) {
-        int il = -1;
-        if (sscanf(name.c_str(), "blk.%d.", &il) != 1 || il < 0 || il >= n_layer || c->host_map.count(t) != 0 ||
-                t->buffer == nullptr || ggml_backend_buffer_is_host(t->buffer)) {
-            continue;
-        }
-        ggml_backend_dev_t d = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t->buffer));
-        if (d != nullptr && sched_backend(d) != nullptr) {
-            layer_dev[il] = d;
-        }
+    std::vector<ggml_backend_dev_t> layer_dev = fc_layer_devs(ctx, n_layer);
+    for (ggml_backend_dev_t & d : layer_dev) {
+        d = d != nullptr ? d : dev;
     }
     c->devs.resize(1);
     c->devs[0].dev = dev;

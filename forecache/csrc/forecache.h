@@ -174,6 +174,11 @@ LLAMA_API void forecache_cache_set_hook(
 LLAMA_API int32_t forecache_cache_layer_info(
         const struct forecache_cache * cache, int32_t layer, int32_t * n_expert, int32_t * n_slots, size_t * expert_bytes);
 
+// For each of the n_layer layers of ctx's model, the index in ggml's device list of the device
+// llama.cpp put the layer's non-expert weights on, or -1 for host memory (the CPU). Returns 0, or
+// -1 when n_layer is not the model's. Before forecache_cache_init: where its slots will go.
+LLAMA_API int32_t forecache_layer_devices(struct llama_context * ctx, int32_t * dev_index, int32_t n_layer);
+
 // Index in ggml's device list of the device holding `layer`'s slots (the device llama.cpp put the
 // layer's other weights on when it is one of the context's own, else the one forecache_cache_init
 // was given), or -1 for a layer without slots.

@@ -181,6 +181,11 @@ class ForecacheAPI(CFunctions):
                          n_slots: Ptr[c_int32], expert_bytes: Ptr[c_size_t]) -> int:
         """A layer's experts, slots and bytes per expert: 0, or -1 if not a MoE layer."""
 
+    @c_function([c_void_p, POINTER(c_int32), c_int32], c_int32)
+    def layer_devices(ctx: ContextPtr, dev_index: Ptr[c_int32], n_layer: int) -> int:
+        """Fill dev_index[il] with the ggml device index of the device llama.cpp put layer
+        ``il``'s non-expert weights on (-1: host memory): 0, or -1 for a wrong n_layer."""
+
     @c_function([c_void_p, c_int32], c_int32)
     def cache_layer_device(cache: CachePtr, layer: int) -> int:
         """The ggml device index of the device holding ``layer``'s slots, or -1 (no slots)."""
