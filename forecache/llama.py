@@ -38,6 +38,7 @@ from forecache.cache.setup import (
     expert_overrides,
     make_policy,
     place,
+    probe_copy_gbps,
     resolve_cache_config,
 )
 from forecache.diskprobe import DiskRate
@@ -46,6 +47,7 @@ from forecache.generate import Streamed
 from forecache.gguf.header import ModelFile, require_moe
 from forecache.native import llama_cpp_module, llama_cpp_package, patch_version
 from forecache.native.cache_api import SLOT_EMPTY
+from forecache.native.ggml_devices import Device
 from forecache.native.libs import MAX_THREADS, ModelLoadError, api
 from forecache.native.log import LOG_ERROR, abort_in_one_line, load_log
 from forecache.native.rpc import RPCError, add_servers, parse_endpoints
@@ -152,6 +154,7 @@ class Llama(llama_cpp.Llama):
             cache = self._rpc_placement(cache)
             kwargs.setdefault("n_gpu_layers", -1)  # the servers' devices take the layers
         self.placement: Placement | None = None
+        self.split_device: Device | None = None  # whose copy rate the split starts from
         self.disk_rate: DiskRate | None = None  # the disk tier's reads, measured at start
         n_ctx = int(kwargs.get("n_ctx", 512)) or int(self.model_file.arch_kv("context_length",
                                                                             4096))
@@ -377,6 +380,26 @@ class Llama(llama_cpp.Llama):
         # each device's even split (infinity's moves between layers would cross devices)
         self.placement = dataclasses.replace(self.placement, n_slots=slots)
 
+    def _split_device(self) -> Device:
+        """The device whose link the host/device split prices copies by: the cache's own, or,
+        where llama.cpp put layers on other devices (RPC servers), the one of those with the
+        slowest measured copy rate (a network's, not the local bus's)."""
+        from forecache.native.ggml_devices import devices
+
+        assert self.placement is not None
+        local = self.placement.device
+        if not self.rpc:
+            return local
+        n_layer = self.model_file.n_layer
+        arr = (ctypes.c_int32 * n_layer)()
+        if api().layer_devices(self.ctx, arr, n_layer) != 0:
+            return local
+        moe = set(self.model_file.moe_layers())
+        held = {d for il, d in enumerate(arr) if il in moe and d >= 0 and d != local.index}
+        rated = [(r, dev.index, dev) for dev in devices() if dev.index in held
+                 and (r := probe_copy_gbps(dev, 16 << 20))]
+        return min(rated)[2] if rated else local
+
     def _attach_cache(self, cfg: CacheConfig) -> None:
         assert self.placement is not None
         if cfg.spec.needs_profile and cfg.profile is None:
@@ -388,9 +411,10 @@ class Llama(llama_cpp.Llama):
                 self.close()
                 raise ModelLoadError(f"cannot read the experts of {self.model_file.path}: {e}; "
                                      "the disk tier reads them from the file") from e
+        self.split_device = self._split_device()
         self.expert_cache = attach(self.ctx, self.placement, cfg,
                                    make_policy(cfg, self.placement.n_slots, self.model_file,
-                                               self.placement.device, self.disk_rate),
+                                               self.split_device, self.disk_rate),
                                    self.model_file,
                                    say=lambda msg: print(msg, file=sys.stderr))
         cache = self.expert_cache  # predictors that read token ids get each batch's

@@ -117,7 +117,10 @@ def main(argv: list[str]) -> int:
                 "layer_devices": {il: names.get(li.device, "") for il, li in cache.layers.items()
                                   if li.n_slots > 0},
                 "n_slots": [cache.layers[il].n_slots if il in cache.layers else 0
-                            for il in range(llm.model_file.n_layer)]}
+                            for il in range(llm.model_file.n_layer)],
+                "split_device": llm.split_device.name if llm.split_device else None,
+                "split_copy_gbps": getattr(getattr(cache.policy, "cost", None), "copy_gbps",
+                                           None)}
         out["cache_info"] = np.frombuffer(json.dumps(info).encode(), dtype=np.uint8)
     np.savez(argv[2], **out)
     return 0

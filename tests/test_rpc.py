@@ -99,6 +99,9 @@ def test_layers_split_over_two_rpc_devices_equal_unpatched(
     if cached:  # the slots are on both servers, and served hits
         assert sorted(set(info["layer_devices"].values())) == ["RPC0", "RPC1"], info
         assert info["stats"]["hits"] > 0 and info["stats"]["misses"] > 0, info["stats"]
+    if policy in ("promoe", "infinity"):
+        # the host/device split prices copies at a server's link, not this machine's memcpy
+        assert info["split_device"] in ("RPC0", "RPC1") and info["split_copy_gbps"] > 0, info
 
 
 def test_promoe_splitting_layers_over_rpc_devices_equals_unpatched(

@@ -329,12 +329,20 @@ def split_cost(model: ModelFile, cfg: CacheConfig, device: Device | None,
     if copy_gbps is not None and copy_gbps > 0:
         cost.copy_gbps, cost.copy_measured = copy_gbps, True  # kept again by this run's record
     elif device.type == "gpu":
-        try:  # a probe's rate is a starting point, not a measured expert copy rate to keep
-            cost.copy_gbps = measure_copy(device.index, RATE_PROBE_BYTES,
-                                          RATE_PROBE_ITERS).h2d_gbps
-        except CopyProbeError:
-            pass
+        # a probe's rate is a starting point, not a measured expert copy rate to keep
+        cost.copy_gbps = probe_copy_gbps(device) or cost.copy_gbps
     return cost
+
+
+def probe_copy_gbps(device: Device, nbytes: int = RATE_PROBE_BYTES) -> float | None:
+    """``device``'s host-to-device rate from a short probe: from pinned memory where the device
+    has it, else pageable (an RPC server's device: the network's rate); None if neither runs."""
+    for pinned in (True, False):
+        try:
+            return measure_copy(device.index, nbytes, RATE_PROBE_ITERS, pinned=pinned).h2d_gbps
+        except CopyProbeError:
+            continue
+    return None
 
 
 def make_forecaster(model: ModelFile, cfg: CacheConfig, n_slots: list[int],
