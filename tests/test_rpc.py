@@ -104,6 +104,24 @@ def test_layers_split_over_two_rpc_devices_equal_unpatched(
         assert info["split_device"] in ("RPC0", "RPC1") and info["split_copy_gbps"] > 0, info
 
 
+@pytest.mark.parametrize("preset", ["tiny-qwen3moe", "tiny-mixtral", "tiny-olmoe",
+                                    "tiny-granitemoe", "tiny-deepseek2", "tiny-gpt-oss",
+                                    "tiny-lfm2moe"])
+def test_other_architectures_over_rpc_devices_equal_unpatched(
+        preset: str, tiny_model: Callable[..., Path], stock: StockReference,
+        servers: list[str]) -> None:
+    """promoe with its slots on the servers, over the other architectures' layouts (shared
+    experts, dense first layers, biased experts, a recurrent state): equal to unpatched."""
+    model = tiny_model("q8_0", preset)
+    ref = stock.run(model, PROMPTS, N_GEN, rpc=servers, n_ctx=256)
+    info: dict = {}
+    ours = _forecache(model, servers, info, policy="promoe", cache_fraction=0.5)
+    for (t, lg), (rt, rl) in zip(ours, ref, strict=True):
+        assert t == rt
+        np.testing.assert_array_equal(lg, rl)
+    assert info["stats"]["hits"] > 0 and len(set(info["layer_devices"].values())) == 2, info
+
+
 def test_promoe_splitting_layers_over_rpc_devices_equals_unpatched(
         tiny_model: Callable[..., Path], stock: StockReference, servers: list[str],
         tmp_path: Path) -> None:
