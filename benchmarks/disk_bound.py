@@ -23,7 +23,11 @@ Two counts of the decode reads of the measured requests:
 Tokens/s follow from the reads alone: a token takes ``reads x`` one read's share of the disk
 (its bytes at the disk's rate, or its per-projection latencies plus bytes over the reads in
 flight, whichever is more), compute and copies fully overlapped, DRAM uncontended: an upper
-bound. ``lru`` is the same memory under online LRU, for scale. Same arguments, same table.
+bound. ``lru`` is the same memory under online LRU, for scale; ``req.`` knows each request's
+total uses of every expert before it starts (an oracle: no online policy has it) and keeps the
+experts the request uses most, reading into memory only an expert used more than the one it
+would evict; ``req. online`` does the same with the request's uses so far (MoE-Infinity's
+request-level counts, admission included). Same arguments, same table.
 """
 
 from __future__ import annotations
@@ -82,7 +86,7 @@ def bounds(fit: list[Request], replay: list[Request], shape: ModelShape, capacit
     whole run, and LRU over the whole run."""
     n_decode = sum(int((r.phase == 1).sum()) if r.phase is not None else r.n_tokens
                    for r in replay)
-    bound = cont = lru = 0
+    bound = cont = lru = oracle = online = 0
     run = fit + replay
     first = sum(r.n_tokens for r in fit)  # the measured requests' first token in ``run``
     for il in range(shape.layers):
@@ -95,10 +99,50 @@ def bounds(fit: list[Request], replay: list[Request], shape: ModelShape, capacit
         cont += int(misses[mask].sum())
         # LRU: the measured decode tokens' misses, the run before them warming the memory
         lru += lru_decode_misses(steps, mask, capacity)
+        oracle += request_count_misses(run, len(fit), il, capacity, oracle=True)
+        online += request_count_misses(run, len(fit), il, capacity, oracle=False)
     return {"capacity": capacity, "decode_tokens": n_decode,
             "bound_reads_per_token": bound / n_decode,
             "belady_reads_per_token": cont / n_decode,
-            "lru_reads_per_token": lru / n_decode}
+            "lru_reads_per_token": lru / n_decode,
+            "req_reads_per_token": oracle / n_decode,
+            "req_online_reads_per_token": online / n_decode}
+
+
+def request_count_misses(run: list[Request], first: int, il: int, capacity: int, *,
+                         oracle: bool) -> int:
+    """Decode misses of layer ``il`` in requests ``run[first:]`` (all of ``run`` replayed in
+    order) when memory keeps the experts the current request uses most (then the most recent):
+    its total uses, known in advance (``oracle``), or its uses so far. An expert used less than
+    the one it would evict is computed from its read and not kept (bypass)."""
+    held: dict[int, int] = {}  # expert -> last use
+    n = t = 0
+    for ri, r in enumerate(run):
+        ex = r.experts[:, il]
+        ph = r.phase if r.phase is not None else np.ones(len(ex), dtype=np.int8)
+        uses: dict[int, int] = {}
+        if oracle:
+            for e in ex[ex >= 0].tolist():
+                uses[e] = uses.get(e, 0) + 1
+        for tok in range(len(ex)):
+            t += 1
+            row = [int(e) for e in ex[tok] if e >= 0]
+            if not oracle:
+                for e in row:
+                    uses[e] = uses.get(e, 0) + 1
+            for e in row:
+                if e in held:
+                    held[e] = t
+                    continue
+                n += ri >= first and bool(ph[tok] == 1)
+                if len(held) < capacity:
+                    held[e] = t
+                    continue
+                victim = min(held, key=lambda k: (uses.get(k, 0), held[k]))
+                if uses.get(e, 0) >= uses.get(victim, 0):
+                    del held[victim]
+                    held[e] = t
+    return n
 
 
 def lru_decode_misses(steps: list[list[int]], mask: np.ndarray, capacity: int) -> int:
@@ -146,7 +190,7 @@ def main() -> None:
         got = {}
         for name, c in caps.items():
             b = bounds(fit, replay, shape, c)
-            for k in ("bound", "belady", "lru"):
+            for k in ("bound", "belady", "lru", "req", "req_online"):
                 b[f"{k}_tokens_s"] = 1.0 / (b[f"{k}_reads_per_token"] * one) \
                     if b[f"{k}_reads_per_token"] > 0 else math.inf
             got[name] = b
@@ -163,7 +207,8 @@ def main() -> None:
           "tokens measured per trace after "
           f"{args.requests // 2} warmed up (disk_sim.py's)")
     head = f"{'routing fitted to':<44} {'memory':<12} " + \
-        f"{'bound':>7} {'tok/s':>6} {'cont.':>7} {'tok/s':>6} {'lru':>7} {'tok/s':>6}"
+        f"{'bound':>7} {'tok/s':>6} {'cont.':>7} {'tok/s':>6} {'lru':>7} {'tok/s':>6} " + \
+        f"{'req.':>7} {'tok/s':>6} {'online':>7} {'tok/s':>6}"
     print(head)
     print("-" * len(head))
     for stem, got in results.items():
@@ -171,15 +216,21 @@ def main() -> None:
             print(f"{stem:<44} {name + ' ' + str(v['capacity']):<12} "
                   f"{v['bound_reads_per_token']:>7.1f} {v['bound_tokens_s']:>6.2f} "
                   f"{v['belady_reads_per_token']:>7.1f} {v['belady_tokens_s']:>6.2f} "
-                  f"{v['lru_reads_per_token']:>7.1f} {v['lru_tokens_s']:>6.2f}")
-    means = {n: {k: gmean(n, f"{k}_tokens_s") for k in ("bound", "belady", "lru")}
+                  f"{v['lru_reads_per_token']:>7.1f} {v['lru_tokens_s']:>6.2f} "
+                  f"{v['req_reads_per_token']:>7.1f} {v['req_tokens_s']:>6.2f} "
+                  f"{v['req_online_reads_per_token']:>7.1f} {v['req_online_tokens_s']:>6.2f}")
+    means = {n: {k: gmean(n, f"{k}_tokens_s") for k in ("bound", "belady", "lru", "req",
+                                                         "req_online")}
              for n in caps}
     for name, m in means.items():
         print(f"{'geometric mean':<44} {name + ' ' + str(caps[name]):<12} "
-              f"{'':>7} {m['bound']:>6.2f} {'':>7} {m['belady']:>6.2f} {'':>7} {m['lru']:>6.2f}")
+              f"{'':>7} {m['bound']:>6.2f} {'':>7} {m['belady']:>6.2f} {'':>7} {m['lru']:>6.2f} "
+              f"{'':>7} {m['req']:>6.2f} {'':>7} {m['req_online']:>6.2f}")
     print("bound: each measured decode alone from the best start (no placement reads fewer); "
           "cont.: Belady over the whole run, prompts and warm-up included; lru: online LRU of "
-          "the same memory; tok/s: reads x one read's disk time, nothing else counted")
+          "the same memory; req.: the most-used experts of the request, its total uses known in "
+          "advance (an oracle); online: the same by its uses so far; tok/s: reads x one read's "
+          "disk time, nothing else counted")
     for name, m in means.items():
         ok = m["bound"] >= FLASH_MOE_TOKS
         print(f"flash-moe's {FLASH_MOE_TOKS} tokens/s losslessly with the {name} memory "

@@ -376,3 +376,30 @@ def test_request_eviction_counts_the_current_requests_uses() -> None:
     tier.use(0, 3, HIGH)  # takes 1's slot: fewer uses this request, though more in all
     _idle(eng)
     assert _held(eng) == {2, 3}
+
+
+def test_request_counts_keep_a_requests_favourites_past_a_scan() -> None:
+    """benchmarks/disk_bound.py's request-count policy: a request that keeps returning to two
+    experts between one-off ones keeps them (the one-offs are not let in), where LRU of two
+    slots loses them to every one-off; knowing the totals in advance or counting as it goes
+    both do, and neither reads fewer than Belady."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from disk_bound import layer_steps, lru_decode_misses, request_count_misses
+
+    seq = [0, 1, 5, 0, 1, 6, 0, 1, 7, 0, 1, 8, 0, 1, 9]
+    prompt = Request(experts=np.array([[[0]], [[1]], [[0]], [[1]]], dtype=np.int16),
+                     phase=np.zeros(4, dtype=np.int8))
+    dec = Request(experts=np.array([[[e]] for e in seq], dtype=np.int16),
+                  phase=np.ones(len(seq), dtype=np.int8))
+    run = [replace(prompt, experts=np.concatenate([prompt.experts, dec.experts]),
+                   phase=np.concatenate([prompt.phase, dec.phase]))]
+    steps, decode = layer_steps(run, 0)
+    mask = np.array(decode)
+    lru = lru_decode_misses(steps, mask, 2)
+    oracle = request_count_misses(run, 0, 0, 2, oracle=True)
+    online = request_count_misses(run, 0, 0, 2, oracle=False)
+    best = int(belady_misses(steps, 2)[mask].sum())
+    assert lru == len(seq) - 2 and oracle == online == 5  # only the one-offs are read
+    assert best <= oracle
