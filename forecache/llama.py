@@ -40,6 +40,7 @@ from forecache.cache.setup import (
     place,
     probe_copy_gbps,
     resolve_cache_config,
+    spread_budget,
 )
 from forecache.diskprobe import DiskRate
 from forecache.errors import setting
@@ -47,7 +48,7 @@ from forecache.generate import Streamed
 from forecache.gguf.header import ModelFile, require_moe
 from forecache.native import llama_cpp_module, llama_cpp_package, patch_version
 from forecache.native.cache_api import SLOT_EMPTY
-from forecache.native.ggml_devices import Device
+from forecache.native.ggml_devices import Device, local_gpus
 from forecache.native.libs import MAX_THREADS, ModelLoadError, api
 from forecache.native.log import LOG_ERROR, abort_in_one_line, load_log
 from forecache.native.rpc import RPCError, add_servers, parse_endpoints
@@ -153,6 +154,8 @@ class Llama(llama_cpp.Llama):
         if self.rpc:
             cache = self._rpc_placement(cache)
             kwargs.setdefault("n_gpu_layers", -1)  # the servers' devices take the layers
+        elif cache is not None and len(local_gpus()) > 1:
+            cache = spread_budget(cache)  # llama.cpp splits the layers over every GPU
         self.placement: Placement | None = None
         self.split_device: Device | None = None  # whose copy rate the split starts from
         self.disk_rate: DiskRate | None = None  # the disk tier's reads, measured at start
@@ -232,13 +235,8 @@ class Llama(llama_cpp.Llama):
                 raise ValueError(f"{setting('policy')} ncmoe with {setting('rpc')}: ncmoe's "
                                  "budget is for one local device; over RPC run with no policy "
                                  "(llama.cpp's split), offload or a cached policy")
-            if cache.spec.cached and cache.gpu_budget is not None:
-                # over RPC a single size is each device's budget
-                cache = dataclasses.replace(cache, gpu_budget=None,
-                                            device_budgets=(cache.gpu_budget,))
-            if cache.spec.cached:
-                # stage slots live on the local device, which holds no layer's slots here
-                cache = dataclasses.replace(cache, stage_slots=0)
+            if cache.spec.cached:  # a single size is each device's; no stage slots
+                cache = spread_budget(dataclasses.replace(cache, stage_slots=0))
         try:
             add_servers(self.rpc)
         except RPCError as e:
@@ -382,13 +380,13 @@ class Llama(llama_cpp.Llama):
 
     def _split_device(self) -> Device:
         """The device whose link the host/device split prices copies by: the cache's own, or,
-        where llama.cpp put layers on other devices (RPC servers), the one of those with the
-        slowest measured copy rate (a network's, not the local bus's)."""
+        where llama.cpp put layers on other devices (RPC servers, other GPUs), the one of those
+        with the slowest measured copy rate (a network's, not the local bus's)."""
         from forecache.native.ggml_devices import devices
 
         assert self.placement is not None
         local = self.placement.device
-        if not self.rpc:
+        if not self.rpc and len(local_gpus()) < 2:
             return local
         n_layer = self.model_file.n_layer
         arr = (ctypes.c_int32 * n_layer)()

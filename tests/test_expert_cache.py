@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from forecache.cache.budget import BudgetError, device_slots, plan_memory
-from forecache.cache.setup import CacheConfig
+from forecache.cache.setup import CacheConfig, spread_budget
 from forecache.generate import SamplingParams, generate, last_logits, text_tokens
 from forecache.gguf.header import read_model_file
 from forecache.llama import Llama
@@ -262,6 +262,12 @@ def test_each_devices_budget_sizes_its_own_layers(tiny_model: Callable[..., Path
         slots(base, base, base)
     with pytest.raises(BudgetError, match="on RPC1 is too small"):
         slots(base, 1 << 20)
+    # a run over several devices takes a single size as each device's, without stage slots
+    one = spread_budget(CacheConfig("promoe", gpu_budget=base, stage_slots=4))
+    assert (one.gpu_budget, one.device_budgets, one.stage_slots) == (None, (base,), 0)
+    assert spread_budget(CacheConfig("ncmoe", gpu_budget=base)).gpu_budget == base
+    frac = CacheConfig("lru", cache_fraction=0.5)
+    assert spread_budget(frac) == frac
 
 
 def test_budgets_follow_each_layers_expert_size(tiny_model: Callable[..., Path]) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,7 @@ from forecache.native.ggml_devices import (
     Device,
     cache_device,
     host_buffer_type,
+    local_gpus,
     measure_copy,
 )
 from forecache.predictor.base import Predictor
@@ -155,9 +156,12 @@ def resolve_cache_config(policy: str | None, gpu_budget: int | str | None,
     if budget is None and cache_fraction is None and per_device is None and \
             (policy is None or policy_spec(policy).placement != "host"):
         dev = cache_device()
-        if dev.type != "cpu":
-            reserve = max(int(dev.memory_free * AUTO_BUDGET_RESERVE), AUTO_BUDGET_MIN_RESERVE)
-            budget = max(dev.memory_free - reserve, 0)
+        gpus = local_gpus()
+        if len(gpus) > 1 and (policy is None or policy_spec(policy).placement == "slots"):
+            # llama.cpp splits the layers over every GPU: each sizes its own layers' slots
+            per_device = tuple(auto_budget(d) for d in gpus)
+        elif dev.type != "cpu":
+            budget = auto_budget(dev)
         elif policy is None:
             if little_k:
                 raise ValueError(f"MoBiLE decoding ({setting('mode')} mobile) runs in "
@@ -170,6 +174,21 @@ def resolve_cache_config(policy: str | None, gpu_budget: int | str | None,
                        stage_slots=stage_slots, little_k=little_k, gamma=gamma,
                        little_resident=little_resident, host_budget=host,
                        device_budgets=per_device)
+
+
+def auto_budget(dev: Device) -> int:
+    """The budget a run takes on ``dev`` when none is given: its free memory less a reserve."""
+    reserve = max(int(dev.memory_free * AUTO_BUDGET_RESERVE), AUTO_BUDGET_MIN_RESERVE)
+    return max(dev.memory_free - reserve, 0)
+
+
+def spread_budget(cfg: CacheConfig) -> CacheConfig:
+    """A cached policy's single ``gpu_budget`` as each device's, for a run whose layers llama.cpp
+    puts on other devices than the cache's own (several GPUs, RPC servers): slots are then sized
+    per device once the model is loaded, and stage slots (on one device) are off."""
+    if not cfg.spec.cached or cfg.gpu_budget is None:
+        return replace(cfg, stage_slots=0) if cfg.device_budgets is not None else cfg
+    return replace(cfg, gpu_budget=None, device_budgets=(cfg.gpu_budget,), stage_slots=0)
 
 
 def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int,

@@ -111,6 +111,11 @@ def cache_device() -> Device:
     raise RuntimeError("ggml reports no GPU and no CPU device")
 
 
+def local_gpus() -> list[Device]:
+    """This machine's GPUs, in ggml's order (the order llama.cpp splits layers over them)."""
+    return [d for d in devices() if d.type == "gpu" and not is_rpc(d)]
+
+
 def rpc_devices() -> list[Device]:
     """The RPC servers' devices registered in this process (``native.rpc.add_servers``)."""
     return [d for d in devices() if is_rpc(d)]
