@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forecache.cache.budget import format_size
+from forecache.cache.policies import hit_rate
 from forecache.errors import setting
 from forecache.generate import SamplingParams
 from forecache.interrupt import deferred_signals
@@ -162,6 +163,9 @@ def expert_summary(stats: dict) -> str:
     text = (f"experts: {stats['policy']} {hit}, cache {stats['slots_filled']}/"
             f"{stats['cache_slots']} slots ({format_size(stats['slot_bytes'])} on "
             f"{stats['device']})")
+    if "devices" in stats:  # slots on several devices: each one's share
+        text += "; " + ", ".join(f"{name} {device_summary(d)}"
+                                 for name, d in stats["devices"].items())
     if "disk_reads" in stats:
         host = stats["host_hit_rate"]
         text += (f"; disk tier: host hit {host * 100:.0f}%, " if host is not None else
@@ -169,6 +173,13 @@ def expert_summary(stats: dict) -> str:
             (f"{stats['disk_reads']} experts read ({format_size(stats['disk_bytes'])}), "
              f"waited {stats['disk_wait_s'] * 1000:.0f} ms")
     return text
+
+
+def device_summary(d: dict) -> str:
+    """One device's slots and hit rate (``Llama.expert_stats()["devices"]``)."""
+    rate = hit_rate(d["hits"], d["misses"])
+    return f"{d['slots']} slots, hit {rate * 100:.0f}%" if rate is not None else \
+        f"{d['slots']} slots, hit -"
 
 
 def stats_report(session: ChatSession) -> str:
@@ -186,4 +197,6 @@ def stats_report(session: ChatSession) -> str:
                      f"copied {format_size(s['h2d_bytes'])}, stalled {s['stall_s'] * 1000:.1f} ms, "
                      f"slots {s['slots_filled']}/{s['cache_slots']}, "
                      f"layers on host {s['host_layers']}")
+        for name, d in s.get("devices", {}).items():
+            lines.append(f"  {name}: {device_summary(d)}, copied {format_size(d['h2d_bytes'])}")
     return "\n".join(lines)

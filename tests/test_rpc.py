@@ -8,6 +8,7 @@ child process of its own (the CLI, or tests/stock_runner.py)."""
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -293,3 +294,26 @@ def test_doctor_measures_each_rpc_device(servers: list[str]) -> None:
     res = run_cli("doctor", "--no-measure", "--rpc", dead)
     assert res.returncode == 1 and f"RPC server {dead} does not answer" in res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
+def test_chat_reports_each_devices_slots(tmp_path: Path, servers: list[str]) -> None:
+    """`forecache chat --rpc` with a cached policy: the line after each answer and /stats give
+    each server's device its slots and hit rate."""
+    from test_chat import STATUS, _finish, _spawn
+
+    from forecache.models.default import REFERENCE_MODEL
+
+    if not REFERENCE_MODEL.is_file():
+        pytest.skip("reference model not in this checkout")
+    child = _spawn(tmp_path, "--temp", "0", "--max-tokens", "8", "--policy", "lru",
+                   "--cache-fraction", "0.5", "--rpc", ",".join(servers))
+    child.sendline("And it came to pass")
+    child.expect(STATUS)
+    experts = child.match.group(5)
+    assert re.search(r"RPC0 \d+ slots, hit \d+%, RPC1 \d+ slots, hit \d+%", experts), experts
+    child.expect("> ")
+    child.sendline("/stats")
+    child.expect(r"  RPC1: \d+ slots, hit \d+%, copied [\d.]+ [MG]iB")
+    child.expect("> ")
+    child.sendeof()
+    assert _finish(child) == 0
