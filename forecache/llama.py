@@ -28,6 +28,7 @@ from forecache.cache.choice import Choice
 from forecache.cache.disk import experts_left_on_disk, probe_expert_reads, readers_default
 from forecache.cache.measured import record_run
 from forecache.cache.policies import hit_rate
+from forecache.cache.prefetcher import stage_slots_for
 from forecache.cache.runtime import ExpertCache
 from forecache.cache.setup import (
     CacheConfig,
@@ -235,8 +236,7 @@ class Llama(llama_cpp.Llama):
                 raise ValueError(f"{setting('policy')} ncmoe with {setting('rpc')}: ncmoe's "
                                  "budget is for one local device; over RPC run with no policy "
                                  "(llama.cpp's split), offload or a cached policy")
-            if cache.spec.cached:  # a single size is each device's; no stage slots
-                cache = spread_budget(dataclasses.replace(cache, stage_slots=0))
+            cache = spread_budget(cache)  # a single size is each device's
         try:
             add_servers(self.rpc)
         except RPCError as e:
@@ -368,15 +368,21 @@ class Llama(llama_cpp.Llama):
             raise ModelLoadError(f"cannot tell which device holds each of the {n_layer} layers")
         local = self.placement.device.index
         layer_dev = [d if d >= 0 else local for d in arr]
+        names = {d.index: d.name for d in devices()}
         try:
-            slots = device_slots(self.model_file, cfg.device_budgets, layer_dev,
-                                 {d.index: d.name for d in devices()}, n_ctx=n_ctx,
-                                 n_ubatch=n_ubatch)
+            slots = device_slots(self.model_file, cfg.device_budgets, layer_dev, names,
+                                 n_ctx=n_ctx, n_ubatch=n_ubatch)
+            stage = 0
+            if cfg.spec.proactive and cfg.features.reorder:  # held back on every device
+                stage = cfg.stage_slots if cfg.stage_slots is not None else \
+                    stage_slots_for(self.model_file.n_expert, slots)
+                slots = device_slots(self.model_file, cfg.device_budgets, layer_dev, names,
+                                     n_ctx=n_ctx, n_ubatch=n_ubatch, held=stage)
         except ValueError:
             self.close()
             raise
         # each device's even split (infinity's moves between layers would cross devices)
-        self.placement = dataclasses.replace(self.placement, n_slots=slots)
+        self.placement = dataclasses.replace(self.placement, n_slots=slots, stage_slots=stage)
 
     def _split_device(self) -> Device:
         """The device whose link the host/device split prices copies by: the cache's own, or,

@@ -8,7 +8,8 @@ tests run this file with the reference first on PYTHONPATH:
 
 JOB.json: {"model": PATH, "params": {llama_cpp.Llama keywords}, "repack": false,
 "runs": [{"prompt": [token ids], "n_gen": N}, ...]}; with "loader": "forecache" the model is
-loaded by ``forecache.Llama`` instead (its own default placement), so a crash of either build
+loaded by ``forecache.Llama`` instead (its own default placement, or "cache": a CacheConfig's
+fields), so a crash of either build
 is seen as this process's exit status. OUT.npz holds, for run i, ``tokens_i``
 (the greedy tokens) and ``logits_i`` ([n_gen, n_vocab]: the logits each token was picked from);
 with forecache's expert cache, ``cache_info`` (JSON bytes: its stats, the device name of each
@@ -98,7 +99,16 @@ def main(argv: list[str]) -> int:
         from forecache import Llama
 
         rpc = {"rpc": job["rpc"]} if job.get("rpc") else {}
-        llm = Llama(job["model"], verbose=False, **job.get("params", {}), **rpc)
+        params = dict(job.get("params", {}))
+        if isinstance(params.get("cache"), dict):  # a CacheConfig's fields
+            from forecache.cache.prefetcher import Features
+            from forecache.cache.setup import CacheConfig
+
+            fields = dict(params["cache"])
+            if isinstance(fields.get("features"), dict):
+                fields["features"] = Features(**fields["features"])
+            params["cache"] = CacheConfig(**fields)
+        llm = Llama(job["model"], verbose=False, **params, **rpc)
     else:
         if job.get("rpc"):
             add_rpc_servers(job["rpc"])
@@ -119,6 +129,7 @@ def main(argv: list[str]) -> int:
                 "n_slots": [cache.layers[il].n_slots if il in cache.layers else 0
                             for il in range(llm.model_file.n_layer)],
                 "split_device": llm.split_device.name if llm.split_device else None,
+                "devices": cache.device_stats(names),
                 "split_copy_gbps": getattr(getattr(cache.policy, "cost", None), "copy_gbps",
                                            None)}
         out["cache_info"] = np.frombuffer(json.dumps(info).encode(), dtype=np.uint8)

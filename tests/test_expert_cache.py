@@ -262,9 +262,14 @@ def test_each_devices_budget_sizes_its_own_layers(tiny_model: Callable[..., Path
         slots(base, base, base)
     with pytest.raises(BudgetError, match="on RPC1 is too small"):
         slots(base, 1 << 20)
-    # a run over several devices takes a single size as each device's, without stage slots
+    # a run over several devices takes a single size as each device's
     one = spread_budget(CacheConfig("promoe", gpu_budget=base, stage_slots=4))
-    assert (one.gpu_budget, one.device_budgets, one.stage_slots) == (None, (base,), 0)
+    assert (one.gpu_budget, one.device_budgets, one.stage_slots) == (None, (base,), 4)
+    # each device's stage slots come out of its own budget: as many as the first device has
+    # layers cost it one slot a layer (q8_0: every layer's experts the same size)
+    assert len(set(mf.layer_expert_bytes())) == 1
+    held = device_slots(mf, (base,), split, names, n_ctx=256, n_ubatch=N_BATCH, held=half)
+    assert held[moe[0]] == a - 1 and held[moe[-1]] <= b
     assert spread_budget(CacheConfig("ncmoe", gpu_budget=base)).gpu_budget == base
     frac = CacheConfig("lru", cache_fraction=0.5)
     assert spread_budget(frac) == frac

@@ -123,6 +123,30 @@ def test_other_architectures_over_rpc_devices_equal_unpatched(
     assert info["stats"]["hits"] > 0 and len(set(info["layer_devices"].values())) == 2, info
 
 
+def test_stage_slots_on_each_rpc_device(tiny_model: Callable[..., Path], stock: StockReference,
+                                        servers: list[str]) -> None:
+    """promoe with stage slots on each server's device: a prompt that streams more experts
+    than a layer's slots copies the next layer's into its own device's stage slots; equal to
+    unpatched."""
+    model = tiny_model("q8_0")
+    prompts = [list(range(10, 74)), list(range(300, 400))]
+    ref = stock.run(model, prompts, N_GEN, rpc=servers, n_ctx=256)
+    info: dict = {}
+    ours = run_greedy_child(greedy_job(model, prompts, N_GEN, loader="forecache", rpc=servers,
+                                       n_ctx=256, cache={
+                                           "policy": "promoe", "cache_fraction": 0.25,
+                                           "stage_slots": 2, "predictor": "history",
+                                           "features": {"split": False}}),
+                            Path(str(model)).parent, info=info)
+    for (t, lg), (rt, rl) in zip(ours, ref, strict=True):
+        assert t == rt
+        np.testing.assert_array_equal(lg, rl)
+    st = info["stats"]
+    assert st["staged"] > 0 and st["stage_used"] > 0, st
+    assert sorted(info["devices"]) == ["RPC0", "RPC1"], info
+    assert all(d["staged"] > 0 for d in info["devices"].values()), info["devices"]
+
+
 def test_promoe_splitting_layers_over_rpc_devices_equals_unpatched(
         tiny_model: Callable[..., Path], stock: StockReference, servers: list[str],
         tmp_path: Path) -> None:

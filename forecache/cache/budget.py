@@ -161,13 +161,15 @@ def parse_budgets(text: str) -> tuple[int, ...]:
 
 
 def device_slots(model: ModelFile, budgets: tuple[int, ...], layer_dev: list[int],
-                 names: dict[int, str], *, n_ctx: int, n_ubatch: int) -> list[int]:
+                 names: dict[int, str], *, n_ctx: int, n_ubatch: int,
+                 held: int = 0) -> list[int]:
     """Slots for each layer when llama.cpp put layer ``il`` on device ``layer_dev[il]`` and
     ``budgets`` gives each device's memory (one per device, in device order; a single one is
     every device's): on each device, its layers' non-expert weights (the output head's with the
     last layer's), their KV cache and a ubatch's compute buffers come first, and the rest is
-    slots, the same count in each of its MoE layers. A budget that cannot hold one slot a layer
-    is refused in one line naming the device."""
+    slots, the same count in each of its MoE layers, less ``held`` of the largest experts (each
+    device's stage slots). A budget that cannot hold one slot a layer is refused in one line
+    naming the device."""
     moe = set(model.moe_layers())
     devs = sorted({layer_dev[il] for il in moe})
     if len(budgets) not in (1, len(devs)):
@@ -194,13 +196,14 @@ def device_slots(model: ModelFile, budgets: tuple[int, ...], layer_dev: list[int
     for d, budget in per_dev.items():
         on = [il for il in range(model.n_layer) if layer_dev[il] == d]
         fixed = int(sum(blk.get(il, 0) + kv_layer for il in on)) + compute + \
-            (head if layer_dev[model.n_layer - 1] == d else 0)
+            (head if layer_dev[model.n_layer - 1] == d else 0) + held * max(layer_bytes.values())
         moe_on = [il for il in on if il in moe]
         n = min(model.n_expert, max(budget - fixed, 0) // sum(layer_bytes[il] for il in moe_on))
         if n < 1:
             raise BudgetError(
                 f"budget {format_size(budget)} on {names.get(d, str(d))} is too small: its "
-                f"{len(on)} layers' weights, KV cache and compute buffers need "
+                f"{len(on)} layers' weights, KV cache and compute buffers"
+                f"{f' and {held} stage slots' if held else ''} need "
                 f"{format_size(fixed)}, and one expert slot a layer "
                 f"{format_size(sum(layer_bytes[il] for il in moe_on))} more; raise "
                 f"{setting('gpu_budget')}")

@@ -200,9 +200,13 @@ class ExpertCache:
         if self._api.cache_set_stage(self._handle, n, err, len(err)) != 0:
             raise CacheError(f"cannot set up {n} stage slots: {err.value.decode()}")
         self._n_stage = n
-        self._stage_arrays = tuple((ctypes.c_int32 * n)() for _ in range(3))
+        # n on each device holding slots: the C side reports every device's
+        devices = {info.device for info in self.layers.values() if info.n_slots}
+        self._stage_arrays = tuple((ctypes.c_int32 * (n * max(len(devices), 1)))()
+                                   for _ in range(3))
 
     def stage_slots(self) -> int:
+        """Stage slots on each device holding slots (0: none)."""
         return self._n_stage
 
     def host_state(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
@@ -444,16 +448,16 @@ class ExpertCache:
 
     def device_stats(self, names: dict[int, str]) -> dict[str, dict]:
         """Per device holding slots (``names``: ggml device index -> name): its slots, hits,
-        misses and bytes copied to it."""
+        misses, bytes copied to it and experts copied into its stage slots."""
         out: dict[str, dict] = {}
         for il, info in self.layers.items():
             if info.n_slots == 0:
                 continue
             d = out.setdefault(names.get(info.device, str(info.device)),
-                               {"slots": 0, "hits": 0, "misses": 0, "h2d_bytes": 0})
+                               {"slots": 0, "hits": 0, "misses": 0, "h2d_bytes": 0, "staged": 0})
             s = self.stats(il)
             d["slots"] += info.n_slots
-            for k in ("hits", "misses", "h2d_bytes"):
+            for k in ("hits", "misses", "h2d_bytes", "staged"):
                 d[k] += s[k]
         return out
 

@@ -185,10 +185,10 @@ def auto_budget(dev: Device) -> int:
 def spread_budget(cfg: CacheConfig) -> CacheConfig:
     """A cached policy's single ``gpu_budget`` as each device's, for a run whose layers llama.cpp
     puts on other devices than the cache's own (several GPUs, RPC servers): slots are then sized
-    per device once the model is loaded, and stage slots (on one device) are off."""
+    per device once the model is loaded."""
     if not cfg.spec.cached or cfg.gpu_budget is None:
-        return replace(cfg, stage_slots=0) if cfg.device_budgets is not None else cfg
-    return replace(cfg, gpu_budget=None, device_budgets=(cfg.gpu_budget,), stage_slots=0)
+        return cfg
+    return replace(cfg, gpu_budget=None, device_budgets=(cfg.gpu_budget,))
 
 
 def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int,

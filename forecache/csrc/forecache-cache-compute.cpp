@@ -96,9 +96,11 @@ ggml_tensor * fc_alias_2d(ggml_context * ctx, ggml_tensor * src, int64_t ne0, in
 // device: gathers their inputs, runs MUL_MAT_ID over the slots (or the stage slots, when the entries
 // read those) and scatters the results into t
 bool fc_group_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor * t, int32_t i0, int32_t i1) {
-    const bool stage = fc_stage_of(L, L.sch_s[i0]) >= 0;
-    ggml_tensor * as = stage ? c->stage[p] : L.pool[p];
-    const int32_t base = stage ? L.n_slots : 0;
+    const int32_t j0 = fc_stage_of(L, L.sch_s[i0]);
+    const bool stage = j0 >= 0;
+    int32_t local = 0;
+    ggml_tensor * as = stage ? fc_stage_tensor(c, j0, p, local) : L.pool[p];
+    const int32_t base = stage ? L.n_slots + (j0 - local) : 0; // stage entries: index in their device's stage
     ggml_tensor * b = t->src[1];
     const int64_t n_used   = t->src[3]->ne[0];
     const int64_t n_tokens = t->src[3]->ne[1];

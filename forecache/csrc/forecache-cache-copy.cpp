@@ -20,10 +20,11 @@ bool fc_eligible(const forecache_cache * c, const fc_chunk & ch) {
     return fc_need_met(c, ch);
 }
 
-// the device a chunk copies to: its layer's, or the stage slots' (devs[0])
+// the device a chunk copies to: its layer's, or its stage slot's (the same one)
 static int32_t fc_chunk_dev(const forecache_cache * c, const fc_chunk & ch) {
     const fc_layer & L = c->layers[ch.layer];
-    return fc_stage_of(L, ch.slot) >= 0 ? 0 : L.dev;
+    const int32_t j = fc_stage_of(L, ch.slot);
+    return j >= 0 ? c->st_dev[j] : L.dev;
 }
 
 // a queued chunk for device dev (-1: any) could be copied now (lock held)
@@ -100,7 +101,7 @@ void fc_count(forecache_cache * c, const fc_chunk & ch, int32_t d) {
 void fc_run(forecache_cache * c, const fc_chunk & ch, std::unique_lock<std::mutex> & lock) {
     fc_layer & L = c->layers[ch.layer];
     const int32_t j = fc_stage_of(L, ch.slot);
-    fc_device & d = c->devs[j >= 0 ? 0 : L.dev];
+    fc_device & d = c->devs[j >= 0 ? c->st_dev[j] : L.dev];
     if (j >= 0) {
         c->st_started[j] = 1;
     } else if (ch.entry < 0) {
@@ -132,11 +133,12 @@ void fc_run(forecache_cache * c, const fc_chunk & ch, std::unique_lock<std::mute
     size_t bytes = 0;
     for (int32_t p = p0; p < p1; p++) {
         const ggml_tensor * src = L.host[p];
-        ggml_tensor * dst = j >= 0 ? c->stage[p] : L.pool[p];
+        int32_t at = ch.slot;
+        ggml_tensor * dst = j >= 0 ? fc_stage_tensor(c, j, p, at) : L.pool[p];
         const size_t size = ch.proj < 0 ? src->nb[2] : ch.size;
         const uint8_t * from = hs >= 0 ? (const uint8_t *) L.hpool[p]->data + (size_t) hs*src->nb[2]
                                        : (const uint8_t *) src->data + ch.expert*src->nb[2];
-        ggml_backend_tensor_set(dst, from + ch.offset, (j >= 0 ? j : ch.slot)*dst->nb[2] + ch.offset, size);
+        ggml_backend_tensor_set(dst, from + ch.offset, at*dst->nb[2] + ch.offset, size);
         bytes += size;
     }
     const auto   t1 = fc_clock::now();

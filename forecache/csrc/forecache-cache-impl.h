@@ -141,6 +141,10 @@ struct fc_device {
     ggml_backend_t        cpu         = nullptr; // a CPU device: the group compute's own CPU backend
     ggml_threadpool_t     cpu_pool    = nullptr;
     ggml_gallocr_t        group_alloc = nullptr; // scratch of expert-group compute
+    ggml_context        * stage_ctx   = nullptr; // its stage slots (forecache_cache_set_stage)
+    ggml_backend_buffer_t stage_buf   = nullptr;
+    ggml_tensor         * stage[FC_MAX_PROJ] = {};
+    int32_t               stage_j0    = 0;       // global index of its first stage slot
     std::thread           worker;                // copies the queue's chunks for its layers
     fc_clock::time_point  low_start;             // when its last lower-priority chunk started
     fc_clock::time_point  low_end;               // and finished
@@ -270,12 +274,10 @@ struct forecache_cache {
     uint64_t clock = 0; // recency stamps (lock held)
 
     // stage slots (forecache_cache_set_stage): device memory outside every layer's slots, lent to
-    // one expert of one layer at a time; a chunk or schedule entry of layer il with slot
-    // n_slots + j is stage slot j (lock held)
+    // one expert of one layer of their device at a time; a chunk or schedule entry of layer il with
+    // slot n_slots + j is stage slot j, j counting over every device's (lock held)
     int32_t               n_stage   = 0;
-    ggml_context        * stage_ctx = nullptr;
-    ggml_backend_buffer_t stage_buf = nullptr;
-    ggml_tensor         * stage[FC_MAX_PROJ] = {};
+    std::vector<int32_t>  st_dev;     // index in devs of the device holding it
     std::vector<int32_t>  st_layer;   // owner layer, -1 free
     std::vector<int32_t>  st_expert;
     std::vector<int32_t>  st_pend;    // j*FC_MAX_PROJ + p -> chunks queued or running
@@ -355,6 +357,12 @@ bool fc_has_eligible(const forecache_cache * c, int32_t dev = -1);
 bool fc_pop(forecache_cache * c, fc_chunk & out, int32_t dev = -1);
 void fc_notify_work(forecache_cache * c);
 int32_t fc_stage_of(const fc_layer & L, int32_t slot);
+// stage slot j's tensor of projection p on its device, and j's index in it
+inline ggml_tensor * fc_stage_tensor(const forecache_cache * c, int32_t j, int32_t p, int32_t & local) {
+    const fc_device & d = c->devs[c->st_dev[j]];
+    local = j - d.stage_j0;
+    return d.stage[p];
+}
 void fc_count(forecache_cache * c, const fc_chunk & ch, int32_t d);
 void fc_run(forecache_cache * c, const fc_chunk & ch, std::unique_lock<std::mutex> & lock);
 void fc_worker(forecache_cache * c, int32_t dev);

@@ -255,16 +255,16 @@ void forecache_cache_free(struct forecache_cache * cache) {
             cache->pool_free(d.cpu_pool);
         }
         ggml_backend_buffer_free(d.pool_buf);
+        ggml_backend_buffer_free(d.stage_buf);
+        if (d.stage_ctx) {
+            ggml_free(d.stage_ctx);
+        }
         if (d.view_ctx) {
             ggml_free(d.view_ctx);
         }
         if (d.pool_ctx) {
             ggml_free(d.pool_ctx);
         }
-    }
-    ggml_backend_buffer_free(cache->stage_buf);
-    if (cache->stage_ctx) {
-        ggml_free(cache->stage_ctx);
     }
     delete cache;
 }
@@ -372,7 +372,7 @@ int32_t forecache_cache_set_stage(struct forecache_cache * cache, int32_t n_stag
     for (const fc_layer & L : cache->layers) {
         int32_t n = 0;
         for (const fc_layer & M : cache->layers) {
-            n += L.n_slots > 0 && M.n_slots > 0 && L.dev == 0 && M.dev == 0 && same_layout(L, M);
+            n += L.n_slots > 0 && M.n_slots > 0 && same_layout(L, M);
         }
         if (n > best) {
             best  = n;
@@ -380,43 +380,66 @@ int32_t forecache_cache_set_stage(struct forecache_cache * cache, int32_t n_stag
         }
     }
     if (first == nullptr) {
-        forecache_set_err(err, err_size, "no layer has expert slots on %s", ggml_backend_dev_name(cache->devs[0].dev));
+        forecache_set_err(err, err_size, "no layer has expert slots");
         return -1;
     }
     for (fc_layer & L : cache->layers) {
-        L.stage_ok = L.n_slots > 0 && L.dev == 0 && same_layout(L, *first); // stage slots are on devs[0]
+        L.stage_ok = L.n_slots > 0 && same_layout(L, *first);
     }
-    ggml_init_params params = {
-        /*.mem_size   =*/ (size_t) (first->n_proj + 1)*ggml_tensor_overhead(),
-        /*.mem_buffer =*/ nullptr,
-        /*.no_alloc   =*/ true,
-    };
-    ggml_context * ctx = ggml_init(params);
-    ggml_tensor * stage[FC_MAX_PROJ] = {};
-    for (int32_t p = 0; p < first->n_proj; p++) {
-        const ggml_tensor * h = first->host[p];
-        stage[p] = ggml_new_tensor_3d(ctx, h->type, h->ne[0], h->ne[1], n_stage);
-        ggml_format_name(stage[p], "fc.stage.%d", p);
+    // n_stage on each device holding slots, lent to the layers of that device
+    std::vector<int32_t> st_dev;
+    for (size_t k = 0; k < cache->devs.size(); k++) {
+        fc_device & d = cache->devs[k];
+        bool holds = false;
+        for (const fc_layer & L : cache->layers) {
+            holds = holds || (L.n_slots > 0 && L.dev == (int32_t) k);
+        }
+        if (!holds) {
+            continue;
+        }
+        ggml_init_params params = {
+            /*.mem_size   =*/ (size_t) (first->n_proj + 1)*ggml_tensor_overhead(),
+            /*.mem_buffer =*/ nullptr,
+            /*.no_alloc   =*/ true,
+        };
+        ggml_context * ctx = ggml_init(params);
+        ggml_tensor * stage[FC_MAX_PROJ] = {};
+        for (int32_t p = 0; p < first->n_proj; p++) {
+            const ggml_tensor * h = first->host[p];
+            stage[p] = ggml_new_tensor_3d(ctx, h->type, h->ne[0], h->ne[1], n_stage);
+            ggml_format_name(stage[p], "fc.stage.%d", p);
+        }
+        ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, ggml_backend_buffer_get_type(d.pool_buf));
+        if (buf == nullptr) {
+            forecache_set_err(err, err_size, "cannot allocate %.1f MiB of stage slots on %s",
+                    n_stage*first->expert_bytes/1048576.0, ggml_backend_dev_name(d.dev));
+            ggml_free(ctx);
+            for (fc_device & e : cache->devs) {
+                ggml_backend_buffer_free(e.stage_buf);
+                if (e.stage_ctx) {
+                    ggml_free(e.stage_ctx);
+                }
+                e.stage_buf = nullptr;
+                e.stage_ctx = nullptr;
+            }
+            return -1;
+        }
+        ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        d.stage_ctx = ctx;
+        d.stage_buf = buf;
+        d.stage_j0  = (int32_t) st_dev.size();
+        std::copy(stage, stage + FC_MAX_PROJ, d.stage);
+        st_dev.insert(st_dev.end(), n_stage, (int32_t) k);
     }
-    ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(cache->devs[0].pool_buf);
-    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);
-    if (buf == nullptr) {
-        forecache_set_err(err, err_size, "cannot allocate %.1f MiB of stage slots",
-                n_stage*first->expert_bytes/1048576.0);
-        ggml_free(ctx);
-        return -1;
-    }
-    ggml_backend_buffer_set_usage(buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    const int32_t total = (int32_t) st_dev.size();
     std::lock_guard<std::mutex> lock(cache->mtx);
-    cache->stage_ctx = ctx;
-    cache->stage_buf = buf;
-    std::copy(stage, stage + FC_MAX_PROJ, cache->stage);
-    cache->st_layer.assign(n_stage, -1);
-    cache->st_expert.assign(n_stage, -1);
-    cache->st_pend.assign((size_t) n_stage*FC_MAX_PROJ, 0);
-    cache->st_started.assign(n_stage, 0);
-    cache->st_in_use.assign(n_stage, 0);
-    cache->n_stage = n_stage;
+    cache->st_dev = std::move(st_dev);
+    cache->st_layer.assign(total, -1);
+    cache->st_expert.assign(total, -1);
+    cache->st_pend.assign((size_t) total*FC_MAX_PROJ, 0);
+    cache->st_started.assign(total, 0);
+    cache->st_in_use.assign(total, 0);
+    cache->n_stage = total;
     return 0;
 }
 
@@ -437,7 +460,7 @@ int32_t forecache_cache_stage(struct forecache_cache * cache, int32_t layer, int
         if (cache->st_layer[j] == layer && cache->st_expert[j] == expert) {
             return -1;
         }
-        if (free_j < 0 && cache->st_layer[j] < 0) {
+        if (free_j < 0 && cache->st_layer[j] < 0 && cache->st_dev[j] == L.dev) {
             free_j = j;
         }
     }

@@ -215,8 +215,9 @@ LLAMA_API int32_t forecache_cache_schedule(struct forecache_cache * cache, int32
 // wait for the slots they reuse; copying the next layer's missing experts into stage slots meanwhile
 // keeps it busy. A stage slot holds its expert until that expert's layer has been computed: those its
 // schedule does not read go back when its gate has decided, the others when the next layer is routed.
-// Every cached layer's experts must have one shape and type. Allocated once, beside the slots, on their
-// device. Returns 0, or -1 (message in err).
+// Layers whose experts have another shape or type than most cached layers' stage nothing. Allocated once:
+// n_stage on each device holding slots, lent to that device's layers; stage slot indices count over
+// every device's. Returns 0, or -1 (message in err).
 LLAMA_API int32_t forecache_cache_set_stage(struct forecache_cache * cache, int32_t n_stage, char * err, size_t err_size);
 
 // Queues the copy of `expert` of `layer` into a free stage slot with `priority`. Returns the stage slot,
@@ -225,7 +226,7 @@ LLAMA_API int32_t forecache_cache_set_stage(struct forecache_cache * cache, int3
 LLAMA_API int32_t forecache_cache_stage(struct forecache_cache * cache, int32_t layer, int32_t expert, int32_t priority);
 
 // Per stage slot: its layer and expert (-1 when free) and its state (enum forecache_slot_state) into
-// arrays of n_stage entries. Returns n_stage (0 without stage slots).
+// arrays of one entry per stage slot of every device. Returns that count (0 without stage slots).
 LLAMA_API int32_t forecache_cache_stage_state(const struct forecache_cache * cache, int32_t * layer, int32_t * expert, int32_t * state);
 
 // Little pass (MoBiLE): while m > 0, every ubatch computed routes each token of each cached layer to its
