@@ -361,13 +361,11 @@ class Llama(llama_cpp.Llama):
         from forecache.native.ggml_devices import devices
 
         assert self.placement is not None and cfg.device_budgets is not None
-        n_layer = self.model_file.n_layer
-        arr = (ctypes.c_int32 * n_layer)()
-        if api().layer_devices(self.ctx, arr, n_layer) != 0:
+        layer_dev = self._layer_devices()
+        if layer_dev is None:
             self.close()
-            raise ModelLoadError(f"cannot tell which device holds each of the {n_layer} layers")
-        local = self.placement.device.index
-        layer_dev = [d if d >= 0 else local for d in arr]
+            raise ModelLoadError("cannot tell which device holds each of the "
+                                 f"{self.model_file.n_layer} layers")
         names = {d.index: d.name for d in devices()}
         try:
             slots = device_slots(self.model_file, cfg.device_budgets, layer_dev, names,
@@ -384,6 +382,16 @@ class Llama(llama_cpp.Llama):
         # each device's even split (infinity's moves between layers would cross devices)
         self.placement = dataclasses.replace(self.placement, n_slots=slots, stage_slots=stage)
 
+    def _layer_devices(self) -> list[int] | None:
+        """The ggml device index each layer's slots go on: the device llama.cpp put the layer
+        on, or the cache's own for a layer in host memory (None if the C side cannot tell)."""
+        assert self.placement is not None
+        n_layer = self.model_file.n_layer
+        arr = (ctypes.c_int32 * n_layer)()
+        if api().layer_devices(self.ctx, arr, n_layer) != 0:
+            return None
+        return [d if d >= 0 else self.placement.device.index for d in arr]
+
     def _split_device(self) -> Device:
         """The device whose link the host/device split prices copies by: the cache's own, or,
         where llama.cpp put layers on other devices (RPC servers, other GPUs), the one of those
@@ -394,14 +402,14 @@ class Llama(llama_cpp.Llama):
         local = self.placement.device
         if not self.rpc and len(local_gpus()) < 2:
             return local
-        n_layer = self.model_file.n_layer
-        arr = (ctypes.c_int32 * n_layer)()
-        if api().layer_devices(self.ctx, arr, n_layer) != 0:
+        layer_dev = self._layer_devices()
+        if layer_dev is None:
             return local
-        moe = set(self.model_file.moe_layers())
-        held = {d for il, d in enumerate(arr) if il in moe and d >= 0 and d != local.index}
-        rated = [(r, dev.index, dev) for dev in devices() if dev.index in held
-                 and (r := probe_copy_gbps(dev, 16 << 20))]
+        held = {layer_dev[il] for il in self.model_file.moe_layers()} - {local.index}
+        others = [dev for dev in devices() if dev.index in held]
+        if len(others) == 1:  # nothing to choose: the split's cost model probes it
+            return others[0]
+        rated = [(r, dev.index, dev) for dev in others if (r := probe_copy_gbps(dev, 16 << 20))]
         return min(rated)[2] if rated else local
 
     def _attach_cache(self, cfg: CacheConfig) -> None:

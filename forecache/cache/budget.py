@@ -123,10 +123,7 @@ def plan_memory(model: ModelFile, budget: int, *, n_ctx: int, n_ubatch: int,
         raise BudgetError(f"budget {format_size(budget)} is larger than {device_name}'s "
                           f"{format_size(device_total)}; lower {setting('gpu_budget')}")
     layers = model.moe_layers()
-    n_ff_exp = model.expert_ff()
-    n_embd = int(model.arch_kv("embedding_length", 0))
-    compute = compute_buffer_bytes(n_ubatch, model.n_expert_used, n_ff_exp, n_embd,
-                                   model.n_vocab)
+    compute = model_compute_bytes(model, n_ubatch)
     plan = MemoryPlan(budget=budget, non_expert_bytes=model.non_expert_bytes(),
                       kv_bytes=kv_cache_bytes(model, n_ctx), compute_bytes=compute,
                       layer_bytes=tuple(model.layer_expert_bytes()), n_expert=model.n_expert,
@@ -139,6 +136,12 @@ def plan_memory(model: ModelFile, budget: int, *, n_ctx: int, n_ubatch: int,
             f"{format_size(plan.fixed_bytes)}; raise {setting('gpu_budget')} or lower "
             f"{setting('n_ctx')}")
     return plan
+
+
+def model_compute_bytes(model: ModelFile, n_ubatch: int) -> int:
+    """``compute_buffer_bytes`` for ``model``'s shape."""
+    return compute_buffer_bytes(n_ubatch, model.n_expert_used, model.expert_ff(),
+                                int(model.arch_kv("embedding_length", 0)), model.n_vocab)
 
 
 def fraction_slots(n_expert: int, fraction: float) -> int:
@@ -188,9 +191,7 @@ def device_slots(model: ModelFile, budgets: tuple[int, ...], layer_dev: list[int
         elif t.name.startswith("output"):
             head += t.nbytes
     kv_layer = kv_cache_bytes(model, n_ctx) / max(model.n_layer, 1)
-    n_embd = int(model.arch_kv("embedding_length", 0))
-    compute = compute_buffer_bytes(n_ubatch, model.n_expert_used, model.expert_ff(), n_embd,
-                                   model.n_vocab)
+    compute = model_compute_bytes(model, n_ubatch)
     layer_bytes = dict(zip(model.moe_layers(), model.layer_expert_bytes(), strict=True))
     out = [0] * model.n_layer
     for d, budget in per_dev.items():

@@ -3,6 +3,17 @@
 
 #include "forecache-cache-impl.h"
 
+// the scheduler's backend of device d, or nullptr when the context does not use d
+static ggml_backend_t fc_sched_backend(ggml_backend_sched_t sched, ggml_backend_dev_t d) {
+    for (int i = 0; d != nullptr && i < ggml_backend_sched_get_n_backends(sched); i++) {
+        ggml_backend_t be = ggml_backend_sched_get_backend(sched, i);
+        if (ggml_backend_get_device(be) == d) {
+            return be;
+        }
+    }
+    return nullptr;
+}
+
 // the ggml device of each layer's non-expert weights where llama.cpp put them on a device of the
 // context's scheduler (a GPU, an RPC server's device), else nullptr (host memory)
 static std::vector<ggml_backend_dev_t> fc_layer_devs(llama_context * ctx, int32_t n_layer) {
@@ -16,11 +27,8 @@ static std::vector<ggml_backend_dev_t> fc_layer_devs(llama_context * ctx, int32_
             continue;
         }
         ggml_backend_dev_t d = ggml_backend_buft_get_device(ggml_backend_buffer_get_type(t->buffer));
-        for (int i = 0; d != nullptr && i < ggml_backend_sched_get_n_backends(sched); i++) {
-            if (ggml_backend_get_device(ggml_backend_sched_get_backend(sched, i)) == d) {
-                out[il] = d;
-                break;
-            }
+        if (fc_sched_backend(sched, d) != nullptr) {
+            out[il] = d;
         }
     }
     return out;
@@ -62,16 +70,7 @@ struct forecache_cache * forecache_cache_init(
     ggml_backend_dev_t dev = ggml_backend_dev_get(dev_index);
 
     ggml_backend_sched_t sched = ctx->get_sched();
-    auto sched_backend = [sched](ggml_backend_dev_t d) -> ggml_backend_t {
-        for (int i = 0; i < ggml_backend_sched_get_n_backends(sched); i++) {
-            ggml_backend_t be = ggml_backend_sched_get_backend(sched, i);
-            if (ggml_backend_get_device(be) == d) {
-                return be;
-            }
-        }
-        return nullptr;
-    };
-    if (sched_backend(dev) == nullptr) {
+    if (fc_sched_backend(sched, dev) == nullptr) {
         forecache_set_err(err, err_size, "device %s is not used by this context", ggml_backend_dev_name(dev));
         return nullptr;
     }
@@ -194,7 +193,7 @@ struct forecache_cache * forecache_cache_init(
         params.mem_size = (ctx->get_cparams().n_ubatch + 16)*ggml_tensor_overhead();
         d.view_ctx = ggml_init(params);
 
-        d.backend = sched_backend(d.dev);
+        d.backend = fc_sched_backend(sched, d.dev);
         if (ggml_backend_dev_type(d.dev) == GGML_BACKEND_DEVICE_TYPE_CPU) {
             // the scheduler's CPU backend would start its threads for every expert group
             d.cpu = fc_cpu_backend(c, ctx->get_cparams().n_threads, d.cpu_pool);
