@@ -11,7 +11,9 @@ host slot); ``request``: host eviction by the current request's use counts, then
 (``host_evict="request"``, MoE-Infinity's per-request activation counts); ``predicted``: a disk
 window prediction counts as a use; ``exclusive+request``: both; ``no-read-ahead``: a predicted
 expert's copy reads nothing from the file (``host_read_ahead=False``: only experts already in host
-slots are copied ahead, the rest read once routed). Every figure is virtual time.
+slots are copied ahead, the rest read once routed); ``ordered``: reads served in priority order,
+each split in pieces every reader works on, so they end one after another at the full rate
+(``disk_ordered``). Every figure is virtual time.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ LEVERS = {
     "predicted": {"host_evict": "predicted"},
     "exclusive+request": {"host_exclusive": True, "host_evict": "request"},
     "no-read-ahead": {"host_read_ahead": False},
+    "ordered": {"disk_ordered": True},
 }
 
 

@@ -114,6 +114,26 @@ def test_a_needed_read_goes_before_predicted_ones() -> None:
     assert [e for _, e in order] == [1, 4, 2, 3]
 
 
+def test_reads_served_in_order_end_one_after_another_and_needed_ones_overtake() -> None:
+    eng = SimEngine(SHAPE, [2], _profile(), whole_expert_chunks=True)
+    tier = eng.attach_disk([8], ordered=True)
+    one = SHAPE.expert_bytes / 1e9
+    lat = 3 * DISK.latency_s
+    tier.request(0, 1, LOW)
+    tier.request(0, 2, LOW)
+    # a needed read, once its latencies are over, takes the disk from the predicted ones
+    eng.at(lat + one / 2, lambda: tier.request(0, 3, HIGH))
+    _idle(eng)
+    t = {e: tier.ready_at[(0, e)] for e in (1, 2, 3)}
+    assert t[3] < t[1] < t[2]
+    # the full rate to one read at a time: 1 flows on through 3's latencies, 3 then takes the
+    # disk for its own bytes, 1 moves what it has left, 2 last with every byte moved by then
+    assert t[3] == pytest.approx(lat + one / 2 + lat + one, rel=1e-6)
+    assert t[1] == pytest.approx(t[3] + one / 2 - lat, rel=1e-6)
+    assert t[2] == pytest.approx(t[1] + one, rel=1e-6)
+    assert tier.stats.reads == 3
+
+
 def test_a_schedule_streaming_more_experts_than_host_slots_completes() -> None:
     eng = _engine(n_host=3, n_slots=1)
     tier = eng.disk

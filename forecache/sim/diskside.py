@@ -51,7 +51,8 @@ class DiskSide:
         if spec.cached:
             self.tier = sim.engine.attach_disk([n_host if il in sim.layers else 0
                                                 for il in range(shape.layers)], cfg.host_evict,
-                                               cfg.host_exclusive, cfg.host_read_ahead)
+                                               cfg.host_exclusive, cfg.host_read_ahead,
+                                               cfg.disk_ordered)
             f = cfg.features
             if cfg.disk_window > 0 and spec.proactive and f.prefetch and predictor is not None:
                 self.forecaster = Forecaster(copy.deepcopy(predictor),

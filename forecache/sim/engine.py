@@ -124,12 +124,14 @@ class SimEngine:
         return next((c for c in self.runs if c is not None), None)
 
     def attach_disk(self, n_host: Sequence[int], evict: str = "uses",
-                    exclusive: bool = False, read_ahead: bool = True) -> HostTier:
+                    exclusive: bool = False, read_ahead: bool = True,
+                    ordered: bool = False) -> HostTier:
         """Give each layer ``n_host[layer]`` host slots over the model file (the C cache's
         ``forecache_cache_set_disk``), evicted by ``evict``: from now on copies wait for their
-        experts' reads. ``exclusive``, ``read_ahead``: as ``HostTier``'s."""
+        experts' reads. ``exclusive``, ``read_ahead``, ``ordered``: as ``HostTier``'s."""
         self.disk = HostTier(self, n_host, len(self.shape.proj_bytes), self.shape.expert_bytes,
-                             self.profile, evict, exclusive=exclusive, read_ahead=read_ahead)
+                             self.profile, evict, exclusive=exclusive, read_ahead=read_ahead,
+                             ordered=ordered)
         return self.disk
 
     def copied(self, layer: int, expert: int) -> bool:

@@ -52,6 +52,7 @@ class _Read:
     slot: int
     flowing_at: float  # its latencies are over: bytes flow from then on
     left: float  # bytes still to come
+    order: tuple[int, int] = (0, 0)  # (priority, queue sequence): who is served first
 
 
 @dataclass
@@ -91,10 +92,15 @@ class HostTier:
 
     def __init__(self, engine: SimEngine, n_host: Sequence[int], n_proj: int,
                  expert_bytes: int, profile: Profile, evict: str = "uses", *,
-                 exclusive: bool = False, read_ahead: bool = True) -> None:
+                 exclusive: bool = False, read_ahead: bool = True, ordered: bool = False) -> None:
         if evict not in HOST_EVICTIONS:
             raise ValueError(f"host eviction {evict!r}: one of {', '.join(HOST_EVICTIONS)}")
         self.evict = evict
+        # ordered: the readers work on the first read in priority order, piece by piece, all
+        # of them at once, so reads end one after another at the disk's full rate (a needed
+        # read overtakes predicted ones at the next piece) instead of sharing it and ending
+        # together
+        self.ordered = ordered
         self.exclusive = exclusive
         self.read_ahead = read_ahead
         if profile.disk is None:
@@ -270,8 +276,7 @@ class HostTier:
 
     def flowing(self) -> bool:
         """A read is moving bytes into DRAM now."""
-        now = self.eng.now
-        return any(r.flowing_at <= now for r in self.flying)
+        return bool(self._served(self.eng.now))
 
     # -- reads --------------------------------------------------------------------------------
     def _victim(self, il: int, L: _HostLayer) -> int:
@@ -309,34 +314,52 @@ class HostTier:
         no_room: set[int] = set()
         while self.queue:
             item = heapq.heappop(self.queue)
-            p, _, il, e = item
+            p, seq, il, e = item
             if self.queued.get((il, e)) != p or e in self.layers[il].slot_of:
                 continue  # queued again higher, or read already
+            if not self._room_for(p):
+                skipped.append(item)
+                break
             s = -1 if il in no_room else self._victim(il, self.layers[il])
             if s < 0:
                 no_room.add(il)
                 skipped.append(item)
                 continue
-            got = (il, e, s)
+            got = (il, e, s, (p, seq))
             break
         for item in skipped:
             heapq.heappush(self.queue, item)
         return got
 
+    def _room_for(self, priority: int) -> bool:
+        """A reader is free for a read at ``priority``: fewer than the queue depth are in
+        flight, or, served in order, fewer at this priority or above (the others pause at
+        their next piece)."""
+        if not self.ordered:
+            return len(self.flying) < self.disk.queue_depth
+        return sum(r.order[0] <= priority for r in self.flying) < self.disk.queue_depth
+
     def _dispatch(self) -> None:
         """Start queued reads while readers are free."""
         started = False
-        while len(self.flying) < self.disk.queue_depth and self.queue:
+        while self.queue and (self.ordered or len(self.flying) < self.disk.queue_depth):
             got = self._pop()
             if got is None:
                 break
-            il, e, s = got
-            self._start(il, e, s)
+            il, e, s, order = got
+            self._start(il, e, s, order)
             started = True
         if started:
             self._reschedule()
 
-    def _start(self, il: int, e: int, s: int) -> None:
+    def _served(self, now: float) -> list[_Read]:
+        """The reads moving bytes now: every flowing one, or, served in order, the first."""
+        flowing = [r for r in self.flying if r.flowing_at <= now]
+        if self.ordered and flowing:
+            return [min(flowing, key=lambda r: r.order)]
+        return flowing
+
+    def _start(self, il: int, e: int, s: int, order: tuple[int, int] = (0, 0)) -> None:
         self._progress()
         L = self.layers[il]
         old = L.expert_of[s]
@@ -353,13 +376,13 @@ class HostTier:
         del self.queued[(il, e)]
         now = self.eng.now
         self.flying.append(_Read(il, e, s, now + self.n_proj * self.disk.latency_s,
-                                 float(self.expert_bytes)))
+                                 float(self.expert_bytes), order))
 
     def _progress(self) -> None:
         """Bring the flying reads' bytes up to now (the flowing set is constant between
         events: every latency's end is one)."""
         now = self.eng.now
-        flowing = [r for r in self.flying if r.flowing_at <= self._t]
+        flowing = self._served(self._t)
         if flowing and now > self._t:
             got = (now - self._t) * self._rate
             for r in flowing:
@@ -369,7 +392,7 @@ class HostTier:
     def _reschedule(self) -> None:
         """The next completion or latency end, as one engine event (older ones go stale)."""
         now = self.eng.now
-        flowing = [r for r in self.flying if r.flowing_at <= now]
+        flowing = self._served(now)
         eng = self.eng
         factor = self.profile.dram_factor(copy=eng.running is not None,
                                           cpu=now < eng.cpu_busy_until, disk=True)

@@ -109,6 +109,10 @@ class SimConfig:
     # False: a predicted expert's copy reads nothing from the file; its read waits for the
     # layer's routing to want it (only experts already in host slots are copied ahead)
     host_read_ahead: bool = True
+    # True: the disk's readers serve reads in priority order, each read split in pieces that
+    # every reader works on, so reads end one after another at the full rate (``HostTier``'s
+    # ``ordered``); False: the reads in flight share the rate and end together
+    disk_ordered: bool = False
     # several devices (``sim.devices``): the device of each model layer, as llama.cpp's layer
     # split assigns them (None: one device). A layer's weights, KV and (forecache) expert
     # slots are on its device, its compute runs there and its copies take that device's link
