@@ -198,5 +198,7 @@ def stats_report(session: ChatSession) -> str:
                      f"slots {s['slots_filled']}/{s['cache_slots']}, "
                      f"layers on host {s['host_layers']}")
         for name, d in s.get("devices", {}).items():
-            lines.append(f"  {name}: {device_summary(d)}, copied {format_size(d['h2d_bytes'])}")
+            cpu = f", {d['host_entries']} computed here" if d.get("host_entries") else ""
+            lines.append(f"  {name}: {device_summary(d)}, copied {format_size(d['h2d_bytes'])}"
+                         f"{cpu}")
     return "\n".join(lines)

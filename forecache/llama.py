@@ -39,7 +39,6 @@ from forecache.cache.setup import (
     expert_overrides,
     make_policy,
     place,
-    probe_copy_gbps,
     resolve_cache_config,
     spread_budget,
 )
@@ -158,7 +157,9 @@ class Llama(llama_cpp.Llama):
         elif cache is not None and len(local_gpus()) > 1:
             cache = spread_budget(cache)  # llama.cpp splits the layers over every GPU
         self.placement: Placement | None = None
-        self.split_device: Device | None = None  # whose copy rate the split starts from
+        # per model layer, the device whose link the split prices that layer's copies by
+        # (None: the cache's own device for every layer)
+        self.split_devices: list[Device | None] | None = None
         self.disk_rate: DiskRate | None = None  # the disk tier's reads, measured at start
         n_ctx = int(kwargs.get("n_ctx", 512)) or int(self.model_file.arch_kv("context_length",
                                                                             4096))
@@ -392,25 +393,46 @@ class Llama(llama_cpp.Llama):
             return None
         return [d if d >= 0 else self.placement.device.index for d in arr]
 
-    def _split_device(self) -> Device:
-        """The device whose link the host/device split prices copies by: the cache's own, or,
-        where llama.cpp put layers on other devices (RPC servers, other GPUs), the one of those
-        with the slowest measured copy rate (a network's, not the local bus's)."""
+    def _split_devices(self) -> list[Device | None] | None:
+        """Per model layer, the device whose link the host/device split prices the layer's
+        copies by: where llama.cpp put layers on other devices than the cache's own (RPC
+        servers, other GPUs), the device holding the layer's slots, each of which the split then
+        prices by its own measured link; None where every layer's slots are on the cache's own
+        device."""
         from forecache.native.ggml_devices import devices
 
         assert self.placement is not None
         local = self.placement.device
         if not self.rpc and len(local_gpus()) < 2:
-            return local
+            return None
         layer_dev = self._layer_devices()
         if layer_dev is None:
-            return local
-        held = {layer_dev[il] for il in self.model_file.moe_layers()} - {local.index}
-        others = [dev for dev in devices() if dev.index in held]
-        if len(others) == 1:  # nothing to choose: the split's cost model probes it
-            return others[0]
-        rated = [(r, dev.index, dev) for dev in others if (r := probe_copy_gbps(dev, 16 << 20))]
-        return min(rated)[2] if rated else local
+            return None
+        moe = set(self.model_file.moe_layers())
+        by_index = {dev.index: dev for dev in devices()}
+        out = [by_index.get(d) if il in moe and self.placement.n_slots[il] > 0 else None
+               for il, d in enumerate(layer_dev)]
+        if all(d is None or d.index == local.index for d in out):
+            return None
+        return out
+
+    def split_rates(self) -> dict[str, float]:
+        """Each device the split prices copies to, with the copy rate it prices them at now
+        (GB/s; empty without a split)."""
+        cache = self.expert_cache
+        policy = cache.policy if cache is not None else None
+        if policy is None or policy.cost is None:
+            return {}
+        if not self.split_devices:
+            name = self.placement.device.name if self.placement is not None else "device"
+            return {name: policy.cost.copy_gbps}
+        cost_for = getattr(policy, "cost_for", lambda _il: policy.cost)
+        out: dict[str, float] = {}
+        for il, dev in enumerate(self.split_devices):
+            cost = cost_for(il)
+            if dev is not None and cost is not None:
+                out.setdefault(dev.name, cost.copy_gbps)
+        return out
 
     def _attach_cache(self, cfg: CacheConfig) -> None:
         assert self.placement is not None
@@ -423,10 +445,11 @@ class Llama(llama_cpp.Llama):
                 self.close()
                 raise ModelLoadError(f"cannot read the experts of {self.model_file.path}: {e}; "
                                      "the disk tier reads them from the file") from e
-        self.split_device = self._split_device()
+        self.split_devices = self._split_devices()
         self.expert_cache = attach(self.ctx, self.placement, cfg,
                                    make_policy(cfg, self.placement.n_slots, self.model_file,
-                                               self.split_device, self.disk_rate),
+                                               self.placement.device, self.disk_rate,
+                                               self.split_devices),
                                    self.model_file,
                                    say=lambda msg: print(msg, file=sys.stderr))
         cache = self.expert_cache  # predictors that read token ids get each batch's

@@ -128,10 +128,8 @@ def main(argv: list[str]) -> int:
                                   if li.n_slots > 0},
                 "n_slots": [cache.layers[il].n_slots if il in cache.layers else 0
                             for il in range(llm.model_file.n_layer)],
-                "split_device": llm.split_device.name if llm.split_device else None,
                 "devices": cache.device_stats(names),
-                "split_copy_gbps": getattr(getattr(cache.policy, "cost", None), "copy_gbps",
-                                           None)}
+                "split_rates": llm.split_rates()}
         out["cache_info"] = np.frombuffer(json.dumps(info).encode(), dtype=np.uint8)
     np.savez(argv[2], **out)
     return 0

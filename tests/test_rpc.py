@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from cli_helpers import run_cli
-from conftest import StockReference, greedy_job, run_greedy_child
+from conftest import ChildRunError, StockReference, greedy_job, run_greedy_child
 
 from forecache.cache.budget import BudgetError, device_slots, parse_budgets
 from forecache.gguf.header import read_model_file
@@ -101,8 +101,10 @@ def test_layers_split_over_two_rpc_devices_equal_unpatched(
         assert sorted(set(info["layer_devices"].values())) == ["RPC0", "RPC1"], info
         assert info["stats"]["hits"] > 0 and info["stats"]["misses"] > 0, info["stats"]
     if policy in ("promoe", "infinity"):
-        # the host/device split prices copies at a server's link, not this machine's memcpy
-        assert info["split_device"] in ("RPC0", "RPC1") and info["split_copy_gbps"] > 0, info
+        # the host/device split prices each server's copies at that server's link, not this
+        # machine's memcpy
+        rates = info["split_rates"]
+        assert sorted(rates) == ["RPC0", "RPC1"] and min(rates.values()) > 0, info
 
 
 @pytest.mark.parametrize("preset", ["tiny-qwen3moe", "tiny-mixtral", "tiny-olmoe",
@@ -168,6 +170,40 @@ def test_promoe_splitting_layers_over_rpc_devices_equals_unpatched(
     st = info["stats"]
     assert st["host_entries"] > 0 and st["n_groups"] > 0 and st["hits"] > 0, st
     assert sorted(set(info["layer_devices"].values())) == ["RPC0", "RPC1"], info
+
+
+def test_each_rpc_device_splits_by_its_own_costs(tiny_model: Callable[..., Path],
+                                                stock: StockReference, servers: list[str],
+                                                tmp_path: Path) -> None:
+    """--machine A,B: a profile per device holding slots, in llama.cpp's order. The first
+    server's layers are priced as behind a slow link, so their missing experts are computed on
+    this machine's CPU; the second's as behind a fast one with a slow CPU, so theirs are copied
+    to it. Greedy output equal to unpatched with the same servers."""
+    base = json.loads((Path(__file__).parents[1] / "forecache" / "data" / "profiles" /
+                       "rtx4090.json").read_text())
+    slow, fast = tmp_path / "slow-bus.json", tmp_path / "fast-bus.json"
+    slow.write_text(json.dumps(dict(base, name="slow-bus", h2d_gbps=0.01, cpu_mem_gbps=0.1)))
+    fast.write_text(json.dumps(dict(base, name="fast-bus", h2d_gbps=1000.0, cpu_mem_gbps=0.001,
+                                    cpu_gflops=0.001)))
+    model = tiny_model("q8_0")
+    ref = stock.run(model, PROMPTS, N_GEN, rpc=servers, n_ctx=256)
+    info: dict = {}
+    ours = _forecache(model, servers, info, policy="promoe", cache_fraction=0.25,
+                      predictor="history", machine=f"{slow},{fast}")
+    for (t, lg), (rt, rl) in zip(ours, ref, strict=True):
+        assert t == rt
+        np.testing.assert_array_equal(lg, rl)
+    first = info["layer_devices"][min(info["layer_devices"], key=int)]
+    second = ({"RPC0", "RPC1"} - {first}).pop()
+    devs = info["devices"]
+    assert devs[first]["host_entries"] > 0 and devs[second]["host_entries"] == 0, devs
+    assert devs[second]["misses"] > 0, devs  # it missed, and copied every miss
+    assert info["stats"]["fast_gates"] > 0, info["stats"]  # decided in C, by each one's tables
+    assert sorted(info["split_rates"]) == ["RPC0", "RPC1"], info
+    # a profile for each device, or one for all: three for two devices is one line
+    with pytest.raises(ChildRunError, match="3 profiles for 2 devices"):
+        _forecache(model, servers, policy="promoe", cache_fraction=0.25, predictor="history",
+                   machine=f"{slow},{fast},{slow}")
 
 
 def test_a_budget_per_rpc_device(tiny_model: Callable[..., Path], stock: StockReference,

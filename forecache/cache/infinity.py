@@ -67,8 +67,10 @@ class InfinityPolicy(Prefetcher):
     ranks_experts = True
 
     def __init__(self, n_slots: Sequence[int], features: Features | None = None,
-                 cost: CostModel | None = None, *, prefetch_n: int = 1) -> None:
-        super().__init__(n_slots, features or Features(), cost)
+                 cost: CostModel | None = None,
+                 layer_costs: Sequence[CostModel | None] | None = None, *,
+                 prefetch_n: int = 1) -> None:
+        super().__init__(n_slots, features or Features(), cost, layer_costs)
         if prefetch_n < 1:
             raise ValueError(f"prefetch_n must be >= 1 (got {prefetch_n})")
         self.prefetch_n = prefetch_n
@@ -80,7 +82,8 @@ class InfinityPolicy(Prefetcher):
     @classmethod
     def create(cls, n_slots: Sequence[int], inputs: PolicyInputs) -> Policy:
         """infinity prefetching a token's worth (``inputs.top_k``) of each ranking."""
-        return cls(n_slots, inputs.features, inputs.cost, prefetch_n=inputs.top_k)
+        return cls(n_slots, inputs.features, inputs.cost, inputs.layer_costs,
+                   prefetch_n=inputs.top_k)
 
     @classmethod
     def layer_slots(cls, model: ModelFile, even: list[int]) -> list[int]:

@@ -126,6 +126,9 @@ class PolicyInputs:
 
     features: Features | None = None  # promoe's (and infinity's) techniques; None: all on
     cost: CostModel | None = None  # plans host/device splits (with ``features.split``)
+    # per model layer, the cost model of the device its slots are on, where devices differ
+    # (None, or a None entry: ``cost``)
+    layer_costs: Sequence[CostModel | None] | None = None
     profile: np.ndarray | None = None  # static: routed counts [n_layer, n_expert]
     top_k: int = 1  # experts a token routes (infinity prefetches that many of a ranking)
 
@@ -155,6 +158,11 @@ class Policy:
 
     def __init__(self, n_slots: Sequence[int]) -> None:
         self.n_slots = list(n_slots)
+
+    def cost_groups(self) -> list[tuple[CostModel, list[int] | None]]:
+        """Each cost model the split plans with and the layers it prices (None: every layer
+        no other model prices); empty without a split."""
+        return [] if self.cost is None else [(self.cost, None)]
 
     @classmethod
     def create(cls, n_slots: Sequence[int], inputs: PolicyInputs) -> Policy:

@@ -81,12 +81,26 @@ class Prefetcher(Policy):
     proactive = True
 
     def __init__(self, n_slots: Sequence[int], features: Features = Features(),
-                 cost: CostModel | None = None) -> None:
+                 cost: CostModel | None = None,
+                 layer_costs: Sequence[CostModel | None] | None = None) -> None:
         super().__init__(n_slots)
         self.features = features
-        self.cost = cost if features.split else None  # no cost model: every expert uses a slot
-        if self.cost is not None and self.cost.prompt_split != features.prompt_split:
-            self.cost = replace(self.cost, prompt_split=features.prompt_split)
+        # no cost model: every expert uses a slot. Each model the split plans with is this
+        # policy's own (the prompt rule of its features), one per distinct one given
+        own: dict[int, CostModel] = {}
+
+        def adopt(c: CostModel | None) -> CostModel | None:
+            if c is None or not features.split:
+                return None
+            if id(c) not in own:
+                own[id(c)] = c if c.prompt_split == features.prompt_split else \
+                    replace(c, prompt_split=features.prompt_split)
+            return own[id(c)]
+
+        self.cost = adopt(cost)
+        # per layer, the model of the device holding its slots where that is not ``cost``'s
+        self.layer_costs: list[CostModel | None] = [
+            c if c is not self.cost else None for c in map(adopt, layer_costs or [])]
         self.lock = threading.Lock()
         self.prefetch_loads = 0
         self.prefetch_refreshed = 0
@@ -94,8 +108,31 @@ class Prefetcher(Policy):
 
     @classmethod
     def create(cls, n_slots: Sequence[int], inputs: PolicyInputs) -> Policy:
-        """promoe with ``inputs``' features and the cost model its host split plans with."""
-        return cls(n_slots, inputs.features or Features(), inputs.cost)
+        """promoe with ``inputs``' features and the cost models its host split plans with."""
+        return cls(n_slots, inputs.features or Features(), inputs.cost, inputs.layer_costs)
+
+    def cost_for(self, layer: int) -> CostModel | None:
+        """The cost model pricing ``layer``'s split: its device's, else ``cost``."""
+        if layer < len(self.layer_costs):
+            own = self.layer_costs[layer]
+            if own is not None:
+                return own
+        return self.cost
+
+    def cost_groups(self) -> list[tuple[CostModel, list[int] | None]]:
+        """``cost`` over the layers without one of their own (None when no layer has one),
+        then each device's model over its layers."""
+        if self.cost is None:
+            return []
+        groups: dict[int, tuple[CostModel, list[int]]] = {}
+        for il, c in enumerate(self.layer_costs):
+            if c is not None:
+                groups.setdefault(id(c), (c, []))[1].append(il)
+        if not groups:
+            return [(self.cost, None)]
+        own = {il for _, layers in groups.values() for il in layers}
+        rest = [il for il in range(len(self.n_slots)) if il not in own]
+        return [(self.cost, rest), *groups.values()]
 
     def initial_loads(self) -> list[tuple[int, int, int]]:
         """Every slot filled before the first token, as ncmoe's device layers are at load: with
@@ -114,20 +151,34 @@ class Prefetcher(Policy):
         if not f.reorder or type(self).gate is not Prefetcher.gate or \
                 type(self).eviction_order is not Prefetcher.eviction_order:
             return None
+        host_k, host_s = self._gate_table(self.cost, n_used)
+        return host_k, host_s, f.preempt
+
+    def layer_decode_gates(self, n_used: int) -> list[tuple[list[int], list[int], list[float]]]:
+        """The layers whose device has a cost model of its own, with that model's decode-gate
+        tables (``decode_gate``'s, for ``forecache_cache_set_layer_decode_gate``)."""
+        if self.decode_gate(n_used) is None:
+            return []
+        return [(layers, *self._gate_table(c, n_used))
+                for c, layers in self.cost_groups()[1:] if layers]
+
+    @staticmethod
+    def _gate_table(cost: CostModel | None, n_used: int) -> tuple[list[int], list[float]]:
+        """``decode_gate``'s tables as ``cost`` plans (None: no split, every expert a slot)."""
         size = (n_used + 1) * (n_used + 1)
         host_k, host_s = [-1] * size, [0.0] * size
         for m in range(n_used + 1):
             for fl in range(n_used + 1 - m):
                 i = m * (n_used + 1) + fl
-                if self.cost is None:
+                if cost is None:
                     host_k[i] = 0
                     continue
                 rows = [(e, 1, e >= m) for e in range(n_used)]
-                split, _ = self.cost.best_split(rows, fl)
+                split, _ = cost.best_split(rows, fl)
                 if not split.whole_layer:
                     host_k[i] = len(split.host)
-                    host_s[i] = split.host_s / self.cost.host_scale
-        return host_k, host_s, f.preempt
+                    host_s[i] = split.host_s / cost.host_scale
+        return host_k, host_s
 
     # -- gate: the layer being computed --------------------------------------------------------
     def gate(self, layer: int, experts: np.ndarray, engine: CopyEngine,
@@ -165,18 +216,19 @@ class Prefetcher(Policy):
             free = [s for s in range(n) if expert_of[s] < 0]
             victims = free + self.eviction_order(layer, needed, expert_of, oldest)
             host: list[int] = []
-            if self.cost is not None and counts is not None and self.cost.splits(tokens):
+            cost = self.cost_for(layer)
+            if cost is not None and counts is not None and cost.splits(tokens):
                 in_host = engine.host_resident(layer)
                 rows: list[Row] = [(e, int(r), e in where or e in staged) if in_host is None
                                    else (e, int(r), e in where or e in staged, e in in_host)
                                    for e, r in zip(need, counts.tolist(), strict=True)]
                 in_flight = sum(1 for e in need if e in where and state[where[e]] != SLOT_READY)
-                plan = self.cost.plan(rows, in_flight)
+                plan = cost.plan(rows, in_flight)
                 if plan.whole_layer:
                     # all on the CPU: cheaper than any use of the slots now. As many missing
                     # experts as can be copied while the CPU computes the layer still enter the
                     # cache (a cold cache would stay cold); more would hold up the next layers.
-                    hidden = int(plan.host_s // self.cost.copy_s())
+                    hidden = int(plan.host_s // cost.copy_s())
                     for e in [e for e in need if e not in where][:hidden]:
                         if not victims or engine.load(layer, e, victims[0], LOW) != 0:
                             break

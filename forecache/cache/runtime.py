@@ -328,6 +328,13 @@ class ExpertCache:
         self._api.cache_set_decode_gate(
             self._handle, n_used, (ctypes.c_int32 * len(host_k))(*host_k),
             (ctypes.c_double * len(host_s))(*host_s), preempt)
+        # layers on a device with costs of its own (another link) decide by its tables
+        layer_gates = getattr(self.policy, "layer_decode_gates", None)
+        for layers, host_k, host_s in layer_gates(n_used) if layer_gates else []:
+            k = (ctypes.c_int32 * len(host_k))(*host_k)
+            s = (ctypes.c_double * len(host_s))(*host_s)
+            for il in layers:
+                self._api.cache_set_layer_decode_gate(self._handle, il, k, s)
 
     def use_decode_gate(self, on: bool) -> None:
         """Let C decide one-token gates from the policy's tables (the default), or call the
@@ -374,12 +381,19 @@ class ExpertCache:
             self._calibrate_now()
 
     def _calibrate_now(self) -> None:
-        """Give the policy's cost model the measured rates; the decode gate's tables follow."""
-        cost = self.policy.cost
-        if cost is None:
+        """Give the policy's cost models the measured rates, each those of the layers it
+        prices; the decode gate's tables follow."""
+        groups = self.policy.cost_groups()
+        if not groups:
             return
-        s = self.stats()
-        cost.calibrate(s["h2d_bytes"], s["copy_s"], s["host_s"], s["model_host_s"])
+        for cost, layers in groups:
+            if layers is None:
+                s = self.stats()
+            else:
+                parts = [self.stats(il) for il in layers if il in self.layers]
+                keys = ("h2d_bytes", "copy_s", "host_s", "model_host_s")
+                s = {k: sum(p[k] for p in parts) for k in keys}
+            cost.calibrate(s["h2d_bytes"], s["copy_s"], s["host_s"], s["model_host_s"])
         if self._n_used:
             self._decode_gate(self._n_used)
 
@@ -438,8 +452,7 @@ class ExpertCache:
     def reset_stats(self) -> None:
         self._decode_kept = self.decode_counts()
         self._api.cache_reset_stats(self._handle)
-        cost = self.policy.cost
-        if cost is not None:
+        for cost, _ in self.policy.cost_groups():
             cost.predicted_host_s = 0.0  # what calibration compares the reset host time with
 
     @property
@@ -448,16 +461,19 @@ class ExpertCache:
 
     def device_stats(self, names: dict[int, str]) -> dict[str, dict]:
         """Per device holding slots (``names``: ggml device index -> name): its slots, hits,
-        misses, bytes copied to it and experts copied into its stage slots."""
+        misses, bytes copied to it, experts copied into its stage slots, and the experts its
+        layers' split computed on this machine's CPU instead (``host_entries``: schedule
+        entries)."""
+        keys = ("hits", "misses", "h2d_bytes", "staged", "host_entries")
         out: dict[str, dict] = {}
         for il, info in self.layers.items():
             if info.n_slots == 0:
                 continue
             d = out.setdefault(names.get(info.device, str(info.device)),
-                               {"slots": 0, "hits": 0, "misses": 0, "h2d_bytes": 0, "staged": 0})
+                               {"slots": 0, **dict.fromkeys(keys, 0)})
             s = self.stats(il)
             d["slots"] += info.n_slots
-            for k in ("hits", "misses", "h2d_bytes", "staged"):
+            for k in keys:
                 d[k] += s[k]
         return out
 

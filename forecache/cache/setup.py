@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -217,7 +217,7 @@ def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: 
                         n_slots=min(slots[il] for il in layers),
                         ncmoe_host_layers=plan.ncmoe_cpu_layers(),
                         dense_bytes=plan.non_expert_bytes, n_layer=model.n_layer)
-    profile = Profile.load(cfg.machine or default_machine(dev))
+    profile = Profile.load(machines_for(cfg.machine, 1)[0] or default_machine(dev))
     cost = CostModel.from_profile(profile, expert_shape(model))
     share = shape.n_slots / shape.n_expert
     if routing_hit is not None:  # the routing replayed decides, with this device's rates
@@ -304,18 +304,31 @@ def expert_shape(model: ModelFile) -> ExpertShape:
 
 
 def make_policy(cfg: CacheConfig, n_slots: list[int], model: ModelFile | None = None,
-                device: Device | None = None, disk_rate: DiskRate | None = None) -> Policy:
+                device: Device | None = None, disk_rate: DiskRate | None = None,
+                layer_devices: Sequence[Device | None] | None = None) -> Policy:
     """The slot policy of ``cfg`` (``cache.registry``). A proactive policy's host/device split
     needs ``model``; without an explicit ``cfg.machine`` it is off when the cache ``device`` is
     the CPU itself (on a CPU build both sides are the same cores). ``disk_rate``: the disk
-    tier's reads as measured at start, which the split prices its reads by."""
+    tier's reads as measured at start, which the split prices its reads by. ``layer_devices``:
+    per model layer, the device holding its slots where they are on devices other than
+    ``device`` (RPC servers, several GPUs): each such device's layers are then priced by a
+    model of its own (``split_costs``: its own link), ``device`` unused."""
     cost = None
-    on_cpu = device is not None and device.type == "cpu"
+    layer_costs: list[CostModel | None] | None = None
+    held = [d for d in layer_devices or [] if d is not None]
+    on_cpu = all(d.type == "cpu" for d in held) if held else \
+        device is not None and device.type == "cpu"
     if cfg.spec.proactive and cfg.features.split and model is not None and \
             (cfg.machine is not None or not on_cpu):
-        cost = split_cost(model, cfg, device, disk_rate)
+        if held:
+            costs = split_costs(model, cfg, held, disk_rate)
+            layer_costs = [costs[d.index] if d is not None else None
+                           for d in layer_devices or []]
+            cost = costs[held[0].index]
+        else:
+            cost = split_cost(model, cfg, device, disk_rate)
     policy = build_policy(cfg.policy, n_slots, PolicyInputs(
-        features=cfg.features, cost=cost, profile=cfg.profile,
+        features=cfg.features, cost=cost, layer_costs=layer_costs, profile=cfg.profile,
         top_k=model.n_expert_used if model is not None else 1))
     if policy is None:
         raise ValueError(f"policy {cfg.policy} is llama.cpp's own placement: it has no expert "
@@ -326,7 +339,32 @@ def make_policy(cfg: CacheConfig, n_slots: list[int], model: ModelFile | None = 
 # the pinned copy that probes a GPU's host-to-device rate when a split starts without a measured
 # one: long enough to reach the bus rate (tens of ms at most, once per load)
 RATE_PROBE_BYTES = 64 << 20
+RPC_PROBE_BYTES = 16 << 20
 RATE_PROBE_ITERS = 3
+
+
+def machines_for(machine: str | None, n_devices: int) -> list[str | None]:
+    """``--machine`` for ``n_devices`` devices: one profile for each, or one per device (a
+    comma list, in llama.cpp's order of the devices holding layers)."""
+    names = [m.strip() for m in machine.split(",")] if machine else [None]
+    if len(names) == 1:
+        return names * n_devices
+    if len(names) != n_devices or not all(names):
+        raise ValueError(f"{setting('machine')} {machine}: {len(names)} profiles for "
+                         f"{n_devices} device{'s' if n_devices != 1 else ''} holding slots; "
+                         "give one profile, or one per device in llama.cpp's order")
+    return names
+
+
+def split_costs(model: ModelFile, cfg: CacheConfig, devices: Sequence[Device],
+                disk_rate: DiskRate | None = None) -> dict[int, CostModel]:
+    """A cost model per device of ``devices`` (ggml device index -> model), each
+    ``split_cost``'s for that device: its own profile (``cfg.machine`` may name one per device)
+    and its own measured or probed copy rate."""
+    order = list({d.index: d for d in devices}.values())
+    names = machines_for(cfg.machine, len(order))
+    return {d.index: split_cost(model, replace(cfg, machine=m), d, disk_rate)
+            for d, m in zip(order, names, strict=True)}
 
 
 def split_cost(model: ModelFile, cfg: CacheConfig, device: Device | None,
@@ -337,7 +375,7 @@ def split_cost(model: ModelFile, cfg: CacheConfig, device: Device | None,
     of ``model`` on ``device`` measured (``cache.measured``), else the copy rate probed now (a
     GPU). The run corrects them as it measures (``CostModel.calibrate``). With a disk tier, its
     reads cost what ``disk_rate`` measured, unless the named profile gives its disk."""
-    profile = Profile.load(cfg.machine or default_machine(device))
+    profile = Profile.load(machines_for(cfg.machine, 1)[0] or default_machine(device))
     cost = CostModel.from_profile(profile, expert_shape(model))
     if disk_rate is not None and (cfg.machine is None or profile.disk is None):
         cost.disk_gbps, cost.disk_latency_s = disk_rate.gbps, disk_rate.latency_s
@@ -347,9 +385,11 @@ def split_cost(model: ModelFile, cfg: CacheConfig, device: Device | None,
     cost.host_scale = host_scale
     if copy_gbps is not None and copy_gbps > 0:
         cost.copy_gbps, cost.copy_measured = copy_gbps, True  # kept again by this run's record
-    elif device.type == "gpu":
-        # a probe's rate is a starting point, not a measured expert copy rate to keep
-        cost.copy_gbps = probe_copy_gbps(device) or cost.copy_gbps
+    elif device.type != "cpu":
+        # a probe's rate is a starting point, not a measured expert copy rate to keep; an RPC
+        # server's through the network, with a shorter probe
+        nbytes = RPC_PROBE_BYTES if device.backend == "RPC" else RATE_PROBE_BYTES
+        cost.copy_gbps = probe_copy_gbps(device, nbytes) or cost.copy_gbps
     return cost
 
 

@@ -86,7 +86,8 @@ def cache_options(fn):  # type: ignore[no-untyped-def]
     fn = click.option("--machine", default=None,
                       help="promoe: machine profile (shipped name or JSON) the CPU/device split "
                            f"starts from (default {DEFAULT_GPU_MACHINE} on a GPU; no split on a "
-                           "CPU build); "
+                           "CPU build), or one per device holding slots (A,B,... in llama.cpp's "
+                           "order: RPC servers, several GPUs); "
                            "the measured rates correct it during the run.")(fn)
     fn = click.option("--window", type=click.IntRange(1, 64), default=None,
                       help="promoe: predict this many layers ahead (default: the window the "

@@ -161,6 +161,8 @@ struct fc_layer {
     ggml_tensor * pool[FC_MAX_PROJ] = {};
 
     std::vector<int32_t> slot_of;     // expert -> slot, -1 if none
+    std::vector<int32_t> dg_host_k;   // its own decode gate tables (forecache_cache_set_layer_decode_gate;
+    std::vector<double>  dg_host_s;   // empty: the cache's)
     std::vector<int32_t> expert_of;   // slot -> expert, -1 if empty
     std::vector<int32_t> pending;     // slot -> plain chunks queued or running
     std::vector<int32_t> pend_proj;   // slot*n_proj + p -> plain chunks queued or running that write projection p

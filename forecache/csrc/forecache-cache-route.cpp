@@ -85,7 +85,8 @@ int32_t fc_decode_gate(forecache_cache * c, int32_t il) {
         in_flight += rank[i] == 1 || rank[i] == 2;
     }
     const size_t idx = (size_t) n_miss*(n_used + 1) + in_flight;
-    const int32_t k = c->dg_host_k[idx];
+    const bool own = !L.dg_host_k.empty(); // the layer's device has tables of its own
+    const int32_t k = own ? L.dg_host_k[idx] : c->dg_host_k[idx];
     if (k < 0) {
         return 2;
     }
@@ -146,7 +147,7 @@ int32_t fc_decode_gate(forecache_cache * c, int32_t il) {
         }
         next++;
     }
-    L.stats.model_host_s += c->dg_host_s[idx];
+    L.stats.model_host_s += own ? L.dg_host_s[idx] : c->dg_host_s[idx];
     return 0;
 }
 

@@ -596,6 +596,22 @@ void forecache_cache_set_decode_gate(struct forecache_cache * cache, int32_t n_u
     const size_t n = (size_t) (cache->dg_n_used + 1)*(cache->dg_n_used + 1);
     cache->dg_host_k.assign(host_k, host_k + (n_used > 0 ? n : 0));
     cache->dg_host_s.assign(host_s, host_s + (n_used > 0 ? n : 0));
+    for (auto & L : cache->layers) {
+        L.dg_host_k.clear();
+        L.dg_host_s.clear();
+    }
+}
+
+int32_t forecache_cache_set_layer_decode_gate(struct forecache_cache * cache, int32_t layer, const int32_t * host_k, const double * host_s) {
+    std::lock_guard<std::mutex> lock(cache->mtx);
+    if (layer < 0 || layer >= (int32_t) cache->layers.size() || cache->dg_n_used <= 0) {
+        return -1;
+    }
+    fc_layer & L = cache->layers[layer];
+    const size_t n = host_k != nullptr && host_s != nullptr ? (size_t) (cache->dg_n_used + 1)*(cache->dg_n_used + 1) : 0;
+    L.dg_host_k.assign(host_k, host_k + n);
+    L.dg_host_s.assign(host_s, host_s + n);
+    return 0;
 }
 
 void forecache_cache_set_events(struct forecache_cache * cache, bool enabled, int32_t capacity) {

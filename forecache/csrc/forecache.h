@@ -294,13 +294,23 @@ LLAMA_API int32_t forecache_cache_passes(const struct forecache_cache * cache, i
 //     in eviction order (forecache_cache_layer_order); host_k < 0 calls the gate hook instead;
 //   - the experts computed on the CPU are then queued at priority 1 into the next such slots.
 // host_s[same index] is the modelled host time of that choice, summed into stats.model_host_s.
-// n_used <= 0 turns the decode gate off.
+// n_used <= 0 turns the decode gate off. Setting the tables drops every layer's own (below).
 LLAMA_API void forecache_cache_set_decode_gate(
         struct forecache_cache * cache,
         int32_t                  n_used,
         const int32_t          * host_k,
         const double           * host_s,
         bool                     preempt);
+
+// Tables of layer `layer` alone, in place of the cache's (a layer whose slots are on a device with
+// other costs: another link, another compute rate), of the size forecache_cache_set_decode_gate's
+// n_used gives; null tables give the layer the cache's again. 0, or -1 for a bad layer or no
+// decode gate set.
+LLAMA_API int32_t forecache_cache_set_layer_decode_gate(
+        struct forecache_cache * cache,
+        int32_t                  layer,
+        const int32_t          * host_k,
+        const double           * host_s);
 
 //
 // Disk tier: experts in the model file, a host expert cache in memory, the slots above it

@@ -278,7 +278,14 @@ class ForecacheAPI(CFunctions):
     @c_function([c_void_p, c_int32, POINTER(c_int32), POINTER(c_double), c_bool], None)
     def cache_set_decode_gate(cache: CachePtr, n_used: int, host_k: Ptr[c_int32],
                               host_s: Ptr[c_double], preempt: bool) -> None:
-        """Decide one-token gates in C from the policy's tables (n_used <= 0: off)."""
+        """Decide one-token gates in C from the policy's tables (n_used <= 0: off); drops
+        every layer's own tables."""
+
+    @c_function([c_void_p, c_int32, POINTER(c_int32), POINTER(c_double)], c_int32)
+    def cache_set_layer_decode_gate(cache: CachePtr, layer: int, host_k: Ptr[c_int32],
+                                    host_s: Ptr[c_double]) -> int:
+        """``layer``'s own decode-gate tables (its device's costs; null: the cache's again);
+        -1 for a bad layer or no decode gate set."""
 
     # -- gate events -----------------------------------------------------------------------------
     @c_function([c_void_p, c_bool, c_int32], None)
