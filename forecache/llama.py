@@ -380,7 +380,11 @@ class Llama(llama_cpp.Llama):
         except ValueError:
             self.close()
             raise
-        # each device's even split (infinity's moves between layers would cross devices)
+        # a policy moving slots between layers (infinity) moves them within each device
+        by_dev: dict[int, list[int]] = {}
+        for il in self.model_file.moe_layers():
+            by_dev.setdefault(layer_dev[il], []).append(il)
+        slots = cfg.spec.policy.layer_slots(self.model_file, slots, list(by_dev.values()))
         self.placement = dataclasses.replace(self.placement, n_slots=slots, stage_slots=stage)
 
     def _layer_devices(self) -> list[int] | None:

@@ -206,12 +206,9 @@ def test_each_rpc_device_splits_by_its_own_costs(tiny_model: Callable[..., Path]
                    machine=f"{slow},{fast},{slow}")
 
 
-def test_a_budget_per_rpc_device(tiny_model: Callable[..., Path], stock: StockReference,
-                                 servers: list[str]) -> None:
-    """--gpu-budget A,B: each server's device gets the slots its own budget leaves after its
-    layers' weights and buffers (budget.device_slots): 3 a layer on the first, every expert on
-    the second; greedy output equal to unpatched."""
-    model = tiny_model("q8_0")
+def _three_slot_budgets(model: Path, servers: list[str]) -> tuple[str, list[int]]:
+    """``--gpu-budget A,B`` giving the first server's layers 3 slots each and the second's
+    every expert, and each layer's device (0: the first server, 1: the second)."""
     mf = read_model_file(model)
     info: dict = {}
     _forecache(model, servers, info, policy="lru", gpu_budget="1GiB")  # where llama.cpp splits
@@ -234,14 +231,57 @@ def test_a_budget_per_rpc_device(tiny_model: Callable[..., Path], stock: StockRe
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if first_slots(mid) >= 3 else (mid, hi)
-    budgets = f"{hi}B,1GiB"
+    return f"{hi}B,1GiB", split
+
+
+def test_a_budget_per_rpc_device(tiny_model: Callable[..., Path], stock: StockReference,
+                                 servers: list[str]) -> None:
+    """--gpu-budget A,B: each server's device gets the slots its own budget leaves after its
+    layers' weights and buffers (budget.device_slots): 3 a layer on the first, every expert on
+    the second; greedy output equal to unpatched."""
+    model = tiny_model("q8_0")
+    mf = read_model_file(model)
+    budgets, split = _three_slot_budgets(model, servers)
     ref = stock.run(model, PROMPTS, N_GEN, rpc=servers, n_ctx=256)
-    info = {}
+    info: dict = {}
     ours = _forecache(model, servers, info, policy="promoe", gpu_budget=budgets)
     for (t, lg), (rt, rl) in zip(ours, ref, strict=True):
         assert t == rt
         np.testing.assert_array_equal(lg, rl)
     assert info["n_slots"] == [3 if s == 0 else mf.n_expert for s in split], info
+
+
+def test_infinity_moves_slots_within_each_device(tiny_model: Callable[..., Path],
+                                                 stock: StockReference, servers: list[str],
+                                                 tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """infinity under a budget per device: slots move between layers by the stored EAM
+    collection's reuse (cache.allocation), but only between the layers of one device, each
+    device keeping the slots its budget gives; greedy output equal to unpatched."""
+    from forecache.predictor.store import EAMCollection, save_eam
+
+    monkeypatch.setenv("FORECACHE_CACHE_DIR", str(tmp_path / "cache"))
+    model = tiny_model("q8_0")
+    mf = read_model_file(model)
+    budgets, split = _three_slot_budgets(model, servers)
+    moe = mf.moe_layers()
+    # every other layer's hits grow with each slot, the rest gain nothing from more than one
+    curves = np.array([np.arange(mf.n_expert + 1) * (100 if i % 2 == 0 else 0)
+                       for i in range(len(moe))], dtype=np.int64)
+    save_eam(mf, EAMCollection(np.ones((1, mf.n_layer, mf.n_expert)),
+                               np.full((mf.n_layer, mf.n_expert), 1 / mf.n_expert), curves),
+             "hand-made")
+    ref = stock.run(model, PROMPTS, N_GEN, rpc=servers, n_ctx=256)
+    info: dict = {}
+    ours = _forecache(model, servers, info, policy="infinity", gpu_budget=budgets)
+    for (t, lg), (rt, rl) in zip(ours, ref, strict=True):
+        assert t == rt
+        np.testing.assert_array_equal(lg, rl)
+    got = info["n_slots"]
+    first = [il for il in moe if split[il] == 0]
+    assert sum(got[il] for il in first) == 3 * len(first), got  # the first device's total
+    assert len({got[il] for il in first}) > 1, got  # moved between its layers
+    assert all(got[il] == mf.n_expert for il in moe if split[il] == 1), got
 
 
 def test_the_split_is_over_the_servers(tiny_model: Callable[..., Path],

@@ -86,14 +86,29 @@ class InfinityPolicy(Prefetcher):
                    prefetch_n=inputs.top_k)
 
     @classmethod
-    def layer_slots(cls, model: ModelFile, even: list[int]) -> list[int]:
+    def layer_slots(cls, model: ModelFile, even: list[int],
+                    groups: Sequence[Sequence[int]] | None = None) -> list[int]:
         """``even`` moved between the MoE layers by the decode reuse measured in the model's
-        stored EAM collection (``cache.allocation``); without a collection, ``even``."""
+        stored EAM collection (``cache.allocation``), within each of ``groups`` (the layers of
+        one device: each keeps its total) where given; without a collection, ``even``."""
         from forecache.predictor.store import has_eam, load_eam
 
         if not has_eam(model):
             return even
-        return reallocate(even, model.moe_layers(), load_eam(model).hit_curves)
+        moe = model.moe_layers()
+        curves = load_eam(model).hit_curves
+        if groups is None:
+            return reallocate(even, moe, curves)
+        row = {il: i for i, il in enumerate(moe)}
+        if len(curves) != len(moe):
+            return even  # a collection of another depth
+        out = list(even)
+        for group in groups:
+            layers = [il for il in group if il in row]
+            part = reallocate(even, layers, curves[[row[il] for il in layers]])
+            for il in layers:
+                out[il] = part[il]
+        return out
 
     def attach(self, engine: CopyEngine) -> None:
         """Keys of 0 in every cached layer, growing with every routed row."""

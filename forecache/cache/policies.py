@@ -170,9 +170,11 @@ class Policy:
         return cls(n_slots)
 
     @classmethod
-    def layer_slots(cls, model: ModelFile, even: list[int]) -> list[int]:
+    def layer_slots(cls, model: ModelFile, even: list[int],
+                    groups: Sequence[Sequence[int]] | None = None) -> list[int]:
         """Slots per model layer for ``model`` from the even split ``even`` (most policies keep
-        it)."""
+        it); ``groups``: layers whose slots share one device's budget, between which alone
+        slots may move (None: every layer shares one)."""
         return even
 
     def attach(self, engine: CopyEngine) -> None:
