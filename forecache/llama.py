@@ -38,6 +38,7 @@ from forecache.cache.setup import (
     default_choice,
     expert_overrides,
     make_policy,
+    ncmoe_per_device,
     place,
     resolve_cache_config,
     spread_budget,
@@ -48,7 +49,7 @@ from forecache.generate import Streamed
 from forecache.gguf.header import ModelFile, require_moe
 from forecache.native import llama_cpp_module, llama_cpp_package, patch_version
 from forecache.native.cache_api import SLOT_EMPTY
-from forecache.native.ggml_devices import Device, local_gpus
+from forecache.native.ggml_devices import Device, layer_split, local_gpus
 from forecache.native.libs import MAX_THREADS, ModelLoadError, api
 from forecache.native.log import LOG_ERROR, abort_in_one_line, load_log
 from forecache.native.rpc import RPCError, add_servers, parse_endpoints
@@ -188,9 +189,14 @@ class Llama(llama_cpp.Llama):
             if self.policy_choice is not None:
                 cache = dataclasses.replace(cache, policy=self.policy_choice.policy)
         self.cache_config: CacheConfig | None = cache
+        split: list[int] | None = None  # where llama.cpp will put each layer (ncmoe per device)
         if cache is not None:
             kwargs.setdefault("n_gpu_layers", -1)
-            self.placement = place(self.model_file, cache, n_ctx=n_ctx, n_ubatch=n_ubatch)
+            if ncmoe_per_device(cache):
+                split = layer_split(self.model_file.n_layer, int(kwargs["n_gpu_layers"]),
+                                    kwargs.get("tensor_split"))
+            self.placement = place(self.model_file, cache, n_ctx=n_ctx, n_ubatch=n_ubatch,
+                                   layer_dev=split)
         verbose = bool(kwargs.get("verbose", True))
         on_disk = self.placement is not None and self.placement.disk is not None
         if on_disk:  # the other weights read into memory, not faulted in from the file's pages
@@ -207,7 +213,9 @@ class Llama(llama_cpp.Llama):
         self.n_seq_max = n_seq_max
         low = llama_cpp_module()
         self._vocab = low.llama_model_get_vocab(self.model)
-        if cache is not None and cache.device_budgets is not None:
+        if split is not None:
+            self._check_split(split)
+        if cache is not None and cache.device_budgets is not None and cache.spec.cached:
             self._size_per_device(cache, n_ctx, n_ubatch)
         if cache is not None and cache.spec.cached:
             self._attach_cache(cache)
@@ -231,12 +239,8 @@ class Llama(llama_cpp.Llama):
         over their devices) and check the placement asked for runs over them: llama.cpp's own
         (no policy: the default), offload, or an expert cache whose slots go on the device each
         layer lives on, sized by a fraction or a budget per device (one size: every device's).
-        ncmoe's budget is for one local device."""
+        ncmoe's host layers are fitted to each device's budget from llama.cpp's split."""
         if cache is not None and not cache.auto:
-            if cache.policy == "ncmoe":
-                raise ValueError(f"{setting('policy')} ncmoe with {setting('rpc')}: ncmoe's "
-                                 "budget is for one local device; over RPC run with no policy "
-                                 "(llama.cpp's split), offload or a cached policy")
             cache = spread_budget(cache)  # a single size is each device's
         try:
             add_servers(self.rpc)
@@ -386,6 +390,21 @@ class Llama(llama_cpp.Llama):
             by_dev.setdefault(layer_dev[il], []).append(il)
         slots = cfg.spec.policy.layer_slots(self.model_file, slots, list(by_dev.values()))
         self.placement = dataclasses.replace(self.placement, n_slots=slots, stage_slots=stage)
+
+    def _check_split(self, split: list[int]) -> None:
+        """ncmoe's host layers were fitted to ``split``, the layer split predicted before the
+        load: refuse a load whose layers went elsewhere (the budgets would not hold)."""
+        from forecache.native.ggml_devices import devices
+
+        n_layer = self.model_file.n_layer
+        arr = (ctypes.c_int32 * n_layer)()
+        if api().layer_devices(self.ctx, arr, n_layer) != 0 or list(arr) != split[:n_layer]:
+            names = {d.index: d.name for d in devices()}
+            got = [names.get(d, "CPU") for d in arr]
+            self.close()
+            raise ModelLoadError(f"llama.cpp put the layers on {', '.join(got)}, not where "
+                                 "ncmoe's budget per device was fitted; give each device's "
+                                 "share with tensor_split")
 
     def _layer_devices(self) -> list[int] | None:
         """The ggml device index each layer's slots go on: the device llama.cpp put the layer

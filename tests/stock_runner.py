@@ -131,6 +131,9 @@ def main(argv: list[str]) -> int:
                 "devices": cache.device_stats(names),
                 "split_rates": llm.split_rates()}
         out["cache_info"] = np.frombuffer(json.dumps(info).encode(), dtype=np.uint8)
+    elif getattr(llm, "placement", None) is not None:  # stock's placements: where experts live
+        info = {"host_layers": llm.placement.host_layers}
+        out["cache_info"] = np.frombuffer(json.dumps(info).encode(), dtype=np.uint8)
     np.savez(argv[2], **out)
     return 0
 

@@ -270,7 +270,9 @@ def test_each_devices_budget_sizes_its_own_layers(tiny_model: Callable[..., Path
     assert len(set(mf.layer_expert_bytes())) == 1
     held = device_slots(mf, (base,), split, names, n_ctx=256, n_ubatch=N_BATCH, held=half)
     assert held[moe[0]] == a - 1 and held[moe[-1]] <= b
-    assert spread_budget(CacheConfig("ncmoe", gpu_budget=base)).gpu_budget == base
+    # ncmoe's host layers are fitted to each device's budget too (budget.device_host_layers)
+    assert spread_budget(CacheConfig("ncmoe", gpu_budget=base)).device_budgets == (base,)
+    assert spread_budget(CacheConfig("offload")).device_budgets is None
     frac = CacheConfig("lru", cache_fraction=0.5)
     assert spread_budget(frac) == frac
 

@@ -21,7 +21,12 @@ import pytest
 from cli_helpers import run_cli
 from conftest import ChildRunError, StockReference, greedy_job, run_greedy_child
 
-from forecache.cache.budget import BudgetError, device_slots, parse_budgets
+from forecache.cache.budget import (
+    BudgetError,
+    device_host_layers,
+    device_slots,
+    parse_budgets,
+)
 from forecache.gguf.header import read_model_file
 from forecache.native.rpc import parse_endpoints
 
@@ -251,6 +256,43 @@ def test_a_budget_per_rpc_device(tiny_model: Callable[..., Path], stock: StockRe
     assert info["n_slots"] == [3 if s == 0 else mf.n_expert for s in split], info
 
 
+def test_ncmoe_fits_each_rpc_devices_budget(tiny_model: Callable[..., Path],
+                                            stock: StockReference,
+                                            servers: list[str]) -> None:
+    """--policy ncmoe --gpu-budget A,B over two servers (stock's --n-cpu-moe with llama.cpp's
+    split): the fewest layers' experts stay in host memory for each device's budget
+    (budget.device_host_layers over the split predicted before the load, and checked after it),
+    the first server's first layer here; greedy output equal to unpatched."""
+    model = tiny_model("q8_0")
+    mf = read_model_file(model)
+    _, split = _three_slot_budgets(model, servers)
+    names = {0: "RPC0", 1: "RPC1"}
+
+    def host(b: int) -> list[int]:
+        try:
+            return device_host_layers(mf, parse_budgets(f"{b}B,1GiB"), split, names,
+                                      n_ctx=256, n_ubatch=512)
+        except BudgetError:
+            return list(range(mf.n_layer))
+
+    lo, hi = 0, 1 << 34  # the least budget for which one layer's experts on the host do
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if len(host(mid)) <= 1 else (mid, hi)
+    first = [il for il in mf.moe_layers() if split[il] == 0]
+    assert host(hi) == first[:1] and host(1 << 34) == [], (host(hi), first)
+    ref = stock.run(model, PROMPTS, N_GEN, rpc=servers, n_ctx=256)
+    info: dict = {}
+    ours = _forecache(model, servers, info, policy="ncmoe", gpu_budget=f"{hi}B,1GiB")
+    for (t, lg), (rt, rl) in zip(ours, ref, strict=True):
+        assert t == rt
+        np.testing.assert_array_equal(lg, rl)
+    assert info["host_layers"] == first[:1], info
+    # a device that cannot hold its layers even with every expert on the host: one line
+    with pytest.raises(ChildRunError, match="is too small"):
+        _forecache(model, servers, policy="ncmoe", gpu_budget="1KiB,1GiB")
+
+
 def test_infinity_moves_slots_within_each_device(tiny_model: Callable[..., Path],
                                                  stock: StockReference, servers: list[str],
                                                  tmp_path: Path,
@@ -308,10 +350,13 @@ def test_the_split_is_over_the_servers(tiny_model: Callable[..., Path],
 
 def test_rpc_errors_are_one_line(tiny_model: Callable[..., Path], servers: list[str]) -> None:
     model = str(tiny_model("q8_0"))
-    # ncmoe's budget is for one local device
+    # ncmoe over the servers: each device's budget holds its layers, else one line naming it
     res = run_cli("generate", "-m", model, "-p", "hi", "-n", "2", "--policy", "ncmoe",
                   "--gpu-budget", "1GiB", "--rpc", ",".join(servers))
-    assert res.returncode != 0 and "--rpc" in res.stderr and "offload" in res.stderr
+    assert res.returncode == 0, res.stderr
+    res = run_cli("generate", "-m", model, "-p", "hi", "-n", "2", "--policy", "ncmoe",
+                  "--gpu-budget", "1KiB", "--rpc", ",".join(servers))
+    assert res.returncode == 1 and "on RPC0 is too small" in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr
     # budgets: one per device holding layers, each with room for a slot a layer
     for budget, says in (("1GiB,1GiB,1GiB", "--gpu-budget gives 3 sizes"),

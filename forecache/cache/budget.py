@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from forecache.errors import setting
@@ -163,16 +164,13 @@ def parse_budgets(text: str) -> tuple[int, ...]:
     return tuple(parse_size(part) for part in text.split(","))
 
 
-def device_slots(model: ModelFile, budgets: tuple[int, ...], layer_dev: list[int],
-                 names: dict[int, str], *, n_ctx: int, n_ubatch: int,
-                 held: int = 0) -> list[int]:
-    """Slots for each layer when llama.cpp put layer ``il`` on device ``layer_dev[il]`` and
-    ``budgets`` gives each device's memory (one per device, in device order; a single one is
-    every device's): on each device, its layers' non-expert weights (the output head's with the
-    last layer's), their KV cache and a ubatch's compute buffers come first, and the rest is
-    slots, the same count in each of its MoE layers, less ``held`` of the largest experts (each
-    device's stage slots). A budget that cannot hold one slot a layer is refused in one line
-    naming the device."""
+def _device_loads(model: ModelFile, budgets: tuple[int, ...], layer_dev: Sequence[int],
+                  names: dict[int, str], *, n_ctx: int, n_ubatch: int
+                  ) -> list[tuple[int, int, list[int], int]]:
+    """Per device holding MoE layers (``layer_dev[il]``, in device order): its budget (one per
+    device, or one for all), its layers, and the bytes they need beside routed experts: their
+    non-expert weights (the output head's with the last layer's), KV cache and a ubatch's compute
+    buffers. A count of budgets that fits no device count is one line."""
     moe = set(model.moe_layers())
     devs = sorted({layer_dev[il] for il in moe})
     if len(budgets) not in (1, len(devs)):
@@ -192,12 +190,59 @@ def device_slots(model: ModelFile, budgets: tuple[int, ...], layer_dev: list[int
             head += t.nbytes
     kv_layer = kv_cache_bytes(model, n_ctx) / max(model.n_layer, 1)
     compute = model_compute_bytes(model, n_ubatch)
-    layer_bytes = dict(zip(model.moe_layers(), model.layer_expert_bytes(), strict=True))
-    out = [0] * model.n_layer
+    out = []
     for d, budget in per_dev.items():
         on = [il for il in range(model.n_layer) if layer_dev[il] == d]
         fixed = int(sum(blk.get(il, 0) + kv_layer for il in on)) + compute + \
-            (head if layer_dev[model.n_layer - 1] == d else 0) + held * max(layer_bytes.values())
+            (head if layer_dev[model.n_layer - 1] == d else 0)
+        out.append((d, budget, on, fixed))
+    return out
+
+
+def device_host_layers(model: ModelFile, budgets: tuple[int, ...], layer_dev: Sequence[int],
+                       names: dict[int, str], *, n_ctx: int, n_ubatch: int) -> list[int]:
+    """``--n-cpu-moe`` over several devices: the fewest MoE layers whose routed experts stay in
+    host memory so that each device's other weights, KV cache and compute buffers and the
+    experts of its other MoE layers fit its budget (``_device_loads``), each device's first
+    layers going to the host first, as ``-ot`` places them. A budget too small for a device's
+    layers with every expert on the host is one line naming the device."""
+    moe = set(model.moe_layers())
+    layer_bytes = dict(zip(model.moe_layers(), model.layer_expert_bytes(), strict=True))
+    host: list[int] = []
+    for d, budget, on, fixed in _device_loads(model, budgets, layer_dev, names, n_ctx=n_ctx,
+                                              n_ubatch=n_ubatch):
+        if fixed > budget:
+            raise BudgetError(
+                f"budget {format_size(budget)} on {names.get(d, str(d))} is too small: its "
+                f"{len(on)} layers' weights, KV cache and compute buffers need "
+                f"{format_size(fixed)} with every routed expert in host memory; raise "
+                f"{setting('gpu_budget')}")
+        moe_on = [il for il in on if il in moe]
+        left = fixed + sum(layer_bytes[il] for il in moe_on)
+        for il in moe_on:
+            if left <= budget:
+                break
+            host.append(il)
+            left -= layer_bytes[il]
+    return sorted(host)
+
+
+def device_slots(model: ModelFile, budgets: tuple[int, ...], layer_dev: list[int],
+                 names: dict[int, str], *, n_ctx: int, n_ubatch: int,
+                 held: int = 0) -> list[int]:
+    """Slots for each layer when llama.cpp put layer ``il`` on device ``layer_dev[il]`` and
+    ``budgets`` gives each device's memory (one per device, in device order; a single one is
+    every device's): on each device, its layers' non-expert weights (the output head's with the
+    last layer's), their KV cache and a ubatch's compute buffers come first, and the rest is
+    slots, the same count in each of its MoE layers, less ``held`` of the largest experts (each
+    device's stage slots). A budget that cannot hold one slot a layer is refused in one line
+    naming the device."""
+    moe = set(model.moe_layers())
+    layer_bytes = dict(zip(model.moe_layers(), model.layer_expert_bytes(), strict=True))
+    out = [0] * model.n_layer
+    for d, budget, on, fixed in _device_loads(model, budgets, layer_dev, names, n_ctx=n_ctx,
+                                              n_ubatch=n_ubatch):
+        fixed += held * max(layer_bytes.values())
         moe_on = [il for il in on if il in moe]
         n = min(model.n_expert, max(budget - fixed, 0) // sum(layer_bytes[il] for il in moe_on))
         if n < 1:

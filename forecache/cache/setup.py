@@ -10,6 +10,7 @@ import numpy as np
 
 from forecache.cache.budget import (
     MemoryPlan,
+    device_host_layers,
     parse_budgets,
     parse_size,
     plan_memory,
@@ -102,11 +103,11 @@ class CacheConfig:
                              f"{setting('policy', 'promoe')}, infinity or lru")
         sizes = [x for x in (self.gpu_budget, self.cache_fraction, self.slots_per_layer,
                              self.device_budgets) if x is not None]
-        if self.device_budgets is not None and (spec.placement != "slots" or
+        if self.device_budgets is not None and (spec.placement not in ("slots", "layers") or
                                                 self.host_budget is not None):
             raise ValueError(f"a {setting('gpu_budget')} per device sizes the slots of a cached "
-                             f"policy (promoe, infinity, lru, ...), without "
-                             f"{setting('host_budget')}; not {self.policy}"
+                             f"policy (promoe, infinity, lru, ...) or ncmoe's host layers, "
+                             f"without {setting('host_budget')}; not {self.policy}"
                              f"{' with a disk tier' if self.host_budget is not None else ''}")
         if len(sizes) > 1:
             raise ValueError(f"give one of {setting('gpu_budget')} and "
@@ -114,7 +115,8 @@ class CacheConfig:
         if spec.placement != "host" and not sizes:
             raise ValueError(f"policy {self.policy} needs {setting('gpu_budget')} or "
                              f"{setting('cache_fraction')}")
-        if spec.placement == "layers" and self.gpu_budget is None:
+        if spec.placement == "layers" and self.gpu_budget is None and \
+                self.device_budgets is None:
             raise ValueError(f"policy ncmoe places whole layers and needs {setting('gpu_budget')}")
         if self.little_k and not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"{setting('gamma')} is {self.gamma}: give a probability in [0, 1]")
@@ -183,10 +185,11 @@ def auto_budget(dev: Device) -> int:
 
 
 def spread_budget(cfg: CacheConfig) -> CacheConfig:
-    """A cached policy's single ``gpu_budget`` as each device's, for a run whose layers llama.cpp
-    puts on other devices than the cache's own (several GPUs, RPC servers): slots are then sized
-    per device once the model is loaded."""
-    if not cfg.spec.cached or cfg.gpu_budget is None:
+    """A cached policy's or ncmoe's single ``gpu_budget`` as each device's, for a run whose
+    layers llama.cpp puts on other devices than the cache's own (several GPUs, RPC servers):
+    slots are then sized per device once the model is loaded, ncmoe's host layers per device
+    from llama.cpp's split before it loads."""
+    if not (cfg.spec.cached or cfg.spec.placement == "layers") or cfg.gpu_budget is None:
         return cfg
     return replace(cfg, gpu_budget=None, device_budgets=(cfg.gpu_budget,))
 
@@ -241,9 +244,21 @@ class Placement:
     disk: DiskPlan | None = None  # host slots of the disk tier (cfg.host_budget)
 
 
-def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int) -> Placement:
-    """Choose the device and split the budget for ``cfg``."""
+def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int,
+          layer_dev: Sequence[int] | None = None) -> Placement:
+    """Choose the device and split the budget for ``cfg``; ``layer_dev``: the device llama.cpp
+    will put each layer on, which ncmoe's budget per device (``cfg.device_budgets``) needs."""
     dev = cache_device()
+    if ncmoe_per_device(cfg):
+        if layer_dev is None:
+            raise ValueError("ncmoe with a budget per device needs llama.cpp's layer split")
+        from forecache.native.ggml_devices import devices
+
+        names = {d.index: d.name for d in devices()}
+        assert cfg.device_budgets is not None
+        host = device_host_layers(model, cfg.device_budgets, layer_dev, names, n_ctx=n_ctx,
+                                  n_ubatch=n_ubatch)
+        return Placement(dev, None, [0] * model.n_layer, host)
     plan = None
     if cfg.gpu_budget is not None:
         plan = plan_memory(model, cfg.gpu_budget, n_ctx=n_ctx, n_ubatch=n_ubatch,
@@ -280,6 +295,11 @@ def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int) -> P
         if disk is not None:  # every layer computes from slots: its experts are not in memory
             slots = [max(n, 1) if il in layers else n for il, n in enumerate(slots)]
     return Placement(dev, plan, slots, layers, stage, disk)
+
+
+def ncmoe_per_device(cfg: CacheConfig) -> bool:
+    """ncmoe (whole layers' experts in host memory) with a budget for each device."""
+    return cfg.spec.placement == "layers" and cfg.device_budgets is not None
 
 
 def expert_overrides(placement: Placement) -> dict[str, Any]:

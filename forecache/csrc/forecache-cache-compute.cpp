@@ -94,8 +94,8 @@ ggml_tensor * fc_alias_2d(ggml_context * ctx, ggml_tensor * src, int64_t ne0, in
 
 // computes the rows of node t (projection p) that schedule entries [i0, i1) route to, on the pool's
 // device: gathers their inputs, runs MUL_MAT_ID over the slots (or the stage slots, when the entries
-// read those) and scatters the results into t
-bool fc_group_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor * t, int32_t i0, int32_t i1) {
+// read those) and scatters the results into t; *n_rows: the rows it computed
+bool fc_group_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor * t, int32_t i0, int32_t i1, int64_t * n_rows) {
     const int32_t j0 = fc_stage_of(L, L.sch_s[i0]);
     const bool stage = j0 >= 0;
     int32_t local = 0;
@@ -120,6 +120,7 @@ bool fc_group_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor 
         }
     }
     const int64_t n = (int64_t) c->g_rows.size();
+    *n_rows = n;
     if (n == 0) {
         return true;
     }
@@ -236,16 +237,21 @@ bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor *
         }
         lock.unlock();
         const auto t0 = fc_clock::now();
-        if (!fc_group_compute(c, L, p, t, i, j)) {
+        int64_t rows = 0;
+        if (!fc_group_compute(c, L, p, t, i, j, &rows)) {
             ok = false;
             break;
         }
-        fc_span(c, FORECACHE_SPAN_GROUP, (int32_t) (&L - c->layers.data()), p, j - i, t0, fc_clock::now());
+        const auto t1 = fc_clock::now();
+        fc_span(c, FORECACHE_SPAN_GROUP, (int32_t) (&L - c->layers.data()), p, j - i, t0, t1);
         lock.lock();
         for (int32_t k = i; k < j && !stage; k++) {
             L.consumed[L.sch_s[k]*L.n_proj + p]++;
         }
         L.stats.n_groups++;
+        L.stats.group_s       += std::chrono::duration<double>(t1 - t0).count();
+        L.stats.group_entries += (uint64_t) (j - i);
+        L.stats.group_rows    += (uint64_t) rows;
         lock.unlock();
         fc_notify_work(c);
         i = j;

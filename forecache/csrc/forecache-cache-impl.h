@@ -391,7 +391,7 @@ void fc_graph_hook(ggml_cgraph * graph, void * user_data);
 ggml_backend_t fc_cpu_backend(forecache_cache * c, int n_threads, ggml_threadpool_t & pool);
 bool fc_host_compute(forecache_cache * c, fc_layer & L, int32_t proj, ggml_tensor * t);
 ggml_tensor * fc_alias_2d(ggml_context * ctx, ggml_tensor * src, int64_t ne0, int64_t ne1);
-bool fc_group_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor * t, int32_t i0, int32_t i1);
+bool fc_group_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor * t, int32_t i0, int32_t i1, int64_t * n_rows);
 bool fc_host_entries(forecache_cache * c, fc_layer & L, int32_t p, const ggml_tensor * t);
 bool fc_scatter_host(forecache_cache * c, const fc_layer & L, ggml_tensor * t);
 bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor * t);

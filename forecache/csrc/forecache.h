@@ -129,7 +129,10 @@ typedef int32_t (*forecache_gate_hook)(
     X(double,   disk_wait_s,    SUM) /* time host compute waited for reads */ \
     X(uint64_t, host_hits,      SUM) /* experts a copy or host compute needed that the host tier held */ \
     X(uint64_t, host_misses,    SUM) /* ... that had to be read first */ \
-    X(uint64_t, host_evictions, SUM) /* experts evicted from the host tier */
+    X(uint64_t, host_evictions, SUM) /* experts evicted from the host tier */ \
+    X(double,   group_s,        SUM) /* time expert groups took on their device, launch to results */ \
+    X(uint64_t, group_entries,  SUM) /* schedule entries (expert projections) they computed */ \
+    X(uint64_t, group_rows,     SUM) /* token rows they computed */
 
 struct forecache_cache_stats {
 #define FORECACHE_CACHE_STATS_FIELD(type, name, combine) type name;

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from forecache.native.libs import api, libggml
 
@@ -119,6 +122,47 @@ def local_gpus() -> list[Device]:
 def rpc_devices() -> list[Device]:
     """The RPC servers' devices registered in this process (``native.rpc.add_servers``)."""
     return [d for d in devices() if is_rpc(d)]
+
+
+def model_devices() -> list[Device]:
+    """The devices llama.cpp's default device selection gives a model, in its order: the RPC
+    servers' first (fewer network transfers), then this machine's GPUs, then its integrated
+    GPUs where it has no other."""
+    devs = devices()
+    gpus = [d for d in devs if d.type == "gpu" and not is_rpc(d)]
+    return [d for d in devs if is_rpc(d)] + (gpus or [d for d in devs if d.type == "igpu"])
+
+
+def layer_split(n_layer: int, n_gpu_layers: int = -1,
+                tensor_split: Sequence[float] | None = None) -> list[int]:
+    """The ggml device index of each layer (and, last, the output head) as llama.cpp's layer
+    split puts them over ``model_devices()`` (``llama_model::load_tensors``): the last
+    ``n_gpu_layers`` of the ``n_layer + 1`` (-1: all) on the devices, in contiguous runs
+    proportional to ``tensor_split`` or else to each device's free memory; -1 for one on the
+    CPU. Computed in float32, as llama.cpp computes it."""
+    devs = model_devices()
+    if not devs:
+        return [-1] * (n_layer + 1)
+    if tensor_split is not None and any(x != 0 for x in tensor_split[:len(devs)]):
+        weights = [float(x) for x in list(tensor_split[:len(devs)]) +
+                   [0.0] * (len(devs) - len(tensor_split))]
+    else:
+        host = next((d for d in devices() if d.type == "cpu"), None)
+        weights = [float(d.memory_free) if d.memory_free or d.memory_total or host is None
+                   else float(host.memory_free) for d in devs]
+    splits = np.cumsum(np.asarray(weights, dtype=np.float32), dtype=np.float32)
+    splits = splits / splits[-1]
+    n_gpu = (1 << 31) - 1 if n_gpu_layers < 0 else n_gpu_layers
+    start = max(n_layer + 1 - n_gpu, 0)
+    active = min(n_gpu, n_layer + 1)
+    out = []
+    for il in range(n_layer + 1):
+        if il < start or il - start >= active:
+            out.append(-1)
+            continue
+        at = np.float32(il - start) / np.float32(active)
+        out.append(devs[int(np.searchsorted(splits, at, side="right"))].index)
+    return out
 
 
 @dataclass
