@@ -25,6 +25,7 @@ import numpy as np
 
 from forecache.cache.budget import device_slots, format_size
 from forecache.cache.choice import Choice
+from forecache.cache.cost import CostModel
 from forecache.cache.disk import experts_left_on_disk, probe_expert_reads, readers_default
 from forecache.cache.measured import record_run
 from forecache.cache.policies import hit_rate
@@ -439,22 +440,27 @@ class Llama(llama_cpp.Llama):
             return None
         return out
 
-    def split_rates(self) -> dict[str, float]:
-        """Each device the split prices copies to, with the copy rate it prices them at now
-        (GB/s; empty without a split)."""
+    def split_costs(self) -> dict[str, dict[str, float]]:
+        """Each device the host/device split prices, with what it prices now: its copy rate
+        (``copy_gbps``) and its expert groups' measured over modelled compute time
+        (``device_scale``; 1 where not measured); empty without a split."""
         cache = self.expert_cache
         policy = cache.policy if cache is not None else None
         if policy is None or policy.cost is None:
             return {}
+
+        def row(c: CostModel) -> dict[str, float]:
+            return {"copy_gbps": c.copy_gbps, "device_scale": c.dev_scale}
+
         if not self.split_devices:
             name = self.placement.device.name if self.placement is not None else "device"
-            return {name: policy.cost.copy_gbps}
+            return {name: row(policy.cost)}
         cost_for = getattr(policy, "cost_for", lambda _il: policy.cost)
-        out: dict[str, float] = {}
+        out: dict[str, dict[str, float]] = {}
         for il, dev in enumerate(self.split_devices):
             cost = cost_for(il)
             if dev is not None and cost is not None:
-                out.setdefault(dev.name, cost.copy_gbps)
+                out.setdefault(dev.name, row(cost))
         return out
 
     def _attach_cache(self, cfg: CacheConfig) -> None:

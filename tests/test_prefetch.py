@@ -361,6 +361,20 @@ def test_split_plan_by_cost() -> None:
     per_copy = shape.nbytes / 5e9 + 3 * prof.chunk_latency_s  # 5 GB/s plus three chunks
     cost.calibrate(h2d_bytes=shape.nbytes * 100, copy_s=100 * per_copy, host_s=0.0)
     assert abs(cost.copy_gbps - 5.0) / 5.0 < 0.05
+    # a device computing more slowly than its profile says (an RPC server: another machine's
+    # processor, a round trip a group): its groups' time scales the device side, and a miss
+    # the profile's device would compute then goes to the host
+    one = cost.dev_s(1, 1)
+    cost.calibrate(0, 0.0, 0.0, group_s=0.05, group_entries=3 * 100, group_rows=3 * 100)
+    assert cost.dev_scale == 1.0  # only a device that asks for it (calibrate_device)
+    slow = replace(mixtral, calibrate_device=True)
+    rows = [(e, 1, e != 7) for e in range(8)]
+    assert slow.plan(rows, 0).host == [7]
+    slow.calibrate(0, 0.0, 0.0, group_s=100 * 50 * slow.dev_s(1, 1), group_entries=3 * 100,
+                   group_rows=3 * 100)
+    assert slow.dev_scale == pytest.approx(50.0) and cost.dev_s(1, 1) == one
+    assert slow.dev_s(1, 1) == pytest.approx(50 * mixtral.dev_s(1, 1))
+    assert slow.plan(rows, 0).whole_layer or len(slow.plan(rows, 0).host) > 1
 
 
 def test_stock_policies_follow_llama_cpp_rules() -> None:

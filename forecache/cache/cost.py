@@ -252,6 +252,10 @@ class CostModel:
     disk_gbps: float = 0.0  # the disk tier's read rate with its reads in flight (0: no disk)
     disk_latency_s: float = 0.0  # one read's fixed cost, submission to first byte
     prompt_split: bool = False  # the split also for ubatches of DEVICE_MIN_TOKENS or more
+    # measured / modelled device compute of expert groups, where the device's compute is not the
+    # profile's (an RPC server's: another machine's processor, each group a network round trip)
+    dev_scale: float = 1.0
+    calibrate_device: bool = False  # correct dev_scale from the groups' measured time
 
     @classmethod
     def from_profile(cls, profile: Profile, expert: ExpertShape) -> CostModel:
@@ -276,6 +280,10 @@ class CostModel:
 
     def dev_s(self, n_experts: int, pairs: int) -> float:
         """``pairs`` token-expert rows over ``n_experts`` experts in slots, every projection."""
+        return self._dev_model_s(n_experts, pairs) * self.dev_scale
+
+    def _dev_model_s(self, n_experts: float, pairs: float) -> float:
+        """``dev_s`` by the profile's device rooflines alone."""
         if n_experts == 0:
             return 0.0
         fl = pairs * self.expert.proj_flops
@@ -352,10 +360,18 @@ class CostModel:
         return Split([e for e, _ in missing[:best_k]], host_s=best_host), best_t
 
     def calibrate(self, h2d_bytes: int, copy_s: float, host_s: float,
-                  other_host_s: float = 0.0) -> None:
+                  other_host_s: float = 0.0, group_s: float = 0.0, group_entries: int = 0,
+                  group_rows: int = 0) -> None:
         """Correct the profile with the engine's totals: copy rate, and host time against the
         modelled time of what was sent to the host (``predicted_host_s``, plus
-        ``other_host_s`` planned outside this model, e.g. by the C decode gate's table)."""
+        ``other_host_s`` planned outside this model, e.g. by the C decode gate's table); with
+        ``calibrate_device``, the device's compute from its expert groups' time
+        (``group_entries`` expert projections over ``group_rows`` token rows)."""
+        if self.calibrate_device and group_s >= MIN_CALIBRATION_S and group_entries > 0:
+            experts = group_entries / len(self.expert.proj_bytes)
+            modelled = experts * self._dev_model_s(1, group_rows / group_entries)
+            if modelled > 0:
+                self.dev_scale = group_s / modelled
         if copy_s >= MIN_CALIBRATION_S and h2d_bytes > 0:
             n = len(self.expert.proj_bytes)
             per_expert = copy_s / (h2d_bytes / self.expert.nbytes) - n * self.chunk_latency_s

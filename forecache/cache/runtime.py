@@ -391,9 +391,11 @@ class ExpertCache:
                 s = self.stats()
             else:
                 parts = [self.stats(il) for il in layers if il in self.layers]
-                keys = ("h2d_bytes", "copy_s", "host_s", "model_host_s")
+                keys = ("h2d_bytes", "copy_s", "host_s", "model_host_s", "group_s",
+                        "group_entries", "group_rows")
                 s = {k: sum(p[k] for p in parts) for k in keys}
-            cost.calibrate(s["h2d_bytes"], s["copy_s"], s["host_s"], s["model_host_s"])
+            cost.calibrate(s["h2d_bytes"], s["copy_s"], s["host_s"], s["model_host_s"],
+                           s["group_s"], s["group_entries"], s["group_rows"])
         if self._n_used:
             self._decode_gate(self._n_used)
 

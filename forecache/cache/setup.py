@@ -34,6 +34,7 @@ from forecache.native.ggml_devices import (
     Device,
     cache_device,
     host_buffer_type,
+    is_rpc,
     local_gpus,
     measure_copy,
 )
@@ -399,6 +400,9 @@ def split_cost(model: ModelFile, cfg: CacheConfig, device: Device | None,
     cost = CostModel.from_profile(profile, expert_shape(model))
     if disk_rate is not None and (cfg.machine is None or profile.disk is None):
         cost.disk_gbps, cost.disk_latency_s = disk_rate.gbps, disk_rate.latency_s
+    # an RPC server computes on another machine, each expert group a network round trip: its
+    # groups' measured time corrects the profile's device compute
+    cost.calibrate_device = device is not None and is_rpc(device)
     if cfg.machine is not None or device is None:
         return cost
     copy_gbps, host_scale = measured_rates(model, device.name)
@@ -408,7 +412,7 @@ def split_cost(model: ModelFile, cfg: CacheConfig, device: Device | None,
     elif device.type != "cpu":
         # a probe's rate is a starting point, not a measured expert copy rate to keep; an RPC
         # server's through the network, with a shorter probe
-        nbytes = RPC_PROBE_BYTES if device.backend == "RPC" else RATE_PROBE_BYTES
+        nbytes = RPC_PROBE_BYTES if is_rpc(device) else RATE_PROBE_BYTES
         cost.copy_gbps = probe_copy_gbps(device, nbytes) or cost.copy_gbps
     return cost
 
