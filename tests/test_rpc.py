@@ -82,6 +82,19 @@ def _forecache(model: Path, servers: list[str], info: dict | None = None, **para
                             Path(str(model)).parent, info=info)
 
 
+def _equal_to_unpatched(model: Path, servers: list[str], stock: StockReference,
+                        **params: object) -> dict:
+    """forecache's greedy tokens and logits with ``params`` over the servers equal the unpatched
+    build's with the same servers; the run's cache info."""
+    ref = stock.run(model, PROMPTS, N_GEN, rpc=servers, n_ctx=256)
+    info: dict = {}
+    ours = _forecache(model, servers, info, **params)
+    for (t, lg), (rt, rl) in zip(ours, ref, strict=True):
+        assert t == rt
+        np.testing.assert_array_equal(lg, rl)
+    return info
+
+
 @pytest.mark.parametrize("policy", [None, "offload", "lru", "lfu", "static", "promoe",
                                     "infinity"])
 def test_layers_split_over_two_rpc_devices_equal_unpatched(
@@ -92,16 +105,11 @@ def test_layers_split_over_two_rpc_devices_equal_unpatched(
     policy, its slots on the server that holds the layer: greedy tokens and logits equal to
     the unpatched build's with the same servers."""
     model = tiny_model("q8_0")
-    ref = stock.run(model, PROMPTS, N_GEN, rpc=servers, n_ctx=256)
     kw: dict[str, object] = {"cache": None} if policy is None else {"policy": policy}
     cached = policy not in (None, "offload")
     if cached:
         kw.update(cache_fraction=0.5)
-    info: dict = {}
-    ours = _forecache(model, servers, info, **kw)
-    for (t, lg), (rt, rl) in zip(ours, ref, strict=True):
-        assert t == rt
-        np.testing.assert_array_equal(lg, rl)
+    info = _equal_to_unpatched(model, servers, stock, **kw)
     if cached:  # the slots are on both servers, and served hits
         assert sorted(set(info["layer_devices"].values())) == ["RPC0", "RPC1"], info
         assert info["stats"]["hits"] > 0 and info["stats"]["misses"] > 0, info["stats"]
@@ -122,12 +130,7 @@ def test_other_architectures_over_rpc_devices_equal_unpatched(
     """promoe with its slots on the servers, over the other architectures' layouts (shared
     experts, dense first layers, biased experts, a recurrent state): equal to unpatched."""
     model = tiny_model("q8_0", preset)
-    ref = stock.run(model, PROMPTS, N_GEN, rpc=servers, n_ctx=256)
-    info: dict = {}
-    ours = _forecache(model, servers, info, policy="promoe", cache_fraction=0.5)
-    for (t, lg), (rt, rl) in zip(ours, ref, strict=True):
-        assert t == rt
-        np.testing.assert_array_equal(lg, rl)
+    info = _equal_to_unpatched(model, servers, stock, policy="promoe", cache_fraction=0.5)
     assert info["stats"]["hits"] > 0 and len(set(info["layer_devices"].values())) == 2, info
 
 
@@ -166,13 +169,8 @@ def test_promoe_splitting_layers_over_rpc_devices_equals_unpatched(
     machine = tmp_path / "slow-bus.json"
     machine.write_text(json.dumps(dict(slow, name="slow-bus", h2d_gbps=0.01, cpu_mem_gbps=0.1)))
     model = tiny_model("q8_0")
-    ref = stock.run(model, PROMPTS, N_GEN, rpc=servers, n_ctx=256)
-    info: dict = {}
-    ours = _forecache(model, servers, info, policy="promoe", cache_fraction=0.25,
+    info = _equal_to_unpatched(model, servers, stock, policy="promoe", cache_fraction=0.25,
                       predictor="history", machine=str(machine))
-    for (t, lg), (rt, rl) in zip(ours, ref, strict=True):
-        assert t == rt
-        np.testing.assert_array_equal(lg, rl)
     st = info["stats"]
     assert st["host_entries"] > 0 and st["n_groups"] > 0 and st["hits"] > 0, st
     assert sorted(set(info["layer_devices"].values())) == ["RPC0", "RPC1"], info
@@ -192,13 +190,8 @@ def test_each_rpc_device_splits_by_its_own_costs(tiny_model: Callable[..., Path]
     fast.write_text(json.dumps(dict(base, name="fast-bus", h2d_gbps=1000.0, cpu_mem_gbps=0.001,
                                     cpu_gflops=0.001)))
     model = tiny_model("q8_0")
-    ref = stock.run(model, PROMPTS, N_GEN, rpc=servers, n_ctx=256)
-    info: dict = {}
-    ours = _forecache(model, servers, info, policy="promoe", cache_fraction=0.25,
+    info = _equal_to_unpatched(model, servers, stock, policy="promoe", cache_fraction=0.25,
                       predictor="history", machine=f"{slow},{fast}")
-    for (t, lg), (rt, rl) in zip(ours, ref, strict=True):
-        assert t == rt
-        np.testing.assert_array_equal(lg, rl)
     first = info["layer_devices"][min(info["layer_devices"], key=int)]
     second = ({"RPC0", "RPC1"} - {first}).pop()
     devs = info["devices"]
@@ -248,12 +241,7 @@ def test_a_budget_per_rpc_device(tiny_model: Callable[..., Path], stock: StockRe
     model = tiny_model("q8_0")
     mf = read_model_file(model)
     budgets, split = _three_slot_budgets(model, servers)
-    ref = stock.run(model, PROMPTS, N_GEN, rpc=servers, n_ctx=256)
-    info: dict = {}
-    ours = _forecache(model, servers, info, policy="promoe", gpu_budget=budgets)
-    for (t, lg), (rt, rl) in zip(ours, ref, strict=True):
-        assert t == rt
-        np.testing.assert_array_equal(lg, rl)
+    info = _equal_to_unpatched(model, servers, stock, policy="promoe", gpu_budget=budgets)
     assert info["n_slots"] == [3 if s == 0 else mf.n_expert for s in split], info
 
 
@@ -282,12 +270,7 @@ def test_ncmoe_fits_each_rpc_devices_budget(tiny_model: Callable[..., Path],
         lo, hi = (lo, mid) if len(host(mid)) <= 1 else (mid, hi)
     first = [il for il in mf.moe_layers() if split[il] == 0]
     assert host(hi) == first[:1] and host(1 << 34) == [], (host(hi), first)
-    ref = stock.run(model, PROMPTS, N_GEN, rpc=servers, n_ctx=256)
-    info: dict = {}
-    ours = _forecache(model, servers, info, policy="ncmoe", gpu_budget=f"{hi}B,1GiB")
-    for (t, lg), (rt, rl) in zip(ours, ref, strict=True):
-        assert t == rt
-        np.testing.assert_array_equal(lg, rl)
+    info = _equal_to_unpatched(model, servers, stock, policy="ncmoe", gpu_budget=f"{hi}B,1GiB")
     assert info["host_layers"] == first[:1], info
     # a device that cannot hold its layers even with every expert on the host: one line
     with pytest.raises(ChildRunError, match="is too small"):
@@ -314,12 +297,7 @@ def test_infinity_moves_slots_within_each_device(tiny_model: Callable[..., Path]
     save_eam(mf, EAMCollection(np.ones((1, mf.n_layer, mf.n_expert)),
                                np.full((mf.n_layer, mf.n_expert), 1 / mf.n_expert), curves),
              "hand-made")
-    ref = stock.run(model, PROMPTS, N_GEN, rpc=servers, n_ctx=256)
-    info: dict = {}
-    ours = _forecache(model, servers, info, policy="infinity", gpu_budget=budgets)
-    for (t, lg), (rt, rl) in zip(ours, ref, strict=True):
-        assert t == rt
-        np.testing.assert_array_equal(lg, rl)
+    info = _equal_to_unpatched(model, servers, stock, policy="infinity", gpu_budget=budgets)
     got = info["n_slots"]
     first = [il for il in moe if split[il] == 0]
     assert sum(got[il] for il in first) == 3 * len(first), got  # the first device's total
