@@ -167,12 +167,13 @@ def parse_budgets(text: str) -> tuple[int, ...]:
 def _device_loads(model: ModelFile, budgets: tuple[int, ...], layer_dev: Sequence[int],
                   names: dict[int, str], *, n_ctx: int, n_ubatch: int
                   ) -> list[tuple[int, int, list[int], int]]:
-    """Per device holding MoE layers (``layer_dev[il]``, in device order): its budget (one per
-    device, or one for all), its layers, and the bytes they need beside routed experts: their
-    non-expert weights (the output head's with the last layer's), KV cache and a ubatch's compute
-    buffers. A count of budgets that fits no device count is one line."""
+    """Per device holding MoE layers (``layer_dev[il]``, in device order; -1, a layer left on
+    the CPU, is none): its budget (one per device, or one for all), its layers, and the bytes
+    they need beside routed experts: their non-expert weights (the output head's with the last
+    layer's), KV cache and a ubatch's compute buffers. A count of budgets that fits no device
+    count is one line."""
     moe = set(model.moe_layers())
-    devs = sorted({layer_dev[il] for il in moe})
+    devs = sorted({layer_dev[il] for il in moe if layer_dev[il] >= 0})
     if len(budgets) not in (1, len(devs)):
         raise BudgetError(
             f"{setting('gpu_budget')} gives {len(budgets)} sizes, and llama.cpp put the model's "

@@ -147,17 +147,21 @@ class Prefetcher(Policy):
         resident ones are still copying, index ``m * (n_used + 1) + f``, how many missing
         experts the host computes (-1: call ``gate``) and their modelled host seconds; and
         whether the gate preempts. None when this policy's gate is not that one."""
-        f = self.features
-        if not f.reorder or type(self).gate is not Prefetcher.gate or \
-                type(self).eviction_order is not Prefetcher.eviction_order:
+        if not self._engine_gates():
             return None
         host_k, host_s = self._gate_table(self.cost, n_used)
-        return host_k, host_s, f.preempt
+        return host_k, host_s, self.features.preempt
+
+    def _engine_gates(self) -> bool:
+        """The engine's decode gate decides as this policy's ``gate`` would (cache-first
+        order, this class's gate and eviction order)."""
+        return self.features.reorder and type(self).gate is Prefetcher.gate and \
+            type(self).eviction_order is Prefetcher.eviction_order
 
     def layer_decode_gates(self, n_used: int) -> list[tuple[list[int], list[int], list[float]]]:
         """The layers whose device has a cost model of its own, with that model's decode-gate
         tables (``decode_gate``'s, for ``forecache_cache_set_layer_decode_gate``)."""
-        if self.decode_gate(n_used) is None:
+        if not self._engine_gates():
             return []
         return [(layers, *self._gate_table(c, n_used))
                 for c, layers in self.cost_groups()[1:] if layers]
