@@ -239,10 +239,10 @@ class Llama(llama_cpp.Llama):
         """Register the RPC servers (before the model loads: llama.cpp then splits its layers
         over their devices) and check the placement asked for runs over them: llama.cpp's own
         (no policy: the default), offload, or an expert cache whose slots go on the device each
-        layer lives on, sized by a fraction or a budget per device (one size: every device's).
+        layer lives on, sized by a fraction or a budget per device (one size: their total).
         ncmoe's host layers are fitted to each device's budget from llama.cpp's split."""
         if cache is not None and not cache.auto:
-            cache = spread_budget(cache)  # a single size is each device's
+            cache = spread_budget(cache)  # a single size is the devices' total
         try:
             add_servers(self.rpc)
         except RPCError as e:

@@ -228,8 +228,9 @@ def test_compute_buffers_count_the_experts_width(tiny_model: Callable[..., Path]
 def test_each_devices_budget_sizes_its_own_layers(tiny_model: Callable[..., Path]) -> None:
     """Layers split over two devices as llama.cpp splits them: each device's budget pays for its
     own layers' weights and buffers, the output head on the last layer's device, and its slots;
-    one size is every device's; a count that fits neither or a budget without room for a slot
-    is one line naming the fix or the device."""
+    one size is the devices' total, shared so that every layer gets the same slots; a count
+    that fits neither or a budget without room for a slot is one line naming the fix or the
+    device."""
     mf = read_model_file(tiny_model("q8_0"))
     moe, n = mf.moe_layers(), mf.n_layer
     half = n // 2
@@ -245,14 +246,17 @@ def test_each_devices_budget_sizes_its_own_layers(tiny_model: Callable[..., Path
     while hi - lo > 1:
         mid = (lo + hi) // 2
         try:
-            slots(mid)
+            slots(mid, mid)
             hi = mid
         except BudgetError:
             lo = mid
     base = hi + 4 * half * per_layer
     a, b = slots(base, base)
     assert 1 <= b <= a < mf.n_expert  # the second device also holds the output head
-    assert slots(base) == (a, b)  # one size: every device's
+    # one size: the devices' total, each paying for what is not experts, and every layer the
+    # same slots: those of the devices' budgets summed, split to even both
+    assert slots(2 * base)[0] == slots(2 * base)[1] and b <= slots(2 * base)[0] <= a
+    assert slots(2 * base + n * per_layer) == (slots(2 * base)[0] + 1,) * 2
     # a layer's expert more on the first device's budget for each of its layers: one slot more
     # a layer there, the second unchanged
     assert slots(base + half * per_layer, base) == (a + 1, b)
@@ -262,14 +266,17 @@ def test_each_devices_budget_sizes_its_own_layers(tiny_model: Callable[..., Path
         slots(base, base, base)
     with pytest.raises(BudgetError, match="on RPC1 is too small"):
         slots(base, 1 << 20)
-    # a run over several devices takes a single size as each device's
+    # a run over several devices takes a single size as their total
     one = spread_budget(CacheConfig("promoe", gpu_budget=base, stage_slots=4))
     assert (one.gpu_budget, one.device_budgets, one.stage_slots) == (None, (base,), 4)
     # each device's stage slots come out of its own budget: as many as the first device has
     # layers cost it one slot a layer (q8_0: every layer's experts the same size)
     assert len(set(mf.layer_expert_bytes())) == 1
-    held = device_slots(mf, (base,), split, names, n_ctx=256, n_ubatch=N_BATCH, held=half)
+    held = device_slots(mf, (base, base), split, names, n_ctx=256, n_ubatch=N_BATCH, held=half)
     assert held[moe[0]] == a - 1 and held[moe[-1]] <= b
+    # a total pays for both devices' stage slots before it is shared
+    both = device_slots(mf, (2 * base,), split, names, n_ctx=256, n_ubatch=N_BATCH, held=half)
+    assert both[moe[0]] == both[moe[-1]] < slots(2 * base)[0]
     # ncmoe's host layers are fitted to each device's budget too (budget.device_host_layers)
     assert spread_budget(CacheConfig("ncmoe", gpu_budget=base)).device_budgets == (base,)
     assert spread_budget(CacheConfig("offload")).device_budgets is None

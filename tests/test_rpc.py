@@ -243,6 +243,21 @@ def test_a_budget_per_rpc_device(tiny_model: Callable[..., Path], stock: StockRe
     budgets, split = _three_slot_budgets(model, servers)
     info = _equal_to_unpatched(model, servers, stock, policy="promoe", gpu_budget=budgets)
     assert info["n_slots"] == [3 if s == 0 else mf.n_expert for s in split], info
+    # one size is the two devices' total, shared so that every layer gets the same slots
+    names = {0: "RPC0", 1: "RPC1"}
+    lo, hi = 0, 1 << 34  # the least total for 3 slots a layer
+
+    def total_slots(b: int) -> int:
+        try:
+            return min(device_slots(mf, (b,), split, names, n_ctx=256, n_ubatch=512))
+        except BudgetError:
+            return 0
+
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if total_slots(mid) >= 3 else (mid, hi)
+    info = _equal_to_unpatched(model, servers, stock, policy="lru", gpu_budget=f"{hi}B")
+    assert info["n_slots"] == [3 if il in mf.moe_layers() else 0 for il in range(mf.n_layer)]
 
 
 def test_ncmoe_fits_each_rpc_devices_budget(tiny_model: Callable[..., Path],

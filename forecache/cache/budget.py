@@ -165,22 +165,22 @@ def parse_budgets(text: str) -> tuple[int, ...]:
 
 
 def _device_loads(model: ModelFile, budgets: tuple[int, ...], layer_dev: Sequence[int],
-                  names: dict[int, str], *, n_ctx: int, n_ubatch: int
+                  names: dict[int, str], *, n_ctx: int, n_ubatch: int, held: int = 0
                   ) -> list[tuple[int, int, list[int], int]]:
     """Per device holding MoE layers (``layer_dev[il]``, in device order; -1, a layer left on
-    the CPU, is none): its budget (one per device, or one for all), its layers, and the bytes
-    they need beside routed experts: their non-expert weights (the output head's with the last
-    layer's), KV cache and a ubatch's compute buffers. A count of budgets that fits no device
-    count is one line."""
+    the CPU, is none): its budget, its layers, and the bytes they need beside routed experts:
+    their non-expert weights (the output head's with the last layer's), KV cache, a ubatch's
+    compute buffers and ``held`` bytes. ``budgets`` has one size per device, or one for all the
+    devices together: each device then gets what it needs beside experts and a share of the
+    rest in proportion to its layers' expert bytes, so that every MoE layer gets the same
+    slots. A count of budgets that fits no device count is one line."""
     moe = set(model.moe_layers())
     devs = sorted({layer_dev[il] for il in moe if layer_dev[il] >= 0})
     if len(budgets) not in (1, len(devs)):
         raise BudgetError(
             f"{setting('gpu_budget')} gives {len(budgets)} sizes, and llama.cpp put the model's "
             f"layers on {len(devs)} devices ({', '.join(names.get(d, str(d)) for d in devs)}): "
-            "give one size per device, or one size for all")
-    per_dev = dict(zip(devs, budgets if len(budgets) == len(devs) else budgets * len(devs),
-                       strict=True))
+            "give one size per device, or one size for them all")
     blk: dict[int, int] = {}
     head = 0  # output weights, on the last layer's device; token embeddings stay on the host
     for t in model.tensors:
@@ -191,13 +191,19 @@ def _device_loads(model: ModelFile, budgets: tuple[int, ...], layer_dev: Sequenc
             head += t.nbytes
     kv_layer = kv_cache_bytes(model, n_ctx) / max(model.n_layer, 1)
     compute = model_compute_bytes(model, n_ubatch)
-    out = []
-    for d, budget in per_dev.items():
+    layer_bytes = dict(zip(model.moe_layers(), model.layer_expert_bytes(), strict=True))
+    loads = []
+    for d in devs:
         on = [il for il in range(model.n_layer) if layer_dev[il] == d]
-        fixed = int(sum(blk.get(il, 0) + kv_layer for il in on)) + compute + \
+        fixed = int(sum(blk.get(il, 0) + kv_layer for il in on)) + compute + held + \
             (head if layer_dev[model.n_layer - 1] == d else 0)
-        out.append((d, budget, on, fixed))
-    return out
+        loads.append((d, on, fixed, sum(layer_bytes[il] for il in on if il in moe)))
+    if len(budgets) == len(devs):
+        return [(d, b, on, fixed) for (d, on, fixed, _), b in zip(loads, budgets, strict=True)]
+    rest = budgets[0] - sum(fixed for _, _, fixed, _ in loads)
+    experts = sum(e for *_, e in loads)
+    return [(d, fixed + (rest * e // experts if rest > 0 else rest // len(loads)), on, fixed)
+            for d, on, fixed, e in loads]
 
 
 def device_host_layers(model: ModelFile, budgets: tuple[int, ...], layer_dev: Sequence[int],
@@ -233,17 +239,17 @@ def device_slots(model: ModelFile, budgets: tuple[int, ...], layer_dev: list[int
                  held: int = 0) -> list[int]:
     """Slots for each layer when llama.cpp put layer ``il`` on device ``layer_dev[il]`` and
     ``budgets`` gives each device's memory (one per device, in device order; a single one is
-    every device's): on each device, its layers' non-expert weights (the output head's with the
-    last layer's), their KV cache and a ubatch's compute buffers come first, and the rest is
-    slots, the same count in each of its MoE layers, less ``held`` of the largest experts (each
-    device's stage slots). A budget that cannot hold one slot a layer is refused in one line
-    naming the device."""
+    their total, shared by ``_device_loads``): on each device, its layers' non-expert weights
+    (the output head's with the last layer's), their KV cache and a ubatch's compute buffers
+    come first, and the rest is slots, the same count in each of its MoE layers, less ``held``
+    of the largest experts (each device's stage slots). A budget that cannot hold one slot a
+    layer is refused in one line naming the device."""
     moe = set(model.moe_layers())
     layer_bytes = dict(zip(model.moe_layers(), model.layer_expert_bytes(), strict=True))
     out = [0] * model.n_layer
     for d, budget, on, fixed in _device_loads(model, budgets, layer_dev, names, n_ctx=n_ctx,
-                                              n_ubatch=n_ubatch):
-        fixed += held * max(layer_bytes.values())
+                                              n_ubatch=n_ubatch,
+                                              held=held * max(layer_bytes.values())):
         moe_on = [il for il in on if il in moe]
         n = min(model.n_expert, max(budget - fixed, 0) // sum(layer_bytes[il] for il in moe_on))
         if n < 1:

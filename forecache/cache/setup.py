@@ -63,7 +63,7 @@ class CacheConfig:
     """How a run places routed experts: a policy and how much device memory it may use.
 
     Exactly one of ``gpu_budget`` (bytes for everything on the device), ``device_budgets`` (the
-    same for each device llama.cpp puts layers on, in device order; one: every device's),
+    same for each device llama.cpp puts layers on, in device order; one: all of them together),
     ``cache_fraction`` (share of each layer's experts in slots) or ``slots_per_layer`` sizes the
     cache; ``offload`` needs none.
     """
@@ -186,10 +186,10 @@ def auto_budget(dev: Device) -> int:
 
 
 def spread_budget(cfg: CacheConfig) -> CacheConfig:
-    """A cached policy's or ncmoe's single ``gpu_budget`` as each device's, for a run whose
+    """A cached policy's or ncmoe's single ``gpu_budget`` as the devices' total, for a run whose
     layers llama.cpp puts on other devices than the cache's own (several GPUs, RPC servers):
     slots are then sized per device once the model is loaded, ncmoe's host layers per device
-    from llama.cpp's split before it loads."""
+    from llama.cpp's split before it loads (``budget._device_loads`` shares it)."""
     if not (cfg.spec.cached or cfg.spec.placement == "layers") or cfg.gpu_budget is None:
         return cfg
     return replace(cfg, gpu_budget=None, device_budgets=(cfg.gpu_budget,))

@@ -108,7 +108,8 @@ def cache_options(fn):  # type: ignore[no-untyped-def]
                       help="All device memory the run may use: weights, KV cache, buffers, "
                            "expert slots (e.g. 24GiB). With layers on several devices (--rpc), "
                            "one size per device in llama.cpp's order (e.g. 20GiB,22GiB), or one "
-                           "size for each.")(fn)
+                           "size for all of them together, shared so that every layer gets the "
+                           "same slots.")(fn)
     fn = click.option("--rpc", default=None, metavar="HOST:PORT[,...]",
                       help="llama.cpp's RPC servers (`forecache rpc-server` on each): their "
                            "devices take the model's layers as llama.cpp splits them; a cached "
