@@ -12,12 +12,13 @@
 #   benchmarks/gpu_check.sh run OUT       on the GPU machine, one call of about 8 min: install the
 #                                         bundle, doctor, write the 57B model (Q4_K_M mix), replay
 #                                         OLMoE-fitted routing at 24 GiB (all-gpu, ncmoe with
-#                                         --no-mmap and with mmap, promoe with and without the
-#                                         prompt split, infinity), the real OLMoE trace, promoe's
-#                                         timeline, 12 GiB, every expert
-#                                         resident against all-gpu and the replay's own cost, the
-#                                         disk tier (a quarter of the experts in host memory), the
-#                                         other routings, then the lossless subset as time allows
+#                                         --no-mmap and with mmap, promoe with and without
+#                                         gathered prompt groups, infinity), the real OLMoE trace,
+#                                         promoe's timeline, 12 GiB, every expert
+#                                         resident against all-gpu and the replay's own cost,
+#                                         promoe over the disk tier (a quarter of the experts in
+#                                         host memory), the other routings, then the lossless
+#                                         subset as time allows
 #   benchmarks/gpu_check.sh setup OUT     run's first steps only (the bundle, doctor, the model, the
 #                                         routings): a short first call that shows the carried
 #                                         build runs there, then `run` on the same warm machine
@@ -212,8 +213,9 @@ if src.exists():
 EOF
 }
 FIT=$WORK/traces/olmoe-fit.npz
-# promoe+prompt-split: the host split for prompts too, as before 2026-11-26 (its A/B)
-bench fit24 "$FIT" "$BIG" all-gpu,ncmoe,ncmoe-mmap,promoe,promoe+prompt-split,infinity
+# promoe+gather: a prompt's expert groups wait for 8 entries while more copies can land (its A/B:
+# the H100's prefill spent 280 of 390 ms in 1241 groups, 2026-11-26)
+bench fit24 "$FIT" "$BIG" all-gpu,ncmoe,ncmoe-mmap,promoe,promoe+gather,infinity
 # the real OLMoE trace mapped onto the model, the routing to beat (into bench_routings.json)
 REAL=$BUNDLE/olmoe-real.npz
 if [ -f "$REAL" ]; then bench r_olmoe-real "$REAL" "$BIG" ncmoe,promoe,infinity; fi
@@ -252,7 +254,8 @@ print(host_weight_bytes(mf, on_gpu=not cpu) + (mf.n_expert // 4 + 1) * layer * (
 EOF
 )
 if [ "$CPU" = 1 ]; then DISK_DEV=(- --cache-fraction 0.25); else DISK_DEV=("$BIG"); fi
-bench disk "$FIT" "${DISK_DEV[0]}" lru,promoe "${DISK_DEV[@]:1}" --host-budget "$DISK_HOST" \
+# (promoe only: lru's 128-token prompt took 36 s on the H100, 2026-11-26)
+bench disk "$FIT" "${DISK_DEV[0]}" promoe "${DISK_DEV[@]:1}" --host-budget "$DISK_HOST" \
     --gen 8 --prompt-len $((PROMPT < 64 ? PROMPT : 64))
 keep_in bench_disk.json bench_fit12.json disk_run
 # the other routings, in one file with the real trace's

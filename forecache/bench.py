@@ -48,6 +48,8 @@ class Variant:
 # ("+no-split"): the ablations of the split on a GPU
 _LITTLE = ("+little/+resident: MoBiLE's little pass on every generated token (lossy; the mode's "
            "speed bound)")
+# the +gather variant's smallest prompt group (Features.prompt_gather)
+GATHER_ENTRIES = 8
 RUN_VARIANTS: dict[str, Variant] = {
     "+little": Variant({"little_k": -1, "gamma": 0.0}, lossy=True, note=_LITTLE),
     "+resident": Variant({"little_k": -1, "gamma": 0.0, "little_resident": True}, lossy=True,
@@ -60,6 +62,9 @@ RUN_VARIANTS: dict[str, Variant] = {
                                   "(the rule before 2026-11-26)"),
     "+no-split": Variant({"features": Features(split=False)}, routes=False,
                          note="+no-split: no expert computed on the CPU beside the slots"),
+    "+gather": Variant({"features": Features(prompt_gather=GATHER_ENTRIES)}, routes=False,
+                       note=f"+gather: a prompt's expert groups wait for {GATHER_ENTRIES} "
+                            "entries while more copies can land (fewer, larger groups)"),
 }
 PLAIN = Variant({}, routes=False)
 

@@ -47,7 +47,7 @@ def test_cpu_dry_run_writes_every_result(tmp_path: Path) -> None:
     assert ent["uniform"] > ent["olmoe-fit"] > ent["skewed"]
     fit = json.loads((out / "bench_fit24.json").read_text())
     assert {r["policy"] for r in fit["results"]} == {
-        "all-gpu", "ncmoe", "ncmoe-mmap", "promoe", "promoe+prompt-split", "infinity"}
+        "all-gpu", "ncmoe", "ncmoe-mmap", "promoe", "promoe+gather", "infinity"}
     assert fit["routing_trace"].endswith("olmoe-fit.npz") and fit["same_tokens"] is None
     promoe = next(r for r in fit["results"] if r["policy"] == "promoe")
     assert promoe["ratios"]["ncmoe"]["decode_speedup"] > 0
@@ -60,10 +60,10 @@ def test_cpu_dry_run_writes_every_result(tmp_path: Path) -> None:
         assert phase["host_overlap_s"] >= 0.0
     small = json.loads((out / "bench_fit12.json").read_text())
     assert {r["policy"] for r in small["results"]} == {"ncmoe", "ncmoe-mmap", "promoe"}
-    # the disk tier: both cached policies read experts from the file
+    # the disk tier: promoe reads experts from the file
     disk = small["disk_run"]
     assert disk["host_budget"] > 0 and not disk["errors"]
-    assert {r["policy"] for r in disk["results"]} == {"lru", "promoe"}
+    assert {r["policy"] for r in disk["results"]} == {"promoe"}
     for r in disk["results"]:
         assert r["disk"]["reads_per_token"] > 0 and r["disk"]["measured_gbps"] > 0, r
     routings = json.loads((out / "bench_routings.json").read_text())

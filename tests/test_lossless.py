@@ -27,6 +27,7 @@ from conftest import ROUNDING, assert_same_greedy
 from stock_runner import greedy
 
 from forecache.cache.budget import plan_memory
+from forecache.cache.prefetcher import Features
 from forecache.cache.setup import CacheConfig
 from forecache.gguf.header import read_model_file
 from forecache.llama import Llama
@@ -150,6 +151,27 @@ def _every_policy(model: Path, where: str, stock: StockReference,
         if cfg.cache_fraction is not None:
             assert stats["cache_slots"] > 0 and stats["hits"] > 0, (where, cfg.policy)
     return stats
+
+
+def test_gathered_prompt_groups_equal_unpatched(tiny_model: Callable[..., Path],
+                                                stock: StockReference) -> None:
+    """promoe whose prompt-sized ubatches compute experts in groups of at least 8 entries while
+    more copies can land (Features.prompt_gather): the unpatched build's tokens and logits, with
+    half the experts in slots and with a quarter (slots streamed within a ubatch, where a copy
+    waits for a slot the group being gathered would free: the wait must end, not hang)."""
+    model = tiny_model("q8_0")
+    for fraction in (0.5, 0.25):
+        cfg = CacheConfig("promoe", cache_fraction=fraction, features=Features(prompt_gather=8))
+        with Llama(str(model), cache=cfg, verbose=False, **PARAMS) as llm:
+            prompts = _prompts(llm)
+            ref = stock.run(model, prompts, N_GEN, **PARAMS)
+            for p, (ref_tokens, ref_logits) in zip(prompts, ref, strict=True):
+                tokens, logits = greedy(llm, p, N_GEN)
+                assert_same_greedy(tokens, logits, ref_tokens, ref_logits,
+                                   f"gathered groups at {fraction}", stock.backend == "cpu")
+            assert llm.expert_cache is not None
+            st = llm.expert_cache.stats()
+            assert st["n_groups"] > 0 and (fraction > 0.25 or st["streamed"] > 0), st
 
 
 @pytest.mark.parametrize("preset", ["tiny", "tiny-qwen3moe", "tiny-mixtral", "tiny-olmoe",

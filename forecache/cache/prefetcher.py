@@ -39,6 +39,11 @@ class Features:
     # prompt's, computes every expert on the device, as llama.cpp's op offload does;
     # CostModel.splits)
     prompt_split: bool = False
+    # for ubatches of cost.DEVICE_MIN_TOKENS tokens or more, an expert group of fewer than this
+    # many entries waits for more of the layer's copies to land, while they can (0: off; each
+    # group is a graph of its own: fewer, larger groups cost fewer launches and syncs, and the
+    # wait delays the experts in place: forecache_cache_set_gather)
+    prompt_gather: int = 0
 
     def label(self) -> str:
         off = [name for name in ("prefetch", "chunk", "preempt", "reorder", "split")

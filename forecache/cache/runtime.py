@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from forecache.cache.cost import DEVICE_MIN_TOKENS
 from forecache.cache.disk import DiskTier
 from forecache.cache.forecast import Forecaster, ForecastWorker
 from forecache.cache.policies import Policy, first_use
@@ -101,7 +102,7 @@ class ExpertCache:
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, on_route: RouteCallback | None = None,
                  gate_input: bool = False, forecaster: Forecaster | None = None,
                  reorder: bool = True, stage_slots: int = 0,
-                 disk: DiskTier | None = None) -> None:
+                 disk: DiskTier | None = None, gather: int = 0) -> None:
         self._api = c_api = api()
         arr = (ctypes.c_int32 * len(n_slots))(*n_slots)
         err = ctypes.create_string_buffer(512)
@@ -159,6 +160,7 @@ class ExpertCache:
                                          source=GateEvents(c_api, handle))
         want_x = gate_input or (forecaster is not None and forecaster.needs_hidden)
         c_api.cache_set_reorder(handle, reorder)
+        c_api.cache_set_gather(handle, DEVICE_MIN_TOKENS, gather)
         self._hook = GATE_HOOK(self._on_gate)  # kept referenced: C holds the pointer
         c_api.cache_set_hook(handle, self._hook, None, want_x)
         policy.attach(self)

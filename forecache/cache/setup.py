@@ -501,6 +501,7 @@ def attach(ctx: int, placement: Placement, cfg: CacheConfig, policy: Policy,
     forecaster = None
     chunk = cfg.chunk_bytes
     reorder = False  # the reactive baselines wait for every copy of a layer, then compute it
+    gather = 0
     if isinstance(policy, Prefetcher):  # proactive
         f = policy.features
         if f.prefetch:
@@ -508,13 +509,15 @@ def attach(ctx: int, placement: Placement, cfg: CacheConfig, policy: Policy,
             forecaster = make_forecaster(model, cfg, placement.n_slots, say)
         chunk = chunk if f.chunk else CHUNK_EXPERT
         reorder = f.reorder
+        gather = f.prompt_gather
     disk = None
     if placement.disk is not None:
         assert model is not None, "the disk tier reads the model file"
         disk = DiskTier(model.path, placement.disk.n_host, readers_default())
     return ExpertCache(ctx, placement.n_slots, policy, device=placement.device.index,
                        chunk_bytes=chunk, on_route=cfg.on_route, forecaster=forecaster,
-                       reorder=reorder, stage_slots=placement.stage_slots, disk=disk)
+                       reorder=reorder, stage_slots=placement.stage_slots, disk=disk,
+                       gather=gather)
 
 
 def attach_observer(ctx: int, model: ModelFile, device: int, on_route: RouteCallback, *,

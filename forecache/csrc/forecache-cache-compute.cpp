@@ -203,12 +203,30 @@ bool fc_scatter_host(forecache_cache * c, const fc_layer & L, ggml_tensor * t) {
         [](ggml_tensor *) {});
 }
 
+// whether entry i's projection p can still become ready without the group being gathered: no queued
+// copy of it waits for a slot that an entry not yet computed must free first (lock held)
+static bool fc_entry_can_land(const forecache_cache * c, const fc_layer & L, int32_t i, int32_t p) {
+    const int32_t il = (int32_t) (&L - c->layers.data());
+    for (const auto & q : c->queue) {
+        for (const auto & ch : q) {
+            if (ch.layer == il && ch.slot == L.sch_s[i] && (ch.proj == p || ch.proj < 0) &&
+                    (ch.entry == i || ch.entry < 0) && !fc_eligible(c, ch)) {
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
 // computes node t (projection p of the routed layer) from slots, group by group in schedule order:
-// each group is every entry whose projection is in place when the previous group is done. Host
+// each group is every entry whose projection is in place when the previous group is done (for a long
+// ubatch, at least gather_entries of them while more can land: forecache_cache_set_gather). Host
 // entries are computed meanwhile on a CPU thread and written into t at the end.
 bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor * t) {
     const int32_t n = L.n_dev;
     const bool split = n < (int32_t) L.sch_e.size();
+    const bool gather = c->gather_entries > 1 && L.n_host == 0 &&
+        t->src[3]->ne[1] >= std::max<int64_t>(c->gather_tokens, 1);
     bool host_ok = true;
     if (split) {
         c->h_in.resize(ggml_nelements(t->src[1]));
@@ -231,9 +249,22 @@ bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor *
         }
         // a group reads the layer's slots or the stage slots, not both
         const bool stage = L.sch_s[i] >= L.n_slots;
+        auto same = [&](int32_t k) { return (L.sch_s[k] >= L.n_slots) == stage; };
         int32_t j = i + 1;
-        while (j < n && fc_entry_ready(c, L, j, p) && (L.sch_s[j] >= L.n_slots) == stage) {
+        while (j < n && fc_entry_ready(c, L, j, p) && same(j)) {
             j++;
+        }
+        if (gather && j < n && j - i < c->gather_entries && same(j)) {
+            const auto t0 = fc_clock::now();
+            while (j < n && j - i < c->gather_entries && same(j) && !c->disk_failed &&
+                   fc_entry_can_land(c, L, j, p)) {
+                c->cv_done.wait(lock, [&] { return fc_entry_ready(c, L, j, p) || c->disk_failed; });
+                while (j < n && fc_entry_ready(c, L, j, p) && same(j)) {
+                    j++;
+                }
+            }
+            L.stats.stall_s += fc_seconds(t0);
+            fc_span(c, FORECACHE_SPAN_WAIT, (int32_t) (&L - c->layers.data()), p, 0, t0, fc_clock::now());
         }
         lock.unlock();
         const auto t0 = fc_clock::now();

@@ -248,6 +248,8 @@ struct forecache_cache {
     size_t   chunk_bytes = 0;
     uint64_t epoch       = 1;
     bool     reorder     = true;
+    int32_t  gather_tokens  = 0; // forecache_cache_set_gather
+    int32_t  gather_entries = 0;
     int32_t  in_use_layer = -1;
     bool     bad_ids_logged = false;
 

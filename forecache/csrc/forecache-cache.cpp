@@ -507,6 +507,12 @@ void forecache_cache_set_reorder(struct forecache_cache * cache, bool reorder) {
     cache->reorder = reorder;
 }
 
+void forecache_cache_set_gather(struct forecache_cache * cache, int32_t min_tokens, int32_t min_entries) {
+    std::lock_guard<std::mutex> lock(cache->mtx);
+    cache->gather_tokens  = std::max(min_tokens, 0);
+    cache->gather_entries = min_entries > 1 ? min_entries : 0;
+}
+
 int32_t forecache_cache_layer_state(const struct forecache_cache * cache, int32_t layer, int32_t * expert_of, int32_t * state) {
     if (layer < 0 || layer >= (int32_t) cache->layers.size()) {
         return -1;

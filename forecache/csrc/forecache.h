@@ -255,6 +255,13 @@ LLAMA_API int32_t forecache_cache_little_routing(const struct forecache_cache * 
 // ready; without it, compute waits for every slot of the layer first (and nothing can be streamed).
 LLAMA_API void forecache_cache_set_reorder(struct forecache_cache * cache, bool reorder);
 
+// Larger groups for long ubatches: for a ubatch of at least `min_tokens` tokens, a group of fewer than
+// `min_entries` entries waits for more of the entries after it to become ready, while their copies can
+// still land without it (a copy that waits for a slot this group would free ends the wait). Each group is
+// a graph of its own, so fewer, larger groups cost fewer launches and synchronizations; the wait delays
+// the experts already in place. min_entries <= 1 turns it off (the default).
+LLAMA_API void forecache_cache_set_gather(struct forecache_cache * cache, int32_t min_tokens, int32_t min_entries);
+
 // Copies slot -> expert (-1 empty) and slot states (enum forecache_slot_state) of `layer` into arrays of
 // n_slots entries. Returns n_slots, or -1 for a bad layer.
 LLAMA_API int32_t forecache_cache_layer_state(const struct forecache_cache * cache, int32_t layer, int32_t * expert_of, int32_t * state);

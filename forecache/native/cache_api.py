@@ -243,6 +243,11 @@ class ForecacheAPI(CFunctions):
     def cache_set_reorder(cache: CachePtr, reorder: bool) -> None:
         """Compute a layer's experts in groups as their slots become ready (or wait for all)."""
 
+    @c_function([c_void_p, c_int32, c_int32], None)
+    def cache_set_gather(cache: CachePtr, min_tokens: int, min_entries: int) -> None:
+        """For ubatches of ``min_tokens`` or more, groups of fewer than ``min_entries`` entries
+        wait for more to land while they can (<= 1: off)."""
+
     @c_function([c_void_p, c_int32, POINTER(c_int32), POINTER(c_int32)], c_int32)
     def cache_layer_state(cache: CachePtr, layer: int, expert_of: Ptr[c_int32],
                           state: Ptr[c_int32]) -> int:
