@@ -397,25 +397,28 @@ class Llama(llama_cpp.Llama):
         load: refuse a load whose layers went elsewhere (the budgets would not hold)."""
         from forecache.native.ggml_devices import devices
 
-        n_layer = self.model_file.n_layer
-        arr = (ctypes.c_int32 * n_layer)()
-        if api().layer_devices(self.ctx, arr, n_layer) != 0 or list(arr) != split[:n_layer]:
+        got = self._llama_layer_devices()
+        if got != split[:self.model_file.n_layer]:
             names = {d.index: d.name for d in devices()}
-            got = [names.get(d, "CPU") for d in arr]
+            where = [names.get(d, "CPU") for d in got or []] or ["devices it does not report"]
             self.close()
-            raise ModelLoadError(f"llama.cpp put the layers on {', '.join(got)}, not where "
+            raise ModelLoadError(f"llama.cpp put the layers on {', '.join(where)}, not where "
                                  "ncmoe's budget per device was fitted; give each device's "
                                  "share with tensor_split")
+
+    def _llama_layer_devices(self) -> list[int] | None:
+        """The ggml device index of each layer's non-expert weights as llama.cpp put them, -1
+        for host memory (None if the C side cannot tell)."""
+        n_layer = self.model_file.n_layer
+        arr = (ctypes.c_int32 * n_layer)()
+        return list(arr) if api().layer_devices(self.ctx, arr, n_layer) == 0 else None
 
     def _layer_devices(self) -> list[int] | None:
         """The ggml device index each layer's slots go on: the device llama.cpp put the layer
         on, or the cache's own for a layer in host memory (None if the C side cannot tell)."""
         assert self.placement is not None
-        n_layer = self.model_file.n_layer
-        arr = (ctypes.c_int32 * n_layer)()
-        if api().layer_devices(self.ctx, arr, n_layer) != 0:
-            return None
-        return [d if d >= 0 else self.placement.device.index for d in arr]
+        got = self._llama_layer_devices()
+        return None if got is None else [d if d >= 0 else self.placement.device.index for d in got]
 
     def _split_devices(self) -> list[Device | None] | None:
         """Per model layer, the device whose link the host/device split prices the layer's
@@ -455,10 +458,9 @@ class Llama(llama_cpp.Llama):
         if not self.split_devices:
             name = self.placement.device.name if self.placement is not None else "device"
             return {name: row(policy.cost)}
-        cost_for = getattr(policy, "cost_for", lambda _il: policy.cost)
         out: dict[str, dict[str, float]] = {}
         for il, dev in enumerate(self.split_devices):
-            cost = cost_for(il)
+            cost = policy.cost_for(il)
             if dev is not None and cost is not None:
                 out.setdefault(dev.name, row(cost))
         return out

@@ -164,6 +164,10 @@ class Policy:
         no other model prices); empty without a split."""
         return [] if self.cost is None else [(self.cost, None)]
 
+    def cost_for(self, layer: int) -> CostModel | None:
+        """The cost model pricing ``layer``'s split (None: no split)."""
+        return self.cost
+
     @classmethod
     def create(cls, n_slots: Sequence[int], inputs: PolicyInputs) -> Policy:
         """This policy over ``n_slots`` from what ``inputs`` gives."""
@@ -195,6 +199,10 @@ class Policy:
         """Tables with which the engine decides one-token gates without calling ``gate``
         (``Prefetcher.decode_gate``); None: every gate calls it."""
         return None
+
+    def layer_decode_gates(self, n_used: int) -> list[tuple[list[int], list[int], list[float]]]:
+        """Layers that decide by tables of their own, with those tables (none by default)."""
+        return []
 
     def gate(self, layer: int, experts: np.ndarray, engine: CopyEngine,
              counts: np.ndarray | None = None, tokens: int = 1) -> bool:

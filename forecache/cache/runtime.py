@@ -331,8 +331,7 @@ class ExpertCache:
             self._handle, n_used, (ctypes.c_int32 * len(host_k))(*host_k),
             (ctypes.c_double * len(host_s))(*host_s), preempt)
         # layers on a device with costs of its own (another link) decide by its tables
-        layer_gates = getattr(self.policy, "layer_decode_gates", None)
-        for layers, host_k, host_s in layer_gates(n_used) if layer_gates else []:
+        for layers, host_k, host_s in self.policy.layer_decode_gates(n_used):
             k = (ctypes.c_int32 * len(host_k))(*host_k)
             s = (ctypes.c_double * len(host_s))(*host_s)
             for il in layers:
