@@ -29,21 +29,22 @@ def _open_direct(path: Path) -> tuple[int, bool]:
     return os.open(path, os.O_RDONLY), False
 
 
-def _timed_reads(fd: int, spans: Sequence[tuple[int, int]], workers: int, direct: bool
+def _timed_reads(spans: Sequence[tuple[int, int, int]], workers: int, direct: bool
                  ) -> tuple[float, int]:
-    """Read ``spans`` (aligned offset, size) of ``fd``, ``workers`` at a time, into page-aligned
-    buffers: (seconds, bytes read). Without direct I/O their pages are dropped from the page
-    cache before (a cached page measures memory) and after (the reads leave nothing behind)."""
+    """Read ``spans`` (descriptor, aligned offset, size), ``workers`` at a time, into
+    page-aligned buffers: (seconds, bytes read). Without direct I/O their pages are dropped from
+    the page cache before (a cached page measures memory) and after (the reads leave nothing
+    behind)."""
     def drop() -> None:
         if not direct:
-            for off, n in spans:
+            for fd, off, n in spans:
                 os.posix_fadvise(fd, off, n, os.POSIX_FADV_DONTNEED)
 
-    size = max(n for _, n in spans)
+    size = max(n for _, _, n in spans)
     bufs = [mmap.mmap(-1, size) for _ in range(workers)]
 
     def read(i: int) -> int:
-        off, n = spans[i]
+        fd, off, n = spans[i]
         view = memoryview(bufs[i % workers])[:n]
         try:
             return os.preadv(fd, [view], off)
@@ -82,9 +83,9 @@ def measure_disk(directory: Path, nbytes: int = 256 << 20) -> dict:
         fd, direct = _open_direct(Path(f.name))
         out["direct_io"] = direct
         try:
-            spans = [(i * READ_BYTES, READ_BYTES) for i in range(n)]
+            spans = [(fd, i * READ_BYTES, READ_BYTES) for i in range(n)]
             for depth in QUEUE_DEPTHS:
-                dt, got = _timed_reads(fd, spans, depth, direct)
+                dt, got = _timed_reads(spans, depth, direct)
                 out[f"qd{depth}_gbps"] = round(got / dt / 1e9, 2)
         finally:
             os.close(fd)
@@ -112,21 +113,33 @@ class DiskRate:
 
 
 def measure_file(path: Path, ranges: Sequence[tuple[int, int]], depth: int) -> DiskRate:
-    """Read ``ranges`` (offset, size) of ``path`` as the disk tier reads experts: first a few one
+    """``measure_reads`` of ``ranges`` (offset, size) of one file."""
+    return measure_reads([(path, off, n) for off, n in ranges], depth)
+
+
+def measure_reads(ranges: Sequence[tuple[Path, int, int]], depth: int) -> DiskRate:
+    """Read ``ranges`` (file, offset, size) as the disk tier reads experts: first a few one
     at a time, then all of them ``depth`` at a time, past the page cache (direct I/O where the
     file system allows it, else plain reads of pages dropped from the cache first). The
-    first reads cost each read's latency plus its bytes; the second the disk's rate."""
+    first reads cost each read's latency plus its bytes; the second the disk's rate. The
+    files may be several: a split model's shards."""
     if not ranges:
         raise ValueError("measure_file needs at least one range to read")
-    spans = [(off // ALIGN * ALIGN, -(-(off + n) // ALIGN) * ALIGN - off // ALIGN * ALIGN)
-             for off, n in ranges]
-    fd, direct = _open_direct(path)
+    opened: dict[Path, tuple[int, bool]] = {}
     try:
+        for path, _, _ in ranges:
+            if path not in opened:
+                opened[path] = _open_direct(path)
+        direct = all(d for _, d in opened.values())
+        spans = [(opened[path][0], off // ALIGN * ALIGN,
+                  -(-(off + n) // ALIGN) * ALIGN - off // ALIGN * ALIGN)
+                 for path, off, n in ranges]
         n1 = min(len(spans), 4)
-        one_s, one_bytes = _timed_reads(fd, spans[:n1], 1, direct)
-        all_s, all_bytes = _timed_reads(fd, spans, max(depth, 1), direct)
+        one_s, one_bytes = _timed_reads(spans[:n1], 1, direct)
+        all_s, all_bytes = _timed_reads(spans, max(depth, 1), direct)
     finally:
-        os.close(fd)
+        for fd, _ in opened.values():
+            os.close(fd)
     gbps = all_bytes / max(all_s, 1e-9) / 1e9
     latency = max(0.0, one_s / n1 - one_bytes / n1 / (gbps * 1e9))
     return DiskRate(round(gbps, 3), latency, max(depth, 1), direct)

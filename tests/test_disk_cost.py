@@ -67,12 +67,13 @@ def test_the_probe_reads_whole_experts_of_the_model(tiny_model: Callable[..., Pa
                for t in mf.expert_tensors(il)]
     per_expert = {size // mf.n_expert for _, size in tensors}
     assert len(ranges) >= 2 * 3
-    for off, n in ranges:
+    for path, off, n in ranges:
+        assert path == mf.path
         start, size = next((s, z) for s, z in tensors if s <= off < s + z)
         assert n in per_expert and (off - start) % n == 0 and off + n <= start + size
     layers = {next(il for il in mf.moe_layers() for t in mf.expert_tensors(il)
                    if mf.data_offset + t.offset <= off < mf.data_offset + t.offset + t.nbytes)
-              for off, _ in ranges}
+              for _, off, _ in ranges}
     assert len(layers) > 1  # spread over the layers, not one tensor's first bytes
     rate = probe_expert_reads(mf, 4)
     assert rate.gbps > 0 and rate.latency_s >= 0 and rate.depth == 4

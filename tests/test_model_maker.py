@@ -141,7 +141,7 @@ def test_tensor_data_lands_at_the_offsets_gguf_reads(tmp_path: Path, qtype: str)
     assert [t.name for t in reader.tensors] == [p.name for p in plans]
     for plan in plans:
         tensor = by_name[plan.name]
-        jobs = model_maker._jobs([plan], [tensor.data_offset], seed=1)
+        jobs = model_maker._jobs([plan], [(0, tensor.data_offset)], seed=1)
         expected = b"".join(model_maker._generate(j).tobytes() for j in jobs)
         assert tensor.tensor_type == plan.ggml_type
         assert bytes(tensor.data.reshape(-1).view(np.uint8)) == expected, plan.name

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forecache.cache.budget import format_size
-from forecache.diskprobe import DiskRate, measure_file
+from forecache.diskprobe import DiskRate, measure_reads
 from forecache.errors import setting
 from forecache.gguf.header import ModelFile
 from forecache.native import api
@@ -25,10 +25,10 @@ HOST_INPUT_TENSORS = ("token_embd.weight", "per_layer_token_embd.weight")
 
 @dataclass(frozen=True)
 class DiskTier:
-    """What the C cache's disk tier is given: the model file, host slots per layer, reads in
-    flight."""
+    """What the C cache's disk tier is given: the model's files (a split model's shards in
+    order), host slots per layer, reads in flight."""
 
-    path: Path
+    paths: tuple[Path, ...]
     n_host: list[int]
     n_readers: int = DEFAULT_READERS
 
@@ -100,9 +100,10 @@ PROBE_BYTES = 64 << 20
 PROBE_EXPERTS = (2, 64)
 
 
-def probe_ranges(model: ModelFile) -> list[tuple[int, int]]:
-    """(file offset, bytes) of what the start-up probe reads: whole experts (one range a
-    projection), about PROBE_BYTES of them, scattered over the MoE layers as routing reads them."""
+def probe_ranges(model: ModelFile) -> list[tuple[Path, int, int]]:
+    """(file, offset, bytes) of what the start-up probe reads: whole experts (one range a
+    projection), about PROBE_BYTES of them, scattered over the MoE layers as routing reads them
+    (over a split model's shards as its tensors lie)."""
     layers = model.moe_layers()
     lo, hi = PROBE_EXPERTS
     n = max(lo, min(hi, PROBE_BYTES // max(max(model.layer_expert_bytes()), 1)))
@@ -112,14 +113,15 @@ def probe_ranges(model: ModelFile) -> list[tuple[int, int]]:
         e = (k * 7919 + il) % model.n_expert
         for t in model.expert_tensors(il):
             size = t.nbytes // model.n_expert
-            ranges.append((model.data_offset + t.offset + e * size, size))
+            path, start = model.locate(t)
+            ranges.append((path, start + e * size, size))
     return ranges
 
 
 def probe_expert_reads(model: ModelFile, depth: int) -> DiskRate:
     """The disk tier's read rate, measured at start on ``model``'s own experts (each
     projection one read, ``depth`` in flight; ``probe_ranges``)."""
-    return measure_file(model.path, probe_ranges(model), depth)
+    return measure_reads(probe_ranges(model), depth)
 
 
 def readers_default() -> int:

@@ -99,7 +99,7 @@ def add_localities(model: ModelFile, points: Sequence[tuple[float, float, int]],
             n += seen
             src = old[3] if source in old[3].split("+") else f"{old[3]}+{source}"
         merged[key] = (round(key * GRID, 2), loc, n, src)
-    data["model"] = model.path.name
+    data["model"] = model.name
     data["locality"] = [list(p) for _, p in sorted(merged.items())]
     if device is not None and cost is not None:
         dev = {"host_scale": cost.host_scale}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -124,7 +125,8 @@ class ExpertCache:
         self.disk = disk
         if disk is not None:  # before any load: copies then read their experts from the file
             n_host = (ctypes.c_int32 * len(disk.n_host))(*disk.n_host)
-            if c_api.cache_set_disk(handle, str(disk.path).encode(), n_host, len(disk.n_host),
+            paths = (ctypes.c_char_p * len(disk.paths))(*(os.fsencode(p) for p in disk.paths))
+            if c_api.cache_set_disk(handle, paths, len(disk.paths), n_host, len(disk.n_host),
                                     disk.n_readers, err, len(err)) != 0:
                 c_api.cache_free(handle)
                 self._handle = None

@@ -513,7 +513,7 @@ def attach(ctx: int, placement: Placement, cfg: CacheConfig, policy: Policy,
     disk = None
     if placement.disk is not None:
         assert model is not None, "the disk tier reads the model file"
-        disk = DiskTier(model.path, placement.disk.n_host, readers_default())
+        disk = DiskTier(tuple(model.files), placement.disk.n_host, readers_default())
     return ExpertCache(ctx, placement.n_slots, policy, device=placement.device.index,
                        chunk_bytes=chunk, on_route=cfg.on_route, forecaster=forecaster,
                        reorder=reorder, stage_slots=placement.stage_slots, disk=disk,

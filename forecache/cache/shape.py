@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import yaml
 from gguf import GGML_QUANT_SIZES
@@ -129,7 +130,7 @@ def model_shape(model: ModelFile) -> ModelShape:
     head = sum(t.nbytes for t in model.tensors if t.name.startswith("output"))
     lead = sum(t.nbytes for t in model.tensors if t.name.startswith("blk.") and
                int(t.name.split(".")[1]) not in moe)
-    return ModelShape(name=model.path.stem, layers=len(moe), experts=model.n_expert,
+    return ModelShape(name=Path(model.name).stem, layers=len(moe), experts=model.n_expert,
                     top_k=model.n_expert_used, d_model=ex.d_model, expert_ff=ex.expert_ff,
                     proj_bytes=ex.proj_bytes,
                     layer_bytes=sum(t.nbytes for t in blk if not is_expert_tensor(t.name)),

@@ -24,14 +24,28 @@ from forecache.gguf.qtypes import QTYPES
 @click.option("--fuse-gate-up", is_flag=True,
               help="Gate and up experts in one tensor (as convert_hf_to_gguf.py "
               "--fuse-gate-up-exps writes them; deepseek2).")
+@click.option("--split-max-size", default=None, metavar="SIZE",
+              help="Write split files of at most SIZE of tensors each (e.g. 2G), as gguf-split "
+              "does: OUT-00001-of-0000N.gguf and so on.")
+@click.option("--split-max-tensors", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Write split files of at most N tensors each.")
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
 def make_model_cmd(out: Path, preset: str, qtype: str, seed: int, n_layers: int | None,
-                   workers: int | None, fuse_gate_up: bool, force: bool) -> None:
-    """Write OUT.gguf: a MoE model of a real architecture with random weights."""
+                   workers: int | None, fuse_gate_up: bool, split_max_size: str | None,
+                   split_max_tensors: int | None, force: bool) -> None:
+    """Write OUT.gguf: a MoE model of a real architecture with random weights (or its split
+    files, with --split-max-size or --split-max-tensors)."""
+    from forecache.cache.budget import parse_size
     from forecache.gguf.maker import make_model
 
-    if out.exists() and not force:
-        raise FileExistsError(f"{out} exists; pass --force to overwrite it")
+    max_size = parse_size(split_max_size) if split_max_size is not None else 0
+    if split_max_size is not None and max_size <= 0:
+        raise click.BadParameter("must be a positive size", param_hint="--split-max-size")
+    existing = [out] if out.exists() else []
+    if split_max_size is not None or split_max_tensors is not None:
+        existing += sorted(out.parent.glob(f"{out.stem}-[0-9]*-of-[0-9]*.gguf"))
+    if existing and not force:
+        raise FileExistsError(f"{existing[0]} exists; pass --force to overwrite it")
     t0 = time.time()
     state = {"last": -1}
 
@@ -43,10 +57,20 @@ def make_model_cmd(out: Path, preset: str, qtype: str, seed: int, n_layers: int 
             click.echo(f"\r  {pct:3d}% of {total / 1e9:.2f} GB ({rate:.0f} MB/s)", nl=False,
                        err=True)
 
-    make_model(out, preset, qtype, seed=seed, n_layers=n_layers, workers=workers,
-               progress=progress, fuse_gate_up=fuse_gate_up)
+    info = make_model(out, preset, qtype, seed=seed, n_layers=n_layers, workers=workers,
+                      progress=progress, fuse_gate_up=fuse_gate_up, split_max_size=max_size,
+                      split_max_tensors=split_max_tensors or 0)
     click.echo("", err=True)
-    click.echo(f"wrote {out} ({out.stat().st_size / 1e9:.2f} GB) in {time.time() - t0:.1f} s")
+    if len(info.shards) > 1:
+        # a model that was one file before is now its shards: the old file would be taken
+        if out.exists() and out not in info.shards:
+            out.unlink()
+        click.echo(f"wrote {len(info.shards)} split files ({info.file_bytes / 1e9:.2f} GB): "
+                   f"{info.shards[0]} ... {info.shards[-1].name} in {time.time() - t0:.1f} s; "
+                   f"pass the first to -m")
+    else:
+        click.echo(f"wrote {info.path} ({info.file_bytes / 1e9:.2f} GB) in "
+                   f"{time.time() - t0:.1f} s")
 
 
 COMMANDS = [make_model_cmd]

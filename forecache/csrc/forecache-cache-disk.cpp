@@ -147,10 +147,14 @@ static bool fc_pread_full(int fd, uint8_t * dst, size_t size, uint64_t off, size
     return true;
 }
 
-// reads `size` bytes at `off` of the model file into dst, with direct I/O through `bounce` when the file
+// reads `size` bytes at `off` of model file `file` into dst, with direct I/O through `bounce` when the file
 // allows it; *direct says which (lock not held)
-static bool fc_read_range(forecache_cache * c, uint8_t * bounce, uint8_t * dst, uint64_t off, size_t size, bool * direct) {
-    const int dfd = c->disk_dfd;
+static bool fc_read_range(forecache_cache * c, uint8_t * bounce, uint8_t * dst, int32_t file, uint64_t off, size_t size, bool * direct) {
+    int dfd;
+    {
+        std::lock_guard<std::mutex> lock(c->mtx);
+        dfd = c->disk_dfd[file];
+    }
     if (dfd >= 0) {
         const uint64_t a = c->disk_align;
         const uint64_t a0 = off & ~(a - 1);
@@ -163,17 +167,18 @@ static bool fc_read_range(forecache_cache * c, uint8_t * bounce, uint8_t * dst, 
         if (errno != EINVAL) {
             return false;
         }
-        // the file system refuses direct I/O after all: read through the page cache from now on
+        // the file system refuses direct I/O after all: read through the page cache from now on (another
+        // reader may be using the descriptor still: it is closed with the others at the end)
         std::lock_guard<std::mutex> lock(c->mtx);
-        c->disk_dfd = -1;
-        close(dfd);
+        c->disk_dfd[file] = -1;
     }
     *direct = false;
-    if (!fc_pread_full(c->disk_fd, dst, size, off, size)) {
+    const int fd = c->disk_fd[file];
+    if (!fc_pread_full(fd, dst, size, off, size)) {
         return false;
     }
     // what was read lives in the host slot now; the page cache need not keep it
-    posix_fadvise(c->disk_fd, (off_t) off, (off_t) size, POSIX_FADV_DONTNEED);
+    posix_fadvise(fd, (off_t) off, (off_t) size, POSIX_FADV_DONTNEED);
     return true;
 }
 
@@ -204,11 +209,13 @@ static void fc_reader(forecache_cache * c) {
 
         const auto t0 = fc_clock::now();
         bool ok = bounce != nullptr;
+        int32_t failed_file = 0;
         uint64_t bytes = 0, direct_bytes = 0;
         for (int32_t p = 0; ok && p < L.n_proj; p++) {
             const size_t nb = L.host[p]->nb[2];
             bool direct = false;
-            ok = fc_read_range(c, bounce, (uint8_t *) L.hpool[p]->data + (size_t) s*nb, L.file_off[p] + (uint64_t) e*nb, nb, &direct);
+            ok = fc_read_range(c, bounce, (uint8_t *) L.hpool[p]->data + (size_t) s*nb, L.file_idx[p], L.file_off[p] + (uint64_t) e*nb, nb, &direct);
+            failed_file = ok ? failed_file : L.file_idx[p];
             bytes        += nb;
             direct_bytes += direct ? nb : 0;
         }
@@ -219,7 +226,7 @@ static void fc_reader(forecache_cache * c) {
         if (!ok) {
             if (!c->disk_failed) {
                 LLAMA_LOG_ERROR("%s: cannot read expert %d of layer %d from %s: %s\n", __func__, e, il,
-                        c->disk_path.c_str(), bounce == nullptr ? "out of memory" : strerror(errno));
+                        c->disk_path[failed_file].c_str(), bounce == nullptr ? "out of memory" : strerror(errno));
             }
             c->disk_failed = true;
             L.hexpert_of[s] = -1;
@@ -252,12 +259,15 @@ void fc_disk_stop(forecache_cache * c) {
         th.join();
     }
     c->readers.clear();
-    for (int * fd : {&c->disk_fd, &c->disk_dfd}) {
-        if (*fd >= 0) {
-            close(*fd);
-            *fd = -1;
+    for (std::vector<int> * fds : {&c->disk_fd, &c->disk_open_dfd}) {
+        for (int fd : *fds) {
+            if (fd >= 0) {
+                close(fd);
+            }
         }
+        fds->clear();
     }
+    c->disk_dfd.clear();
     ggml_backend_buffer_free(c->host_buf);
     c->host_buf = nullptr;
     if (c->host_ctx) {
@@ -392,9 +402,18 @@ bool fc_host_rows(forecache_cache * c, fc_layer & L, int32_t p, const float * in
     return true;
 }
 
+static void fc_close_all(const std::vector<int> & fds) {
+    for (int fd : fds) {
+        if (fd >= 0) {
+            close(fd);
+        }
+    }
+}
+
 int32_t forecache_cache_set_disk(
         struct forecache_cache * cache,
-        const char             * path,
+        const char * const     * paths,
+        int32_t                  n_paths,
         const int32_t          * n_host,
         int32_t                  n_layer,
         int32_t                  n_readers,
@@ -405,9 +424,9 @@ int32_t forecache_cache_set_disk(
         forecache_set_err(err, err_size, "the disk tier is already set");
         return -1;
     }
-    if (n_layer != (int32_t) c->layers.size() || n_readers < 1 || path == nullptr) {
-        forecache_set_err(err, err_size, "bad arguments: %d layers (the model has %zu), %d readers",
-                n_layer, c->layers.size(), n_readers);
+    if (n_layer != (int32_t) c->layers.size() || n_readers < 1 || paths == nullptr || n_paths < 1) {
+        forecache_set_err(err, err_size, "bad arguments: %d layers (the model has %zu), %d readers, %d files",
+                n_layer, c->layers.size(), n_readers, n_paths);
         return -1;
     }
     for (int32_t il = 0; il < n_layer; il++) {
@@ -419,29 +438,42 @@ int32_t forecache_cache_set_disk(
         }
     }
 
-    gguf_init_params gp = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
-    gguf_context * g = gguf_init_from_file(path, gp);
-    if (g == nullptr) {
-        forecache_set_err(err, err_size, "cannot read the GGUF header of %s", path);
-        return -1;
+    // where each expert tensor lies: in whichever of the files (a split model's shards) holds it
+    std::vector<gguf_context *> gs;
+    auto free_gs = [&] { for (gguf_context * g : gs) { gguf_free(g); } };
+    for (int32_t f = 0; f < n_paths; f++) {
+        gguf_init_params gp = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
+        gguf_context * g = gguf_init_from_file(paths[f], gp);
+        if (g == nullptr) {
+            forecache_set_err(err, err_size, "cannot read the GGUF header of %s", paths[f]);
+            free_gs();
+            return -1;
+        }
+        gs.push_back(g);
     }
     size_t max_nb = 0;
     for (int32_t il = 0; il < n_layer; il++) {
         fc_layer & L = c->layers[il];
         for (int32_t p = 0; p < L.n_proj; p++) {
             const ggml_tensor * h = L.host[p];
-            const int64_t id = gguf_find_tensor(g, h->name);
-            if (id < 0 || gguf_get_tensor_size(g, id) != ggml_nbytes(h)) {
-                forecache_set_err(err, err_size, "%s has no tensor %s of %zu bytes (a split GGUF cannot use the disk tier)",
-                        path, h->name, ggml_nbytes(h));
-                gguf_free(g);
+            int32_t file = -1;
+            int64_t id   = -1;
+            for (int32_t f = 0; f < n_paths && id < 0; f++) {
+                id   = gguf_find_tensor(gs[f], h->name);
+                file = f;
+            }
+            if (id < 0 || gguf_get_tensor_size(gs[file], id) != ggml_nbytes(h)) {
+                forecache_set_err(err, err_size, "%s%s has no tensor %s of %zu bytes", paths[0],
+                        n_paths > 1 ? " (with its shards)" : "", h->name, ggml_nbytes(h));
+                free_gs();
                 return -1;
             }
-            L.file_off[p] = gguf_get_data_offset(g) + gguf_get_tensor_offset(g, id);
+            L.file_idx[p] = file;
+            L.file_off[p] = gguf_get_data_offset(gs[file]) + gguf_get_tensor_offset(gs[file], id);
             max_nb = std::max(max_nb, (size_t) h->nb[2]);
         }
     }
-    gguf_free(g);
+    free_gs();
 
     int n_pool = 0;
     for (int32_t il = 0; il < n_layer; il++) {
@@ -476,25 +508,33 @@ int32_t forecache_cache_set_disk(
         return -1;
     }
 
-    const int fd = open(path, O_RDONLY);
-    if (fd < 0) {
-        forecache_set_err(err, err_size, "cannot open %s: %s", path, strerror(errno));
-        ggml_backend_buffer_free(buf);
-        ggml_free(ctx);
-        return -1;
-    }
-    int dfd = -1;
+    std::vector<int> fds, dfds;
+    for (int32_t f = 0; f < n_paths; f++) {
+        const int fd = open(paths[f], O_RDONLY);
+        if (fd < 0) {
+            forecache_set_err(err, err_size, "cannot open %s: %s", paths[f], strerror(errno));
+            fc_close_all(fds);
+            fc_close_all(dfds);
+            ggml_backend_buffer_free(buf);
+            ggml_free(ctx);
+            return -1;
+        }
+        int dfd = -1;
 #ifdef O_DIRECT
-    dfd = open(path, O_RDONLY | O_DIRECT);
+        dfd = open(paths[f], O_RDONLY | O_DIRECT);
 #endif
+        fds.push_back(fd);
+        dfds.push_back(dfd);
+    }
 
     std::lock_guard<std::mutex> lock(c->mtx);
-    c->host_ctx   = ctx;
-    c->host_buf   = buf;
-    c->disk_fd    = fd;
-    c->disk_dfd   = dfd;
-    c->disk_max   = max_nb;
-    c->disk_path  = path;
+    c->host_ctx      = ctx;
+    c->host_buf      = buf;
+    c->disk_fd       = fds;
+    c->disk_dfd      = dfds;
+    c->disk_open_dfd = dfds;
+    c->disk_max      = max_nb;
+    c->disk_path.assign(paths, paths + n_paths);
     for (int32_t il = 0; il < n_layer; il++) {
         fc_layer & L = c->layers[il];
         if (L.n_proj == 0) {

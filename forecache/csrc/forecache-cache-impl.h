@@ -195,7 +195,8 @@ struct fc_layer {
     // disk tier (forecache_cache_set_disk; lock held): n_host host slots of all projections, in hpool
     int32_t n_host = 0;
     ggml_tensor * hpool[FC_MAX_PROJ] = {};
-    uint64_t file_off[FC_MAX_PROJ] = {}; // where host[p]'s data starts in the model file
+    uint64_t file_off[FC_MAX_PROJ] = {}; // where host[p]'s data starts in its model file
+    int32_t  file_idx[FC_MAX_PROJ] = {}; // which of the model's files (a split model's shards) holds it
     std::vector<int32_t>  hslot_of;   // expert -> host slot, -1
     std::vector<int32_t>  hexpert_of; // host slot -> expert, -1
     std::vector<uint8_t>  hready;     // host slot -> its read is done
@@ -321,11 +322,12 @@ struct forecache_cache {
     bool                    stop    = false;
 
     // disk tier readers (forecache-cache-disk.cpp), under mtx
-    int                     disk_fd    = -1;
-    int                     disk_dfd   = -1;       // the same file opened for direct I/O, -1 when refused
+    std::vector<int>        disk_fd;               // each of the model's files (a split model's shards)
+    std::vector<int>        disk_dfd;              // the same files opened for direct I/O, -1 when refused
+    std::vector<int>        disk_open_dfd;         // every descriptor opened for direct I/O (closed at the end)
     size_t                  disk_align = 4096;
     size_t                  disk_max   = 0;        // largest projection of one expert
-    std::string             disk_path;
+    std::vector<std::string> disk_path;
     std::deque<std::pair<int32_t, int32_t>> rq[FC_N_PRIORITIES]; // queued reads (layer, expert)
     std::condition_variable cv_read;
     std::vector<std::thread> readers;

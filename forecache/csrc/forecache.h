@@ -339,13 +339,14 @@ LLAMA_API int32_t forecache_cache_set_layer_decode_gate(
 // Makes the loader leave routed-expert tensors in the file (see above) for the models loaded while set.
 LLAMA_API void forecache_set_disk_experts(bool on);
 
-// Turns on the disk tier of a cache whose model was loaded with forecache_set_disk_experts: `path` is the
-// model's GGUF file (one file), n_host[il] the host slots of each of n_layer layers (every layer with
+// Turns on the disk tier of a cache whose model was loaded with forecache_set_disk_experts: `paths` are the
+// model's n_paths GGUF files (one, or a split model's shards in order), n_host[il] the host slots of each of n_layer layers (every layer with
 // experts needs at least one, and at least one device slot), n_readers the reads in flight. Call once,
 // before the first ubatch. Returns 0, or -1 (message in err).
 LLAMA_API int32_t forecache_cache_set_disk(
         struct forecache_cache * cache,
-        const char             * path,
+        const char * const     * paths,
+        int32_t                  n_paths,
         const int32_t          * n_host,
         int32_t                  n_layer,
         int32_t                  n_readers,

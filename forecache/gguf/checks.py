@@ -85,7 +85,7 @@ def check_header(mf: ModelFile) -> None:
                          f"llama.cpp needs a power of two of at least {TENSOR_ALIGNMENT}")
     n_layer = _int(mf, "block_count", 1, LLAMA_MAX_LAYERS)
     _int(mf, "context_length", 1, MAX_CONTEXT)
-    _int(mf, "embedding_length", 1, MAX_WIDTH)
+    n_embd = _int(mf, "embedding_length", 1, MAX_WIDTH)
     n_expert = _int(mf, "expert_count", 1, LLAMA_MAX_EXPERTS)
     assert n_layer is not None and n_expert is not None
     _int(mf, "expert_used_count", 1, n_expert)
@@ -116,6 +116,11 @@ def check_header(mf: ModelFile) -> None:
         if is_expert_tensor(t.name) and (len(t.shape) != 3 or t.shape[2] != n_expert):
             raise _error(mf, f"tensor {t.name} has shape {list(t.shape)} but "
                          f"{mf.arch}.expert_count is {n_expert}", "")
+        # every expert projection maps to or from the residual stream (a split model's shard
+        # of another model's weights shows here)
+        if is_expert_tensor(t.name) and n_embd not in t.shape[:2]:
+            raise _error(mf, f"tensor {t.name} has shape {list(t.shape)} but "
+                         f"{mf.arch}.embedding_length is {n_embd}", "")
     _check_tokenizer(mf)
     _check_template(mf)
 

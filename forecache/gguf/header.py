@@ -13,13 +13,22 @@ tensor data, checks counts against the file's size and the tensors' extent again
 (a file cut short, or one with more than a few bytes after its tensors, is refused),
 and raises :class:`GGUFError` with one line naming the fix; as it reads it also records for
 ``checks`` what llama.cpp asserts on (each key's value type, the first duplicated token).
+
+A split model (llama.cpp's ``NAME-00001-of-0000N.gguf``, written by gguf-split or GGUFWriter's
+split limits: the metadata in the first file, ``split.*`` keys in every one) is read from its
+first file as llama.cpp reads it: the other shards are found by name, each is checked as a file
+of its own and against the first, and the model is their tensors together, each knowing its
+file (:attr:`TensorInfo.shard`). Everything that reads a model therefore sees the same model
+whether it is one file or several.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import mmap
 import os
+import re
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -51,6 +60,9 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
             11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 
+#: llama.cpp's split file names (llama_split_prefix): PREFIX-00001-of-00004.gguf
+SPLIT_NAME = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$")
+
 MOE_ARCHES_TESTED = ("qwen2moe", "qwen3moe", "llama (Mixtral)", "olmoe", "granitemoe",
                      "deepseek2", "gpt-oss", "lfm2moe")
 
@@ -62,23 +74,58 @@ class TensorInfo:
     name: str
     shape: tuple[int, ...]  # ggml order: ne[0] is the row length
     type: GGMLQuantizationType
-    offset: int  # relative to the data section
+    offset: int  # relative to the data section of its file
     nbytes: int
+    shard: int = 0  # which file of a split model holds it (ModelFile.shards)
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One file of a model: where it is, where its tensor data starts, its size."""
+
+    path: Path
+    data_offset: int
+    file_size: int
 
 
 @dataclass
 class ModelFile:
-    """What forecache needs to know about a GGUF model before loading it."""
+    """What forecache needs to know about a GGUF model before loading it (one file, or a split
+    model's files together; ``path`` is the file llama.cpp is given: the first)."""
 
     path: Path
     version: int
     kv: dict[str, Any]
     array_lengths: dict[str, int]
     tensors: list[TensorInfo]
-    data_offset: int
-    file_size: int
+    data_offset: int  # of the first file
+    file_size: int  # every file's bytes
     kv_types: dict[str, int] = field(default_factory=dict)  # GGUF value type of each key
     duplicate_token: str | None = None  # a token that tokenizer.ggml.tokens lists twice
+    kv_spans: dict[str, tuple[int, int]] = field(default_factory=dict)  # each key's bytes
+    shards: tuple[Shard, ...] = ()  # every file, in order (one for a model in one file)
+
+    @property
+    def files(self) -> list[Path]:
+        """The model's files in order: ``[path]``, or a split model's shards."""
+        return [s.path for s in self.shards] or [self.path]
+
+    @property
+    def is_split(self) -> bool:
+        return len(self.shards) > 1
+
+    @property
+    def name(self) -> str:
+        """The model's file name, without a split model's ``-00001-of-0000N`` part."""
+        m = SPLIT_NAME.match(self.path.name)
+        return f"{m.group(1)}.gguf" if m and self.is_split else self.path.name
+
+    def locate(self, t: TensorInfo) -> tuple[Path, int]:
+        """The file holding ``t`` and the offset of its data there."""
+        if not self.shards:
+            return self.path, self.data_offset + t.offset
+        s = self.shards[t.shard]
+        return s.path, s.data_offset + t.offset
 
     @property
     def arch(self) -> str:
@@ -281,8 +328,81 @@ def read_model_file(path: str | os.PathLike[str]) -> ModelFile:
                         f"`forecache make-model {p} --preset tiny`)")
     if p.is_dir():
         raise GGUFError(f"{p} is a directory, not a GGUF model file")
+    first = _read_file(p)
+    if "split.count" not in first.kv and "split.no" not in first.kv:
+        return first
+    return _join_shards(first)
+
+
+def _read_file(p: Path) -> ModelFile:
     st = p.stat()
     return _read(str(p), st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def _split_key(mf: ModelFile, key: str, lo: int, hi: int) -> int:
+    value = mf.kv.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise GGUFError(f"{mf.path}: {key} is {value!r}; the split header is damaged: "
+                        "re-download or re-split the model")
+    return value
+
+
+def split_name(prefix: str, index: int, count: int) -> str:
+    """llama.cpp's name of shard ``index`` (from 0) of ``count``: PREFIX-0000i-of-0000N.gguf."""
+    return f"{prefix}-{index + 1:05d}-of-{count:05d}.gguf"
+
+
+def _join_shards(first: ModelFile) -> ModelFile:
+    """The split model whose first file is ``first``: every shard found by llama.cpp's naming
+    rule, read, checked against the first, and their tensors joined."""
+    p = first.path
+    count = _split_key(first, "split.count", 1, 65535)
+    index = _split_key(first, "split.no", 0, count - 1) if "split.no" in first.kv else 0
+    n_tensors = _split_key(first, "split.tensors.count", 1, 1 << 24) \
+        if "split.tensors.count" in first.kv else len(first.tensors)
+    m = SPLIT_NAME.match(p.name)
+    if index != 0:
+        hint = f": {p.with_name(split_name(m.group(1), 0, count)).name}" if m else ""
+        raise GGUFError(f"{p} is shard {index + 1} of {count} of a split model; pass its first "
+                        f"shard{hint}")
+    if count == 1:
+        return first
+    if m is None or int(m.group(2)) != 1 or int(m.group(3)) != count:
+        raise GGUFError(f"{p} is the first of {count} split files, but its name does not end "
+                        f"in -00001-of-{count:05d}.gguf, so its other shards cannot be found "
+                        "(llama.cpp finds them by name): give the files their split names again")
+    shards = [first]
+    for i in range(1, count):
+        q = p.with_name(split_name(m.group(1), i, count))
+        if not q.is_file():
+            raise GGUFError(f"shard {i + 1} of {count} of {p.name} is missing: {q} not found; "
+                            "put every shard of the model in the same directory (re-download it)")
+        mf = _read_file(q)
+        got = tuple(mf.kv.get(k) for k in ("split.no", "split.count", "split.tensors.count"))
+        if got != (i, count, n_tensors):
+            said = (f"shard {got[0] + 1} of {got[1]} of a model of {got[2]} tensors"
+                    if None not in got and isinstance(got[0], int) else
+                    "not a shard of a split model")
+            raise GGUFError(f"{q} does not belong with {p.name}: it says it is {said}, where shard "
+                            f"{i + 1} of {count} of {n_tensors} tensors belongs; the shards come "
+                            "from different models or downloads: re-download the model")
+        shards.append(mf)
+    tensors, seen = [], {}
+    for i, mf in enumerate(shards):
+        for t in mf.tensors:
+            if t.name in seen:
+                raise GGUFError(f"{mf.path} and {shards[seen[t.name]].path.name} both hold tensor "
+                                f"{t.name}; the shards come from different models or downloads: "
+                                "re-download the model")
+            seen[t.name] = i
+            tensors.append(dataclasses.replace(t, shard=i))
+    if len(tensors) != n_tensors:
+        raise GGUFError(f"{p.name} and its shards hold {len(tensors)} tensors where its header "
+                        f"says {n_tensors}; the shards come from different models or downloads: "
+                        "re-download the model")
+    return dataclasses.replace(
+        first, tensors=tensors, file_size=sum(mf.file_size for mf in shards),
+        shards=tuple(Shard(mf.path, mf.data_offset, mf.file_size) for mf in shards))
 
 
 @functools.lru_cache(maxsize=16)
@@ -311,11 +431,14 @@ def _parse(mm: mmap.mmap, p: Path, size: int) -> ModelFile:
     kv: dict[str, Any] = {}
     kv_types: dict[str, int] = {}
     lengths: dict[str, int] = {}
+    spans: dict[str, tuple[int, int]] = {}
     for _ in range(n_kv):
+        start = r.pos
         key = r.string()
         vtype = r.take("<I")
         kv_types[key] = vtype
         kv[key] = r.value(vtype, key, lengths)
+        spans[key] = (start, r.pos)
     tensors = []
     for _ in range(n_tensors):
         name = r.string()
@@ -344,7 +467,7 @@ def _parse(mm: mmap.mmap, p: Path, size: int) -> ModelFile:
                         f"byte {end}; llama.cpp would read them all: re-copy the model, or cut "
                         f"them off with `truncate -s {end} {p}`")
     return ModelFile(p, version, kv, lengths, tensors, data_offset, size, kv_types,
-                     r.duplicate_token)
+                     r.duplicate_token, spans, (Shard(p, data_offset, size),))
 
 
 def require_moe(path: str | os.PathLike[str]) -> ModelFile:

@@ -1,8 +1,11 @@
 """Which model a trace or a trained predictor belongs to: a content fingerprint plus the shape.
 
-Hashing a 32 GB GGUF on every start would cost a minute, so the fingerprint covers the whole header
-(metadata and tensor table) and 4 KiB at four places in every tensor; any two different models (a
-retrained or requantized one included) differ there. It is cached by (path, size, mtime, inode).
+Hashing a 32 GB GGUF on every start would cost a minute, so the fingerprint covers the metadata,
+the tensor table and 4 KiB at four places in every tensor; any two different models (a retrained or
+requantized one included) differ there. It leaves out what only the file layout decides (the
+``split.*`` keys, the alignment, where each tensor lies), so a split model and the same model in
+one file are the same model, and a trace or predictor of one serves the other. It is cached by
+(path, size, mtime, inode) of every file.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ from forecache.paths import cache_dir, write_atomic
 
 _SAMPLE = 4096
 _PAGE = mmap.PAGESIZE
-FINGERPRINT_VERSION = 1
+FINGERPRINT_VERSION = 2
+#: Keys the file layout writes, not the model: left out of the fingerprint.
+LAYOUT_KEYS = ("split.no", "split.count", "split.tensors.count", "general.alignment")
 
 
 class ModelMismatchError(ValueError):
@@ -25,9 +30,11 @@ class ModelMismatchError(ValueError):
 
 
 def fingerprint(model: ModelFile) -> str:
-    """sha256 over the GGUF header and samples of every tensor's bytes (cached per file)."""
-    st = model.path.stat()
-    key = f"{model.path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{FINGERPRINT_VERSION}"
+    """sha256 over the model's metadata, tensor table and samples of every tensor's bytes, the
+    same for a model in one file and split (cached per set of files)."""
+    stats = [(f.resolve(), f.stat()) for f in model.files]
+    key = "|".join(f"{p}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}" for p, st in stats)
+    key += f"|{FINGERPRINT_VERSION}"
     memo = cache_dir() / "fingerprints" / (hashlib.sha256(key.encode()).hexdigest()[:32] + ".txt")
     try:
         return memo.read_text().strip()
@@ -35,20 +42,34 @@ def fingerprint(model: ModelFile) -> str:
         pass
     h = hashlib.sha256()
     with open(model.path, "rb", buffering=0) as f:
-        h.update(f.read(model.data_offset))
-        # no readahead around the samples, and none of them left in the page cache: a model
-        # larger than host memory has no room for them (its disk tier reads experts itself)
-        _advise(f.fileno(), 0, 0, "POSIX_FADV_RANDOM")
-        for t in sorted(model.tensors, key=lambda t: t.offset):
-            start = model.data_offset + t.offset
+        header = f.read(model.data_offset)
+    for k, (a, b) in model.kv_spans.items():
+        if k not in LAYOUT_KEYS:
+            h.update(header[a:b])
+    tensors = sorted(model.tensors, key=lambda t: t.name)
+    for t in tensors:
+        h.update(f"{t.name}|{list(t.shape)}|{int(t.type)}|".encode())
+    files: dict[str, int] = {}
+    try:
+        for t in tensors:
+            path, start = model.locate(t)
+            fd = files.get(str(path))
+            if fd is None:
+                fd = files[str(path)] = os.open(path, os.O_RDONLY)
+                # no readahead around the samples, and none of them left in the page cache: a
+                # model larger than host memory has no room for them (its disk tier reads
+                # experts itself)
+                _advise(fd, 0, 0, "POSIX_FADV_RANDOM")
             for frac in (0, 1, 2, 3):
                 off = start + max(0, (t.nbytes - _SAMPLE) * frac // 3)
                 n = min(_SAMPLE, t.nbytes)
-                f.seek(off)
-                h.update(f.read(n))
+                h.update(os.pread(fd, n, off))
                 # whole pages: the kernel drops only pages wholly inside the range
                 a0 = off // _PAGE * _PAGE
-                _advise(f.fileno(), a0, -(-(off + n) // _PAGE) * _PAGE - a0, "POSIX_FADV_DONTNEED")
+                _advise(fd, a0, -(-(off + n) // _PAGE) * _PAGE - a0, "POSIX_FADV_DONTNEED")
+    finally:
+        for fd in files.values():
+            os.close(fd)
     digest = h.hexdigest()
     try:
         memo.parent.mkdir(parents=True, exist_ok=True)
@@ -70,7 +91,7 @@ def _advise(fd: int, offset: int, length: int, advice: str) -> None:
 def identity(model: ModelFile) -> dict[str, Any]:
     """The facts a trace or predictor records about its model."""
     return {
-        "model_name": model.path.name,
+        "model_name": model.name,
         "fingerprint": fingerprint(model),
         "arch": model.arch,
         "n_layer": model.n_layer,
@@ -79,6 +100,7 @@ def identity(model: ModelFile) -> dict[str, Any]:
         "top_k": model.n_expert_used,
         "n_embd": int(model.arch_kv("embedding_length", 0) or 0),
         "file_size": model.file_size,
+        "files": len(model.files),
     }
 
 

@@ -3,7 +3,9 @@
 gguf.GGUFWriter writes the header, metadata and tensor infos; the tensor data is then
 generated in fixed chunks (one expert slab, or a band of rows) by worker processes that
 `os.pwrite` them at precomputed offsets. Each chunk's random stream is seeded from
-(seed, tensor name, chunk index), so the file's bytes do not depend on the worker count.
+(seed, tensor name, chunk index), so the file's bytes do not depend on the worker count, and a
+model written as split files (llama.cpp's ``NAME-0000i-of-0000N.gguf``, cut as gguf-split and
+GGUFWriter cut them) holds the same tensors as the same model in one file.
 Quantized tensors are produced as random valid blocks directly, without quantizing floats.
 """
 
@@ -59,7 +61,7 @@ BIAS_STD = 0.02
 class ModelInfo:
     """What `make_model` wrote."""
 
-    path: Path
+    path: Path  # the file llama.cpp is given: the model, or its first shard
     preset: str
     qtype: str
     seed: int
@@ -68,12 +70,15 @@ class ModelInfo:
     file_bytes: int
     seconds: float
     sizes: SizeReport
+    shards: tuple[Path, ...] = ()  # every file, in order (the one file when not split)
 
 
 @dataclass(frozen=True)
 class _Job:
-    """One chunk of one tensor: `rows` rows of `row_len` weights, written at `offset`."""
+    """One chunk of one tensor: `rows` rows of `row_len` weights, written at `offset` of file
+    number `file`."""
 
+    file: int
     offset: int
     ggml_type: int
     rows: int
@@ -211,10 +216,12 @@ def _name_key(name: str) -> int:
     return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
 
 
-def _jobs(plans: Iterable[TensorPlan], offsets: Iterable[int], seed: int) -> list[_Job]:
-    """Split every tensor into chunks; 3-D tensors never mix experts within a chunk."""
+def _jobs(plans: Iterable[TensorPlan], places: Iterable[tuple[int, int]],
+          seed: int) -> list[_Job]:
+    """Split every tensor into chunks; 3-D tensors never mix experts within a chunk.
+    ``places``: each tensor's (file, offset)."""
     jobs = []
-    for plan, offset in zip(plans, offsets, strict=True):
+    for plan, (file, offset) in zip(plans, places, strict=True):
         row_len = plan.ne[0]
         n_rows = plan.n_elements // row_len
         slab_rows = plan.ne[1] if len(plan.ne) == 3 else n_rows
@@ -226,7 +233,7 @@ def _jobs(plans: Iterable[TensorPlan], offsets: Iterable[int], seed: int) -> lis
         for slab_start in range(0, n_rows, slab_rows):
             for start in range(slab_start, slab_start + slab_rows, step):
                 rows = min(step, slab_start + slab_rows - start)
-                jobs.append(_Job(offset + start * row_bytes, int(plan.ggml_type), rows,
+                jobs.append(_Job(file, offset + start * row_bytes, int(plan.ggml_type), rows,
                                  row_len, std, (seed, key, index)))
                 index += 1
     return jobs
@@ -234,7 +241,7 @@ def _jobs(plans: Iterable[TensorPlan], offsets: Iterable[int], seed: int) -> lis
 
 # --- writing -----------------------------------------------------------------------------
 
-_worker_fd: int | None = None
+_worker_fds: list[int] = []
 
 
 def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> int:
@@ -245,18 +252,16 @@ def _pwrite_all(fd: int, data: np.ndarray, offset: int) -> int:
     return done
 
 
-def _init_worker(path: str) -> None:
-    global _worker_fd
-    # The parent handles Ctrl-C and SIGTERM (removing the partial file) and terminates the
+def _init_worker(paths: list[str]) -> None:
+    # The parent handles Ctrl-C and SIGTERM (removing the partial files) and terminates the
     # pool; workers just stop, without tracebacks of their own.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    _worker_fd = os.open(path, os.O_WRONLY)
+    _worker_fds[:] = [os.open(p, os.O_WRONLY) for p in paths]
 
 
 def _run_job(job: _Job) -> int:
-    assert _worker_fd is not None
-    return _pwrite_all(_worker_fd, _generate(job), job.offset)
+    return _pwrite_all(_worker_fds[job.file], _generate(job), job.offset)
 
 
 def _add_metadata(writer: GGUFWriter, spec: ModelSpec, qtype: str, seed: int,
@@ -344,32 +349,41 @@ def _add_deepseek2(writer: GGUFWriter, spec: ModelSpec) -> None:
     writer.add_expert_gating_func(ExpertGatingFuncType(GATING[spec.gating]))
 
 
-def _write_header(path: Path, spec: ModelSpec, qtype: str, seed: int,
-                  plans: list[TensorPlan]) -> list[int]:
-    """Write header, metadata and tensor infos; return each tensor's absolute data offset.
+def _write_header(path: Path, spec: ModelSpec, qtype: str, seed: int, plans: list[TensorPlan],
+                  split_max_size: int = 0, split_max_tensors: int = 0,
+                  ) -> tuple[list[Path], list[tuple[int, int]], list[int]]:
+    """Write header, metadata and tensor infos of ``path``, or of its shards when a split limit
+    is given and the model exceeds it; return the files written, each tensor's (file, absolute
+    data offset) and each file's size.
 
-    Offsets follow the GGUF rule GGUFWriter also uses: the data section starts at the next
-    multiple of the alignment, and every tensor is padded to the alignment.
+    Offsets follow the GGUF rule GGUFWriter also uses: each file's data section starts at the
+    next multiple of the alignment, and every tensor is padded to the alignment. Shards are cut
+    by GGUFWriter (a new one before the tensor that would pass either limit); the metadata goes
+    in the first, and every shard carries the ``split.*`` keys llama.cpp reads.
     """
-    writer = GGUFWriter(path, spec.arch)
+    writer = GGUFWriter(path, spec.arch, split_max_tensors=split_max_tensors,
+                        split_max_size=split_max_size)
     _add_metadata(writer, spec, qtype, seed, make_vocab(spec.vocab, spec.text_tokens))
     for plan in plans:
         # Shapes go in numpy order; with an explicit raw_dtype GGUFWriter keeps them as given.
         writer.add_tensor_info(plan.name, tuple(reversed(plan.ne)), np.dtype(np.float32),
                                plan.nbytes, raw_dtype=plan.ggml_type)
+    files = writer.format_shard_names(path)
+    shard_of = {name: i for i, shard in enumerate(writer.tensors) for name in shard}
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     assert writer.fout is not None
-    position = writer.fout[0].tell()
+    positions = [f.tell() for f in writer.fout]
     writer.close()
     align = writer.data_alignment
-    offsets, offset = [], GGUFWriter.ggml_pad(position, align)
+    ends = [GGUFWriter.ggml_pad(p, align) for p in positions]
+    places = []
     for plan in plans:
-        offsets.append(offset)
-        offset += GGUFWriter.ggml_pad(plan.nbytes, align)
-    offsets.append(offset)  # end of file
-    return offsets
+        file = shard_of[plan.name]
+        places.append((file, ends[file]))
+        ends[file] += GGUFWriter.ggml_pad(plan.nbytes, align)
+    return files, places, ends
 
 
 def _mp_context() -> multiprocessing.context.BaseContext:
@@ -385,30 +399,39 @@ def _mp_context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("spawn")
 
 
-def _write_data(path: Path, jobs: list[_Job], workers: int, total: int,
+def _write_data(paths: list[Path], jobs: list[_Job], workers: int, total: int,
                 progress: Callable[[int, int], None] | None) -> None:
     done = 0
     if progress:
         progress(0, total)
     if workers <= 1:
-        fd = os.open(path, os.O_WRONLY)
+        fds = [os.open(p, os.O_WRONLY) for p in paths]
         try:
             for job in jobs:
-                done += _pwrite_all(fd, _generate(job), job.offset)
+                done += _pwrite_all(fds[job.file], _generate(job), job.offset)
                 if progress:
                     progress(done, total)
         finally:
-            os.close(fd)
+            for fd in fds:
+                os.close(fd)
         return
     with warnings.catch_warnings():
         # Python >= 3.12 warns about fork in a threaded process; see _mp_context.
         warnings.filterwarnings("ignore", r".*fork\(\) may lead to deadlocks", DeprecationWarning)
-        pool = _mp_context().Pool(workers, initializer=_init_worker, initargs=(str(path),))
+        pool = _mp_context().Pool(workers, initializer=_init_worker,
+                                    initargs=([str(p) for p in paths],))
     with pool:
         for n in pool.imap_unordered(_run_job, jobs, chunksize=1):
             done += n
             if progress:
                 progress(done, total)
+
+
+def split_paths(out: Path, n: int) -> list[Path]:
+    """The files of a model written to ``out`` in ``n`` shards (llama.cpp's and gguf-split's
+    names: ``STEM-00001-of-0000N.gguf``), or ``[out]`` when ``n`` is 1."""
+    return [out] if n == 1 else [out.with_name(f"{out.stem}-{i:05d}-of-{n:05d}.gguf")
+                                 for i in range(1, n + 1)]
 
 
 def make_model(
@@ -421,6 +444,8 @@ def make_model(
     workers: int | None = None,
     progress: Callable[[int, int], None] | None = None,
     fuse_gate_up: bool = False,
+    split_max_size: int = 0,
+    split_max_tensors: int = 0,
 ) -> ModelInfo:
     """Write a random-weight GGUF of model `preset` (a models.yaml name) to `out_path`.
 
@@ -428,9 +453,12 @@ def make_model(
     the preset's layer count; `workers` is the number of writer processes (default: all
     CPUs, or in-process for small models); `progress(bytes_done, bytes_total)` is called as
     tensor data is written; `fuse_gate_up` writes each layer's gate and up experts as one
-    tensor, as the converter's --fuse-gate-up-exps does. The file is written next to
-    `out_path` under a temporary name and renamed when complete. Raises ValueError for an
-    unknown preset or type, or a preset whose architecture make-model does not write.
+    tensor, as the converter's --fuse-gate-up-exps does. `split_max_size` (bytes of tensor data)
+    and `split_max_tensors` write the model as split files, as gguf-split does, named
+    ``STEM-00001-of-0000N.gguf`` beside `out_path` (a model within both limits stays one file);
+    the tensors are those of the same model in one file. The files are written in a temporary
+    directory beside `out_path` and renamed when complete. Raises ValueError for an unknown
+    preset or type, a negative limit, or a preset whose architecture make-model does not write.
     """
     started = time.monotonic()
     qtype = qtype.lower()
@@ -442,6 +470,8 @@ def make_model(
                          f"{', '.join(ARCHES)})")
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
+    if split_max_size < 0 or split_max_tensors < 0:
+        raise ValueError("split limits must be >= 0 (0: no limit)")
     plans = tensor_plan(spec, qtype, fuse_gate_up)
     total = sum(p.nbytes for p in plans)
     if workers is None:
@@ -449,27 +479,34 @@ def make_model(
 
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.partial")
+    # shards keep their final names inside the temporary directory (GGUFWriter names them)
+    tmp_dir = out.with_name(f".{out.name}.{os.getpid()}.partial")
+    shutil.rmtree(tmp_dir, ignore_errors=True)
+    tmp_dir.mkdir()
     try:
-        offsets = _write_header(tmp, spec, qtype, seed, plans)
-        file_bytes = offsets[-1]
+        tmp_files, places, sizes = _write_header(tmp_dir / out.name, spec, qtype, seed, plans,
+                                                 split_max_size, split_max_tensors)
+        file_bytes = sum(sizes)
         free = shutil.disk_usage(out.parent).free
-        if free < file_bytes - tmp.stat().st_size:
+        if free < file_bytes - sum(f.stat().st_size for f in tmp_files):
             raise OSError(f"{out.parent}: {file_bytes / 1e9:.1f} GB needed, "
                           f"{free / 1e9:.1f} GB free")
-        os.truncate(tmp, file_bytes)
-        _write_data(tmp, _jobs(plans, offsets[:-1], seed), workers, total, progress)
-        fd = os.open(tmp, os.O_WRONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        for f, size in zip(tmp_files, sizes, strict=True):
+            os.truncate(f, size)
+        _write_data(tmp_files, _jobs(plans, places, seed), workers, total, progress)
+        for f in tmp_files:
+            fd = os.open(f, os.O_WRONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        files = [out.with_name(f.name) for f in tmp_files]
+        for f, dest in zip(tmp_files, files, strict=True):
+            os.replace(f, dest)
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
     return ModelInfo(
-        path=out,
+        path=files[0],
         preset=spec.name,
         qtype=qtype,
         seed=seed,
@@ -478,4 +515,5 @@ def make_model(
         file_bytes=file_bytes,
         seconds=time.monotonic() - started,
         sizes=size_report(spec, qtype),
+        shards=tuple(files),
     )

@@ -338,12 +338,14 @@ class ForecacheAPI(CFunctions):
     def set_disk_experts(on: bool) -> None:
         """Models loaded while on leave their routed-expert tensors in the file (mapped, unread)."""
 
-    @c_function([c_void_p, c_char_p, POINTER(c_int32), c_int32, c_int32, c_char_p, c_size_t],
-                c_int32)
-    def cache_set_disk(cache: CachePtr, path: bytes, n_host: Ptr[c_int32], n_layer: int,
-                       n_readers: int, err: ctypes.Array[ctypes.c_char], err_size: int) -> int:
-        """Turn on the disk tier: ``n_host[il]`` host slots per layer, filled from the GGUF at
-        ``path`` by ``n_readers`` reads in flight: 0, or -1 (message in ``err``)."""
+    @c_function([c_void_p, POINTER(c_char_p), c_int32, POINTER(c_int32), c_int32, c_int32,
+                 c_char_p, c_size_t], c_int32)
+    def cache_set_disk(cache: CachePtr, paths: Ptr[c_char_p], n_paths: int,
+                       n_host: Ptr[c_int32], n_layer: int, n_readers: int,
+                       err: ctypes.Array[ctypes.c_char], err_size: int) -> int:
+        """Turn on the disk tier: ``n_host[il]`` host slots per layer, filled from the model's
+        ``n_paths`` GGUF files (a split model's shards in order) by ``n_readers`` reads in
+        flight: 0, or -1 (message in ``err``)."""
 
     @c_function([c_void_p, c_int32, POINTER(c_int32), c_int32, c_int32], c_int32)
     def cache_disk_read(cache: CachePtr, layer: int, experts: Ptr[c_int32], n: int,

@@ -81,15 +81,10 @@ class Router:
 
 def routers_of(model: ModelFile, layers: Sequence[int]) -> list[Router]:
     """The routers of the given model blocks, as float32."""
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    reader = GGUFReader(model.path)
-    by_name = {t.name: t for t in reader.tensors}
+    from forecache.gguf.tensors import tensor_array
 
     def read(name: str) -> np.ndarray | None:
-        t = by_name.get(name)
-        return None if t is None else np.asarray(dequantize(t.data, t.tensor_type), np.float32)
+        return tensor_array(model, name)
 
     out = []
     for il in layers:

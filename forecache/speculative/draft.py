@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from forecache.gguf.header import ModelFile
 from forecache.native import libllama, llama_cpp_module
 from forecache.native.log import load_log
 
@@ -142,22 +143,15 @@ class CrossModelPredictor:
     """The target's routers applied to a draft's per-layer states (SP-MoE): for each routed layer
     of the target, the draft layer at the same relative depth, and the target's top-k there."""
 
-    def __init__(self, target: Path, moe_layers: Sequence[int], n_layer: int, n_used: int,
+    def __init__(self, target: ModelFile, moe_layers: Sequence[int], n_layer: int, n_used: int,
                  draft_layers: int) -> None:
-        from gguf import GGMLQuantizationType, GGUFReader
-        from gguf.quants import dequantize
+        from forecache.gguf.tensors import tensor_array
 
-        reader = GGUFReader(target)
-        by_name = {t.name: t for t in reader.tensors}
         self.gates: dict[int, np.ndarray] = {}
         for il in moe_layers:
-            t = by_name.get(f"blk.{il}.ffn_gate_inp.weight")
-            if t is None:
-                continue
-            a = np.asarray(t.data) if t.tensor_type in (GGMLQuantizationType.F32,
-                                                        GGMLQuantizationType.F16) \
-                else dequantize(t.data, t.tensor_type)
-            self.gates[il] = np.ascontiguousarray(a, dtype=np.float32)
+            a = tensor_array(target, f"blk.{il}.ffn_gate_inp.weight")
+            if a is not None:
+                self.gates[il] = a
         self.n_used = n_used
         # target layer -> draft layer at the same relative depth
         self.source = {il: min(round(il * draft_layers / n_layer), draft_layers - 1)

@@ -378,7 +378,7 @@ class ModelDraft:
         self.predictor: CrossModelPredictor | None = None
         if cache is not None:
             mf = llm.model_file
-            pred = CrossModelPredictor(mf.path, mf.moe_layers(), mf.n_layer, mf.n_expert_used,
+            pred = CrossModelPredictor(mf, mf.moe_layers(), mf.n_layer, mf.n_expert_used,
                                        self.ctx.n_layer)
             if pred.layers and pred.width() == self.ctx.n_embd:
                 self.predictor = pred
