@@ -308,3 +308,45 @@ def test_a_bad_shard_is_one_line(pair: tuple[Path, Path], tmp_path: Path,
             require_moe(path)
         line = _one_line_error("generate", "-m", str(path), "-p", "hi", "-n", "1")
         assert re.search(pattern, line), (what, line)
+
+
+def _split_with_gguf_py(src: Path, out: Path, n_files: int) -> Path:
+    """``src`` rewritten by gguf-py's own writer as ``n_files`` split files (its split naming,
+    keys and data layout): the first file's path."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    r = GGUFReader(src)
+    w = GGUFWriter(out, str(r.fields["general.architecture"].contents()),
+                   split_max_tensors=-(-len(r.tensors) // n_files))
+    for name, field in r.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        vtype = GGUFValueType(field.types[0])
+        sub = GGUFValueType(field.types[-1]) if vtype == GGUFValueType.ARRAY else None
+        w.add_key_value(name, field.contents(), vtype, sub)
+    for t in r.tensors:
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out.with_name(f"{out.stem}-00001-of-{n_files:05d}.gguf")
+
+
+def test_the_default_model_split_by_gguf_py(tmp_path: Path) -> None:
+    """The shipped default model cut into four files by gguf-py's writer: the same identity (its
+    predictors and traces are found), and the same tokens and logits under llama.cpp's placement
+    and under promoe."""
+    from forecache.models.default import REFERENCE_MODEL
+
+    split = _split_with_gguf_py(REFERENCE_MODEL, tmp_path / "ref.gguf", 4)
+    a, b = read_model_file(REFERENCE_MODEL), read_model_file(split)
+    assert len(b.files) == 4 and fingerprint(a) == fingerprint(b)
+    prompts = [list(range(10, 60)), [1, 2, 3]]
+    for cfg in (None, CacheConfig("promoe", cache_fraction=0.5, predictor="history")):
+        out = []
+        for model in (REFERENCE_MODEL, split):
+            with Llama(str(model), cache=cfg, verbose=False, **PARAMS) as llm:
+                out.append([greedy(llm, p, N_GEN) for p in prompts])
+        for (ta, la), (tb, lb) in zip(*out, strict=True):
+            assert ta == tb and np.array_equal(la, lb), cfg
