@@ -5,9 +5,6 @@ kernel's page cache never held their pages."""
 
 from __future__ import annotations
 
-import ctypes
-import mmap
-import os
 import re
 import shutil
 from collections.abc import Callable
@@ -18,6 +15,7 @@ import numpy as np
 import pytest
 from cli_helpers import run_cli, run_cli_json
 from conftest import assert_same_greedy
+from disk_helpers import cached_pages, direct_io, drop_cached, quarter_budget
 from stock_runner import greedy
 
 from forecache.cache.disk import host_weight_bytes, plan_disk
@@ -34,63 +32,17 @@ N_GEN = 10
 SLOT_FRACTION = 0.25
 
 
-def _drop_cached(path: Path) -> None:
-    """Drop ``path``'s pages from the kernel's page cache."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def _own_copy(model: Path, tmp_path: Path) -> Path:
     """A copy of ``model`` whose pages the kernel's page cache does not hold."""
     out = tmp_path / model.name
     shutil.copyfile(model, out)
-    _drop_cached(out)
+    drop_cached(out)
     return out
-
-
-def _cached_pages(path: Path, ranges: list[tuple[int, int]]) -> int:
-    """Pages wholly inside ``ranges`` (file offsets) that the page cache holds now (mincore); a
-    page shared with a neighbouring tensor is read with that tensor."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    page = mmap.PAGESIZE
-    n = 0
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
-        base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-        for start, end in ranges:
-            a0, a1 = -(-start // page) * page, end // page * page
-            if a1 <= a0:
-                continue
-            vec = (ctypes.c_ubyte * ((a1 - a0) // page))()
-            if libc.mincore(ctypes.c_void_p(base + a0), ctypes.c_size_t(a1 - a0), vec) != 0:
-                raise OSError(ctypes.get_errno(), "mincore failed")
-            n += sum(v & 1 for v in vec)
-    return n
 
 
 def _expert_ranges(mf: ModelFile) -> list[tuple[int, int]]:
     return [(mf.data_offset + t.offset, mf.data_offset + t.offset + t.nbytes)
             for il in mf.moe_layers() for t in mf.expert_tensors(il)]
-
-
-def _direct_io(path: Path) -> bool:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError:
-        return False
-    os.close(fd)
-    return True
-
-
-def _quarter_budget(mf: ModelFile) -> int:
-    """Host memory for the non-expert weights, the (host-memory) slots of a CPU build, and a
-    quarter of the experts."""
-    per = max(mf.layer_expert_bytes())
-    slots = sum(max(1, round(SLOT_FRACTION * mf.n_expert)) for _ in mf.moe_layers())
-    return host_weight_bytes(mf, on_gpu=False) + slots * per + mf.total_expert_bytes() // 4
 
 
 @pytest.mark.parametrize("policy", ["promoe", "lru"])
@@ -99,13 +51,14 @@ def test_experts_read_from_disk_equal_unpatched(policy: str, tiny_model: Callabl
     original = tiny_model("q4_k")
     model = _own_copy(original, tmp_path)  # the reference reads the original's pages
     mf = read_model_file(model)
-    cfg = CacheConfig(policy, cache_fraction=SLOT_FRACTION, host_budget=_quarter_budget(mf))
+    cfg = CacheConfig(policy, cache_fraction=SLOT_FRACTION,
+                      host_budget=quarter_budget(mf, SLOT_FRACTION))
     with Llama(str(model), cache=cfg, verbose=False, **PARAMS) as llm:
         assert llm.placement is not None and llm.placement.disk is not None
         disk = llm.placement.disk
         assert set(n for n in disk.n_host if n) == {mf.n_expert // 4}
         # what loading the other weights read (and the kernel read ahead) leaves the page cache
-        _drop_cached(model)
+        drop_cached(model)
         text = llm.tokenize((TEXT * 80).encode())
         prompts = [text[:1], text[:300], text[:700]]
         ref = stock.run(original, prompts, N_GEN, **PARAMS)
@@ -123,10 +76,10 @@ def test_experts_read_from_disk_equal_unpatched(policy: str, tiny_model: Callabl
     for experts, ready in host_state:
         held = experts[experts >= 0]
         assert len(held) == len(set(held.tolist())) and ready[experts >= 0].all()
-    if _direct_io(model):
+    if direct_io(model):
         assert stats["disk_direct_bytes"] == stats["disk_bytes"]
     # the experts came from the cache's own reads: the page cache holds none of their pages
-    assert _cached_pages(model, _expert_ranges(mf)) == 0
+    assert cached_pages(model, _expert_ranges(mf)) == 0
 
 
 def test_host_budget_below_the_non_expert_weights_is_one_clear_error(
@@ -166,7 +119,7 @@ def test_host_slots_grow_with_the_budget(tiny_model: Callable[..., Path]) -> Non
 def test_run_says_where_the_experts_live_and_what_the_disk_costs(
         tiny_model: Callable[..., Path], tmp_path: Path) -> None:
     model = _own_copy(tiny_model("q4_k"), tmp_path)
-    budget = _quarter_budget(read_model_file(model))
+    budget = quarter_budget(read_model_file(model), SLOT_FRACTION)
     res = run_cli("run", "-m", str(model), "-n", "8", "--policy", "lru", "--cache-fraction",
                   str(SLOT_FRACTION), "--host-budget", str(budget), check=True)
     assert "disk tier:" in res.stderr and "read from the file (" in res.stderr
@@ -210,8 +163,8 @@ def test_disk_reads_match_the_simulator(tiny_model: Callable[..., Path], tmp_pat
     model = _own_copy(tiny_model("q8_0"), tmp_path)
     mf = read_model_file(model)
     prompt, n_gen = TEXT * 6, 24
-    cfg = CacheConfig(policy, cache_fraction=SLOT_FRACTION, host_budget=_quarter_budget(mf),
-                      predictor="history")
+    cfg = CacheConfig(policy, cache_fraction=SLOT_FRACTION,
+                      host_budget=quarter_budget(mf, SLOT_FRACTION), predictor="history")
     with Llama(str(model), cache=cfg, verbose=False, n_ctx=2048, n_batch=512, n_ubatch=512,
                n_threads=2) as llm:
         res = generate(llm, prompt, n_gen, SamplingParams(greedy=True), ignore_eos=True)

@@ -6,9 +6,7 @@ and routing statistics; a missing shard, or one from another model, is one line 
 
 from __future__ import annotations
 
-import ctypes
 import json
-import mmap
 import os
 import re
 import shutil
@@ -22,12 +20,13 @@ import numpy as np
 import pytest
 from cli_helpers import run_cli, run_cli_json
 from conftest import assert_same_greedy
+from disk_helpers import cached_pages, direct_io, drop_cached, quarter_budget
 from stock_runner import greedy
 
-from forecache.cache.disk import host_weight_bytes, plan_disk, probe_expert_reads, probe_ranges
+from forecache.cache.disk import plan_disk, probe_expert_reads, probe_ranges
 from forecache.cache.setup import CacheConfig
 from forecache.gguf.base import GGUFError
-from forecache.gguf.header import ModelFile, read_model_file, require_moe
+from forecache.gguf.header import read_model_file, require_moe
 from forecache.gguf.identity import fingerprint, identity
 from forecache.gguf.maker import make_model
 from forecache.gguf.tensors import tensor_array
@@ -67,6 +66,16 @@ def _copy_split(first: Path, dest: Path) -> Path:
 def _prompts(llm: Llama) -> list[list[int]]:
     text = llm.tokenize((TEXT * 80).encode())
     return [text[:1], text[:300]]
+
+
+def _assert_stock(llm: Llama, one: Path, stock: StockReference, where: str) -> None:
+    """``llm``'s greedy tokens and logits are the unpatched build's for ``one``."""
+    prompts = _prompts(llm)
+    ref = stock.run(one, prompts, N_GEN, **PARAMS)
+    for p, (ref_tokens, ref_logits) in zip(prompts, ref, strict=True):
+        tokens, logits = greedy(llm, p, N_GEN)
+        assert_same_greedy(tokens, logits, ref_tokens, ref_logits, f"{where} prompt={len(p)}",
+                           stock.backend == "cpu")
 
 
 def test_a_split_model_reads_as_the_model_in_one_file(pair: tuple[Path, Path]) -> None:
@@ -139,12 +148,7 @@ def test_split_model_gives_the_unpatched_tokens(policy: str, pair: tuple[Path, P
         placed = llm.placement
     with Llama(str(split), cache=cfg, verbose=False, **PARAMS) as llm:
         assert llm.placement == placed
-        prompts = _prompts(llm)
-        ref = stock.run(one, prompts, N_GEN, **PARAMS)
-        for p, (ref_tokens, ref_logits) in zip(prompts, ref, strict=True):
-            tokens, logits = greedy(llm, p, N_GEN)
-            assert_same_greedy(tokens, logits, ref_tokens, ref_logits,
-                               f"split {policy} prompt={len(p)}", stock.backend == "cpu")
+        _assert_stock(llm, one, stock, f"split {policy}")
 
 
 def test_split_model_under_llama_cpps_placement(pair: tuple[Path, Path]) -> None:
@@ -158,38 +162,6 @@ def test_split_model_under_llama_cpps_placement(pair: tuple[Path, Path]) -> None
         assert ta == tb and np.array_equal(la, lb)
 
 
-def _cached_pages(path: Path, ranges: list[tuple[int, int]]) -> int:
-    """Pages wholly inside ``ranges`` of ``path`` that the page cache holds (mincore)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    page = mmap.PAGESIZE
-    n = 0
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) as mm:
-        base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
-        for start, end in ranges:
-            a0, a1 = -(-start // page) * page, end // page * page
-            if a1 > a0:
-                vec = (ctypes.c_ubyte * ((a1 - a0) // page))()
-                assert libc.mincore(ctypes.c_void_p(base + a0), ctypes.c_size_t(a1 - a0), vec) == 0
-                n += sum(v & 1 for v in vec)
-    return n
-
-
-def _drop_cached(paths: list[Path]) -> None:
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def _quarter_budget(mf: ModelFile) -> int:
-    per = max(mf.layer_expert_bytes())
-    slots = sum(max(1, round(0.25 * mf.n_expert)) for _ in mf.moe_layers())
-    return host_weight_bytes(mf, on_gpu=False) + slots * per + mf.total_expert_bytes() // 4
-
-
 def test_the_disk_tier_reads_each_shard(pair: tuple[Path, Path], stock: StockReference,
                                         tmp_path: Path) -> None:
     """A host budget below the experts on a split model: the same host slots as the model in one
@@ -198,31 +170,24 @@ def test_the_disk_tier_reads_each_shard(pair: tuple[Path, Path], stock: StockRef
     one, first = pair
     split = _copy_split(first, tmp_path)
     a, mf = read_model_file(one), read_model_file(split)
-    budget = _quarter_budget(a)
+    budget = quarter_budget(a, 0.25)
     assert plan_disk(mf, budget, on_gpu=False) == plan_disk(a, budget, on_gpu=False)
     cfg = CacheConfig("lru", cache_fraction=0.25, host_budget=budget)
     with Llama(str(split), cache=cfg, verbose=False, **PARAMS) as llm:
         assert llm.placement is not None and llm.placement.disk is not None
-        _drop_cached(mf.files)
-        prompts = _prompts(llm)
-        ref = stock.run(one, prompts, N_GEN, **PARAMS)
-        for p, (ref_tokens, ref_logits) in zip(prompts, ref, strict=True):
-            tokens, logits = greedy(llm, p, N_GEN)
-            assert_same_greedy(tokens, logits, ref_tokens, ref_logits,
-                               f"split disk tier prompt={len(p)}", stock.backend == "cpu")
+        for f in mf.files:
+            drop_cached(f)
+        _assert_stock(llm, one, stock, "split disk tier")
         stats = llm.expert_cache.stats()
     assert stats["disk_reads"] > len(mf.moe_layers()) * mf.n_expert // 4, stats
     assert stats["disk_bytes"] == stats["disk_reads"] * max(mf.layer_expert_bytes())
-    try:
-        os.close(os.open(split, os.O_RDONLY | os.O_DIRECT))
+    if direct_io(split):
         assert stats["disk_direct_bytes"] == stats["disk_bytes"]
-    except OSError:
-        pass  # a file system without direct I/O reads through the page cache and drops it
     for i, path in enumerate(mf.files):
         ranges = [(mf.shards[i].data_offset + t.offset,
                    mf.shards[i].data_offset + t.offset + t.nbytes)
                   for il in mf.moe_layers() for t in mf.expert_tensors(il) if t.shard == i]
-        assert _cached_pages(path, ranges) == 0, path
+        assert cached_pages(path, ranges) == 0, path
 
 
 def _one_line_error(*args: str) -> str:
