@@ -138,7 +138,7 @@ if [ "$CPU" = 1 ]; then
     MODEL=$WORK/tiny-q4_k_m.gguf
     PRESET=tiny
     BIG=1GiB; SMALL=1GiB; FULL=1GiB; PROMPT=64; GEN=16; THREADS=(--threads 2)
-    LOSSLESS=(-k "test_every_policy_equals_unpatched and tiny-q8_0")
+    LOSSLESS=(-k "(test_every_policy_equals_unpatched and tiny-q8_0) or split_model_gives")
 else
     # the machine's own Python (PyTorch's environment: numpy, onnxruntime, pytest, click); the
     # carried builds go first on its path, forecache runs from this checkout
@@ -165,7 +165,8 @@ for p in sys.path:
     PRESET=${FORECACHE_GPU_CHECK_PRESET:-qwen2-57b-a14b}
     MODEL=$WORK/$PRESET-random-q4_k_m.gguf
     BIG=24GiB; SMALL=12GiB; FULL=64GiB; PROMPT=512; GEN=64; THREADS=()
-    LOSSLESS=(-k "q8_0")
+    # and a split model (its shards' experts in pinned host memory, the disk tier per shard)
+    LOSSLESS=(-k "q8_0 or split_model_gives or disk_tier_reads_each_shard")
 fi
 mkdir -p "$WORK"
 # a build that does not load ends the call here, while the device time left allows another
@@ -278,7 +279,8 @@ t=$(left)
 if [ "$t" -ge 45 ]; then
     log "lossless subset ($t s left)"
     set +e
-    timeout "$t" "$PY" -m pytest -q -p no:cacheprovider tests/test_lossless.py "${LOSSLESS[@]}" \
+    timeout "$t" "$PY" -m pytest -q -p no:cacheprovider tests/test_lossless.py tests/test_split.py \
+        "${LOSSLESS[@]}" \
         --junitxml "$WORK/lossless.xml" >&2
     rc=$?
     set -e
