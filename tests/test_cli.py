@@ -8,7 +8,7 @@ import pytest
 from cli_helpers import run_cli
 
 COMMANDS = ["batch", "bench", "build", "chat", "doctor", "eval-predictor", "generate", "make-model",
-            "models", "plan", "routing-stats", "rpc-server", "run", "serve", "simulate",
+            "models", "plan", "pull", "routing-stats", "rpc-server", "run", "serve", "simulate",
             "synth-trace", "trace", "train"]
 
 

@@ -1,5 +1,7 @@
 """What ``-m`` accepts: a GGUF path, a published model's name from models.yaml's ``catalog``
-(found in the user's model directory), ``default``, or a preset made with random weights."""
+(found in the user's model directory, put there by hand or by ``forecache pull``), a hub repo
+``OWNER/REPO[:QUANT]`` that ``forecache pull`` downloaded, ``default``, or a preset made with
+random weights."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import yaml
 from forecache.errors import setting
 from forecache.gguf.specs import load_specs, models_yaml
 from forecache.models.default import DEFAULT_PRESET, ensure_default_model, ensure_tiny_model
+from forecache.models.pull import PullError, find_catalog_pulled, find_pulled, parse_spec
 from forecache.paths import model_dir
 
 
@@ -52,7 +55,8 @@ def catalog(path: str | Path | None = None) -> dict[str, CatalogEntry]:
 
 def find_in_model_dir(entry: CatalogEntry, directory: Path | None = None) -> Path | None:
     """The file of ``entry`` in the model directory: its ``file``, else a ``<name>*.gguf``
-    (another quantization, or a split file's first part), case-insensitively."""
+    (another quantization, or a split file's first part), case-insensitively; else what
+    ``forecache pull NAME`` downloaded (``OWNER/REPO/`` of its ``hf_repo`` there)."""
     directory = directory or model_dir()
     try:
         files = sorted(p for p in directory.iterdir() if p.is_file())
@@ -67,6 +71,8 @@ def find_in_model_dir(entry: CatalogEntry, directory: Path | None = None) -> Pat
         if low.startswith(prefix) and low.endswith(".gguf") and \
                 ("-of-" not in low or "-00001-of-" in low):
             return p
+    if entry.hf_repo and parse_spec(entry.hf_repo) is not None:
+        return find_catalog_pulled(entry.hf_repo, entry.file, directory)
     return None
 
 
@@ -76,14 +82,29 @@ def known_names() -> list[str]:
 
 
 def resolve_model(arg: str | os.PathLike[str] | None) -> Path:
-    """The GGUF file ``arg`` means. None or ``default``: the default model. A path (anything
-    with a separator or ending in .gguf, or an existing file): itself. A catalog name: its file
-    in the model directory. ``tiny``: made on first use; the other presets say how to make one."""
+    """The GGUF file ``arg`` means. None or ``default``: the default model. An existing file,
+    or a name ending in .gguf: itself. ``OWNER/REPO[:QUANT]``: the file ``forecache pull`` put
+    in the model directory for it (a split model's first shard). Else anything with a separator:
+    itself. A catalog name: its file in the model directory. ``tiny``: made on first use; the
+    other presets say how to make one."""
     if arg is None or str(arg) == "default":
         return ensure_default_model()
     text = str(arg)
     path = Path(text).expanduser()
-    if path.exists() or os.sep in text or text.lower().endswith(".gguf"):
+    if path.exists() or text.lower().endswith(".gguf"):
+        return path
+    spec = parse_spec(text)
+    if spec is not None:
+        try:
+            found = find_pulled(spec)
+        except PullError as e:
+            raise ModelNotFoundError(str(e)) from e
+        if found is not None:
+            return found
+        raise ModelNotFoundError(
+            f"{spec} is not pulled yet (nor a file): `forecache pull {spec}` downloads it "
+            f"from the Hugging Face hub into {model_dir()}")
+    if os.sep in text:
         return path
     entries = catalog()
     entry = entries.get(text) or entries.get(text.lower())
@@ -91,10 +112,15 @@ def resolve_model(arg: str | os.PathLike[str] | None) -> Path:
         found = find_in_model_dir(entry)
         if found is not None:
             return found
-        source = f" from huggingface.co/{entry.hf_repo}" if entry.hf_repo else ""
+        if entry.hf_repo:
+            raise ModelNotFoundError(
+                f"model {entry.name!r} is not in {model_dir()}: `forecache pull {entry.name}` "
+                f"downloads it ({entry.file} from huggingface.co/{entry.hf_repo}), or put that "
+                f"file there (FORECACHE_MODEL_DIR sets the directory), or pass "
+                f"{setting('model_path', 'PATH')}")
         raise ModelNotFoundError(
-            f"model {entry.name!r} is not in {model_dir()}: download {entry.file}{source} into "
-            "that directory (or set FORECACHE_MODEL_DIR to where it is), or pass "
+            f"model {entry.name!r} is not in {model_dir()}: put {entry.file} into that "
+            "directory (or set FORECACHE_MODEL_DIR to where it is), or pass "
             f"{setting('model_path', 'PATH')}")
     specs = load_specs()
     if text in specs:
