@@ -19,12 +19,13 @@ def pull_cmd(model: str, quiet: bool) -> None:
     stopped when run again. Then `-m MODEL` runs it. HF_TOKEN (or `hf auth login`) opens gated
     repos; HF_ENDPOINT names another hub.
     """
-    from forecache.models.pull import human_size, pull
+    from forecache.models.names import pull_model
+    from forecache.models.pull import human_size
 
     def report(line: str) -> None:
         click.echo(f"  {line}", err=True)
 
-    result = pull(model, progress=False if quiet else None, report=None if quiet else report)
+    result = pull_model(model, progress=False if quiet else None, report=None if quiet else report)
     if quiet:
         click.echo(str(result.path))
         return

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,14 @@ import yaml
 from forecache.errors import setting
 from forecache.gguf.specs import load_specs, models_yaml
 from forecache.models.default import DEFAULT_PRESET, ensure_default_model, ensure_tiny_model
-from forecache.models.pull import PullError, find_catalog_pulled, find_pulled, parse_spec
+from forecache.models.pull import (
+    PullError,
+    PullResult,
+    find_catalog_pulled,
+    find_pulled,
+    parse_spec,
+    pull_repo,
+)
 from forecache.paths import model_dir
 
 
@@ -139,3 +147,25 @@ def resolve_model(arg: str | os.PathLike[str] | None) -> Path:
     raise ModelNotFoundError(f"no model file or name {text!r}; give a GGUF path or one of: "
                              f"{', '.join(known_names())} (`forecache models` lists them)")
 
+
+def pull_model(text: str, *, directory: Path | None = None, progress: bool | None = None,
+               report: Callable[[str], None] | None = None) -> PullResult:
+    """Download what ``text`` names (a catalog name of models.yaml, or ``OWNER/REPO[:QUANT]``)
+    into the model directory (``directory``: another one). ``progress``: progress bars on,
+    off, or None for when stderr is a terminal; ``report``: told one line per file. Raises
+    PullError (one line) when it cannot, GGUFError when a downloaded file is not a model."""
+    spec = parse_spec(text)
+    if spec is not None:
+        return pull_repo(spec.repo, spec.quant, directory=directory, progress=progress,
+                         report=report)
+    entries = catalog()
+    entry = entries.get(text) or entries.get(text.lower())
+    if entry is None:
+        raise PullError(f"{text!r} is neither a hub repo (OWNER/NAME[:QUANT], as on "
+                        f"huggingface.co) nor a catalog name ({', '.join(entries)}; "
+                        "`forecache models` lists them)")
+    if not entry.hf_repo:
+        raise PullError(f"catalog model {entry.name!r} names no hf_repo in models.yaml, so "
+                        f"there is nothing to pull: put {entry.file} in {model_dir()}")
+    return pull_repo(entry.hf_repo, file=entry.file, name=entry.name, directory=directory,
+                     progress=progress, report=report)

@@ -235,31 +235,6 @@ class PullResult:
         return self.files[0]
 
 
-def pull(text: str, *, directory: Path | None = None, progress: bool | None = None,
-         report: Callable[[str], None] | None = None) -> PullResult:
-    """Download what ``text`` names (a catalog name of models.yaml, or ``OWNER/REPO[:QUANT]``)
-    into the model directory (``directory``: another one). ``progress``: progress bars on,
-    off, or None for when stderr is a terminal; ``report``: told one line per file. Raises
-    PullError (one line) when it cannot, GGUFError when a downloaded file is not a model."""
-    spec = parse_spec(text)
-    if spec is not None:
-        return pull_repo(spec.repo, spec.quant, directory=directory, progress=progress,
-                         report=report)
-    from forecache.models.names import catalog  # names imports this module
-
-    entries = catalog()
-    entry = entries.get(text) or entries.get(text.lower())
-    if entry is None:
-        raise PullError(f"{text!r} is neither a hub repo (OWNER/NAME[:QUANT], as on "
-                        f"huggingface.co) nor a catalog name ({', '.join(entries)}; "
-                        "`forecache models` lists them)")
-    if not entry.hf_repo:
-        raise PullError(f"catalog model {entry.name!r} names no hf_repo in models.yaml, so "
-                        f"there is nothing to pull: put {entry.file} in {model_dir()}")
-    return pull_repo(entry.hf_repo, file=entry.file, name=entry.name, directory=directory,
-                     progress=progress, report=report)
-
-
 def pull_repo(repo: str, quant: str | None = None, *, file: str | None = None,
               name: str | None = None, directory: Path | None = None,
               progress: bool | None = None,
