@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -20,3 +21,10 @@ def run_cli_json(*args: str) -> dict:
     """Run a command with --json and parse its single JSON object."""
     res = run_cli(*args, "--json", check=True)
     return json.loads(res.stdout)
+
+
+def lowest_priority() -> None:
+    """``preexec_fn`` of a command a test interrupts part way (a signal once its first records
+    are out): it runs at the lowest priority, so however busy the machine is, the test's polling
+    sees its progress before it has finished."""
+    os.nice(19)

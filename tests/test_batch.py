@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from forecache.models.default import REFERENCE_MODEL
-from tests.cli_helpers import run_cli
+from tests.cli_helpers import lowest_priority, run_cli
 
 GREEDY = [("a", "And it came to pass"), ("b", "The LORD said"), ("c", "def main():"),
           ("d", "In the beginning"), ("e", "import os")]
@@ -160,7 +160,8 @@ def test_a_killed_job_resumes_and_loses_nothing(tmp_path: Path, tiny_model) -> N
     out = tmp_path / "out.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "forecache", "batch", "-m", str(model),
                              "--input", str(src), "--output", str(out), "--parallel", "1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=lowest_priority)
     deadline = time.monotonic() + 120
     while not (out.exists() and out.read_bytes().count(b"\n") >= 2):
         assert proc.poll() is None, "the job finished before it could be killed"
@@ -191,7 +192,8 @@ def test_sigterm_keeps_finished_records(tmp_path: Path, tiny_model) -> None:
     out = tmp_path / "out.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "forecache", "batch", "-m", str(model),
                              "--input", str(src), "--output", str(out), "--parallel", "2"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lowest_priority)
     deadline = time.monotonic() + 120
     while not (out.exists() and out.read_bytes().count(b"\n") >= 1):
         assert proc.poll() is None and time.monotonic() < deadline
@@ -209,7 +211,8 @@ def _kill_after(model: Path, src: Path, out: Path, parallel: int, records: int) 
     wrote."""
     proc = subprocess.Popen([sys.executable, "-m", "forecache", "batch", "-m", str(model),
                              "--input", str(src), "--output", str(out), "--parallel",
-                             str(parallel)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             str(parallel)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=lowest_priority)
     deadline = time.monotonic() + 120
     while not (out.exists() and out.read_bytes().count(b"\n") >= records):
         assert proc.poll() is None, "the job finished before it could be killed"

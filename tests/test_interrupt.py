@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from cli_helpers import lowest_priority
 
 
 def test_signals_held_reach_their_handler_after_the_block() -> None:
@@ -32,7 +33,7 @@ def test_sigterm_during_make_model_leaves_nothing(tmp_path: Path) -> None:
     # About 1 GB: long enough to be caught while the tensor data is being written.
     proc = subprocess.Popen([sys.executable, "-m", "forecache", "make-model", str(out),
                              "--preset", "qwen1.5-moe-a2.7b", "--type", "q4_k", "--layers", "2"],
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=lowest_priority)
     deadline = time.time() + 60
     while not list(tmp_path.glob("*.partial")) and time.time() < deadline:
         assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
@@ -53,7 +54,8 @@ def test_sigint_during_trace_keeps_finished_requests(tiny_model, tmp_path: Path)
     out = tmp_path / "t.npz"
     proc = subprocess.Popen([sys.executable, "-m", "forecache", "trace", "-m",
                              str(tiny_model("q8_0")), "--builtin", "default", "--out", str(out),
-                             "-n", "16"], stderr=subprocess.PIPE, text=True)
+                             "-n", "16"], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lowest_priority)
     assert proc.stderr is not None
     line = ""
     deadline = time.time() + 120

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from cli_helpers import run_cli
+from cli_helpers import lowest_priority, run_cli
 from conftest import ChildRunError, StockReference, greedy_job, run_greedy_child
 
 from forecache.cache.budget import (
@@ -391,7 +391,8 @@ def test_a_server_that_goes_away_ends_the_job_in_one_line(tiny_model: Callable[.
     args = ["-m", str(tiny_model("q8_0")), "--input", str(inp), "--output", str(out),
             "--parallel", "1", "--threads", "1", "--rpc", ",".join(eps)]
     job = subprocess.Popen([sys.executable, "-m", "forecache", "batch", *args],
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           preexec_fn=lowest_priority)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and job.poll() is None and \
