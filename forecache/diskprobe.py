@@ -112,11 +112,6 @@ class DiskRate:
                 f"{'' if self.direct else ' (buffered: this file system refuses direct I/O)'}")
 
 
-def measure_file(path: Path, ranges: Sequence[tuple[int, int]], depth: int) -> DiskRate:
-    """``measure_reads`` of ``ranges`` (offset, size) of one file."""
-    return measure_reads([(path, off, n) for off, n in ranges], depth)
-
-
 def measure_reads(ranges: Sequence[tuple[Path, int, int]], depth: int) -> DiskRate:
     """Read ``ranges`` (file, offset, size) as the disk tier reads experts: first a few one
     at a time, then all of them ``depth`` at a time, past the page cache (direct I/O where the
@@ -124,7 +119,7 @@ def measure_reads(ranges: Sequence[tuple[Path, int, int]], depth: int) -> DiskRa
     first reads cost each read's latency plus its bytes; the second the disk's rate. The
     files may be several: a split model's shards."""
     if not ranges:
-        raise ValueError("measure_file needs at least one range to read")
+        raise ValueError("measure_reads needs at least one range to read")
     opened: dict[Path, tuple[int, bool]] = {}
     try:
         for path, _, _ in ranges:

@@ -14,7 +14,7 @@ import pytest
 
 from forecache.cache.cost import CostModel, Profile
 from forecache.cache.disk import probe_expert_reads, probe_ranges
-from forecache.diskprobe import measure_file
+from forecache.diskprobe import measure_reads
 from forecache.gguf.header import read_model_file
 from forecache.sim.shapes import shape_of
 
@@ -83,7 +83,7 @@ def test_the_probe_reads_whole_experts_of_the_model(tiny_model: Callable[..., Pa
 def test_measure_file_reads_unaligned_ranges(tmp_path: Path) -> None:
     path = tmp_path / "blob"
     path.write_bytes(os.urandom(3 << 20))
-    rate = measure_file(path, [(4096 * k + 17, 100_000 + k) for k in range(12)], 3)
+    rate = measure_reads([(path, 4096 * k + 17, 100_000 + k) for k in range(12)], 3)
     assert rate.gbps > 0 and rate.depth == 3
     with pytest.raises(ValueError, match="at least one range"):
-        measure_file(path, [], 2)
+        measure_reads([], 2)

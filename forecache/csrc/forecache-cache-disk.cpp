@@ -249,6 +249,14 @@ static void fc_reader(forecache_cache * c) {
     free(bounce);
 }
 
+static void fc_close_all(const std::vector<int> & fds) {
+    for (int fd : fds) {
+        if (fd >= 0) {
+            close(fd);
+        }
+    }
+}
+
 void fc_disk_stop(forecache_cache * c) {
     {
         std::lock_guard<std::mutex> lock(c->mtx);
@@ -259,15 +267,11 @@ void fc_disk_stop(forecache_cache * c) {
         th.join();
     }
     c->readers.clear();
-    for (std::vector<int> * fds : {&c->disk_fd, &c->disk_open_dfd}) {
-        for (int fd : *fds) {
-            if (fd >= 0) {
-                close(fd);
-            }
-        }
-        fds->clear();
-    }
+    fc_close_all(c->disk_fd);
+    fc_close_all(c->disk_open_dfd);
+    c->disk_fd.clear();
     c->disk_dfd.clear();
+    c->disk_open_dfd.clear();
     ggml_backend_buffer_free(c->host_buf);
     c->host_buf = nullptr;
     if (c->host_ctx) {
@@ -400,14 +404,6 @@ bool fc_host_rows(forecache_cache * c, fc_layer & L, int32_t p, const float * in
         }
     }
     return true;
-}
-
-static void fc_close_all(const std::vector<int> & fds) {
-    for (int fd : fds) {
-        if (fd >= 0) {
-            close(fd);
-        }
-    }
 }
 
 int32_t forecache_cache_set_disk(

@@ -427,13 +427,6 @@ def _write_data(paths: list[Path], jobs: list[_Job], workers: int, total: int,
                 progress(done, total)
 
 
-def split_paths(out: Path, n: int) -> list[Path]:
-    """The files of a model written to ``out`` in ``n`` shards (llama.cpp's and gguf-split's
-    names: ``STEM-00001-of-0000N.gguf``), or ``[out]`` when ``n`` is 1."""
-    return [out] if n == 1 else [out.with_name(f"{out.stem}-{i:05d}-of-{n:05d}.gguf")
-                                 for i in range(1, n + 1)]
-
-
 def make_model(
     out_path: str | os.PathLike[str],
     preset: str,

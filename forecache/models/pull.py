@@ -37,13 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from forecache.gguf.header import SPLIT_NAME, split_name
 from forecache.paths import model_dir, write_atomic
 
 #: OWNER/NAME[:QUANT], the hub's repo names (as llama.cpp's -hf takes them)
 REPO_SPEC = re.compile(r"^([A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95})"
                        r"(?::([A-Za-z0-9][A-Za-z0-9_.+-]{0,63}))?$")
-#: llama.cpp's split file names: PREFIX-00001-of-00004.gguf
-SPLIT = re.compile(r"^(.*)-(\d{5})-of-(\d{5})\.gguf$", re.IGNORECASE)
 #: a quantization's name within a file name (Q4_K_M, IQ2_XXS, Q8_0, BF16, ...)
 QUANT = re.compile(r"(?<![A-Za-z0-9])(I?Q\d+(?:_[A-Za-z0-9]+)*|TQ\d_\d|B?F16|F32|MXFP4(?:_MOE)?)"
                    r"(?![A-Za-z0-9])", re.IGNORECASE)
@@ -108,7 +107,7 @@ def group_models(paths: Iterable[str]) -> list[RepoModel]:
         pp = PurePosixPath(p)
         if pp.suffix.lower() != ".gguf" or "mmproj" in pp.name.lower():
             continue
-        m = SPLIT.match(pp.name)
+        m = SPLIT_NAME.match(pp.name)
         if m and 1 <= int(m.group(2)) <= int(m.group(3)):
             splits.setdefault((str(pp.parent), m.group(1), int(m.group(3))), {})[
                 int(m.group(2))] = p
@@ -117,7 +116,7 @@ def group_models(paths: Iterable[str]) -> list[RepoModel]:
     models = singles
     for (parent, prefix, count), shards in splits.items():
         name = str(PurePosixPath(parent, f"{prefix}.gguf"))
-        missing = tuple(str(PurePosixPath(parent, f"{prefix}-{i:05d}-of-{count:05d}.gguf"))
+        missing = tuple(str(PurePosixPath(parent, split_name(prefix, i - 1, count)))
                         for i in range(1, count + 1) if i not in shards)
         models.append(RepoModel(name, tuple(shards[i] for i in sorted(shards)), count, missing))
     return sorted(models, key=lambda m: m.name.lower())
