@@ -37,3 +37,23 @@ def nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, *, step: float
                 pts = [pts[0]] + [pts[0] + 0.5 * (p - pts[0]) for p in pts[1:]]
                 vals = [vals[0]] + [f(p) for p in pts[1:]]
     return pts[int(np.argmin(vals))]
+
+
+def minimise(f: Callable[[np.ndarray], float], x0: np.ndarray, *, iters: int = 300,
+             tol: float = 1e-6, restarts: int = 12) -> np.ndarray:
+    """Minimise ``f`` from ``x0`` by Nelder-Mead restarted from its best point with a fresh
+    simplex, wide and narrow in turn, until a restart gains nothing: a simplex collapses on
+    the kinks of a roofline (a rate that stops mattering where another one binds) and stalls
+    short of the minimum."""
+    best = nelder_mead(f, x0, iters=iters, tol=tol)
+    val = f(best)
+    for k in range(restarts):
+        cand = nelder_mead(f, best, step=1.0 if k % 2 == 0 else 0.3, iters=iters, tol=tol)
+        got = f(cand)
+        if got < val:
+            best, gain, val = cand, val - got, got
+        else:
+            gain = 0.0
+        if k and gain < tol:  # both widths tried and neither moved it
+            break
+    return best

@@ -35,7 +35,7 @@ from forecache.cache.shape import ModelShape, model_shape
 from forecache.errors import setting
 from forecache.gguf.header import ModelFile
 from forecache.gguf.identity import fingerprint
-from forecache.jobs.fit import nelder_mead
+from forecache.jobs.fit import minimise
 from forecache.llama import Llama
 from forecache.native.libs import MAX_SEQUENCES
 from forecache.paths import cache_dir, write_atomic
@@ -253,9 +253,7 @@ def fit_profile(shape: ModelShape, base: Profile, plan: Plan, budget: int,
         # a weak pull to the start keeps parameters the samples barely constrain in range
         return err + 1e-3 * float(np.sum((v - x0) ** 2))
 
-    best = nelder_mead(loss, x0, iters=300, tol=1e-6)
-    best = nelder_mead(loss, best, step=0.3, iters=300, tol=1e-6)  # the simplex can stall
-    return of(best)
+    return of(minimise(loss, x0))
 
 
 def _record(model: ModelFile, device: str) -> Path:
