@@ -1,6 +1,6 @@
 """The simulator next to the GPU: every row of BENCHMARKS.md's H200 tables, simulated.
 
-    python benchmarks/sim_gpu_table.py [--profile h200-xeon] [--rows LABEL,...] [--json OUT]
+    python benchmarks/sim_gpu_table.py [--run h200|h100] [--hot-path groups|remap] [--rows ...]
 
 Replays what the GPU check (``benchmarks/gpu_check.sh run``, 2026-11-26, NVIDIA H200 with a
 16-core Xeon host) measured, on the same routing and the same placement: Qwen2-57B-A14B in
@@ -268,8 +268,10 @@ class Simulated:
 
 
 def simulate_row(row: Row, shape: ModelShape, profile: Profile, plan_profile: Profile | None,
-                 routings: dict[str, Routing], warm_prompt: int = WARM_PROMPT) -> Simulated:
-    """One row on the modelled machine."""
+                 routings: dict[str, Routing], warm_prompt: int = WARM_PROMPT,
+                 hot_path: str = "groups") -> Simulated:
+    """One row on the modelled machine, with the runtime's ``hot_path`` (``SimConfig``):
+    "groups" is the one the measured rows ran, "remap" today's."""
     budget = "64GiB" if row.policy == "all-gpu" else row.budget
     policy = "ncmoe" if row.policy == "all-gpu" else row.policy
     pl = placement(budget)
@@ -278,7 +280,8 @@ def simulate_row(row: Row, shape: ModelShape, profile: Profile, plan_profile: Pr
     pred, window = predictor_for(policy, shape)
     # the split plans as the runtime's does (cache.setup.split_cost): the default machine's
     # profile with the copy rate probed on the device
-    cfg = SimConfig(policy, slots, window=window, n_ubatch=N_UBATCH, plan_profile=plan_profile)
+    cfg = SimConfig(policy, slots, window=window, n_ubatch=N_UBATCH, plan_profile=plan_profile,
+                    hot_path=hot_path)
     sim = Simulator(shape, profile, cfg, range(shape.layers), pred)
     if spec.proactive:
         assert sim.n_stage == pl.stage and sim.n_slots == pl.post, (sim.n_stage, sim.n_slots)
@@ -302,7 +305,7 @@ def error(sim: float, measured: float) -> float:
 def simulate_table(rows: Sequence[Row], profile: Profile, plan_profile: Profile | None = None,
                    olmoe_real: Path = OLMOE_REAL,
                    progress: Callable[[str], None] = lambda s: None,
-                   warm_prompt: int = WARM_PROMPT) -> list[dict]:
+                   warm_prompt: int = WARM_PROMPT, hot_path: str = "groups") -> list[dict]:
     """Every row simulated: the row's measured and simulated figures and the errors."""
     shape = shape_of(MODEL, QTYPE)
     routings = {name: routing(name, shape, olmoe_real)
@@ -310,7 +313,7 @@ def simulate_table(rows: Sequence[Row], profile: Profile, plan_profile: Profile 
     out = []
     for row in rows:
         t0 = time.perf_counter()
-        s = simulate_row(row, shape, profile, plan_profile, routings, warm_prompt)
+        s = simulate_row(row, shape, profile, plan_profile, routings, warm_prompt, hot_path)
         progress(f"{row.label}: {time.perf_counter() - t0:.1f} s")
         out.append({"row": row.label, "routing": row.routing, "budget": row.budget,
                     "policy": row.policy, "first_in_process": row.first,
@@ -364,6 +367,10 @@ def main() -> None:
                     help="the profile promoe's host split plans with (default: the one the "
                          "run's measured rows planned with)")
     ap.add_argument("--rows", default=None, help="comma-separated row labels (default: all)")
+    ap.add_argument("--hot-path", choices=("groups", "remap"), default="groups",
+                    help="the runtime's hot path simulated: the one the measured rows ran "
+                         "(groups, the default: the simulator checked against them) or today's "
+                         "(remap: predictions for the next GPU run)")
     ap.add_argument("--olmoe-real", type=Path, default=OLMOE_REAL)
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
@@ -379,9 +386,9 @@ def main() -> None:
     plan = Profile.load(a.plan_profile or run.plan_profile)
     results = simulate_table(rows, profile, plan, a.olmoe_real,
                              progress=lambda s: print(s, flush=True),
-                             warm_prompt=run.warm_prompt)
+                             warm_prompt=run.warm_prompt, hot_path=a.hot_path)
     print(f"\n{MODEL} {QTYPE}, profile {profile.name}, promoe's split planned with "
-          f"{plan.name} (copy rate {profile.h2d_gbps} GB/s)")
+          f"{plan.name} (copy rate {profile.h2d_gbps} GB/s), hot path {a.hot_path}")
     print(format_table(results))
     s = summary(results)
     print(f"* the first run of its process: its TTFT carries a one-time cost the simulator does "

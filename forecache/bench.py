@@ -98,6 +98,7 @@ class PolicyResult:
     ratios: dict[str, dict[str, float]]
     timeline: dict | None = None  # the cache's timeline summarized (``cache.timeline``)
     disk: dict | None = None  # the disk tier's reads a decoded token (a host budget)
+    hot_path: dict | None = None  # the cache's host work a pass (``hot_path``)
 
 
 def bench_prompts(llm: Llama, n_prompts: int, prompt_len: int,
@@ -153,8 +154,10 @@ def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n
         # no prefix with them, so that the first prompt is timed as the others are
         generate(llm, prompts[0][::-1], 2, SamplingParams(greedy=True), ignore_eos=True)
         cache = llm.expert_cache
+        first_pass = 0
         if cache is not None:
             cache.reset_stats()
+            first_pass = cache.passes(next(iter(cache.layers)))[0]
             if timeline:
                 cache.start_timeline()
         runs = []
@@ -163,6 +166,8 @@ def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n
             runs.append(generate(llm, p, n_gen, SamplingParams(greedy=True), ignore_eos=True))
         wall = time.perf_counter() - t0
         stats = llm.expert_stats()
+        n_passes = cache.passes(next(iter(cache.layers)))[0] - first_pass if cache else 0
+        host_work = hot_path(cache.stats(), n_passes) if cache is not None and n_passes else None
         spans = cache.timeline() if cache is not None and timeline else None
         if llm.replay is not None:
             llm.replay.check()
@@ -183,7 +188,16 @@ def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n
         **({"disk": _disk_cost(stats, sum(len(r.tokens) for r in runs), llm.disk_rate)}
            if "disk_reads" in stats else {}),
         **({"timeline": summarize(*spans)} if spans is not None else {}),
+        **({"hot_path": host_work} if host_work else {}),
     }
+
+
+HOT_PATH = ("stops", "readbacks", "uploads", "mini_graphs", "products", "copy_waits", "quiet")
+
+
+def hot_path(stats: dict, n_passes: int) -> dict[str, float]:
+    """The cache's host work per forward pass (``HOT_PATH`` counters over ``n_passes``)."""
+    return {"passes": n_passes, **{k: stats[k] / n_passes for k in HOT_PATH}}
 
 
 def llama_cpp_threads(cpuinfo: str | None = None) -> int:
@@ -305,6 +319,11 @@ def format_table(report: dict) -> str:
                                                                   for b in BASELINES))
     for pol, err in report.get("errors", {}).items():
         lines.append(f"{pol}: failed ({err})")
+    for r in report["results"]:
+        h = r.get("hot_path")
+        if h:
+            lines.append(f"{r['policy']}: per pass " + ", ".join(
+                f"{k.replace('_', ' ')} {h[k]:.1f}" for k in HOT_PATH))
     for r in report["results"]:
         d = r.get("disk")
         if d:

@@ -41,7 +41,8 @@ def _answers(reqs: list[Request]) -> int:
 def test_single_request_replays_unchanged() -> None:
     """The figures one-request-at-a-time replays gave before batch jobs were modelled (with
     the layer's norms in its bytes, as make-model writes it; promoe's since prompt-sized
-    ubatches stopped splitting experts to the CPU, 2026-11-26)."""
+    ubatches stopped splitting experts to the CPU, 2026-11-26), on the hot path they were
+    computed with (expert groups, every cached layer stopping)."""
     reqs = synthesize(OLMOE_FIT, n_layers=4, n_expert=16, top_k=4, tokens=[60, 50, 45],
                       prefill=[40, 34, 20], seed=5)
     want = {
@@ -54,7 +55,8 @@ def test_single_request_replays_unchanged() -> None:
     }
     for policy, (ttft, tpot, hits, misses, h2d, stall, host) in want.items():
         pred = HistoryPredictor(4, 16, 4) if policy == "promoe" else None
-        r = simulate(reqs, SHAPE, PROFILE, SimConfig(policy, n_slots=8, n_ubatch=32), pred)
+        r = simulate(reqs, SHAPE, PROFILE,
+                     SimConfig(policy, n_slots=8, n_ubatch=32, hot_path="groups"), pred)
         assert (r.hits, r.misses, r.h2d_bytes, r.host_layers) == (hits, misses, h2d, host)
         assert r.ttft_s == pytest.approx(ttft, rel=1e-12)
         assert r.tpot_s == pytest.approx(tpot, rel=1e-12)

@@ -65,6 +65,7 @@ class InfinityPolicy(Prefetcher):
 
     name = "infinity"
     ranks_experts = True
+    routes_every_layer = True  # a request's activation matrix has a row for every layer
 
     def __init__(self, n_slots: Sequence[int], features: Features | None = None,
                  cost: CostModel | None = None,

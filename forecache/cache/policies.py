@@ -155,6 +155,9 @@ class Policy:
     cost: CostModel | None = None
     #: forward passes (ubatches) routed so far: a forecast made in an older pass is stale
     pass_id: int = 0
+    #: sees every layer's routing, even a layer whose every expert is resident (which the
+    #: cache otherwise computes without stopping: ``ExpertCache`` quiet layers)
+    routes_every_layer = False
 
     def __init__(self, n_slots: Sequence[int]) -> None:
         self.n_slots = list(n_slots)
@@ -297,7 +300,8 @@ class LFUPolicy(Policy):
 
 
 class StaticPolicy(Policy):
-    """The hottest experts of a routing profile stay pinned; two spare slots take misses (LRU)."""
+    """The hottest experts of a routing profile stay pinned; two spare slots take misses (LRU).
+    A layer with a slot for every expert pins them all."""
 
     name = "static"
     needs_profile = True
@@ -308,8 +312,8 @@ class StaticPolicy(Policy):
         self._spare: list[OrderedDict[int, int]] = []
         self._spare_slots: list[list[int]] = []
         for il, n in enumerate(self.n_slots):
-            n_pin = max(n - STATIC_SPARE_SLOTS, 0)
             counts = profile[il] if il < len(profile) else np.zeros(0)
+            n_pin = n if 0 < len(counts) <= n else max(n - STATIC_SPARE_SLOTS, 0)
             # stable sort: ties go to the lower expert id, so a profile gives one placement
             hot = np.argsort(-counts, kind="stable")[:n_pin].tolist() if n_pin else []
             self.pinned.append({int(e): s for s, e in enumerate(hot)})

@@ -162,6 +162,8 @@ class ExpertCache:
                                          source=GateEvents(c_api, handle))
         want_x = gate_input or (forecaster is not None and forecaster.needs_hidden)
         c_api.cache_set_reorder(handle, reorder)
+        # a layer with every expert resident needs no stop unless something must see its routing
+        c_api.cache_set_quiet(handle, on_route is None and not policy.routes_every_layer)
         c_api.cache_set_gather(handle, DEVICE_MIN_TOKENS, gather)
         self._hook = GATE_HOOK(self._on_gate)  # kept referenced: C holds the pointer
         c_api.cache_set_hook(handle, self._hook, None, want_x)

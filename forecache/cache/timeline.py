@@ -3,8 +3,9 @@
 The C cache records spans of its own work when asked (``forecache_cache_set_timeline``): each
 layer's routed ids read back (which waits for the device to reach the layer), its gate, compute
 waiting for copies, expert compute on the CPU, expert groups computed from slots, and every chunk
-the copy thread copies. ``summarize`` splits the passes into prompt passes (more than one token
-routed) and decode passes and sums each kind per layer; ``format_summary`` prints it.
+the copy thread copies, and each layer computed without a stop (``quiet``: every expert
+resident, a mark of no duration). ``summarize`` splits the passes into prompt passes (more than
+one token routed) and decode passes and sums each kind per layer; ``format_summary`` prints it.
 """
 
 from __future__ import annotations
@@ -51,10 +52,10 @@ class TimelineSpan:
 
 
 def pass_tokens(spans: list[TimelineSpan]) -> dict[int, int]:
-    """Tokens each pass routed (the most any of its layers routed)."""
+    """Tokens each pass routed (the most any of its layers routed, read back or quiet)."""
     out: dict[int, int] = {}
     for s in spans:
-        if s.kind in ("ids", "gate"):
+        if s.kind in ("ids", "gate", "quiet"):
             out[s.pass_id] = max(out.get(s.pass_id, 0), s.n)
     return out
 

@@ -46,6 +46,7 @@ bool fc_host_compute(forecache_cache * c, fc_layer & L, int32_t proj, ggml_tenso
         const int64_t b_rows = b->ne[1];
         std::vector<float> in(ggml_nelements(b));
         ggml_backend_tensor_get(b, in.data(), 0, ggml_nbytes(b));
+        L.stats.readbacks++;
         std::vector<int32_t> rows(n_used*n_tokens);
         for (int64_t it = 0; it < n_tokens; it++) {
             for (int64_t iu = 0; iu < n_used; iu++) {
@@ -56,6 +57,7 @@ bool fc_host_compute(forecache_cache * c, fc_layer & L, int32_t proj, ggml_tenso
         const bool ok = fc_host_rows(c, L, proj, in.data(), b->ne[0], rows.data(), c->ids.data(), n_used*n_tokens, out, t->ne[0]);
         if (ok) {
             ggml_backend_tensor_set(t, out.data(), 0, ggml_nbytes(t));
+            L.stats.uploads++;
         }
         std::lock_guard<std::mutex> lock(c->mtx);
         L.stats.host_s += fc_seconds(t0);
@@ -65,6 +67,9 @@ bool fc_host_compute(forecache_cache * c, fc_layer & L, int32_t proj, ggml_tenso
 
     ggml_tensor * x   = nullptr;
     ggml_tensor * ids = nullptr;
+    L.stats.mini_graphs++;
+    L.stats.readbacks++; // its input, and its result written back
+    L.stats.uploads++;
     const bool ok = fc_mini_graph(c->cpu, nullptr,
         [&](ggml_context * ctx) {
             x   = ggml_new_tensor(ctx, GGML_TYPE_F32, 4, b->ne);
@@ -130,6 +135,8 @@ bool fc_group_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor 
 
     ggml_tensor * idx = nullptr;
     const fc_device & d = c->devs[L.dev];
+    L.stats.mini_graphs++;
+    L.stats.uploads++; // its indices
     const bool ok = fc_mini_graph(d.backend, d.group_alloc,
         [&](ggml_context * ctx) {
             // b and t as leaves over the same memory: views would pull the whole model graph into this one
@@ -183,12 +190,14 @@ bool fc_host_entries(forecache_cache * c, fc_layer & L, int32_t p, const ggml_te
 }
 
 // writes the host entries' result rows (c->h_out) into node t, on the pool's device
-bool fc_scatter_host(forecache_cache * c, const fc_layer & L, ggml_tensor * t) {
+bool fc_scatter_host(forecache_cache * c, fc_layer & L, ggml_tensor * t) {
     const int64_t n = (int64_t) c->h_dst.size();
     const int64_t n_rows = t->src[3]->ne[0]*t->src[3]->ne[1];
     ggml_tensor * y   = nullptr;
     ggml_tensor * dst = nullptr;
     const fc_device & d = c->devs[L.dev];
+    L.stats.mini_graphs++;
+    L.stats.uploads += 2; // the rows, and where they go
     return fc_mini_graph(d.backend, d.group_alloc,
         [&](ggml_context * ctx) {
             ggml_tensor * t2 = fc_alias_2d(ctx, t, t->ne[0], n_rows);
@@ -231,6 +240,7 @@ bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor *
     if (split) {
         c->h_in.resize(ggml_nelements(t->src[1]));
         ggml_backend_tensor_get(t->src[1], c->h_in.data(), 0, ggml_nbytes(t->src[1]));
+        L.stats.readbacks++;
         c->host.run([&] { host_ok = fc_host_entries(c, L, p, t); });
     }
     bool ok = true;
@@ -240,6 +250,7 @@ bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor *
         if (!fc_entry_ready(c, L, i, p)) {
             const auto t0 = fc_clock::now();
             c->cv_done.wait(lock, [&] { return fc_entry_ready(c, L, i, p) || c->disk_failed; });
+            L.stats.copy_waits++;
             L.stats.stall_s += fc_seconds(t0);
             fc_span(c, FORECACHE_SPAN_WAIT, (int32_t) (&L - c->layers.data()), p, 0, t0, fc_clock::now());
         }
@@ -259,6 +270,7 @@ bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor *
             while (j < n && j - i < c->gather_entries && same(j) && !c->disk_failed &&
                    fc_entry_can_land(c, L, j, p)) {
                 c->cv_done.wait(lock, [&] { return fc_entry_ready(c, L, j, p) || c->disk_failed; });
+                L.stats.copy_waits++;
                 while (j < n && fc_entry_ready(c, L, j, p) && same(j)) {
                     j++;
                 }

@@ -28,22 +28,61 @@ ggml_tensor * fc_view(fc_device & d, int64_t ne0, int64_t ne1) {
     return v;
 }
 
-// rewrites every MUL_MAT_ID that reads a cached expert tensor to read the layer's slot pool
+// the remap of a layer's routed ids to its slots, computed on the device: the layer's map (expert ->
+// slot) read at each id (a view that repeats the map for every token, so the ids need no copy), shaped
+// as the ids; nullptr when it cannot be made
+static ggml_tensor * fc_remap(ggml_context * ctx, const fc_layer & L, ggml_tensor * ids) {
+    if (ctx == nullptr || ggml_get_mem_size(ctx) - ggml_used_mem(ctx) < 3*ggml_tensor_overhead() ||
+            ids->ne[2] != 1 || ids->ne[3] != 1) {
+        return nullptr;
+    }
+    ggml_tensor * map = ggml_view_2d(ctx, L.map, 1, L.n_expert, L.map->nb[1], 0);
+    map->ne[2] = ids->ne[1]; // the same map for every token (ggml_view_3d would ask for a copy's bytes)
+    map->nb[2] = 0;
+    map->nb[3] = 0;
+    if (ggml_backend_view_init(map) != GGML_STATUS_SUCCESS) {
+        return nullptr;
+    }
+    ggml_tensor * rows = ggml_get_rows(ctx, map, ids);
+    ggml_format_name(rows, "fc.remap.%s", ids->name);
+    ggml_tensor * out = ggml_reshape_2d(ctx, rows, ids->ne[0], ids->ne[1]);
+    // what ggml_build_forward_expand marks: backends skip nodes without it
+    rows->flags |= GGML_TENSOR_FLAG_COMPUTE;
+    out->flags  |= GGML_TENSOR_FLAG_COMPUTE;
+    return out;
+}
+
+// puts the two nodes of remap r (its GET_ROWS, then r) into graph before node i
+static void fc_insert_remap(ggml_cgraph * graph, int i, ggml_tensor * r) {
+    ggml_graph_add_node(graph, r->src[0]);
+    ggml_graph_add_node(graph, r);
+    ggml_tensor ** nodes = ggml_graph_nodes(graph);
+    const int n = ggml_graph_n_nodes(graph);
+    std::rotate(nodes + i, nodes + n - 2, nodes + n);
+}
+
+// rewrites every MUL_MAT_ID that reads a cached expert tensor to read the layer's slot pool, through
+// slot ids that a node before the layer's first product remaps on the device (or, where the graph has
+// no room for it, that the hook writes)
 void fc_graph_hook(ggml_cgraph * graph, void * user_data) {
     auto * c = (forecache_cache *) user_data;
     std::unordered_map<const ggml_tensor *, int> first_use; // routed ids -> first node index
+    std::unordered_map<const ggml_tensor *, ggml_tensor *> remap_of; // routed ids -> remapped ids
 
     c->layer_of_ids.clear();
-    const int n_nodes = ggml_graph_n_nodes(graph);
-    for (int i = 0; i < n_nodes; i++) {
+    c->remap_mm.clear();
+    ggml_context * rctx = nullptr; // this graph's remap nodes
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         ggml_tensor * node = ggml_graph_node(graph, i);
         if (node->op != GGML_OP_MUL_MAT_ID) {
             continue;
         }
         auto pit = c->pool_map.find(node->src[0]);
         if (pit != c->pool_map.end()) {
-            first_use.emplace(node->src[3], i); // rewritten already
             c->layer_of_ids[node->src[3]] = pit->second.first;
+            if (fc_remapped(node)) {
+                c->remap_mm.emplace(node->src[2]->src[0], node);
+            }
             continue;
         }
         auto it = c->host_map.find(node->src[0]);
@@ -55,19 +94,56 @@ void fc_graph_hook(ggml_cgraph * graph, void * user_data) {
             continue;
         }
         ggml_tensor * ids = node->src[2];
-        fc_device & d = c->devs[L.dev];
-        if (ids->ne[0]*ids->ne[1] > ggml_nelements(d.slot_ids)) {
-            continue;
+        ggml_tensor * slot_ids = nullptr;
+        auto rit = remap_of.find(ids);
+        if (rit != remap_of.end()) {
+            slot_ids = rit->second; // nullptr: the layer's ids are written by the hook
+        } else if (ggml_graph_size(graph) - ggml_graph_n_nodes(graph) >= 2) {
+            if (rctx == nullptr) {
+                // a few graphs' worth: the one computed is always the last one split
+                ggml_init_params params = {
+                    /*.mem_size   =*/ (size_t) (3*c->layers.size() + 8)*ggml_tensor_overhead(),
+                    /*.mem_buffer =*/ nullptr,
+                    /*.no_alloc   =*/ true,
+                };
+                rctx = ggml_init(params);
+                c->remap_ctx.push_back(rctx);
+                while (c->remap_ctx.size() > 4) {
+                    ggml_free(c->remap_ctx.front());
+                    c->remap_ctx.pop_front();
+                }
+            }
+            slot_ids = fc_remap(rctx, L, ids);
+            remap_of[ids] = slot_ids;
+            if (slot_ids != nullptr) {
+                fc_insert_remap(graph, i, slot_ids);
+                i += 2;
+                c->remap_mm.emplace(slot_ids->src[0], node);
+            }
+        } else {
+            remap_of[ids] = nullptr;
         }
-        ggml_tensor * view = fc_view(d, ids->ne[0], ids->ne[1]);
-        if (view == nullptr) {
-            continue;
+        if (slot_ids == nullptr) {
+            fc_device & d = c->devs[L.dev];
+            if (ids->ne[0]*ids->ne[1] > ggml_nelements(d.slot_ids)) {
+                continue;
+            }
+            slot_ids = fc_view(d, ids->ne[0], ids->ne[1]);
+            if (slot_ids == nullptr) {
+                continue;
+            }
         }
         node->src[3] = ids; // keeps the routed ids alive until the matmul and tells the hook where they are
-        node->src[2] = view;
+        node->src[2] = slot_ids;
         node->src[0] = L.pool[it->second.second];
-        first_use.emplace(ids, i);
         c->layer_of_ids[ids] = it->second.first;
+    }
+    const int n_nodes = ggml_graph_n_nodes(graph);
+    for (int i = 0; i < n_nodes; i++) { // after the remap nodes went in
+        ggml_tensor * node = ggml_graph_node(graph, i);
+        if (node->op == GGML_OP_MUL_MAT_ID && c->pool_map.count(node->src[0])) {
+            first_use.emplace(node->src[3], i);
+        }
     }
 
     // the router weights of each routed layer (the F32 rows its ids select before its matmul),

@@ -159,6 +159,10 @@ struct fc_layer {
 
     ggml_tensor * host[FC_MAX_PROJ] = {};
     ggml_tensor * pool[FC_MAX_PROJ] = {};
+    ggml_tensor * map = nullptr;      // expert -> slot on the layer's device: the graph remaps routed ids through it
+    std::vector<int32_t> map_dev;     // what map holds now
+    uint64_t quiet_epoch = 0;         // the pass computing the layer without a stop (forecache_cache_set_quiet)
+    const ggml_tensor * wait_node = nullptr; // the product whose copies the host waits for, its nodes before launched
 
     std::vector<int32_t> slot_of;     // expert -> slot, -1 if none
     std::vector<int32_t> dg_host_k;   // its own decode gate tables (forecache_cache_set_layer_decode_gate;
@@ -240,6 +244,9 @@ struct forecache_cache {
     std::unordered_map<const ggml_tensor *, fc_weights_use>              weights_use; // router weights -> how they reach the expert outputs
     std::unordered_map<const ggml_tensor *, ggml_tensor *>               little_before; // node -> router weights a little pass drops in before it
     std::unordered_map<const ggml_tensor *, int32_t>                     layer_of_ids; // routed ids -> layer
+    std::unordered_map<const ggml_tensor *, ggml_tensor *>               remap_mm; // remap node (GET_ROWS of a layer's map) -> first MUL_MAT_ID reading it
+    std::deque<ggml_context *> remap_ctx; // the remap nodes of the last graphs (a reused graph keeps reading them)
+    bool quiet = false;                   // forecache_cache_set_quiet
     std::atomic<int32_t> little{0};           // forecache_cache_set_little: experts a little pass keeps
     std::atomic<bool>    little_resident{false}; // ... of those already resident, and the top-1
 
@@ -388,6 +395,14 @@ bool fc_all_ready(const forecache_cache * c, const fc_layer & L, int32_t p0, int
 
 // forecache-cache-graph.cpp: the graph hook
 bool fc_grouped(const fc_layer & L);
+// node t (a rewritten MUL_MAT_ID) reads its slot ids from the layer's map on the device
+inline bool fc_remapped(const ggml_tensor * t) {
+    return t->src[2] != nullptr && t->src[2]->op == GGML_OP_RESHAPE;
+}
+// makes the device's map of layer il hold `want` (one blocking upload when it differs; lock held)
+void fc_upload_map(forecache_cache * c, int32_t il, const std::vector<int32_t> & want);
+// whether layer il is computed without a stop in this pass (forecache_cache_set_quiet; lock held)
+bool fc_quiet(forecache_cache * c, int32_t il, const ggml_tensor * ids);
 ggml_tensor * fc_view(fc_device & d, int64_t ne0, int64_t ne1);
 void fc_graph_hook(ggml_cgraph * graph, void * user_data);
 
@@ -397,7 +412,7 @@ bool fc_host_compute(forecache_cache * c, fc_layer & L, int32_t proj, ggml_tenso
 ggml_tensor * fc_alias_2d(ggml_context * ctx, ggml_tensor * src, int64_t ne0, int64_t ne1);
 bool fc_group_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor * t, int32_t i0, int32_t i1, int64_t * n_rows);
 bool fc_host_entries(forecache_cache * c, fc_layer & L, int32_t p, const ggml_tensor * t);
-bool fc_scatter_host(forecache_cache * c, const fc_layer & L, ggml_tensor * t);
+bool fc_scatter_host(forecache_cache * c, fc_layer & L, ggml_tensor * t);
 bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor * t);
 
 // forecache-cache-disk.cpp: the disk tier (lock held unless said)

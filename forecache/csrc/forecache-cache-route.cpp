@@ -251,12 +251,13 @@ int32_t fc_try_decode_gate(forecache_cache * c, int32_t il, int64_t n_tokens, in
 // reads the routed ids of layer il from ids_t into c->ids; false (and the graph compute cancelled)
 // if one is not an expert of the layer
 bool fc_read_ids(forecache_cache * c, int32_t il, const ggml_tensor * ids_t) {
-    const fc_layer & L = c->layers[il];
+    fc_layer & L = c->layers[il];
     const int64_t n_used   = ids_t->ne[0];
     const int64_t n_tokens = ids_t->ne[1];
     c->raw.resize(ggml_nbytes(ids_t));
     const auto t0 = fc_clock::now();
     ggml_backend_tensor_get(ids_t, c->raw.data(), 0, c->raw.size());
+    c->layers[il].stats.readbacks++;
     if (c->tl_on.load(std::memory_order_relaxed)) {
         fc_span_add(c, FORECACHE_SPAN_IDS, il, -1, -1, -1, (int32_t) n_tokens, c->raw.size(), t0, fc_clock::now());
     }
@@ -326,6 +327,7 @@ bool fc_little_early(forecache_cache * c, ggml_tensor * w) {
     }
     c->weights.resize(ggml_nelements(w));
     ggml_backend_tensor_get(w, c->weights.data(), 0, ggml_nbytes(w));
+    L.stats.readbacks++;
     const float gone = c->weights_use.at(w) == FC_WEIGHTS_SOFTMAXED ? -INFINITY : 0.0f;
     for (size_t i = 0; i < L.early_drop.size(); i++) {
         if (L.early_drop[i]) {
@@ -333,6 +335,7 @@ bool fc_little_early(forecache_cache * c, ggml_tensor * w) {
         }
     }
     ggml_backend_tensor_set(w, c->weights.data(), 0, ggml_nbytes(w));
+    L.stats.uploads++;
     return true;
 }
 
@@ -353,6 +356,7 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
     if (wit != c->weights_of.end() && wit->second->src[1] == ids_t && ggml_nelements(wit->second) == n_used*n_tokens) {
         c->weights.resize(n_used*n_tokens);
         ggml_backend_tensor_get(wit->second, c->weights.data(), 0, ggml_nbytes(wit->second));
+        L.stats.readbacks++;
         weights = c->weights.data();
     }
 
@@ -378,6 +382,7 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
         }
         if (L.little && use == FC_WEIGHTS_DIRECT) {
             ggml_backend_tensor_set(wit->second, c->weights.data(), 0, ggml_nbytes(wit->second));
+            L.stats.uploads++;
         }
     }
 
@@ -387,6 +392,7 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
     if (c->want_gate_input && x->type == GGML_TYPE_F32 && ggml_is_contiguous(x)) {
         c->gate_input.resize(ggml_nelements(x));
         ggml_backend_tensor_get(x, c->gate_input.data(), 0, ggml_nbytes(x));
+        L.stats.readbacks++;
         gate_input = c->gate_input.data();
         n_embd = (int32_t) x->ne[0];
     }
@@ -439,6 +445,7 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
             if (!fc_all_ready(c, L, 0, L.n_proj)) {
                 const auto t0 = fc_clock::now();
                 c->cv_done.wait(lock, [&] { return fc_all_ready(c, L, 0, L.n_proj) || c->disk_failed; });
+                L.stats.copy_waits++;
                 L.stats.stall_s += fc_seconds(t0);
                 fc_span(c, FORECACHE_SPAN_WAIT, il, -1, 0, t0, fc_clock::now());
             }
@@ -446,11 +453,20 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
                 return false;
             }
         }
-        if (!fc_grouped(L)) {
+        if (!fc_grouped(L) && fc_remapped(t)) {
+            // the routed experts' slots into the layer's map, which the graph reads at each id
+            c->slots = L.map_dev;
+            for (int32_t e : c->routed) {
+                c->slots[e] = L.sch_s[L.entry_of[e]];
+            }
+            lock.unlock(); // the map is the graph thread's
+            fc_upload_map(c, il, c->slots);
+        } else if (!fc_grouped(L)) {
             c->slots.resize(c->ids.size());
             for (size_t i = 0; i < c->ids.size(); i++) {
                 c->slots[i] = L.sch_s[L.entry_of[c->ids[i]]];
             }
+            L.stats.uploads++;
             lock.unlock();
             ggml_backend_tensor_set(t->src[2], c->slots.data(), 0, c->slots.size()*sizeof(int32_t));
         }
@@ -462,12 +478,97 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
     return true;
 }
 
+void fc_upload_map(forecache_cache * c, int32_t il, const std::vector<int32_t> & want) {
+    fc_layer & L = c->layers[il];
+    if (want == L.map_dev) {
+        return;
+    }
+    ggml_backend_tensor_set(L.map, want.data(), 0, ggml_nbytes(L.map));
+    L.map_dev = want;
+    L.stats.uploads++;
+}
+
+// every expert of layer il is in a slot whose copy is done, and no stage slot holds one (lock held)
+static bool fc_complete(const forecache_cache * c, int32_t il) {
+    const fc_layer & L = c->layers[il];
+    if (L.n_slots < L.n_expert || L.map == nullptr) {
+        return false;
+    }
+    for (int32_t e = 0; e < L.n_expert; e++) {
+        const int32_t s = L.slot_of[e];
+        if (s < 0 || fc_slot_state(L, s) != FORECACHE_SLOT_READY) {
+            return false;
+        }
+    }
+    for (int32_t j = 0; j < c->n_stage; j++) {
+        if (c->st_layer[j] == il) {
+            return false;
+        }
+    }
+    return true;
+}
+
+bool fc_quiet(forecache_cache * c, int32_t il, const ggml_tensor * ids) {
+    if (!c->quiet || c->little.load() > 0 || !fc_complete(c, il)) {
+        return false;
+    }
+    // the gate events or inputs of this layer feed the predictions for the next cached layer
+    const bool heard = c->want_gate_input || c->ev_on;
+    for (int32_t k = il + 1; heard && k < (int32_t) c->layers.size(); k++) {
+        if (c->layers[k].n_slots > 0) {
+            if (!fc_complete(c, k)) {
+                return false;
+            }
+            break;
+        }
+    }
+    fc_layer & L = c->layers[il];
+    std::vector<int32_t> & want = c->slots;
+    want.assign(L.slot_of.begin(), L.slot_of.end());
+    fc_upload_map(c, il, want);
+    L.quiet_epoch = c->epoch; // its slots stay as they are until the pass ends (fc_assign)
+    L.stats.quiet++;
+    if (c->tl_on.load(std::memory_order_relaxed)) {
+        const auto now = fc_clock::now();
+        fc_span_add(c, FORECACHE_SPAN_QUIET, il, -1, -1, -1, (int32_t) ids->ne[1], 0, now, now);
+    }
+    if (ids->ne[1] == 1) {
+        // a token's top-k are distinct experts, all resident (a prompt's distinct count is not known)
+        L.stats.hits        += (uint64_t) ids->ne[0];
+        L.stats.decode_hits += (uint64_t) ids->ne[0];
+    }
+    return true;
+}
+
+// the node that remaps layer il's routed ids to its slots (`mm`: the layer's first product): the
+// layer's one stop, where the ids are read, the gate decides and the map is written, unless the
+// layer is quiet
+static int fc_remap_node(forecache_cache * c, ggml_tensor * mm, bool ask) {
+    const int32_t il = c->pool_map.at(mm->src[0]).first;
+    fc_layer & L = c->layers[il];
+    if (ggml_nelements(mm->src[3]) == 0) {
+        return 0; // no rows routed (a ubatch that asks for no outputs, in its last layer)
+    }
+    if (ask) {
+        std::lock_guard<std::mutex> lock(c->mtx);
+        return fc_quiet(c, il, mm->src[3]) ? 0 : 1;
+    }
+    L.stats.stops++;
+    return fc_route(c, il, mm) ? 0 : -1;
+}
+
 int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
     auto * c = (forecache_cache *) user_data;
     if (t == nullptr) {
         std::lock_guard<std::mutex> lock(c->mtx);
         c->epoch++;
         return 0;
+    }
+    if (t->op == GGML_OP_GET_ROWS && !c->remap_mm.empty()) {
+        auto rm = c->remap_mm.find(t);
+        if (rm != c->remap_mm.end()) {
+            return fc_remap_node(c, rm->second, ask);
+        }
     }
     if (t->op != GGML_OP_MUL_MAT_ID) {
         if (c->little_before.empty() || c->little.load() == 0) {
@@ -489,14 +590,46 @@ int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
     }
     fc_layer & L = c->layers[it->second.first];
     const int32_t p = it->second.second;
+    if (L.quiet_epoch == c->epoch && fc_remapped(t)) {
+        L.stats.products += ask; // resident: one product over the slots, as the map says
+        return 0;
+    }
     const bool routed = L.epoch == c->epoch && L.ids_src == t->src[3];
     if (ask) {
         if (!routed || L.host_mode || fc_grouped(L)) {
             return 1;
         }
         std::lock_guard<std::mutex> lock(c->mtx);
-        return fc_all_ready(c, L, p, p + 1) ? 0 : 1;
+        if (fc_all_ready(c, L, p, p + 1)) {
+            L.stats.products++;
+            return 0;
+        }
+        // a short ubatch (decode) waits on the host for this projection's copies while the nodes
+        // before it run, then computes it as one product: no stop, no graph of its own (its rows
+        // are too few for computing the resident experts first to hide the copies)
+        if (fc_remapped(t) && t->src[3]->ne[1] < std::max<int64_t>(c->gather_tokens, 2)) {
+            L.wait_node = t;
+            return 2;
+        }
+        return 1;
     }
+    if (L.wait_node == t) {
+        L.wait_node = nullptr;
+        std::unique_lock<std::mutex> lock(c->mtx);
+        if (!fc_all_ready(c, L, p, p + 1)) {
+            const auto t0 = fc_clock::now();
+            c->cv_done.wait(lock, [&] { return fc_all_ready(c, L, p, p + 1) || c->disk_failed; });
+            L.stats.copy_waits++;
+            L.stats.stall_s += fc_seconds(t0);
+            fc_span(c, FORECACHE_SPAN_WAIT, it->second.first, p, 0, t0, fc_clock::now());
+        }
+        if (c->disk_failed) {
+            return -1; // an expert could not be read
+        }
+        L.stats.products++;
+        return 0;
+    }
+    L.stats.stops++;
     if (!routed && !fc_route(c, it->second.first, t)) {
         return -1;
     }
@@ -510,6 +643,7 @@ int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
         if (!fc_grouped(L) && !groupable && !fc_all_ready(c, L, p, p + 1)) {
             const auto t0 = fc_clock::now();
             c->cv_done.wait(lock, [&] { return fc_all_ready(c, L, p, p + 1) || c->disk_failed; });
+            L.stats.copy_waits++;
             L.stats.stall_s += fc_seconds(t0);
             fc_span(c, FORECACHE_SPAN_WAIT, it->second.first, p, 0, t0, fc_clock::now());
         }
@@ -518,6 +652,7 @@ int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
         }
         if (!fc_grouped(L) && fc_all_ready(c, L, p, p + 1)) {
             L.stats.n_groups++;
+            L.stats.products++;
             return 0; // everything is in place: the node runs as rewritten, over the slot ids
         }
     }

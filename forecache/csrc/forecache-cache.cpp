@@ -156,7 +156,7 @@ struct forecache_cache * forecache_cache_init(
             n_pool_of.push_back(1);
         }
         L.dev = k;
-        n_pool_of[k] += L.n_proj;
+        n_pool_of[k] += L.n_proj + 1; // its pools and its map
     }
 
     const int64_t n_ids = (int64_t) model.hparams.n_expert_used_max() * ctx->get_cparams().n_ubatch;
@@ -176,6 +176,10 @@ struct forecache_cache * forecache_cache_init(
                 ggml_format_name(L.pool[p], "fc.pool.%s", h->name);
                 c->pool_map[L.pool[p]] = {il, p};
             }
+            if (L.n_slots > 0 && L.dev == (int32_t) k) {
+                L.map = ggml_new_tensor_2d(d.pool_ctx, GGML_TYPE_I32, 1, L.n_expert);
+                ggml_format_name(L.map, "fc.map.%d", il);
+            }
         }
         d.slot_ids = ggml_new_tensor_1d(d.pool_ctx, GGML_TYPE_I32, std::max<int64_t>(n_ids, 1));
         ggml_set_name(d.slot_ids, "fc.slot_ids");
@@ -189,6 +193,13 @@ struct forecache_cache * forecache_cache_init(
             return nullptr;
         }
         ggml_backend_buffer_set_usage(d.pool_buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+        for (fc_layer & L : c->layers) {
+            if (L.map != nullptr && L.dev == (int32_t) k) {
+                // every entry a valid slot before any expert lands: a product never reads past the pool
+                L.map_dev.assign(L.n_expert, 0);
+                ggml_backend_tensor_set(L.map, L.map_dev.data(), 0, ggml_nbytes(L.map));
+            }
+        }
 
         params.mem_size = (ctx->get_cparams().n_ubatch + 16)*ggml_tensor_overhead();
         d.view_ctx = ggml_init(params);
@@ -264,6 +275,9 @@ void forecache_cache_free(struct forecache_cache * cache) {
         if (d.pool_ctx) {
             ggml_free(d.pool_ctx);
         }
+    }
+    for (ggml_context * ctx : cache->remap_ctx) {
+        ggml_free(ctx);
     }
     delete cache;
 }
@@ -505,6 +519,11 @@ int32_t forecache_cache_little_routing(const struct forecache_cache * cache, int
 void forecache_cache_set_reorder(struct forecache_cache * cache, bool reorder) {
     std::lock_guard<std::mutex> lock(cache->mtx);
     cache->reorder = reorder;
+}
+
+void forecache_cache_set_quiet(struct forecache_cache * cache, bool quiet) {
+    std::lock_guard<std::mutex> lock(cache->mtx);
+    cache->quiet = quiet;
 }
 
 void forecache_cache_set_gather(struct forecache_cache * cache, int32_t min_tokens, int32_t min_entries) {

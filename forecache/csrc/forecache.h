@@ -15,7 +15,7 @@ extern "C" {
 
 // Version of this API and of the patches it needs in llama.cpp; bumped whenever either changes.
 // The Python side reads it from this header and refuses a library that reports another.
-#define FORECACHE_PATCH_VERSION 17
+#define FORECACHE_PATCH_VERSION 18
 
 // Returns FORECACHE_PATCH_VERSION of the library the caller is linked against.
 LLAMA_API int32_t forecache_patch_version(void);
@@ -93,7 +93,7 @@ typedef int32_t (*forecache_gate_hook)(
 // field is named: it makes the struct and its combination over layers, and forecache's Python side
 // reads it from this header to build its ctypes mirror of the struct.
 #define FORECACHE_CACHE_STATS_FIELDS(X) \
-    X(uint64_t, hits,           SUM) /* routed experts (distinct per layer and ubatch) resident or in flight at the hook */ \
+    X(uint64_t, hits,           SUM) /* routed experts (distinct per layer and ubatch) resident or in flight at the hook (a quiet layer: a token's top-k in one-token ubatches) */ \
     X(uint64_t, misses,         SUM) /* routed experts without a slot at the hook */ \
     X(uint64_t, host_layers,    SUM) /* layer computations done from host memory */ \
     X(uint64_t, h2d_bytes,      SUM) /* bytes copied host -> slots */ \
@@ -132,7 +132,14 @@ typedef int32_t (*forecache_gate_hook)(
     X(uint64_t, host_evictions, SUM) /* experts evicted from the host tier */ \
     X(double,   group_s,        SUM) /* time expert groups took on their device, launch to results */ \
     X(uint64_t, group_entries,  SUM) /* schedule entries (expert projections) they computed */ \
-    X(uint64_t, group_rows,     SUM) /* token rows they computed */
+    X(uint64_t, group_rows,     SUM) /* token rows they computed */ \
+    X(uint64_t, stops,          SUM) /* times the scheduler stopped before a node of the layer for the cache (each synchronizes the device) */ \
+    X(uint64_t, readbacks,      SUM) /* blocking device -> host reads: routed ids, router weights, gate input, expert inputs */ \
+    X(uint64_t, uploads,        SUM) /* blocking host -> device writes: the slot table or slot ids, router weights, groups' indices, host results */ \
+    X(uint64_t, mini_graphs,    SUM) /* graphs the cache computed itself: expert groups, experts from host memory, host results written back */ \
+    X(uint64_t, products,       SUM) /* MUL_MAT_IDs computed by the scheduler as one product over the slots */ \
+    X(uint64_t, copy_waits,     SUM) /* times compute waited for copies */ \
+    X(uint64_t, quiet,          SUM) /* passes through the layer without a stop (every expert resident: forecache_cache_set_quiet) */
 
 struct forecache_cache_stats {
 #define FORECACHE_CACHE_STATS_FIELD(type, name, combine) type name;
@@ -254,6 +261,12 @@ LLAMA_API int32_t forecache_cache_little_routing(const struct forecache_cache * 
 // Cache-first compute: with `reorder`, a layer's experts are computed in groups as their slots become
 // ready; without it, compute waits for every slot of the layer first (and nothing can be streamed).
 LLAMA_API void forecache_cache_set_reorder(struct forecache_cache * cache, bool reorder);
+
+// Quiet resident layers: with `quiet`, a layer whose every expert is resident is computed without a
+// stop (its routed ids are not read back, the gate hook is not called and no gate event is queued;
+// its products read the slots through the layer's expert -> slot table on the device), except the
+// layer before one that is not, while gate events or the gate input are wanted. Off by default.
+LLAMA_API void forecache_cache_set_quiet(struct forecache_cache * cache, bool quiet);
 
 // Larger groups for long ubatches: for a ubatch of at least `min_tokens` tokens, a group of fewer than
 // `min_entries` entries waits for more of the entries after it to become ready, while their copies can
@@ -432,6 +445,7 @@ enum forecache_span_kind {
     FORECACHE_SPAN_GROUP = 4, // an expert group computed from slots
     FORECACHE_SPAN_COPY  = 5, // a chunk copied host -> slot, on the copy thread
     FORECACHE_SPAN_READ  = 6, // an expert read from the model file into a host slot, on a reader thread
+    FORECACHE_SPAN_QUIET = 7, // a layer computed without a stop (forecache_cache_set_quiet): no time of its own
 };
 
 struct forecache_span {
@@ -440,7 +454,7 @@ struct forecache_span {
     int32_t  proj;     // projection, -1: every projection of the layer or expert
     int32_t  expert;   // copies, reads: the expert; -1 otherwise
     int32_t  slot;     // copies: the slot (n_slots + j: stage slot j); reads: the host slot; -1 otherwise
-    int32_t  n;        // ids, gates: tokens routed; host: rows computed; groups: schedule entries
+    int32_t  n;        // ids, gates, quiet: tokens routed; host: rows computed; groups: schedule entries
     uint64_t pass;     // the forward pass (forecache_cache_passes) it ran in
     uint64_t bytes;    // copies: bytes copied; reads: bytes read; ids: bytes read back
     double   t0;       // seconds since forecache_cache_set_timeline started recording

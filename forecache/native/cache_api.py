@@ -111,7 +111,7 @@ class Span(ctypes.Structure):
 
 
 # enum forecache_span_kind, in order
-SPAN_KINDS = ("ids", "gate", "wait", "host", "group", "copy", "read")
+SPAN_KINDS = ("ids", "gate", "wait", "host", "group", "copy", "read", "quiet")
 # enum forecache_event_kind
 EVENT_GATE, EVENT_MARKER = 0, 1
 # copy priorities (0 is the highest): a layer's misses, predicted experts
@@ -242,6 +242,12 @@ class ForecacheAPI(CFunctions):
     @c_function([c_void_p, c_bool], None)
     def cache_set_reorder(cache: CachePtr, reorder: bool) -> None:
         """Compute a layer's experts in groups as their slots become ready (or wait for all)."""
+
+    @c_function([c_void_p, c_bool], None)
+    def cache_set_quiet(cache: CachePtr, quiet: bool) -> None:
+        """Compute a layer whose every expert is resident without a stop (no routing read back,
+        no gate hook, no gate event), except before a layer that is not while predictions
+        listen."""
 
     @c_function([c_void_p, c_int32, c_int32], None)
     def cache_set_gather(cache: CachePtr, min_tokens: int, min_entries: int) -> None:

@@ -19,7 +19,7 @@ from forecache.cache.prefetcher import Features
 from forecache.cache.setup import CacheConfig, attach_observer
 from forecache.generate import SamplingParams, generate
 from forecache.gguf.header import ModelFile
-from forecache.jobs.fit import nelder_mead
+from forecache.jobs.fit import minimise
 from forecache.llama import Llama
 from forecache.predictor.history import HistoryPredictor
 from forecache.sim.shapes import ModelShape, model_shape
@@ -133,7 +133,7 @@ def fit_profile(base: Profile, shape: ModelShape, runs: Sequence[Measured], warm
             err += math.log(t1 / m.ttft_s) ** 2 + math.log(t2 / m.tpot_s) ** 2
         return err
 
-    return profile_of(nelder_mead(loss, x0, iters=iters))
+    return profile_of(minimise(loss, x0, iters=iters, tol=1e-3, restarts=2))
 
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from forecache.cache.cost import CostModel, Profile, roofline_s
+from forecache.cache.cost import DEVICE_MIN_TOKENS, CostModel, Profile, roofline_s
 from forecache.cache.forecast import Forecaster
 from forecache.cache.infinity import InfinityPolicy
 from forecache.cache.policies import Policy, PolicyInputs, first_use, hit_rate
@@ -62,6 +62,12 @@ class SimConfig:
     fallback: float = 0.0
     little_resident: bool = False
     seed: int = 0  # which tokens fall back, and how many drafts are accepted
+    # the runtime's hot path: "remap" (from patch version 18: slot ids remapped on the device, a
+    # layer with every expert resident runs without a stop, a short ubatch waits for each
+    # projection's copies and computes it as one product) or "groups" (before it: every cached
+    # layer stops, a short ubatch with copies in flight computes expert groups), which the GPU
+    # rows measured until 2026-11-26 ran
+    hot_path: str = "remap"
     # speculative decoding (SP-MoE, issue 21): each step drafts ``spec_k`` tokens, verifies them
     # with the next in one ubatch and accepts each draft with probability ``spec_accept`` (until
     # the first rejection). ``spec_draft`` "little": the model's little pass over ``little_k``
@@ -275,6 +281,7 @@ class Simulator:
         # are ``stall``) and the runtime's own steps (hooks, gates, passes, expert groups)
         self.cpu_s = self.bus_s = self.runtime_s = self.attn_s = 0.0
         self.fast_gates = 0
+        self.quiet = 0  # layer passes without a stop (every expert resident)
         self.hops = 0  # activations crossing between devices
         L = self.shape.layers
         self.lay = {k: np.zeros(L) for k in ("predicted", "correct", "in_time", "good", "stall")}
@@ -500,6 +507,13 @@ class Simulator:
             nodes = sum(self._node(experts, known.size, j) for j in range(len(sh.proj_bytes)))
             floor += nodes
             compute += nodes
+            if self.policy is not None and self.cfg.hot_path == "remap" and self._quiet(il):
+                # as fc_quiet: no stop, no gate; each projection one product over the slots
+                self.hits += len(experts)
+                self.quiet += 1
+                self.t += nodes
+                eng.advance_to(self.t)
+                continue
             if self.policy is None:
                 self._stock_layer(il, experts, known.size, n)
                 floor += (self.misses - missed) * sh.expert_bytes / (best_gbps * 1e9)
@@ -543,7 +557,7 @@ class Simulator:
                 self.cpu_s += host
                 eng.advance_to(self.t)
                 continue
-            self._slot_compute(il, dict(zip(experts.tolist(), counts.tolist(), strict=True)))
+            self._slot_compute(il, dict(zip(experts.tolist(), counts.tolist(), strict=True)), n)
         head = self._dev(sh.head_bytes, 2.0 * logits * sh.head_bytes / sh.bytes_per_weight)
         self.t += head
         # outside the graph: the pass's Python, and reading and sampling each further row
@@ -580,6 +594,28 @@ class Simulator:
             t = bus + host
         self.attn_s += t
         return t
+
+    def _complete(self, il: int) -> bool:
+        """Every expert of layer ``il`` is in a slot whose copy is done, and no stage slot holds
+        one of its experts (fc_complete)."""
+        eng = self.engine
+        if self.n_slots[il] < self.shape.experts or \
+                any(o is not None and o[0] == il for o in eng.stage_of):
+            return False
+        expert_of, state = eng.layer_state(il)
+        return int(np.count_nonzero(state == SLOT_READY)) >= self.shape.experts and \
+            len(set(expert_of[state == SLOT_READY].tolist())) >= self.shape.experts
+
+    def _quiet(self, il: int) -> bool:
+        """Layer ``il`` runs without a stop (forecache_cache_set_quiet): every expert resident
+        and, while forecasts listen, the next layer's too."""
+        if self._little or self.policy is None or self.policy.routes_every_layer or \
+                not self._complete(il):
+            return False
+        if self.forecaster is not None:
+            later = [k for k in self.layers if k > il]
+            return not later or self._complete(min(later))
+        return True
 
     def _in_c(self, il: int, experts: np.ndarray, n_tokens: int) -> bool:
         """The gate is one the C decode gate decides (forecache_cache_set_decode_gate)."""
@@ -660,8 +696,9 @@ class Simulator:
                 self.disk.waited(t - self.t)
             self.t = t
 
-    def _slot_compute(self, il: int, rows_of: dict[int, int]) -> None:
-        """Compute layer ``il``'s schedule (``rows_of``: token rows routed to each expert)."""
+    def _slot_compute(self, il: int, rows_of: dict[int, int], n_tokens: int = 1) -> None:
+        """Compute layer ``il``'s schedule (``rows_of``: token rows routed to each expert) for
+        a ubatch of ``n_tokens`` rows."""
         eng = self.engine
         L = eng.layers[il]
         n = L.n_dev
@@ -669,6 +706,11 @@ class Simulator:
         host_rows = sum(rows_of[e] for e in on_host)
         sh = self.shape
         tier = self.disk.tier if on_host else None  # host entries read from the file first
+        # as fc_node_hook: a short ubatch whose experts all have slots of the layer waits on the
+        # host for each projection's copies (the nodes before it running), then computes it as
+        # one product, with no expert group
+        waits = self.cfg.hot_path == "remap" and n_tokens < DEVICE_MIN_TOKENS and n > 0 and \
+            not on_host and not L.streams and all(s < L.n_slots for s in L.sch_s[:n])
         if not self.cfg.features.reorder or not self.spec.proactive:
             # as the C side without reordering: wait for every slot, then each projection once
             self._wait(il, lambda: eng.all_ready(il), L.sch_e[:n])
@@ -697,6 +739,8 @@ class Simulator:
                 host_end = self.t + self._host(len(on_host) * sh.proj_bytes[p],
                                                host_rows * sh.proj_flops) if on_host else self.t
             staged = any(s >= L.n_slots for s in L.sch_s[:n])
+            if waits:
+                self._wait(il, lambda p=p: eng.all_ready_proj(il, p), L.sch_e[:n])
             if n and not L.streams and not staged and not on_host and \
                     eng.all_ready_proj(il, p):
                 # every slot entry in place: the node runs as rewritten, no gathered group (as
@@ -803,6 +847,7 @@ class Simulator:
             extra.update(devices=self.n_devices, device_hops=self.hops)
         extra["decode_gate_s"] = self.fast
         extra["decode_gates_in_c"] = self.fast_gates
+        extra["quiet_layers"] = self.quiet
         if isinstance(self.policy, Prefetcher):
             extra.update(prefetch_loads=self.policy.prefetch_loads,
                          stale_predictions=self.policy.stale_predictions)

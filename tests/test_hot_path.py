@@ -1,0 +1,127 @@
+"""The hot path's counters (forecache_cache_stats): what a pass costs the host beside the
+products themselves: stops, blocking transfers, mini graphs. Counted, not timed: they hold on
+every CPU."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from forecache.cache.setup import CacheConfig
+from forecache.generate import SamplingParams, generate, last_logits, text_tokens
+from forecache.gguf.header import read_model_file
+from forecache.llama import Llama
+
+HOST_WORK = ("stops", "readbacks", "uploads", "mini_graphs", "copy_waits")
+
+
+def _n_proj(model: Path) -> int:
+    """Routed-expert projections of a MoE layer (gate, up, down)."""
+    mf = read_model_file(model)
+    il = mf.moe_layers()[0]
+    return sum(1 for t in mf.tensors if t.name.startswith(f"blk.{il}.") and "_exps" in t.name)
+
+
+def _passes(llm: Llama) -> int:
+    cache = llm.expert_cache
+    assert cache is not None
+    return cache.passes(next(iter(cache.layers)))[0]
+
+
+def _decode_passes(llm: Llama, n: int) -> list[dict[int, dict]]:
+    """Per-layer counters of each of ``n`` one-token passes after the current context."""
+    cache = llm.expert_cache
+    assert cache is not None
+    out = []
+    token = 1
+    for _ in range(n):
+        before = {il: cache.stats(il) for il in cache.layers}
+        llm.eval([token])
+        after = {il: cache.stats(il) for il in cache.layers}
+        out.append({il: {k: after[il][k] - before[il][k] for k in after[il]
+                         if isinstance(after[il][k], int)} for il in cache.layers})
+        token = int(np.argmax(last_logits(llm)))
+    return out
+
+
+def test_every_expert_resident_runs_as_stock(tiny_model: Callable[[str], Path]) -> None:
+    """With every expert in a slot, no layer stops: no routing read back, no slot ids written,
+    no graph of the cache's own; each projection is one product over the slots."""
+    model = tiny_model("q8_0")
+    n_proj = _n_proj(model)
+    with Llama.open(model, n_ctx=512, n_batch=128, n_threads=2,
+                    cache=CacheConfig("static", cache_fraction=1.0)) as llm:
+        cache = llm.expert_cache
+        assert cache is not None
+        cache.wait_idle()  # the pinned experts' copies
+        prompt = text_tokens(llm, "The quick brown fox jumps over the lazy dog. " * 20)[:200]
+        assert len(prompt) == 200
+        llm.eval([1])  # the first pass writes each layer's map once
+        llm.reset()
+        llm.reset_stats()
+        first = _passes(llm)
+        llm.eval(prompt)  # two ubatches
+        for _ in range(6):
+            llm.eval([int(np.argmax(last_logits(llm)))])
+        passes = _passes(llm) - first
+        s = llm.expert_cache.stats()
+        layers = len(cache.layers)
+        assert passes == 2 + 6
+        assert {k: s[k] for k in HOST_WORK} == dict.fromkeys(HOST_WORK, 0), s
+        assert s["quiet"] == layers * passes
+        assert s["products"] == n_proj * layers * passes
+        assert s["n_hook_calls"] == 0 and s["misses"] == 0 and s["host_layers"] == 0
+        # a one-row routing's top-k are all hits: each decoded token's, and the last layer of
+        # each prompt pass, which computes its output row only (a prompt's distinct experts are
+        # not known)
+        n_used = read_model_file(model).n_expert_used
+        assert s["hits"] == n_used * (layers * 6 + 2)
+
+
+def test_a_decode_pass_stops_once_a_layer(tiny_model: Callable[[str], Path]) -> None:
+    """A layer that must read its routing (not every expert resident) stops once, before its
+    first product, in a one-token pass: its routed experts' slots go into its map on the device,
+    and each projection of a miss is copied and waited for on the host while the nodes before it
+    run (no stop), then every projection is one product: no graph of the cache's own."""
+    model = tiny_model("q8_0")
+    n_proj = _n_proj(model)
+    n_expert = read_model_file(model).n_expert
+    with Llama.open(model, n_ctx=512, n_batch=128, n_threads=2,
+                    cache=CacheConfig("lru", slots_per_layer=n_expert - 2)) as llm:
+        prompt = text_tokens(llm, "The quick brown fox jumps over the lazy dog. " * 6)
+        generate(llm, prompt, 4, SamplingParams(greedy=True), ignore_eos=True)
+        assert llm.expert_cache is not None
+        llm.expert_cache.wait_idle()
+        seen = {"hit": 0, "miss": 0}
+        for per_layer in _decode_passes(llm, 16):
+            for il, d in per_layer.items():
+                assert d["quiet"] == 0  # two experts of each layer are never resident
+                assert d["host_layers"] == 0  # a token's top-k always fits the slots
+                assert d["stops"] == 1 and d["mini_graphs"] == 0, (il, d)
+                assert d["products"] == n_proj, (il, d)
+                assert d["readbacks"] == 2, (il, d)  # the routed ids and the router weights
+                assert d["uploads"] <= 1 and d["copy_waits"] <= n_proj, (il, d)
+                if d["misses"]:
+                    seen["miss"] += 1
+                else:
+                    seen["hit"] += 1
+                    assert d["copy_waits"] == 0, (il, d)
+        assert seen["hit"] and seen["miss"], seen  # both kinds of layer were seen
+
+
+def test_layers_are_stopped_for_a_route_listener(tiny_model: Callable[[str], Path]) -> None:
+    """A caller that watches every routing (``on_route``) sees resident layers too."""
+    model = tiny_model("q8_0")
+    seen: list[int] = []
+    cfg = CacheConfig("static", cache_fraction=1.0,
+                      on_route=lambda layer, ids, _w, _x: seen.append(layer))
+    with Llama.open(model, n_ctx=256, n_threads=2, cache=cfg) as llm:
+        assert llm.expert_cache is not None
+        llm.expert_cache.wait_idle()
+        generate(llm, [1, 2, 3], 4, SamplingParams(greedy=True), ignore_eos=True)
+        s = llm.expert_cache.stats()
+        layers = len(llm.expert_cache.layers)
+    assert s["quiet"] == 0
+    assert len(seen) == s["stops"] and len(seen) % layers == 0 and seen
