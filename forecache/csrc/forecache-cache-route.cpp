@@ -557,6 +557,20 @@ static int fc_remap_node(forecache_cache * c, ggml_tensor * mm, bool ask) {
     return fc_route(c, il, mm) ? 0 : -1;
 }
 
+// waits until projection p of layer il's schedule is in place (or a disk read failed), counted
+// as compute waiting for copies (lock held)
+static void fc_wait_proj(forecache_cache * c, int32_t il, int32_t p, std::unique_lock<std::mutex> & lock) {
+    fc_layer & L = c->layers[il];
+    if (fc_all_ready(c, L, p, p + 1)) {
+        return;
+    }
+    const auto t0 = fc_clock::now();
+    c->cv_done.wait(lock, [&] { return fc_all_ready(c, L, p, p + 1) || c->disk_failed; });
+    L.stats.copy_waits++;
+    L.stats.stall_s += fc_seconds(t0);
+    fc_span(c, FORECACHE_SPAN_WAIT, il, p, 0, t0, fc_clock::now());
+}
+
 int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
     auto * c = (forecache_cache *) user_data;
     if (t == nullptr) {
@@ -616,13 +630,7 @@ int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
     if (L.wait_node == t) {
         L.wait_node = nullptr;
         std::unique_lock<std::mutex> lock(c->mtx);
-        if (!fc_all_ready(c, L, p, p + 1)) {
-            const auto t0 = fc_clock::now();
-            c->cv_done.wait(lock, [&] { return fc_all_ready(c, L, p, p + 1) || c->disk_failed; });
-            L.stats.copy_waits++;
-            L.stats.stall_s += fc_seconds(t0);
-            fc_span(c, FORECACHE_SPAN_WAIT, it->second.first, p, 0, t0, fc_clock::now());
-        }
+        fc_wait_proj(c, it->second.first, p, lock);
         if (c->disk_failed) {
             return -1; // an expert could not be read
         }
@@ -640,12 +648,8 @@ int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
             ggml_is_contiguous(t->src[1]) && ggml_is_contiguous(t);
     {
         std::unique_lock<std::mutex> lock(c->mtx);
-        if (!fc_grouped(L) && !groupable && !fc_all_ready(c, L, p, p + 1)) {
-            const auto t0 = fc_clock::now();
-            c->cv_done.wait(lock, [&] { return fc_all_ready(c, L, p, p + 1) || c->disk_failed; });
-            L.stats.copy_waits++;
-            L.stats.stall_s += fc_seconds(t0);
-            fc_span(c, FORECACHE_SPAN_WAIT, it->second.first, p, 0, t0, fc_clock::now());
+        if (!fc_grouped(L) && !groupable) {
+            fc_wait_proj(c, it->second.first, p, lock);
         }
         if (c->disk_failed) {
             return -1; // an expert could not be read
