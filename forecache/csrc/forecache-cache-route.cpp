@@ -257,7 +257,7 @@ bool fc_read_ids(forecache_cache * c, int32_t il, const ggml_tensor * ids_t) {
     c->raw.resize(ggml_nbytes(ids_t));
     const auto t0 = fc_clock::now();
     ggml_backend_tensor_get(ids_t, c->raw.data(), 0, c->raw.size());
-    c->layers[il].stats.readbacks++;
+    L.stats.readbacks++;
     if (c->tl_on.load(std::memory_order_relaxed)) {
         fc_span_add(c, FORECACHE_SPAN_IDS, il, -1, -1, -1, (int32_t) n_tokens, c->raw.size(), t0, fc_clock::now());
     }
