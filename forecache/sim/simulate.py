@@ -603,8 +603,7 @@ class Simulator:
                 any(o is not None and o[0] == il for o in eng.stage_of):
             return False
         expert_of, state = eng.layer_state(il)
-        return int(np.count_nonzero(state == SLOT_READY)) >= self.shape.experts and \
-            len(set(expert_of[state == SLOT_READY].tolist())) >= self.shape.experts
+        return len(set(expert_of[state == SLOT_READY].tolist())) >= self.shape.experts
 
     def _quiet(self, il: int) -> bool:
         """Layer ``il`` runs without a stop (forecache_cache_set_quiet): every expert resident
