@@ -613,14 +613,15 @@ class Llama(llama_cpp.Llama):
         """Expert-cache counters since the last ``reset_stats()``: policy, hits, misses,
         hit_rate, bytes copied host-to-device, stall time, gate-hook time and calls, time and
         count of the gates decided in C (``decode_gate_s``, ``decode_gates``), and the
-        device slots (total, filled, bytes). Zeros, with policy ``none``, when the model runs
-        without a cache."""
+        device slots (total, filled, bytes); layer passes computed from prompt banks
+        (``banked``) and the bytes copied into them from host memory (``bank_bytes``). Zeros,
+        with policy ``none``, when the model runs without a cache."""
         cfg = self.cache_config
         out: dict = {"policy": cfg.policy if cfg else "none",
                      "mode": "mobile" if self._mobile else "exact", "hits": 0, "misses": 0,
                      "hit_rate": None, "h2d_bytes": 0, "stall_s": 0.0, "copy_s": 0.0,
                      "hook_s": 0.0, "hook_calls": 0, "decode_gate_s": 0.0, "decode_gates": 0,
-                     "host_layers": 0, "cache_slots": 0,
+                     "host_layers": 0, "banked": 0, "bank_bytes": 0, "cache_slots": 0,
                      "slots_filled": 0,
                      "slot_bytes": 0, "device": self.placement.device.name if self.placement
                      else None}
@@ -636,7 +637,7 @@ class Llama(llama_cpp.Llama):
             return out
         s = cache.stats()
         out.update({k: s[k] for k in ("hits", "misses", "h2d_bytes", "stall_s", "host_layers",
-                                      "copy_s", "hook_s")})
+                                      "copy_s", "hook_s", "banked", "bank_bytes")})
         out["hook_calls"] = s["n_hook_calls"]
         out["decode_gate_s"], out["decode_gates"] = s["fast_s"], s["fast_gates"]
         out["hit_rate"] = hit_rate(s["hits"], s["misses"])

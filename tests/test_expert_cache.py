@@ -65,6 +65,9 @@ def _configs(model: Path) -> list[CacheConfig]:
     for pol in ("lru", "static"):
         cfgs.append(CacheConfig(pol, slots_per_layer=1))
         cfgs += [CacheConfig(pol, cache_fraction=f) for f in (0.25, 0.5, 1.0)]
+    # prompts of 64 and 300 tokens computed from prompt banks
+    cfgs += [CacheConfig("lru", slots_per_layer=1, prompt_bank=True),
+             CacheConfig("lru", cache_fraction=0.5, prompt_bank=True)]
     return cfgs
 
 
@@ -75,10 +78,13 @@ def test_every_policy_is_lossless(tiny_model: Callable[[str], Path], reference: 
         got = _run(model, cfg)
         for n, (ref, out) in zip(PROMPT_LENS, zip(reference, got, strict=True), strict=True):
             where = (f"{cfg.policy} slots={cfg.slots_per_layer} "
-                     f"fraction={cfg.cache_fraction} prompt={n}")
+                     f"fraction={cfg.cache_fraction} bank={cfg.prompt_bank} prompt={n}")
             assert out[0] == ref[0], f"tokens differ: {where}"
             assert np.array_equal(out[1], ref[1]), f"final logits differ: {where}"
         total = got[-1][2]
+        assert (total.get("banked", 0) > 0) == bool(cfg.prompt_bank), cfg
+        if cfg.prompt_bank:
+            continue
         if cfg.cache_fraction is not None:
             # the cache was used: some layers ran from slots, with copies behind them (static
             # with a slot for every expert pins them all before the first token)

@@ -125,3 +125,61 @@ def test_layers_are_stopped_for_a_route_listener(tiny_model: Callable[[str], Pat
         layers = len(llm.expert_cache.layers)
     assert s["quiet"] == 0
     assert len(seen) == s["stops"] and len(seen) % layers == 0 and seen
+
+
+def _ready(llm: Llama) -> dict[int, list[int]]:
+    """Each cached layer's slot contents, -1 where a slot is empty or its copy is not done."""
+    cache = llm.expert_cache
+    assert cache is not None
+    out = {}
+    for il in cache.layers:
+        experts, states = cache.layer_state(il)
+        out[il] = [int(e) if st == 0 else -1 for e, st in zip(experts, states, strict=True)]
+    return out
+
+
+def test_a_prompt_ubatch_reads_no_routing(tiny_model: Callable[[str], Path]) -> None:
+    """With prompt banks, a ubatch of 32 rows or more reads no routed id back and computes each
+    projection as one product over a copy of all the layer's experts: those in its slots copied
+    within the device, only the others from host memory; its slots stay as they were (the
+    decode working set), and the next decoded token uses them again."""
+    model = tiny_model("q8_0")
+    mf = read_model_file(model)
+    n_proj = _n_proj(model)
+    cfg = CacheConfig("lru", slots_per_layer=mf.n_expert - 2, prompt_bank=True)
+    with Llama.open(model, n_ctx=512, n_batch=128, n_threads=2, cache=cfg) as llm:
+        cache = llm.expert_cache
+        assert cache is not None and cache.bank_tokens == 32
+        short = text_tokens(llm, "The quick brown fox jumps over the lazy dog. " * 2)[:16]
+        generate(llm, short, 8, SamplingParams(greedy=True), ignore_eos=True)  # fills slots
+        cache.wait_idle()
+        held = _ready(llm)
+        assert any(e >= 0 for slots in held.values() for e in slots)
+        prompt = text_tokens(llm, "Pack my box with five dozen liquor jugs. " * 20)[:200]
+        assert len(prompt) == 200
+        llm.reset()
+        llm.reset_stats()
+        first = _passes(llm)
+        llm.eval(prompt)  # two ubatches: 128 and 72 rows
+        passes = _passes(llm) - first
+        assert passes == 2
+        assert _ready(llm) == held  # the prompt changed no slot
+        last = max(cache.layers)
+        for il, info in cache.layers.items():
+            s = cache.stats(il)
+            if il == last:  # computes the output row only: one row, routed as in decode
+                assert s["banked"] == 0 and s["stops"] >= passes, (il, s)
+                continue
+            assert s["readbacks"] == 0 and s["uploads"] == 0 and s["mini_graphs"] == 0, (il, s)
+            assert s["n_hook_calls"] == 0 and s["host_layers"] == 0, (il, s)
+            assert s["banked"] == passes and s["products"] == n_proj * passes, (il, s)
+            assert s["stops"] == passes, (il, s)  # a CPU has no events: the fills' thread
+            resident = sum(e >= 0 for e in held[il])
+            per_expert = info.expert_bytes
+            assert s["bank_d2d_bytes"] == passes * resident * per_expert, (il, s)
+            assert s["bank_bytes"] == passes * (info.n_expert - resident) * per_expert, (il, s)
+        # decode reads its routing again, from the same slots
+        llm.reset_stats()
+        llm.eval([int(np.argmax(last_logits(llm)))])
+        s = cache.stats()
+        assert s["banked"] == 0 and s["stops"] == len(cache.layers) and s["hits"] > 0

@@ -103,7 +103,7 @@ class ExpertCache:
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, on_route: RouteCallback | None = None,
                  gate_input: bool = False, forecaster: Forecaster | None = None,
                  reorder: bool = True, stage_slots: int = 0,
-                 disk: DiskTier | None = None, gather: int = 0) -> None:
+                 disk: DiskTier | None = None, gather: int = 0, bank_tokens: int = 0) -> None:
         self._api = c_api = api()
         arr = (ctypes.c_int32 * len(n_slots))(*n_slots)
         err = ctypes.create_string_buffer(512)
@@ -153,6 +153,12 @@ class ExpertCache:
                 c_api.cache_free(handle)
                 self._handle = None
                 raise
+        if bank_tokens > 0 and c_api.cache_set_bank(handle, bank_tokens, err, len(err)) != 0:
+            c_api.cache_free(handle)
+            self._handle = None
+            raise CacheError(f"cannot set up the prompt banks: {err.value.decode()}; turn them "
+                             "off or lower the budget's slots")
+        self.bank_tokens = bank_tokens
         self._n_used = 0  # experts per token, known at the first gate
         self._decode_gate_on = True
         self.worker = None

@@ -17,7 +17,7 @@ from forecache.cache.budget import (
     slots_for_fraction,
 )
 from forecache.cache.choice import PRIOR, Choice, DecodeShape, Evidence, choose, locality
-from forecache.cache.cost import CostModel, ExpertShape, Profile
+from forecache.cache.cost import DEVICE_MIN_TOKENS, CostModel, ExpertShape, Profile
 from forecache.cache.disk import DiskPlan, DiskTier, plan_disk, readers_default
 from forecache.cache.forecast import Forecaster
 from forecache.cache.measured import load_evidence, measured_rates
@@ -83,6 +83,10 @@ class CacheConfig:
     # promoe/infinity: stage slots for prompt passes (None: stage_slots_for on a GPU, none on
     # a CPU build, where slots are host memory too); held back from a gpu_budget
     stage_slots: int | None = None
+    # prompt banks (forecache_cache_set_bank): ubatches of DEVICE_MIN_TOKENS or more compute each
+    # layer from a copy of all its experts, filled while the layer before computes; held back
+    # from a gpu_budget in place of stage slots (None: on a GPU, where some layer misses experts)
+    prompt_bank: bool | None = None
     # MoBiLE decoding (lossy; forecache_cache_set_little): each generated token first runs a
     # little pass over its top ``little_k`` experts (-1: half the model's top-k; 0: exact
     # decoding), and is recomputed by the full model when the little pass's top probability is
@@ -140,7 +144,7 @@ def resolve_cache_config(policy: str | None, gpu_budget: int | str | None,
                          cache_fraction: float | None, *, predictor: str = "auto",
                          window: int | None = None, machine: str | None = None,
                          features: Features | None = None, stage_slots: int | None = None,
-                         little_k: int = 0, gamma: float = 0.7,
+                         prompt_bank: bool | None = None, little_k: int = 0, gamma: float = 0.7,
                          little_resident: bool = False,
                          host_budget: int | str | None = None) -> CacheConfig | None:
     """The configuration users get from what they gave: promoe unless a policy is named; sized by
@@ -174,7 +178,8 @@ def resolve_cache_config(policy: str | None, gpu_budget: int | str | None,
     return CacheConfig(policy=policy or "promoe", gpu_budget=budget,
                        cache_fraction=cache_fraction, predictor=predictor, window=window,
                        machine=machine, features=features or Features(), auto=policy is None,
-                       stage_slots=stage_slots, little_k=little_k, gamma=gamma,
+                       stage_slots=stage_slots, prompt_bank=prompt_bank,
+                       little_k=little_k, gamma=gamma,
                        little_resident=little_resident, host_budget=host,
                        device_budgets=per_device)
 
@@ -213,10 +218,9 @@ def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: 
                        device_name=dev.name, device_total=dev.memory_total)
     layers = model.moe_layers()
     slots = plan.slots_per_layer()
-    if cfg.features.reorder and dev.type != "cpu":  # promoe would hold its stage slots back
-        held = cfg.stage_slots if cfg.stage_slots is not None else \
-            stage_slots_for(model.n_expert, slots)
-        slots = plan.slots_per_layer(held=held)
+    stage, bank = held_back(model, cfg, plan, slots, dev.type, proactive=cfg.features.reorder)
+    if stage or bank:  # promoe would hold its stage slots or prompt banks back
+        slots = plan.slots_per_layer(held=stage + bank_experts(model, bank))
     shape = DecodeShape(n_moe=len(layers), n_expert=model.n_expert, top_k=model.n_expert_used,
                         n_slots=min(slots[il] for il in layers),
                         ncmoe_host_layers=plan.ncmoe_cpu_layers(),
@@ -233,6 +237,46 @@ def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: 
     return choose(shape, profile, cost, evidence or PRIOR)
 
 
+# a device's prompt banks: two regions of a layer's experts
+BANK_REGIONS = 2
+# the most of the expert budget the prompt banks may take by default (their memory is the slots')
+BANK_SHARE_MAX = 0.25
+
+
+def bank_experts(model: ModelFile, bank: bool) -> int:
+    """The experts' worth of device memory prompt banks hold back (counted as the largest)."""
+    return BANK_REGIONS * model.n_expert if bank else 0
+
+
+def held_back(model: ModelFile, cfg: CacheConfig, plan: MemoryPlan | None,
+              slots: Sequence[int], device_type: str, *, proactive: bool) -> tuple[int, bool]:
+    """What a cached placement holds back from its slots: (stage slots, prompt banks). Prompt
+    banks (``cfg.prompt_bank``; by default on a GPU) where some layer would miss experts, its
+    experts are in memory, nothing must see every routing (banks compute a prompt's layers without
+    reading them) and, by default, they take at most ``BANK_SHARE_MAX`` of the expert budget;
+    they serve prompts in place of stage slots. Else a proactive policy's stage slots (on a
+    GPU)."""
+    spec = cfg.spec
+    layers = model.moe_layers()
+    full = plan.slots_per_layer() if plan is not None else list(slots)
+    misses = any(full[il] < model.n_expert for il in layers if il < len(full))
+    watched = cfg.on_route is not None or (spec.policy is not None and
+                                           spec.policy.routes_every_layer)
+    bank = cfg.prompt_bank if cfg.prompt_bank is not None else device_type != "cpu"
+    bank = bank and spec.cached and misses and cfg.host_budget is None and not watched
+    if bank and plan is not None:
+        need = bank_experts(model, True) * plan.largest_expert_bytes
+        if need > plan.expert_budget * (1.0 if cfg.prompt_bank else BANK_SHARE_MAX):
+            bank = False
+    if bank:
+        return 0, True
+    if not proactive or device_type == "cpu" and cfg.stage_slots is None:
+        return 0, False
+    stage = cfg.stage_slots if cfg.stage_slots is not None else \
+        stage_slots_for(model.n_expert, list(slots))
+    return stage, False
+
+
 @dataclass
 class Placement:
     """The decisions made before llama.cpp loads the model."""
@@ -242,6 +286,7 @@ class Placement:
     n_slots: list[int]
     host_layers: list[int]  # layers whose experts are in host memory
     stage_slots: int = 0  # promoe/infinity: stage slots beside the slots
+    bank: bool = False  # prompt banks beside the slots (CacheConfig.prompt_bank)
     disk: DiskPlan | None = None  # host slots of the disk tier (cfg.host_budget)
 
 
@@ -281,12 +326,13 @@ def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int,
         assert cfg.slots_per_layer is not None
         slots = [min(cfg.slots_per_layer, model.n_expert) if il in layers else 0
                  for il in range(model.n_layer)]
-    stage = 0
-    if spec.proactive and cfg.features.reorder and cfg.device_budgets is None:
-        stage = cfg.stage_slots if cfg.stage_slots is not None else \
-            stage_slots_for(model.n_expert, slots) if dev.type != "cpu" else 0
-    if plan is not None and stage:
-        slots = (plan.slots_per_layer(held=stage) + [0] * model.n_layer)[:model.n_layer]
+    stage, bank = 0, False
+    if cfg.device_budgets is None:
+        stage, bank = held_back(model, cfg, plan, slots, dev.type,
+                                proactive=spec.proactive and cfg.features.reorder)
+    if plan is not None and (stage or bank):
+        slots = (plan.slots_per_layer(held=stage + bank_experts(model, bank))
+                 + [0] * model.n_layer)[:model.n_layer]
     slots = spec.policy.layer_slots(model, slots)
     disk = None
     if cfg.host_budget is not None:
@@ -295,7 +341,7 @@ def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int,
         disk = plan_disk(model, cfg.host_budget, on_gpu=on_gpu, slot_bytes=slot_bytes)
         if disk is not None:  # every layer computes from slots: its experts are not in memory
             slots = [max(n, 1) if il in layers else n for il, n in enumerate(slots)]
-    return Placement(dev, plan, slots, layers, stage, disk)
+    return Placement(dev, plan, slots, layers, stage, bank, disk)
 
 
 def ncmoe_per_device(cfg: CacheConfig) -> bool:
@@ -517,7 +563,7 @@ def attach(ctx: int, placement: Placement, cfg: CacheConfig, policy: Policy,
     return ExpertCache(ctx, placement.n_slots, policy, device=placement.device.index,
                        chunk_bytes=chunk, on_route=cfg.on_route, forecaster=forecaster,
                        reorder=reorder, stage_slots=placement.stage_slots, disk=disk,
-                       gather=gather)
+                       gather=gather, bank_tokens=DEVICE_MIN_TOKENS if placement.bank else 0)
 
 
 def attach_observer(ctx: int, model: ModelFile, device: int, on_route: RouteCallback, *,

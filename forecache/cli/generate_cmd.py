@@ -83,6 +83,13 @@ def cache_options(fn):  # type: ignore[no-untyped-def]
                            "while the current layer computes (default: as many as a prompt "
                            "layer misses, at most 32 and a 64th of the slots, on a GPU; 0 "
                            "turns it off).")(fn)
+    fn = click.option("--prompt-bank/--no-prompt-bank", default=None,
+                      help="Long prompts (ubatches of 32 tokens or more) compute each layer as "
+                           "llama.cpp does for its host layers, from a copy of all its experts "
+                           "on the device, but copy only the experts the slots lack, while the "
+                           "layer before computes; two layers' experts of device memory held "
+                           "back from the budget in place of --stage-slots (default: on a GPU "
+                           "when some layer misses experts).")(fn)
     fn = click.option("--machine", default=None,
                       help="promoe: machine profile (shipped name or JSON) the CPU/device split "
                            f"starts from (default {DEFAULT_GPU_MACHINE} on a GPU; no split on a "
@@ -137,14 +144,15 @@ def cache_config(policy: str | None, gpu_budget: str | None, cache_fraction: flo
                  no_chunk: bool = False, no_preempt: bool = False,
                  no_reorder: bool = False, no_split: bool = False,
                  machine: str | None = None, stage_slots: int | None = None,
-                 mode: str = "exact", gamma: float = 0.7, little_k: int | None = None,
-                 little_resident: bool = False,
+                 prompt_bank: bool | None = None, mode: str = "exact", gamma: float = 0.7,
+                 little_k: int | None = None, little_resident: bool = False,
                  host_budget: str | None = None) -> CacheConfig | None:
     """The CacheConfig the cache options ask for: promoe unless a policy is named, sized by the
     GPU's free memory unless a size is given; None (llama.cpp's own placement) on a CPU-only build
     given no option."""
     return resolve_cache_config(policy, gpu_budget, cache_fraction, predictor=predictor,
                                 window=window, machine=machine, stage_slots=stage_slots,
+                                prompt_bank=prompt_bank,
                                 little_k=(little_k or -1) if mode == "mobile" else 0,
                                 gamma=gamma, little_resident=little_resident,
                                 host_budget=host_budget,

@@ -61,6 +61,42 @@ static void fc_insert_remap(ggml_cgraph * graph, int i, ggml_tensor * r) {
     std::rotate(nodes + i, nodes + n - 2, nodes + n);
 }
 
+// the bank layers of a graph whose ubatch is long enough for them (forecache_cache_set_bank): each
+// product's remapped ids, each layer's remap node and the next bank layer of its device
+static void fc_bank_graph(forecache_cache * c, ggml_cgraph * graph) {
+    c->bank_remap.clear();
+    c->bank_next.clear();
+    c->bank_first = -1;
+    if (c->bank_tokens <= 0) {
+        return;
+    }
+    std::vector<std::pair<ggml_tensor *, int32_t>> order; // remap node, layer
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        ggml_tensor * node = ggml_graph_node(graph, i);
+        if (node->op != GGML_OP_MUL_MAT_ID || !fc_remapped(node) || node->src[3]->ne[1] < c->bank_tokens) {
+            continue;
+        }
+        auto pit = c->pool_map.find(node->src[0]);
+        if (pit == c->pool_map.end() || c->layers[pit->second.first].bank[0] == nullptr) {
+            continue;
+        }
+        c->bank_remap[node] = node->src[2];
+        ggml_tensor * r = node->src[2]->src[0];
+        if (c->remap_mm.count(r) && c->remap_mm.at(r) == node) {
+            order.emplace_back(r, pit->second.first);
+        }
+    }
+    for (size_t k = 0; k < order.size(); k++) {
+        const int32_t dev = c->layers[order[k].second].dev;
+        int32_t next = -1;
+        for (size_t j = k + 1; j < order.size() && next < 0; j++) {
+            next = c->layers[order[j].second].dev == dev ? order[j].second : -1;
+        }
+        c->bank_next[order[k].first] = next;
+    }
+    c->bank_first = order.empty() ? -1 : order[0].second;
+}
+
 // rewrites every MUL_MAT_ID that reads a cached expert tensor to read the layer's slot pool, through
 // slot ids that a node before the layer's first product remaps on the device (or, where the graph has
 // no room for it, that the hook writes)
@@ -76,6 +112,15 @@ void fc_graph_hook(ggml_cgraph * graph, void * user_data) {
         ggml_tensor * node = ggml_graph_node(graph, i);
         if (node->op != GGML_OP_MUL_MAT_ID) {
             continue;
+        }
+        if (!c->bank_map.empty()) {
+            auto bt = c->bank_map.find(node->src[0]);
+            auto br = c->bank_remap.find(node);
+            if (bt != c->bank_map.end() && br != c->bank_remap.end()) {
+                // a product left reading its bank: back to its slots, as the graph was rewritten
+                node->src[0] = c->layers[bt->second.first].pool[bt->second.second];
+                node->src[2] = br->second;
+            }
         }
         auto pit = c->pool_map.find(node->src[0]);
         if (pit != c->pool_map.end()) {
@@ -145,6 +190,7 @@ void fc_graph_hook(ggml_cgraph * graph, void * user_data) {
             first_use.emplace(node->src[3], i);
         }
     }
+    fc_bank_graph(c, graph);
 
     // the router weights of each routed layer (the F32 rows its ids select before its matmul),
     // how they reach the expert outputs, and where a little pass that must drop experts before

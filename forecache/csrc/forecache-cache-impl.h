@@ -9,6 +9,8 @@
 //                                MoBiLE's little pass, gate events
 //   forecache-cache-compute.cpp  expert compute outside the scheduler: host layers and entries,
 //                                expert groups from slots
+//   forecache-cache-bank.cpp     prompt banks: a long ubatch's layer computed from a copy of all its
+//                                experts, filled while the layer before computes
 //   forecache-cache-testing.cpp  the controls of forecache-testing.h
 
 #include "forecache.h"
@@ -35,6 +37,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -148,6 +151,18 @@ struct fc_device {
     std::thread           worker;                // copies the queue's chunks for its layers
     fc_clock::time_point  low_start;             // when its last lower-priority chunk started
     fc_clock::time_point  low_end;               // and finished
+
+    // prompt banks (forecache_cache_set_bank): two regions of one layer's experts each; consecutive
+    // bank layers of the device use different regions
+    ggml_backend_t        compute    = nullptr;  // the scheduler's backend of dev (the compute stream)
+    ggml_backend_buffer_t bank_buf   = nullptr;
+    int32_t               bank_layer[2] = {-1, -1}; // the layer a region holds or is being filled with
+    uint64_t              bank_epoch[2] = {0, 0};   // the pass it was filled for
+    ggml_backend_t        bank_copy  = nullptr;  // a backend of its own (a second stream) for fills, where events work
+    ggml_backend_event_t  bank_filled[2] = {};   // recorded on bank_copy after a region's fill
+    ggml_backend_event_t  bank_freed = nullptr;  // recorded on compute: the nodes launched before are done
+    ggml_context        * bank_views = nullptr;  // scratch views of slot -> region copies
+    std::unique_ptr<fc_host_thread> filler;      // without events: fills run on this thread
 };
 
 struct fc_layer {
@@ -163,6 +178,9 @@ struct fc_layer {
     std::vector<int32_t> map_dev;     // what map holds now
     uint64_t quiet_epoch = 0;         // the pass computing the layer without a stop (forecache_cache_set_quiet)
     const ggml_tensor * wait_node = nullptr; // the product whose copies the host waits for, its nodes before launched
+    ggml_tensor * bank[FC_MAX_PROJ] = {}; // its experts in its prompt bank region (forecache_cache_set_bank)
+    int32_t  bank_region = -1;
+    uint64_t bank_epoch  = 0;         // the pass computing the layer from its bank
 
     std::vector<int32_t> slot_of;     // expert -> slot, -1 if none
     std::vector<int32_t> dg_host_k;   // its own decode gate tables (forecache_cache_set_layer_decode_gate;
@@ -247,6 +265,14 @@ struct forecache_cache {
     std::unordered_map<const ggml_tensor *, ggml_tensor *>               remap_mm; // remap node (GET_ROWS of a layer's map) -> first MUL_MAT_ID reading it
     std::deque<ggml_context *> remap_ctx; // the remap nodes of the last graphs (a reused graph keeps reading them)
     bool quiet = false;                   // forecache_cache_set_quiet
+    // prompt banks (forecache_cache_set_bank): ubatches of at least bank_tokens tokens (0: never)
+    int32_t bank_tokens = 0;
+    ggml_context * bank_ctx = nullptr;    // every bank layer's bank tensors
+    std::unordered_map<const ggml_tensor *, std::pair<int32_t, int32_t>> bank_map; // bank tensor -> (layer, proj)
+    std::unordered_map<const ggml_tensor *, ggml_tensor *> bank_remap; // product of a bank layer -> its remapped ids
+    std::unordered_map<const ggml_tensor *, int32_t> bank_next; // remap node of a bank layer in a long ubatch's graph -> next bank layer of its device, -1
+    int32_t bank_first = -1;              // that graph's first bank layer (-1: not such a graph)
+    bool    bank_hold  = false;           // fills may read bank layers' slots: no new copies into them
     std::atomic<int32_t> little{0};           // forecache_cache_set_little: experts a little pass keeps
     std::atomic<bool>    little_resident{false}; // ... of those already resident, and the top-1
 
@@ -403,6 +429,10 @@ inline bool fc_remapped(const ggml_tensor * t) {
 void fc_upload_map(forecache_cache * c, int32_t il, const std::vector<int32_t> & want);
 // whether layer il is computed without a stop in this pass (forecache_cache_set_quiet; lock held)
 bool fc_quiet(forecache_cache * c, int32_t il, const ggml_tensor * ids);
+// every expert of layer il is in a slot whose copy is done, and no stage slot holds one (lock held)
+bool fc_complete(const forecache_cache * c, int32_t il);
+// computes layer il without a stop in this pass, its map holding every expert's slot (lock held)
+void fc_go_quiet(forecache_cache * c, int32_t il, const ggml_tensor * ids);
 ggml_tensor * fc_view(fc_device & d, int64_t ne0, int64_t ne1);
 void fc_graph_hook(ggml_cgraph * graph, void * user_data);
 
@@ -414,6 +444,16 @@ bool fc_group_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor 
 bool fc_host_entries(forecache_cache * c, fc_layer & L, int32_t p, const ggml_tensor * t);
 bool fc_scatter_host(forecache_cache * c, fc_layer & L, ggml_tensor * t);
 bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor * t);
+
+// forecache-cache-bank.cpp: prompt banks
+// a new graph's computation begins (lock not held)
+void fc_bank_begin(forecache_cache * c);
+// layer il's remap node (ask: whether to stop; !ask: fills issued, compute ordered after its own)
+int fc_bank_remap(forecache_cache * c, int32_t il, ggml_tensor * ids, int32_t next, bool ask);
+// product t of a bank layer reads its bank or (through `remap`) its slots, as the layer's pass
+// decided; true for its bank
+bool fc_bank_product(forecache_cache * c, ggml_tensor * t, ggml_tensor * remap, bool ask);
+void fc_bank_free(forecache_cache * c);
 
 // forecache-cache-disk.cpp: the disk tier (lock held unless said)
 // queues a read of `expert` into a host slot at `priority`; false when it is held, in flight or queued

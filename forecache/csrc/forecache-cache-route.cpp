@@ -488,8 +488,7 @@ void fc_upload_map(forecache_cache * c, int32_t il, const std::vector<int32_t> &
     L.stats.uploads++;
 }
 
-// every expert of layer il is in a slot whose copy is done, and no stage slot holds one (lock held)
-static bool fc_complete(const forecache_cache * c, int32_t il) {
+bool fc_complete(const forecache_cache * c, int32_t il) {
     const fc_layer & L = c->layers[il];
     if (L.n_slots < L.n_expert || L.map == nullptr) {
         return false;
@@ -522,6 +521,11 @@ bool fc_quiet(forecache_cache * c, int32_t il, const ggml_tensor * ids) {
             break;
         }
     }
+    fc_go_quiet(c, il, ids);
+    return true;
+}
+
+void fc_go_quiet(forecache_cache * c, int32_t il, const ggml_tensor * ids) {
     fc_layer & L = c->layers[il];
     std::vector<int32_t> & want = c->slots;
     want.assign(L.slot_of.begin(), L.slot_of.end());
@@ -537,17 +541,22 @@ bool fc_quiet(forecache_cache * c, int32_t il, const ggml_tensor * ids) {
         L.stats.hits        += (uint64_t) ids->ne[0];
         L.stats.decode_hits += (uint64_t) ids->ne[0];
     }
-    return true;
 }
 
 // the node that remaps layer il's routed ids to its slots (`mm`: the layer's first product): the
 // layer's one stop, where the ids are read, the gate decides and the map is written, unless the
-// layer is quiet
-static int fc_remap_node(forecache_cache * c, ggml_tensor * mm, bool ask) {
-    const int32_t il = c->pool_map.at(mm->src[0]).first;
+// layer is quiet or computed from its prompt bank
+static int fc_remap_node(forecache_cache * c, ggml_tensor * r, ggml_tensor * mm, bool ask) {
+    const int32_t il = (c->pool_map.count(mm->src[0]) ? c->pool_map.at(mm->src[0]) : c->bank_map.at(mm->src[0])).first;
     fc_layer & L = c->layers[il];
     if (ggml_nelements(mm->src[3]) == 0) {
         return 0; // no rows routed (a ubatch that asks for no outputs, in its last layer)
+    }
+    if (!c->bank_next.empty()) {
+        auto bn = c->bank_next.find(r);
+        if (bn != c->bank_next.end() && c->quiet && c->little.load() == 0) {
+            return fc_bank_remap(c, il, mm->src[3], bn->second, ask);
+        }
     }
     if (ask) {
         std::lock_guard<std::mutex> lock(c->mtx);
@@ -574,14 +583,19 @@ static void fc_wait_proj(forecache_cache * c, int32_t il, int32_t p, std::unique
 int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
     auto * c = (forecache_cache *) user_data;
     if (t == nullptr) {
-        std::lock_guard<std::mutex> lock(c->mtx);
-        c->epoch++;
+        {
+            std::lock_guard<std::mutex> lock(c->mtx);
+            c->epoch++;
+        }
+        if (c->bank_tokens > 0) {
+            fc_bank_begin(c);
+        }
         return 0;
     }
     if (t->op == GGML_OP_GET_ROWS && !c->remap_mm.empty()) {
         auto rm = c->remap_mm.find(t);
         if (rm != c->remap_mm.end()) {
-            return fc_remap_node(c, rm->second, ask);
+            return fc_remap_node(c, t, rm->second, ask);
         }
     }
     if (t->op != GGML_OP_MUL_MAT_ID) {
@@ -593,6 +607,14 @@ int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
             return 0;
         }
         return ask ? 1 : (fc_little_early(c, lb->second) ? 0 : -1);
+    }
+    if (!c->bank_remap.empty()) {
+        auto br = c->bank_remap.find(t);
+        if (br != c->bank_remap.end()) {
+            if (fc_bank_product(c, t, br->second, ask)) {
+                return 0; // one product over its bank
+            }
+        }
     }
     auto it = c->pool_map.find(t->src[0]);
     if (it == c->pool_map.end()) {

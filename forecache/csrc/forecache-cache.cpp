@@ -205,6 +205,7 @@ struct forecache_cache * forecache_cache_init(
         d.view_ctx = ggml_init(params);
 
         d.backend = fc_sched_backend(sched, d.dev);
+        d.compute = d.backend;
         if (ggml_backend_dev_type(d.dev) == GGML_BACKEND_DEVICE_TYPE_CPU) {
             // the scheduler's CPU backend would start its threads for every expert group
             d.cpu = fc_cpu_backend(c, ctx->get_cparams().n_threads, d.cpu_pool);
@@ -252,6 +253,7 @@ void forecache_cache_free(struct forecache_cache * cache) {
         ggml_backend_sched_set_node_hooks(cache->sched, nullptr, nullptr, nullptr);
         cache->lctx->reset_graph_reuse();
     }
+    fc_bank_free(cache);
     ggml_backend_free(cache->cpu);
     if (cache->cpu_pool != nullptr) {
         cache->pool_free(cache->cpu_pool);

@@ -15,7 +15,7 @@ extern "C" {
 
 // Version of this API and of the patches it needs in llama.cpp; bumped whenever either changes.
 // The Python side reads it from this header and refuses a library that reports another.
-#define FORECACHE_PATCH_VERSION 18
+#define FORECACHE_PATCH_VERSION 19
 
 // Returns FORECACHE_PATCH_VERSION of the library the caller is linked against.
 LLAMA_API int32_t forecache_patch_version(void);
@@ -108,7 +108,7 @@ typedef int32_t (*forecache_gate_hook)(
     X(double,   hi_wait_max_s,  MAX) \
     X(double,   chunk_max_s,    MAX) /* longest single chunk copy */ \
     X(uint64_t, dropped_chunks, SUM) /* queued chunks dropped by eviction or cancel */ \
-    X(uint64_t, refused_loads,  SUM) /* loads refused because the slot was in use by the layer being computed */ \
+    X(uint64_t, refused_loads,  SUM) /* loads refused because the slot was in use by the layer being computed, or read by a prompt bank's fill */ \
     X(uint64_t, n_groups,       SUM) /* expert groups computed from slots (1 per MUL_MAT_ID when nothing waited) */ \
     X(uint64_t, streamed,       SUM) /* schedule entries that reused a slot within one ubatch */ \
     X(uint64_t, host_entries,   SUM) /* schedule entries computed from host memory beside the slots */ \
@@ -139,7 +139,10 @@ typedef int32_t (*forecache_gate_hook)(
     X(uint64_t, mini_graphs,    SUM) /* graphs the cache computed itself: expert groups, experts from host memory, host results written back */ \
     X(uint64_t, products,       SUM) /* MUL_MAT_IDs computed by the scheduler as one product over the slots */ \
     X(uint64_t, copy_waits,     SUM) /* times compute waited for copies */ \
-    X(uint64_t, quiet,          SUM) /* passes through the layer without a stop (every expert resident: forecache_cache_set_quiet) */
+    X(uint64_t, quiet,          SUM) /* passes through the layer without a stop (every expert resident: forecache_cache_set_quiet) */ \
+    X(uint64_t, banked,         SUM) /* passes through the layer computed from its prompt bank (forecache_cache_set_bank) */ \
+    X(uint64_t, bank_bytes,     SUM) /* bytes copied host -> its bank */ \
+    X(uint64_t, bank_d2d_bytes, SUM) /* bytes copied slots -> its bank, within the device */
 
 struct forecache_cache_stats {
 #define FORECACHE_CACHE_STATS_FIELD(type, name, combine) type name;
@@ -274,6 +277,22 @@ LLAMA_API void forecache_cache_set_quiet(struct forecache_cache * cache, bool qu
 // a graph of its own, so fewer, larger groups cost fewer launches and synchronizations; the wait delays
 // the experts already in place. min_entries <= 1 turns it off (the default).
 LLAMA_API void forecache_cache_set_gather(struct forecache_cache * cache, int32_t min_tokens, int32_t min_entries);
+
+// Prompt banks: a ubatch of at least `min_tokens` tokens (llama.cpp offloads a host layer's experts
+// for 32) computes each cached layer whose experts are in host memory as one product per projection over
+// a copy of all its experts, in one of two bank regions of its device: the experts in its slots are
+// copied within the device, the others from host memory, and the next bank layer's region is filled
+// while the layer computes. No routed id is read back and no slot changes: a prompt leaves the decode
+// working set as it was (copies into bank layers' slots are refused until a ubatch without them). A
+// layer whose every expert is resident reads its slots instead, as a quiet layer (only while quiet is on:
+// a hook or an event that must see every routing turns banks off). Where the device has events, fills
+// run on a stream of their own ordered by them, without a host synchronization; elsewhere a thread fills
+// and the layer stops once. Allocates two regions of the largest layer's experts on each device holding
+// bank layers. Returns 0, or -1 with a message in err.
+LLAMA_API int32_t forecache_cache_set_bank(struct forecache_cache * cache, int32_t min_tokens, char * err, size_t err_size);
+
+// Devices whose prompt banks fill on a stream of their own, ordered by events.
+LLAMA_API int32_t forecache_cache_bank_events(const struct forecache_cache * cache);
 
 // Copies slot -> expert (-1 empty) and slot states (enum forecache_slot_state) of `layer` into arrays of
 // n_slots entries. Returns n_slots, or -1 for a bad layer.
@@ -446,6 +465,7 @@ enum forecache_span_kind {
     FORECACHE_SPAN_COPY  = 5, // a chunk copied host -> slot, on the copy thread
     FORECACHE_SPAN_READ  = 6, // an expert read from the model file into a host slot, on a reader thread
     FORECACHE_SPAN_QUIET = 7, // a layer computed without a stop (forecache_cache_set_quiet): no time of its own
+    FORECACHE_SPAN_BANK  = 8, // a layer's prompt bank filled (with events: the time issuing the copies)
 };
 
 struct forecache_span {

@@ -111,7 +111,7 @@ class Span(ctypes.Structure):
 
 
 # enum forecache_span_kind, in order
-SPAN_KINDS = ("ids", "gate", "wait", "host", "group", "copy", "read", "quiet")
+SPAN_KINDS = ("ids", "gate", "wait", "host", "group", "copy", "read", "quiet", "bank")
 # enum forecache_event_kind
 EVENT_GATE, EVENT_MARKER = 0, 1
 # copy priorities (0 is the highest): a layer's misses, predicted experts
@@ -253,6 +253,15 @@ class ForecacheAPI(CFunctions):
     def cache_set_gather(cache: CachePtr, min_tokens: int, min_entries: int) -> None:
         """For ubatches of ``min_tokens`` or more, groups of fewer than ``min_entries`` entries
         wait for more to land while they can (<= 1: off)."""
+
+    @c_function([c_void_p, c_int32, c_char_p, c_size_t], c_int32)
+    def cache_set_bank(cache: CachePtr, min_tokens: int, err: ctypes.Array[ctypes.c_char],
+                       err_size: int) -> int:
+        """Prompt banks for ubatches of ``min_tokens`` or more: 0, or -1 (message in ``err``)."""
+
+    @c_function([c_void_p], c_int32)
+    def cache_bank_events(cache: CachePtr) -> int:
+        """Devices whose prompt banks fill on a stream of their own, ordered by events."""
 
     @c_function([c_void_p, c_int32, POINTER(c_int32), POINTER(c_int32)], c_int32)
     def cache_layer_state(cache: CachePtr, layer: int, expert_of: Ptr[c_int32],
