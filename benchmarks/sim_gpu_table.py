@@ -1,6 +1,7 @@
 """The simulator next to the GPU: every row of BENCHMARKS.md's H200 tables, simulated.
 
-    python benchmarks/sim_gpu_table.py [--run h200|h100] [--hot-path groups|remap] [--rows ...]
+    python benchmarks/sim_gpu_table.py [--run h200|h100] [--hot-path groups|remap]
+        [--prompt-bank] [--rows ...]
 
 Replays what the GPU check (``benchmarks/gpu_check.sh run``, 2026-11-26, NVIDIA H200 with a
 16-core Xeon host) measured, on the same routing and the same placement: Qwen2-57B-A14B in
@@ -34,7 +35,13 @@ from pathlib import Path
 
 import numpy as np
 
-from forecache.cache.budget import MemoryPlan, compute_buffer_bytes, parse_size
+from forecache.cache.budget import (
+    BANK_REGIONS,
+    BANK_SHARE_MAX,
+    MemoryPlan,
+    compute_buffer_bytes,
+    parse_size,
+)
 from forecache.cache.cost import Profile
 from forecache.cache.prefetcher import stage_slots_for
 from forecache.cache.registry import policy_spec
@@ -173,18 +180,29 @@ class Placement:
     pre: list[int]
     post: list[int]
     stage: int
+    bank_held: int = 0  # prompt banks: experts' worth held back in place of the stage slots
+
+    @property
+    def bank(self) -> bool:
+        return self.bank_held > 0
+
+    @property
+    def held(self) -> int:
+        """Experts' worth of device memory held back from the slots."""
+        return self.bank_held or self.stage
 
     def sim_slots(self) -> list[int]:
-        """Slots to give the simulator, which takes its stage slots one a layer from the last
-        cached layers (``Simulator``): ``post`` with those added back, so it ends at ``post``."""
+        """Slots to give the simulator, which takes its stage slots (or prompt banks) one a
+        layer from the last cached layers (``Simulator``): ``post`` with those added back, so it
+        ends at ``post``."""
         out = list(self.post)
         cached = [il for il, n in enumerate(out) if n > 1]
-        for k in range(self.stage):
+        for k in range(self.held):
             out[cached[-1 - k % len(cached)]] += 1
         return out
 
 
-def placement(budget: str) -> Placement:
+def placement(budget: str, bank: bool = False) -> Placement:
     """The runtime's split of ``budget`` for the model (``cache.setup.place``): its memory plan
     from the tensors make-model writes (``plan_memory`` reads the same numbers from the file)."""
     spec = get_spec(MODEL)
@@ -205,6 +223,16 @@ def placement(budget: str) -> Placement:
                       layer_bytes=tuple(per[il] // spec.experts for il in layers),
                       n_expert=spec.experts, moe_layers=layers)
     pre = plan.slots_per_layer()
+    if bank and any(n < spec.experts for n in pre):  # as cache.setup.held_back on a GPU
+        held = 0
+        for _ in range(16):
+            need = BANK_REGIONS * (spec.experts - min(plan.slots_per_layer(held=held)[il]
+                                                      for il in layers))
+            if need <= held:
+                break
+            held = need
+        if held * plan.largest_expert_bytes <= plan.expert_budget * BANK_SHARE_MAX:
+            return Placement(pre, plan.slots_per_layer(held=held), 0, held)
     stage = stage_slots_for(spec.experts, pre)
     return Placement(pre, plan.slots_per_layer(held=stage), stage)
 
@@ -269,22 +297,28 @@ class Simulated:
 
 def simulate_row(row: Row, shape: ModelShape, profile: Profile, plan_profile: Profile | None,
                  routings: dict[str, Routing], warm_prompt: int = WARM_PROMPT,
-                 hot_path: str = "groups") -> Simulated:
+                 hot_path: str = "groups", prompt_bank: bool = False) -> Simulated:
     """One row on the modelled machine, with the runtime's ``hot_path`` (``SimConfig``):
-    "groups" is the one the measured rows ran, "remap" today's."""
+    "groups" is the one the measured rows ran, "remap" today's, with ``prompt_bank`` the
+    runtime's default on a GPU since patch version 19."""
     budget = "64GiB" if row.policy == "all-gpu" else row.budget
     policy = "ncmoe" if row.policy == "all-gpu" else row.policy
-    pl = placement(budget)
     spec = policy_spec(policy, simulated=True)
-    slots = pl.sim_slots() if spec.proactive else pl.pre
+    bank = prompt_bank and hot_path == "remap" and spec.cached and \
+        not spec.policy.routes_every_layer
+    pl = placement(budget, bank)
+    slots = pl.sim_slots() if spec.proactive or pl.bank else pl.pre
     pred, window = predictor_for(policy, shape)
     # the split plans as the runtime's does (cache.setup.split_cost): the default machine's
     # profile with the copy rate probed on the device
     cfg = SimConfig(policy, slots, window=window, n_ubatch=N_UBATCH, plan_profile=plan_profile,
-                    hot_path=hot_path)
+                    hot_path=hot_path, prompt_bank=pl.bank)
     sim = Simulator(shape, profile, cfg, range(shape.layers), pred)
-    if spec.proactive:
-        assert sim.n_stage == pl.stage and sim.n_slots == pl.post, (sim.n_stage, sim.n_slots)
+    if spec.proactive or pl.bank:
+        # (the simulator takes what is held one slot a layer from the last layers: the same
+        # total as the plan's, spread by count where the plan spreads by bytes)
+        assert sim.bank == pl.bank and sim.n_stage == pl.stage and \
+            sum(sim.n_slots) == sum(pl.post), (sim.bank, sim.n_stage, sim.n_slots)
     warm, timed = replayed_requests(routings[row.routing], warm_prompt)
     sim.run_request(warm)
     hits, misses, h2d = sim.hits, sim.misses, sim.engine.stats["h2d_bytes"]
@@ -295,7 +329,8 @@ def simulate_row(row: Row, shape: ModelShape, profile: Profile, plan_profile: Pr
     return Simulated(prefill, float(np.mean(decode)),
                      100.0 * hits / (hits + misses) if cached and hits + misses else None,
                      (sim.engine.stats["h2d_bytes"] - h2d) / 1e9, sim.host_layers - host0,
-                     {"stall_s": sim.stall, "cpu_s": sim.cpu_s, "runtime_s": sim.runtime_s})
+                     {"stall_s": sim.stall, "cpu_s": sim.cpu_s, "runtime_s": sim.runtime_s,
+                      "banked_layers": sim.banked})
 
 
 def error(sim: float, measured: float) -> float:
@@ -305,7 +340,8 @@ def error(sim: float, measured: float) -> float:
 def simulate_table(rows: Sequence[Row], profile: Profile, plan_profile: Profile | None = None,
                    olmoe_real: Path = OLMOE_REAL,
                    progress: Callable[[str], None] = lambda s: None,
-                   warm_prompt: int = WARM_PROMPT, hot_path: str = "groups") -> list[dict]:
+                   warm_prompt: int = WARM_PROMPT, hot_path: str = "groups",
+                   prompt_bank: bool = False) -> list[dict]:
     """Every row simulated: the row's measured and simulated figures and the errors."""
     shape = shape_of(MODEL, QTYPE)
     routings = {name: routing(name, shape, olmoe_real)
@@ -313,7 +349,8 @@ def simulate_table(rows: Sequence[Row], profile: Profile, plan_profile: Profile 
     out = []
     for row in rows:
         t0 = time.perf_counter()
-        s = simulate_row(row, shape, profile, plan_profile, routings, warm_prompt, hot_path)
+        s = simulate_row(row, shape, profile, plan_profile, routings, warm_prompt, hot_path,
+                         prompt_bank)
         progress(f"{row.label}: {time.perf_counter() - t0:.1f} s")
         out.append({"row": row.label, "routing": row.routing, "budget": row.budget,
                     "policy": row.policy, "first_in_process": row.first,
@@ -371,6 +408,9 @@ def main() -> None:
                     help="the runtime's hot path simulated: the one the measured rows ran "
                          "(groups, the default: the simulator checked against them) or today's "
                          "(remap: predictions for the next GPU run)")
+    ap.add_argument("--prompt-bank", action="store_true",
+                    help="with --hot-path remap: prompt banks, as the runtime places them on a "
+                         "GPU (patch version 19)")
     ap.add_argument("--olmoe-real", type=Path, default=OLMOE_REAL)
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
@@ -386,9 +426,11 @@ def main() -> None:
     plan = Profile.load(a.plan_profile or run.plan_profile)
     results = simulate_table(rows, profile, plan, a.olmoe_real,
                              progress=lambda s: print(s, flush=True),
-                             warm_prompt=run.warm_prompt, hot_path=a.hot_path)
+                             warm_prompt=run.warm_prompt, hot_path=a.hot_path,
+                             prompt_bank=a.prompt_bank)
     print(f"\n{MODEL} {QTYPE}, profile {profile.name}, promoe's split planned with "
-          f"{plan.name} (copy rate {profile.h2d_gbps} GB/s), hot path {a.hot_path}")
+          f"{plan.name} (copy rate {profile.h2d_gbps} GB/s), hot path {a.hot_path}"
+          f"{' with prompt banks' if a.prompt_bank else ''}")
     print(format_table(results))
     s = summary(results)
     print(f"* the first run of its process: its TTFT carries a one-time cost the simulator does "

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from forecache.cache.setup import CacheConfig
 from forecache.generate import SamplingParams, generate, last_logits, text_tokens
@@ -140,21 +141,23 @@ def _ready(llm: Llama) -> dict[int, list[int]]:
 
 def test_a_prompt_ubatch_reads_no_routing(tiny_model: Callable[[str], Path]) -> None:
     """With prompt banks, a ubatch of 32 rows or more reads no routed id back and computes each
-    projection as one product over a copy of all the layer's experts: those in its slots copied
-    within the device, only the others from host memory; its slots stay as they were (the
-    decode working set), and the next decoded token uses them again."""
+    projection as one product over the layer's slots and its bank: only the experts the slots
+    lack are copied (into the bank, or into an empty slot while there is one); no resident
+    expert leaves its slot, and the next decoded token routes from the same slots again."""
     model = tiny_model("q8_0")
     mf = read_model_file(model)
     n_proj = _n_proj(model)
-    cfg = CacheConfig("lru", slots_per_layer=mf.n_expert - 2, prompt_bank=True)
+    n_slots = mf.n_expert - 2
+    cfg = CacheConfig("lru", slots_per_layer=n_slots, prompt_bank=True)
     with Llama.open(model, n_ctx=512, n_batch=128, n_threads=2, cache=cfg) as llm:
         cache = llm.expert_cache
         assert cache is not None and cache.bank_tokens == 32
-        short = text_tokens(llm, "The quick brown fox jumps over the lazy dog. " * 2)[:16]
-        generate(llm, short, 8, SamplingParams(greedy=True), ignore_eos=True)  # fills slots
+        short = text_tokens(llm, "The quick brown fox jumps over the lazy dog. " * 2)[:4]
+        generate(llm, short, 2, SamplingParams(greedy=True), ignore_eos=True)  # some slots
         cache.wait_idle()
         held = _ready(llm)
         assert any(e >= 0 for slots in held.values() for e in slots)
+        assert any(e < 0 for slots in held.values() for e in slots)  # and empty ones
         prompt = text_tokens(llm, "Pack my box with five dozen liquor jugs. " * 20)[:200]
         assert len(prompt) == 200
         llm.reset()
@@ -163,23 +166,83 @@ def test_a_prompt_ubatch_reads_no_routing(tiny_model: Callable[[str], Path]) -> 
         llm.eval(prompt)  # two ubatches: 128 and 72 rows
         passes = _passes(llm) - first
         assert passes == 2
-        assert _ready(llm) == held  # the prompt changed no slot
+        after = _ready(llm)
         last = max(cache.layers)
         for il, info in cache.layers.items():
             s = cache.stats(il)
             if il == last:  # computes the output row only: one row, routed as in decode
                 assert s["banked"] == 0 and s["stops"] >= passes, (il, s)
                 continue
-            assert s["readbacks"] == 0 and s["uploads"] == 0 and s["mini_graphs"] == 0, (il, s)
+            # the resident experts stayed; the empty slots took the first pass's misses
+            assert all(b < 0 or a == b for a, b in zip(after[il], held[il], strict=True)), il
+            assert all(a >= 0 for a in after[il]), (il, after[il])
+            assert s["readbacks"] == 0 and s["mini_graphs"] == 0, (il, s)
             assert s["n_hook_calls"] == 0 and s["host_layers"] == 0, (il, s)
             assert s["banked"] == passes and s["products"] == n_proj * passes, (il, s)
             assert s["stops"] == passes, (il, s)  # a CPU has no events: the fills' thread
+            assert s["uploads"] <= n_proj * passes, (il, s)  # the tables, where they changed
             resident = sum(e >= 0 for e in held[il])
-            per_expert = info.expert_bytes
-            assert s["bank_d2d_bytes"] == passes * resident * per_expert, (il, s)
-            assert s["bank_bytes"] == passes * (info.n_expert - resident) * per_expert, (il, s)
-        # decode reads its routing again, from the same slots
+            copied = (info.n_expert - resident) + (info.n_expert - n_slots)
+            assert s["bank_bytes"] == copied * info.expert_bytes, (il, s)
+        # decode reads its routing again, from the slots
         llm.reset_stats()
         llm.eval([int(np.argmax(last_logits(llm)))])
         s = cache.stats()
-        assert s["banked"] == 0 and s["stops"] == len(cache.layers) and s["hits"] > 0
+        assert s["banked"] == 0 and s["stops"] >= len(cache.layers) and s["hits"] > 0
+        assert s["readbacks"] >= len(cache.layers)
+
+
+def test_prompt_banks_come_before_any_load(tiny_model: Callable[[str], Path]) -> None:
+    """The banks place the slots anew behind their regions: asked for once experts are in the
+    slots, they are refused in one line, and the cache goes on as it was."""
+    import ctypes
+
+    model = tiny_model("q8_0")
+    with Llama.open(model, n_ctx=256, n_threads=2,
+                    cache=CacheConfig("static", cache_fraction=0.5)) as llm:
+        cache = llm.expert_cache
+        assert cache is not None and cache.bank_tokens == 0  # not asked for on a CPU build
+        cache.wait_idle()
+        err = ctypes.create_string_buffer(256)
+        assert cache._api.cache_set_bank(cache.handle, 32, err, len(err)) == -1
+        assert err.value.decode() == "prompt banks must be set before any expert is loaded"
+        res = generate(llm, [1, 2, 3], 4, SamplingParams(greedy=True), ignore_eos=True)
+        assert len(res.tokens) == 4 and llm.expert_cache.stats()["banked"] == 0
+
+
+def test_prompt_banks_placement(tiny_model: Callable[[str], Path]) -> None:
+    """On a GPU the banks take the stage slots' place: two regions of what the layer with the
+    fewest slots lacks, settled with the slots they leave; none where nothing misses, where
+    something watches every routing, or (by default) past a quarter of the expert budget."""
+    from forecache.cache.budget import BANK_REGIONS, BudgetError, plan_memory
+    from forecache.cache.prefetcher import stage_slots_for
+    from forecache.cache.setup import bank_experts, held_back
+
+    mf = read_model_file(tiny_model("q8_0"))
+    layers = mf.moe_layers()
+    expert = max(mf.layer_expert_bytes())
+
+    def plan(n_experts: float):  # type: ignore[no-untyped-def]
+        base = plan_memory(mf, 1 << 40, n_ctx=512, n_ubatch=128, device_name="gpu",
+                           device_total=1 << 50)
+        return plan_memory(mf, base.fixed_bytes + int(n_experts * expert), n_ctx=512,
+                           n_ubatch=128, device_name="gpu", device_total=1 << 50)
+
+    def held(p, policy: str = "promoe", **kw):  # type: ignore[no-untyped-def]
+        cfg = CacheConfig(policy, gpu_budget=p.budget, **kw)
+        return held_back(mf, cfg, p, p.slots_per_layer(), "cuda", proactive=True)
+
+    big = plan(len(layers) * mf.n_expert * 0.9)  # most experts fit
+    stage, bank = held(big)
+    slots = big.slots_per_layer(held=bank)
+    assert stage == 0 and bank == bank_experts(mf, slots) > 0
+    assert bank == BANK_REGIONS * (mf.n_expert - min(slots[il] for il in layers))
+    assert held(big, prompt_bank=False) == (stage_slots_for(mf.n_expert, big.slots_per_layer()), 0)
+    assert held(big, "infinity")[1] == 0  # its EAM reads every routing
+    assert held(plan(len(layers) * mf.n_expert * 1.5)) == (0, 0)  # every expert fits
+    small = plan(len(layers) * mf.n_expert * 0.3)
+    assert held(small)[1] == 0  # the banks would take most of the slots
+    medium = plan(len(layers) * mf.n_expert * 0.6)
+    assert held(medium)[1] == 0 and held(medium, prompt_bank=True)[1] > 0  # asked for: placed
+    with pytest.raises(BudgetError, match="prompt banks of .* leave no expert slots"):
+        held(small, prompt_bank=True)

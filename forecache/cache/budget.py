@@ -37,6 +37,12 @@ def format_size(n: float) -> str:
     return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 else f"{n / (1 << 20):.1f} MiB"
 
 
+# a device's prompt banks (forecache_cache_set_bank): two regions of a layer's experts
+BANK_REGIONS = 2
+# the most of the expert budget the prompt banks may take by default (their memory is the slots')
+BANK_SHARE_MAX = 0.25
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
     """Where a budget goes: fixed needs, then expert slots (or whole expert layers for ncmoe)."""

@@ -9,8 +9,12 @@ from typing import Any
 import numpy as np
 
 from forecache.cache.budget import (
+    BANK_REGIONS,
+    BANK_SHARE_MAX,
+    BudgetError,
     MemoryPlan,
     device_host_layers,
+    format_size,
     parse_budgets,
     parse_size,
     plan_memory,
@@ -220,7 +224,7 @@ def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: 
     slots = plan.slots_per_layer()
     stage, bank = held_back(model, cfg, plan, slots, dev.type, proactive=cfg.features.reorder)
     if stage or bank:  # promoe would hold its stage slots or prompt banks back
-        slots = plan.slots_per_layer(held=stage + bank_experts(model, bank))
+        slots = plan.slots_per_layer(held=stage + max(bank, 0))
     shape = DecodeShape(n_moe=len(layers), n_expert=model.n_expert, top_k=model.n_expert_used,
                         n_slots=min(slots[il] for il in layers),
                         ncmoe_host_layers=plan.ncmoe_cpu_layers(),
@@ -237,25 +241,34 @@ def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: 
     return choose(shape, profile, cost, evidence or PRIOR)
 
 
-# a device's prompt banks: two regions of a layer's experts
-BANK_REGIONS = 2
-# the most of the expert budget the prompt banks may take by default (their memory is the slots')
-BANK_SHARE_MAX = 0.25
+def bank_experts(model: ModelFile, slots: Sequence[int]) -> int:
+    """The experts' worth of device memory a device's prompt banks take beside ``slots``: two
+    regions of as many experts as the cached layer with the fewest slots lacks."""
+    cached = [slots[il] for il in model.moe_layers() if il < len(slots) and slots[il] > 0]
+    return BANK_REGIONS * max(model.n_expert - min(cached), 0) if cached else 0
 
 
-def bank_experts(model: ModelFile, bank: bool) -> int:
-    """The experts' worth of device memory prompt banks hold back (counted as the largest)."""
-    return BANK_REGIONS * model.n_expert if bank else 0
+def _bank_held(model: ModelFile, plan: MemoryPlan) -> int:
+    """The experts' worth a budget holds back for prompt banks: their size depends on the
+    slots they leave, so settle the two (more held, fewer slots, larger banks)."""
+    held = 0
+    for _ in range(16):
+        need = bank_experts(model, plan.slots_per_layer(held=held))
+        if need <= held:
+            break
+        held = need
+    return held
 
 
 def held_back(model: ModelFile, cfg: CacheConfig, plan: MemoryPlan | None,
-              slots: Sequence[int], device_type: str, *, proactive: bool) -> tuple[int, bool]:
-    """What a cached placement holds back from its slots: (stage slots, prompt banks). Prompt
-    banks (``cfg.prompt_bank``; by default on a GPU) where some layer would miss experts, its
-    experts are in memory, nothing must see every routing (banks compute a prompt's layers without
-    reading them) and, by default, they take at most ``BANK_SHARE_MAX`` of the expert budget;
-    they serve prompts in place of stage slots. Else a proactive policy's stage slots (on a
-    GPU)."""
+              slots: Sequence[int], device_type: str, *, proactive: bool) -> tuple[int, int]:
+    """What a cached placement holds back from its slots: (stage slots, experts' worth of prompt
+    banks). Prompt banks (``cfg.prompt_bank``; by default on a GPU) where some layer would miss
+    experts, its experts are in memory, nothing must see every routing (banks compute a prompt's
+    layers without reading them) and, by default, they take at most ``BANK_SHARE_MAX`` of the
+    expert budget; they serve prompts in place of stage slots. Else a proactive policy's stage
+    slots (on a GPU). Without a budget (a fraction of the experts) the banks come beside the
+    slots."""
     spec = cfg.spec
     layers = model.moe_layers()
     full = plan.slots_per_layer() if plan is not None else list(slots)
@@ -265,16 +278,25 @@ def held_back(model: ModelFile, cfg: CacheConfig, plan: MemoryPlan | None,
     bank = cfg.prompt_bank if cfg.prompt_bank is not None else device_type != "cpu"
     bank = bank and spec.cached and misses and cfg.host_budget is None and not watched
     if bank and plan is not None:
-        need = bank_experts(model, True) * plan.largest_expert_bytes
-        if need > plan.expert_budget * (1.0 if cfg.prompt_bank else BANK_SHARE_MAX):
-            bank = False
+        held = _bank_held(model, plan)
+        fits = held * plan.largest_expert_bytes <= plan.expert_budget
+        if fits and (cfg.prompt_bank or held * plan.largest_expert_bytes <=
+                     plan.expert_budget * BANK_SHARE_MAX):
+            return 0, held
+        if cfg.prompt_bank:
+            off = "--no-prompt-bank" if setting("prompt_bank").startswith("--") else \
+                "prompt_bank=False"
+            raise BudgetError(f"prompt banks of {held} experts leave no expert slots in "
+                              f"{format_size(plan.budget)}; raise {setting('gpu_budget')} or "
+                              f"turn them off ({off})")
+        bank = False
     if bank:
-        return 0, True
+        return 0, -1  # beside the slots
     if not proactive or device_type == "cpu" and cfg.stage_slots is None:
-        return 0, False
+        return 0, 0
     stage = cfg.stage_slots if cfg.stage_slots is not None else \
         stage_slots_for(model.n_expert, list(slots))
-    return stage, False
+    return stage, 0
 
 
 @dataclass
@@ -326,12 +348,12 @@ def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int,
         assert cfg.slots_per_layer is not None
         slots = [min(cfg.slots_per_layer, model.n_expert) if il in layers else 0
                  for il in range(model.n_layer)]
-    stage, bank = 0, False
+    stage, bank = 0, 0
     if cfg.device_budgets is None:
         stage, bank = held_back(model, cfg, plan, slots, dev.type,
                                 proactive=spec.proactive and cfg.features.reorder)
-    if plan is not None and (stage or bank):
-        slots = (plan.slots_per_layer(held=stage + bank_experts(model, bank))
+    if plan is not None and (stage or bank > 0):
+        slots = (plan.slots_per_layer(held=stage + max(bank, 0))
                  + [0] * model.n_layer)[:model.n_layer]
     slots = spec.policy.layer_slots(model, slots)
     disk = None
@@ -341,7 +363,7 @@ def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int,
         disk = plan_disk(model, cfg.host_budget, on_gpu=on_gpu, slot_bytes=slot_bytes)
         if disk is not None:  # every layer computes from slots: its experts are not in memory
             slots = [max(n, 1) if il in layers else n for il, n in enumerate(slots)]
-    return Placement(dev, plan, slots, layers, stage, bank, disk)
+    return Placement(dev, plan, slots, layers, stage, bank != 0, disk)
 
 
 def ncmoe_per_device(cfg: CacheConfig) -> bool:

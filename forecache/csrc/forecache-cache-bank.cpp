@@ -1,25 +1,18 @@
-// forecache expert cache: prompt banks (forecache_cache_set_bank).
+// forecache expert cache: slot placement and prompt banks (forecache_cache_set_bank).
 // See forecache-cache-impl.h for how the expert cache's files divide the work.
 //
 // A ubatch of a long prompt routes nearly every expert of every layer. Stock llama.cpp copies a layer's
-// host experts to the device for such a ubatch and computes one product per projection; a bank layer
-// does the same with a copy of all its experts in one of two bank regions of its device: the experts
-// its slots hold are copied within the device, only the others cross the bus, and the next bank layer's
-// region fills while this one computes. No routed id is read back: the products read the bank through
-// the routed ids as they are. Where the device has events, fills run on a backend (stream) of their own
-// that waits for the compute stream's event and the compute stream waits for the fill's; elsewhere (the
-// CPU, an RPC server) a thread fills the next region while the layer computes.
+// host experts to the device for such a ubatch and computes one product per projection. A bank layer
+// computes one product per projection too, over its slots and a bank region that holds the experts its
+// slots lack: each device keeps two regions in front of its slots, and a bank layer's product reads a
+// tensor that spans from its region to the end of its slots, its routed ids mapped on the device
+// through a table of where each expert is (a slot, or a place in the region). Only the experts the slots
+// lack cross the bus, and the next bank layer's region fills while this one computes. No routed id is
+// read back. Where the device has events, fills run on a backend (stream) of their own that waits for
+// the compute stream's event and the compute stream waits for the fill's; elsewhere (the CPU, an RPC
+// server) a thread fills the next region while the layer computes.
 
 #include "forecache-cache-impl.h"
-
-// the bytes a layer's bank takes: each projection's experts, aligned
-static size_t fc_bank_bytes(const fc_layer & L, size_t align) {
-    size_t n = 0;
-    for (int32_t p = 0; p < L.n_proj; p++) {
-        n += GGML_PAD(ggml_nbytes(L.host[p]), align);
-    }
-    return n;
-}
 
 // the layer's experts can be banked: cached, in host memory (not a disk tier), each projection contiguous
 static bool fc_bankable(const fc_layer & L) {
@@ -31,6 +24,105 @@ static bool fc_bankable(const fc_layer & L) {
             return false;
         }
     }
+    return true;
+}
+
+bool fc_place_pools(forecache_cache * c, int32_t k, int32_t n_bank, char * err, size_t err_size) {
+    fc_device & d = c->devs[k];
+    ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(d.dev);
+    const size_t align = ggml_backend_buft_get_alignment(buft);
+    std::vector<int32_t> mine;   // the device's cached layers
+    std::vector<int32_t> region; // bank region of each, -1: none
+    int32_t n_proj  = 0;
+    int32_t n_banked = 0;
+    for (int32_t il = 0; il < (int32_t) c->layers.size(); il++) {
+        const fc_layer & L = c->layers[il];
+        if (L.n_slots > 0 && L.dev == k) {
+            mine.push_back(il);
+            region.push_back(n_bank > 0 && fc_bankable(L) ? n_banked++ % 2 : -1);
+            n_proj = std::max(n_proj, L.n_proj);
+        }
+    }
+    // per projection: its two regions, then the bank layers' slots of region 0 and of region 1, each
+    // placed a whole number of experts from its region's start (those of one size together), then the
+    // other layers' slots
+    std::vector<size_t> off(mine.size()*FC_MAX_PROJ, 0);
+    size_t bank_at[2][FC_MAX_PROJ] = {};
+    size_t cursor = 0;
+    for (int32_t p = 0; p < n_proj; p++) {
+        size_t widest = 0;
+        for (size_t i = 0; i < mine.size(); i++) {
+            const fc_layer & L = c->layers[mine[i]];
+            widest = p < L.n_proj && region[i] >= 0 ? std::max(widest, L.host[p]->nb[2]) : widest;
+        }
+        cursor = GGML_PAD(cursor, align);
+        for (int32_t r = 0; r < 2; r++) {
+            bank_at[r][p] = cursor;
+            cursor += GGML_PAD((size_t) n_bank*widest, align);
+        }
+        std::vector<size_t> order(mine.size());
+        for (size_t i = 0; i < order.size(); i++) {
+            order[i] = i;
+        }
+        std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+            const int32_t ra = region[a] < 0 ? 2 : region[a];
+            const int32_t rb = region[b] < 0 ? 2 : region[b];
+            const size_t na = p < c->layers[mine[a]].n_proj ? c->layers[mine[a]].host[p]->nb[2] : 0;
+            const size_t nb = p < c->layers[mine[b]].n_proj ? c->layers[mine[b]].host[p]->nb[2] : 0;
+            return ra != rb ? ra < rb : na < nb;
+        });
+        for (size_t i : order) {
+            const fc_layer & L = c->layers[mine[i]];
+            if (p >= L.n_proj) {
+                continue;
+            }
+            const size_t nb2 = L.host[p]->nb[2];
+            size_t at = GGML_PAD(cursor, align);
+            if (region[i] >= 0) {
+                const size_t base = bank_at[region[i]][p];
+                at = base + (cursor - base + nb2 - 1)/nb2*nb2;
+                for (size_t tries = 0; at % align != 0 && tries < align; tries++) {
+                    at += nb2;
+                }
+                if (at % align != 0) {
+                    forecache_set_err(err, err_size, "layer %d's experts (%zu bytes) cannot be placed at the device's alignment", mine[i], nb2);
+                    return false;
+                }
+            }
+            off[i*FC_MAX_PROJ + p] = at;
+            cursor = at + ggml_backend_buft_get_alloc_size(buft, L.pool[p]);
+        }
+    }
+    if (d.slot_buf != nullptr) {
+        ggml_backend_buffer_free(d.slot_buf);
+        d.slot_buf = nullptr;
+    }
+    d.slot_buf = ggml_backend_buft_alloc_buffer(buft, std::max<size_t>(cursor, 1));
+    if (d.slot_buf == nullptr) {
+        forecache_set_err(err, err_size, "cannot allocate %.1f MiB of expert slots%s on %s", cursor/1048576.0,
+                n_bank > 0 ? " and prompt banks" : "", ggml_backend_dev_name(d.dev));
+        return false;
+    }
+    ggml_backend_buffer_set_usage(d.slot_buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
+    char * base = (char *) ggml_backend_buffer_get_base(d.slot_buf);
+    for (size_t i = 0; i < mine.size(); i++) {
+        fc_layer & L = c->layers[mine[i]];
+        L.bank_region = region[i];
+        for (int32_t p = 0; p < L.n_proj; p++) {
+            L.pool[p]->buffer = nullptr;
+            L.pool[p]->data   = nullptr;
+            if (ggml_backend_tensor_alloc(d.slot_buf, L.pool[p], base + off[i*FC_MAX_PROJ + p]) != GGML_STATUS_SUCCESS) {
+                forecache_set_err(err, err_size, "cannot place the slots of layer %d", mine[i]);
+                return false;
+            }
+            if (region[i] >= 0) {
+                const size_t from = bank_at[region[i]][p];
+                L.unit[p] = (int32_t) ((off[i*FC_MAX_PROJ + p] - from)/L.host[p]->nb[2]);
+                L.span_at[p] = from;
+            }
+        }
+    }
+    d.bank_n = n_bank;
     return true;
 }
 
@@ -58,9 +150,9 @@ void fc_bank_free(forecache_cache * c) {
         d.bank_copy = nullptr;
         ggml_backend_buffer_free(d.bank_buf);
         d.bank_buf = nullptr;
-        if (d.bank_views != nullptr) {
-            ggml_free(d.bank_views);
-            d.bank_views = nullptr;
+        if (d.bmap_ctx != nullptr) {
+            ggml_free(d.bmap_ctx);
+            d.bmap_ctx = nullptr;
         }
     }
     if (c->bank_ctx != nullptr) {
@@ -68,8 +160,8 @@ void fc_bank_free(forecache_cache * c) {
         c->bank_ctx = nullptr;
     }
     for (fc_layer & L : c->layers) {
-        std::fill(L.bank, L.bank + FC_MAX_PROJ, nullptr);
-        L.bank_region = -1;
+        std::fill(L.span, L.span + FC_MAX_PROJ, nullptr);
+        std::fill(L.bmap, L.bmap + FC_MAX_PROJ, nullptr);
     }
     c->bank_map.clear();
     c->bank_tokens = 0;
@@ -111,8 +203,17 @@ int32_t forecache_cache_set_bank(struct forecache_cache * cache, int32_t min_tok
         return -1;
     }
     int32_t n_tensors = 0;
-    for (const fc_layer & L : cache->layers) {
-        n_tensors += fc_bankable(L) ? L.n_proj : 0;
+    {
+        std::lock_guard<std::mutex> lock(cache->mtx);
+        for (const fc_layer & L : cache->layers) {
+            for (int32_t e : L.expert_of) {
+                if (e >= 0) {
+                    forecache_set_err(err, err_size, "prompt banks must be set before any expert is loaded");
+                    return -1;
+                }
+            }
+            n_tensors += fc_bankable(L) ? L.n_proj : 0;
+        }
     }
     if (n_tensors == 0) {
         forecache_set_err(err, err_size, "no cached layer has its experts in host memory");
@@ -126,58 +227,63 @@ int32_t forecache_cache_set_bank(struct forecache_cache * cache, int32_t min_tok
     cache->bank_ctx = ggml_init(params);
     for (size_t k = 0; k < cache->devs.size(); k++) {
         fc_device & d = cache->devs[k];
-        ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(d.pool_buf);
-        const size_t align = ggml_backend_buft_get_alignment(buft);
-        size_t region = 0;
-        int32_t n_proj = 0;
-        int32_t n_expert = 0;
+        int32_t n_bank = 0;
+        bool any = false;
         for (const fc_layer & L : cache->layers) {
             if (L.dev == (int32_t) k && fc_bankable(L)) {
-                region   = std::max(region, fc_bank_bytes(L, align));
-                n_proj   = std::max(n_proj, L.n_proj);
-                n_expert = std::max(n_expert, L.n_expert);
+                n_bank = std::max(n_bank, L.n_expert - L.n_slots);
+                any = true;
             }
         }
-        if (region == 0) {
+        if (!any) {
             continue;
         }
-        d.bank_buf = ggml_backend_buft_alloc_buffer(buft, 2*region);
-        if (d.bank_buf == nullptr) {
-            forecache_set_err(err, err_size, "cannot allocate %.1f MiB of prompt banks on %s",
-                    2*region/1048576.0, ggml_backend_dev_name(d.dev));
+        // the slots are placed anew behind the two regions (nothing is in them yet)
+        if (!fc_place_pools(cache, (int32_t) k, std::max(n_bank, 1), err, err_size)) {
             fc_bank_free(cache);
             return -1;
         }
-        ggml_backend_buffer_set_usage(d.bank_buf, GGML_BACKEND_BUFFER_USAGE_WEIGHTS);
-        char * base = (char *) ggml_backend_buffer_get_base(d.bank_buf);
-        int32_t n_banked = 0;
+        ggml_init_params mparams = {
+            /*.mem_size   =*/ (size_t) (n_tensors + 1)*ggml_tensor_overhead(),
+            /*.mem_buffer =*/ nullptr,
+            /*.no_alloc   =*/ true,
+        };
+        d.bmap_ctx = ggml_init(mparams);
+        char * base = (char *) ggml_backend_buffer_get_base(d.slot_buf);
         for (int32_t il = 0; il < (int32_t) cache->layers.size(); il++) {
             fc_layer & L = cache->layers[il];
-            if (L.dev != (int32_t) k || !fc_bankable(L)) {
+            if (L.dev != (int32_t) k || L.bank_region < 0) {
                 continue;
             }
-            L.bank_region = n_banked++ % 2; // consecutive bank layers alternate
-            size_t off = L.bank_region*region;
             for (int32_t p = 0; p < L.n_proj; p++) {
                 const ggml_tensor * h = L.host[p];
-                ggml_tensor * t = ggml_new_tensor_3d(cache->bank_ctx, h->type, h->ne[0], h->ne[1], h->ne[2]);
-                ggml_format_name(t, "fc.bank.%s", h->name);
-                if (ggml_backend_tensor_alloc(d.bank_buf, t, base + off) != GGML_STATUS_SUCCESS) {
+                ggml_tensor * t = ggml_new_tensor_3d(cache->bank_ctx, h->type, h->ne[0], h->ne[1], L.unit[p] + L.n_slots);
+                ggml_format_name(t, "fc.span.%s", h->name);
+                if (ggml_backend_tensor_alloc(d.slot_buf, t, base + L.span_at[p]) != GGML_STATUS_SUCCESS) {
                     forecache_set_err(err, err_size, "cannot place the prompt bank of layer %d", il);
                     fc_bank_free(cache);
                     return -1;
                 }
-                off += GGML_PAD(ggml_nbytes(t), align);
-                L.bank[p] = t;
+                L.span[p] = t;
                 cache->bank_map[t] = {il, p};
+                L.bmap[p] = ggml_new_tensor_2d(d.bmap_ctx, GGML_TYPE_I32, 1, L.n_expert);
+                ggml_format_name(L.bmap[p], "fc.bmap.%d.%d", il, p);
+            }
+            L.plan_slot.assign(L.n_expert, -1);
+            L.plan_bank.assign(L.n_expert, -1);
+        }
+        d.bank_buf = ggml_backend_alloc_ctx_tensors_from_buft(d.bmap_ctx, ggml_backend_dev_buffer_type(d.dev));
+        if (d.bank_buf == nullptr) {
+            forecache_set_err(err, err_size, "cannot allocate the prompt banks' tables on %s", ggml_backend_dev_name(d.dev));
+            fc_bank_free(cache);
+            return -1;
+        }
+        for (fc_layer & L : cache->layers) {
+            for (int32_t p = 0; L.dev == (int32_t) k && L.bank_region >= 0 && p < L.n_proj; p++) {
+                L.bmap_dev[p].assign(L.n_expert, 0); // every entry a valid place before the first fill
+                ggml_backend_tensor_set(L.bmap[p], L.bmap_dev[p].data(), 0, ggml_nbytes(L.bmap[p]));
             }
         }
-        ggml_init_params vparams = {
-            /*.mem_size   =*/ (size_t) (2*n_expert*n_proj + 8)*ggml_tensor_overhead(),
-            /*.mem_buffer =*/ nullptr,
-            /*.no_alloc   =*/ true,
-        };
-        d.bank_views = ggml_init(vparams);
         if (!fc_bank_events(d)) {
             d.filler = std::make_unique<fc_host_thread>();
         }
@@ -198,57 +304,37 @@ int32_t forecache_cache_bank_events(const struct forecache_cache * cache) {
     return n;
 }
 
-// copies layer il's experts into its region: from the slot src[e] >= 0 holds, else from host memory
-// (on `copy` asynchronously, or here); a run of experts that sit side by side is one copy
-static void fc_bank_copy(forecache_cache * c, int32_t il, const std::vector<int32_t> & src, ggml_backend_t copy) {
+// copies layer il's planned experts from host memory: run [e0, e1) of experts side by side, each into
+// the bank region's place the plan gave it (side by side too), or each into its slot
+static void fc_bank_copy(forecache_cache * c, int32_t il, const std::vector<std::pair<int32_t, int32_t>> & runs,
+        const std::vector<std::pair<int32_t, int32_t>> & to_slots, ggml_backend_t copy) {
     fc_layer & L = c->layers[il];
-    fc_device & d = c->devs[L.dev];
     const auto t0 = fc_clock::now();
-    uint64_t h2d = 0;
-    uint64_t d2d = 0;
-    ggml_reset(d.bank_views);
+    uint64_t bytes = 0;
+    auto put = [&](ggml_tensor * t, const void * data, size_t offset, size_t size) {
+        if (copy != nullptr) {
+            ggml_backend_tensor_set_async(copy, t, data, offset, size);
+        } else {
+            ggml_backend_tensor_set(t, data, offset, size);
+        }
+        bytes += size;
+    };
     for (int32_t p = 0; p < L.n_proj; p++) {
         const ggml_tensor * h = L.host[p];
         const size_t nb2 = h->nb[2];
-        for (int32_t e0 = 0; e0 < L.n_expert;) {
-            int32_t e1 = e0 + 1;
-            if (src[e0] < 0) {
-                while (e1 < L.n_expert && src[e1] < 0) {
-                    e1++;
-                }
-                const char * data = (const char *) h->data + e0*nb2;
-                if (copy != nullptr) {
-                    ggml_backend_tensor_set_async(copy, L.bank[p], data, e0*nb2, (e1 - e0)*nb2);
-                } else {
-                    ggml_backend_tensor_set(L.bank[p], data, e0*nb2, (e1 - e0)*nb2);
-                }
-                h2d += (e1 - e0)*nb2;
-            } else {
-                while (e1 < L.n_expert && src[e1] == src[e1 - 1] + 1) {
-                    e1++;
-                }
-                const int64_t n_el = (int64_t) (e1 - e0)*h->ne[0]*h->ne[1];
-                ggml_tensor * from = ggml_view_1d(d.bank_views, L.pool[p], n_el, src[e0]*nb2);
-                ggml_tensor * to   = ggml_view_1d(d.bank_views, L.bank[p], n_el, e0*nb2);
-                ggml_backend_view_init(from);
-                ggml_backend_view_init(to);
-                if (copy != nullptr) {
-                    ggml_backend_tensor_copy_async(copy, copy, from, to);
-                } else {
-                    ggml_backend_tensor_copy(from, to);
-                }
-                d2d += (e1 - e0)*nb2;
-            }
-            e0 = e1;
+        for (const auto & [e0, e1] : runs) {
+            put(L.span[p], (const char *) h->data + e0*nb2, L.plan_bank[e0]*nb2, (e1 - e0)*nb2);
+        }
+        for (const auto & [e, s] : to_slots) {
+            put(L.pool[p], (const char *) h->data + e*nb2, s*nb2, nb2);
         }
     }
     {
         std::lock_guard<std::mutex> lock(c->mtx);
-        L.stats.bank_bytes     += h2d;
-        L.stats.bank_d2d_bytes += d2d;
+        L.stats.bank_bytes += bytes;
     }
     if (c->tl_on.load(std::memory_order_relaxed)) {
-        fc_span_add(c, FORECACHE_SPAN_BANK, il, -1, -1, -1, L.n_expert, h2d, t0, fc_clock::now());
+        fc_span_add(c, FORECACHE_SPAN_BANK, il, -1, -1, -1, L.n_expert, bytes, t0, fc_clock::now());
     }
 }
 
@@ -264,18 +350,78 @@ static bool fc_bank_wants(const forecache_cache * c, int32_t m) {
     return !issued && !fc_complete(c, m);
 }
 
-// issues the fill of layer m's region, after every node launched so far (lock not held)
+// plans where each expert of layer m is for this pass and issues the copies, after every node launched
+// so far: a resident expert is read from its slot; the others go into the region, side by side, and
+// those beyond its size into empty slots, once the layer's copies in flight have landed (lock not held)
 static void fc_bank_fill(forecache_cache * c, int32_t m) {
     fc_layer & M = c->layers[m];
     fc_device & d = c->devs[M.dev];
     const int32_t r = M.bank_region;
-    std::vector<int32_t> src(M.n_expert, -1);
+    std::vector<std::pair<int32_t, int32_t>> runs;
+    std::vector<std::pair<int32_t, int32_t>> to_slots;
     {
-        // the slots read stay as they are until a pass without bank layers (bank_hold)
-        std::lock_guard<std::mutex> lock(c->mtx);
-        for (int32_t e = 0; e < M.n_expert; e++) {
-            const int32_t s = M.slot_of[e];
-            src[e] = s >= 0 && fc_slot_state(M, s) == FORECACHE_SLOT_READY ? s : -1;
+        std::unique_lock<std::mutex> lock(c->mtx);
+        auto plan = [&]() {
+            runs.clear();
+            to_slots.clear();
+            int32_t n_pending = 0; // missing, with a slot whose copy is in flight
+            int32_t n_none    = 0; // missing, without a slot
+            for (int32_t e = 0; e < M.n_expert; e++) {
+                const int32_t s = M.slot_of[e];
+                const bool ready = s >= 0 && fc_slot_state(M, s) == FORECACHE_SLOT_READY;
+                M.plan_slot[e] = ready ? s : -1;
+                M.plan_bank[e] = -1;
+                n_pending += !ready && s >= 0;
+                n_none    += s < 0;
+            }
+            int32_t n_empty = 0;
+            for (int32_t s = 0; s < M.n_slots; s++) {
+                n_empty += M.expert_of[s] < 0;
+            }
+            if (n_pending + std::max(n_none - n_empty, 0) > d.bank_n) {
+                return false; // wait for the copies in flight into the layer's slots
+            }
+            // the first experts without a slot into empty slots (its copy is ordered before every
+            // read of the slot), the rest into the region
+            int32_t s = 0;
+            for (int32_t e = 0; e < M.n_expert && n_empty > 0; e++) {
+                if (M.slot_of[e] >= 0) {
+                    continue;
+                }
+                while (M.expert_of[s] >= 0) {
+                    s++;
+                }
+                fc_map_slot(c, m, e, s);
+                M.plan_slot[e] = s;
+                to_slots.emplace_back(e, s);
+                n_empty--;
+            }
+            int32_t j = 0;
+            for (int32_t e = 0; e < M.n_expert; e++) {
+                if (M.plan_slot[e] >= 0) {
+                    continue;
+                }
+                M.plan_bank[e] = j++;
+                if (!runs.empty() && runs.back().second == e) {
+                    runs.back().second = e + 1;
+                } else {
+                    runs.emplace_back(e, e + 1);
+                }
+            }
+            M.plan_copies = !runs.empty() || !to_slots.empty();
+            return true;
+        };
+        while (!plan()) {
+            c->cv_done.wait(lock, [&] {
+                int32_t left = 0;
+                for (int32_t s = 0; s < M.n_slots; s++) {
+                    left += M.pending[s];
+                }
+                return left == 0 || c->stop;
+            });
+            if (c->stop) {
+                return;
+            }
         }
         d.bank_layer[r] = m;
         d.bank_epoch[r] = c->epoch;
@@ -284,12 +430,34 @@ static void fc_bank_fill(forecache_cache * c, int32_t m) {
         // the region is free once the compute stream has passed the nodes launched so far
         ggml_backend_event_record(d.bank_freed, d.compute);
         ggml_backend_event_wait(d.bank_copy, d.bank_freed);
-        fc_bank_copy(c, m, src, d.bank_copy);
+        fc_bank_copy(c, m, runs, to_slots, d.bank_copy);
         ggml_backend_event_record(d.bank_filled[r], d.bank_copy);
     } else {
         d.filler->wait();
-        d.filler->run([c, m, src = std::move(src)] { fc_bank_copy(c, m, src, nullptr); });
+        d.filler->run([c, m, runs = std::move(runs), to_slots = std::move(to_slots)] {
+            fc_bank_copy(c, m, runs, to_slots, nullptr);
+        });
     }
+}
+
+// the tables the layer's products read its experts' places through, as its plan has them (lock held)
+static bool fc_bank_tables(forecache_cache * c, int32_t il) {
+    fc_layer & L = c->layers[il];
+    bool changed = false;
+    for (int32_t p = 0; p < L.n_proj; p++) {
+        std::vector<int32_t> & want = c->slots;
+        want.resize(L.n_expert);
+        for (int32_t e = 0; e < L.n_expert; e++) {
+            want[e] = L.plan_slot[e] >= 0 ? L.unit[p] + L.plan_slot[e] : std::max(L.plan_bank[e], 0);
+        }
+        if (want != L.bmap_dev[p]) {
+            ggml_backend_tensor_set(L.bmap[p], want.data(), 0, ggml_nbytes(L.bmap[p]));
+            L.bmap_dev[p] = want;
+            L.stats.uploads++;
+            changed = true;
+        }
+    }
+    return changed;
 }
 
 void fc_bank_begin(forecache_cache * c) {
@@ -303,7 +471,7 @@ void fc_bank_begin(forecache_cache * c) {
         {
             std::lock_guard<std::mutex> lock(c->mtx);
             c->bank_hold = true;
-            wants = c->quiet && c->little.load() == 0 && fc_bank_wants(c, c->bank_first);
+            wants = fc_bank_wants(c, c->bank_first);
         }
         if (wants) {
             fc_bank_fill(c, c->bank_first); // beside the nodes before the first bank layer
@@ -313,75 +481,59 @@ void fc_bank_begin(forecache_cache * c) {
     if (c->bank_hold) {
         for (fc_device & d : c->devs) {
             if (d.bank_copy != nullptr) {
-                ggml_backend_synchronize(d.bank_copy); // no fill reads a slot any more
+                ggml_backend_synchronize(d.bank_copy); // no fill writes a slot or reads a region any more
             }
         }
         std::lock_guard<std::mutex> lock(c->mtx);
         c->bank_hold = false;
+        c->bank_gen++; // the slots may change: tables are made anew
     }
 }
 
-int fc_bank_remap(forecache_cache * c, int32_t il, ggml_tensor * ids, int32_t next, bool ask) {
+int fc_bank_remap(forecache_cache * c, int32_t il, int32_t next, bool ask) {
     fc_layer & L = c->layers[il];
     fc_device & d = c->devs[L.dev];
     const bool events = d.bank_copy != nullptr;
     if (ask) {
         std::lock_guard<std::mutex> lock(c->mtx);
-        if (fc_complete(c, il)) {
-            fc_go_quiet(c, il, ids); // the slots hold every expert: its products read them
-        } else {
-            L.bank_epoch = c->epoch;
-        }
-        if (L.bank_epoch != c->epoch && !fc_bank_wants(c, next)) {
+        const bool issued = d.bank_layer[L.bank_region] == il && d.bank_epoch[L.bank_region] == c->epoch;
+        if (!issued && L.bank_gen == c->bank_gen && fc_complete(c, il) && !fc_bank_wants(c, next)) {
+            L.stats.quiet++; // every expert resident and its tables pointing at their slots
             return 0;
         }
         if (!events) {
-            L.stats.stops++; // the nodes before are computed, the region of the bank layer before is free
+            L.stats.stops++; // the nodes before are computed: the region of the bank layer before is free
             return 1;
         }
         return 2;
     }
-    const bool banked = L.bank_epoch == c->epoch;
-    bool ahead = false;
+    bool fill = false;
     {
         std::lock_guard<std::mutex> lock(c->mtx);
-        if (banked && fc_bank_wants(c, il)) {
-            ahead = true;
-        }
+        fill = !(d.bank_layer[L.bank_region] == il && d.bank_epoch[L.bank_region] == c->epoch);
     }
-    if (ahead) {
-        fc_bank_fill(c, il); // not filled ahead: the layer before was quiet, or this is the first
+    if (fill) {
+        fc_bank_fill(c, il); // not filled ahead: the layer before was complete, or this is the first
     }
-    if (banked && !events) {
+    if (!events) {
         d.filler->wait(); // its region is filled
     }
-    bool wants = false;
+    bool wants  = false;
+    bool copies = false;
     {
         std::lock_guard<std::mutex> lock(c->mtx);
+        fc_bank_tables(c, il);
+        copies = L.plan_copies;
+        // tables that point at slots only stay right while the slots stay (this hold)
+        L.bank_gen = copies ? 0 : c->bank_gen;
+        (copies ? L.stats.banked : L.stats.quiet)++;
         wants = fc_bank_wants(c, next);
-        if (banked) {
-            L.stats.banked++;
-        }
     }
     if (wants) {
         fc_bank_fill(c, next); // while this layer computes
     }
-    if (banked && events) {
+    if (events && copies) {
         ggml_backend_event_wait(d.compute, d.bank_filled[L.bank_region]);
     }
     return 0;
-}
-
-bool fc_bank_product(forecache_cache * c, ggml_tensor * t, ggml_tensor * remap, bool ask) {
-    const auto [il, p] = c->pool_map.count(t->src[0]) ? c->pool_map.at(t->src[0]) : c->bank_map.at(t->src[0]);
-    fc_layer & L = c->layers[il];
-    if (L.bank_epoch != c->epoch) {
-        t->src[0] = L.pool[p];
-        t->src[2] = remap;
-        return false;
-    }
-    t->src[0] = L.bank[p];
-    t->src[2] = t->src[3]; // the routed ids as they are: the bank holds every expert
-    L.stats.products += ask;
-    return true;
 }

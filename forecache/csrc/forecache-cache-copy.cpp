@@ -317,7 +317,7 @@ bool fc_assign(forecache_cache * c, int32_t il, int32_t expert, int32_t slot, in
     }
     const int32_t prev = L.slot_of[expert];
     if (L.in_use[slot] || (prev >= 0 && L.in_use[prev]) || L.quiet_epoch == c->epoch ||
-            (c->bank_hold && L.bank[0] != nullptr)) {
+            (c->bank_hold && L.bank_region >= 0)) {
         L.stats.refused_loads++;
         return false;
     }

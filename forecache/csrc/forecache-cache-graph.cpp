@@ -28,15 +28,15 @@ ggml_tensor * fc_view(fc_device & d, int64_t ne0, int64_t ne1) {
     return v;
 }
 
-// the remap of a layer's routed ids to its slots, computed on the device: the layer's map (expert ->
-// slot) read at each id (a view that repeats the map for every token, so the ids need no copy), shaped
+// the remap of a layer's routed ids to its slots, computed on the device: a table of the layer's
+// (expert -> slot, or place in a span) read at each id (a view that repeats the map for every token, so the ids need no copy), shaped
 // as the ids; nullptr when it cannot be made
-static ggml_tensor * fc_remap(ggml_context * ctx, const fc_layer & L, ggml_tensor * ids) {
+static ggml_tensor * fc_remap(ggml_context * ctx, ggml_tensor * table, ggml_tensor * ids) {
     if (ctx == nullptr || ggml_get_mem_size(ctx) - ggml_used_mem(ctx) < 3*ggml_tensor_overhead() ||
             ids->ne[2] != 1 || ids->ne[3] != 1) {
         return nullptr;
     }
-    ggml_tensor * map = ggml_view_2d(ctx, L.map, 1, L.n_expert, L.map->nb[1], 0);
+    ggml_tensor * map = ggml_view_2d(ctx, table, 1, table->ne[1], table->nb[1], 0);
     map->ne[2] = ids->ne[1]; // the same map for every token (ggml_view_3d would ask for a copy's bytes)
     map->nb[2] = 0;
     map->nb[3] = 0;
@@ -62,28 +62,28 @@ static void fc_insert_remap(ggml_cgraph * graph, int i, ggml_tensor * r) {
 }
 
 // the bank layers of a graph whose ubatch is long enough for them (forecache_cache_set_bank): each
-// product's remapped ids, each layer's remap node and the next bank layer of its device
+// product's remap node, and for each layer's first the next bank layer of its device
 static void fc_bank_graph(forecache_cache * c, ggml_cgraph * graph) {
-    c->bank_remap.clear();
-    c->bank_next.clear();
+    c->bank_rm.clear();
     c->bank_first = -1;
-    if (c->bank_tokens <= 0) {
+    if (c->bank_map.empty()) {
         return;
     }
-    std::vector<std::pair<ggml_tensor *, int32_t>> order; // remap node, layer
+    std::vector<std::pair<ggml_tensor *, int32_t>> order; // first remap node, layer
+    std::unordered_map<const ggml_tensor *, bool> seen;   // routed ids
     for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
         ggml_tensor * node = ggml_graph_node(graph, i);
-        if (node->op != GGML_OP_MUL_MAT_ID || !fc_remapped(node) || node->src[3]->ne[1] < c->bank_tokens) {
+        if (node->op != GGML_OP_MUL_MAT_ID) {
             continue;
         }
-        auto pit = c->pool_map.find(node->src[0]);
-        if (pit == c->pool_map.end() || c->layers[pit->second.first].bank[0] == nullptr) {
+        auto bt = c->bank_map.find(node->src[0]);
+        if (bt == c->bank_map.end()) {
             continue;
         }
-        c->bank_remap[node] = node->src[2];
         ggml_tensor * r = node->src[2]->src[0];
-        if (c->remap_mm.count(r) && c->remap_mm.at(r) == node) {
-            order.emplace_back(r, pit->second.first);
+        c->bank_rm[r] = {bt->second.first, -2};
+        if (seen.emplace(node->src[3], true).second) {
+            order.emplace_back(r, bt->second.first);
         }
     }
     for (size_t k = 0; k < order.size(); k++) {
@@ -92,7 +92,7 @@ static void fc_bank_graph(forecache_cache * c, ggml_cgraph * graph) {
         for (size_t j = k + 1; j < order.size() && next < 0; j++) {
             next = c->layers[order[j].second].dev == dev ? order[j].second : -1;
         }
-        c->bank_next[order[k].first] = next;
+        c->bank_rm[order[k].first] = {order[k].second, next};
     }
     c->bank_first = order.empty() ? -1 : order[0].second;
 }
@@ -113,15 +113,6 @@ void fc_graph_hook(ggml_cgraph * graph, void * user_data) {
         if (node->op != GGML_OP_MUL_MAT_ID) {
             continue;
         }
-        if (!c->bank_map.empty()) {
-            auto bt = c->bank_map.find(node->src[0]);
-            auto br = c->bank_remap.find(node);
-            if (bt != c->bank_map.end() && br != c->bank_remap.end()) {
-                // a product left reading its bank: back to its slots, as the graph was rewritten
-                node->src[0] = c->layers[bt->second.first].pool[bt->second.second];
-                node->src[2] = br->second;
-            }
-        }
         auto pit = c->pool_map.find(node->src[0]);
         if (pit != c->pool_map.end()) {
             c->layer_of_ids[node->src[3]] = pit->second.first;
@@ -139,26 +130,42 @@ void fc_graph_hook(ggml_cgraph * graph, void * user_data) {
             continue;
         }
         ggml_tensor * ids = node->src[2];
+        const int32_t p = it->second.second;
+        const bool room = ggml_graph_size(graph) - ggml_graph_n_nodes(graph) >= 2;
+        if (room && rctx == nullptr) {
+            // a few graphs' worth: the one computed is always the last one split
+            ggml_init_params params = {
+                /*.mem_size   =*/ (size_t) (3*FC_MAX_PROJ*c->layers.size() + 8)*ggml_tensor_overhead(),
+                /*.mem_buffer =*/ nullptr,
+                /*.no_alloc   =*/ true,
+            };
+            rctx = ggml_init(params);
+            c->remap_ctx.push_back(rctx);
+            while (c->remap_ctx.size() > 4) {
+                ggml_free(c->remap_ctx.front());
+                c->remap_ctx.pop_front();
+            }
+        }
+        if (room && L.span[p] != nullptr && c->bank_tokens > 0 && ids->ne[1] >= c->bank_tokens) {
+            // a bank layer in a long ubatch: the product reads its span, each projection through
+            // its own table (the span's places differ between projections)
+            ggml_tensor * places = fc_remap(rctx, L.bmap[p], ids);
+            if (places != nullptr) {
+                fc_insert_remap(graph, i, places);
+                i += 2;
+                node->src[3] = ids;
+                node->src[2] = places;
+                node->src[0] = L.span[p];
+                c->layer_of_ids[ids] = it->second.first;
+                continue;
+            }
+        }
         ggml_tensor * slot_ids = nullptr;
         auto rit = remap_of.find(ids);
         if (rit != remap_of.end()) {
             slot_ids = rit->second; // nullptr: the layer's ids are written by the hook
-        } else if (ggml_graph_size(graph) - ggml_graph_n_nodes(graph) >= 2) {
-            if (rctx == nullptr) {
-                // a few graphs' worth: the one computed is always the last one split
-                ggml_init_params params = {
-                    /*.mem_size   =*/ (size_t) (3*c->layers.size() + 8)*ggml_tensor_overhead(),
-                    /*.mem_buffer =*/ nullptr,
-                    /*.no_alloc   =*/ true,
-                };
-                rctx = ggml_init(params);
-                c->remap_ctx.push_back(rctx);
-                while (c->remap_ctx.size() > 4) {
-                    ggml_free(c->remap_ctx.front());
-                    c->remap_ctx.pop_front();
-                }
-            }
-            slot_ids = fc_remap(rctx, L, ids);
+        } else if (room) {
+            slot_ids = fc_remap(rctx, L.map, ids);
             remap_of[ids] = slot_ids;
             if (slot_ids != nullptr) {
                 fc_insert_remap(graph, i, slot_ids);

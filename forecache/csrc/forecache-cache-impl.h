@@ -152,16 +152,19 @@ struct fc_device {
     fc_clock::time_point  low_start;             // when its last lower-priority chunk started
     fc_clock::time_point  low_end;               // and finished
 
-    // prompt banks (forecache_cache_set_bank): two regions of one layer's experts each; consecutive
-    // bank layers of the device use different regions
+    ggml_backend_buffer_t slot_buf   = nullptr; // its layers' slots, behind its prompt banks' regions
+
+    // prompt banks (forecache_cache_set_bank): two regions of bank_n experts each, in front of the
+    // slots; consecutive bank layers of the device use different regions
     ggml_backend_t        compute    = nullptr;  // the scheduler's backend of dev (the compute stream)
-    ggml_backend_buffer_t bank_buf   = nullptr;
+    int32_t               bank_n     = 0;
+    ggml_context        * bmap_ctx   = nullptr;  // its bank layers' tables
+    ggml_backend_buffer_t bank_buf   = nullptr;  // ... their memory
     int32_t               bank_layer[2] = {-1, -1}; // the layer a region holds or is being filled with
     uint64_t              bank_epoch[2] = {0, 0};   // the pass it was filled for
     ggml_backend_t        bank_copy  = nullptr;  // a backend of its own (a second stream) for fills, where events work
     ggml_backend_event_t  bank_filled[2] = {};   // recorded on bank_copy after a region's fill
     ggml_backend_event_t  bank_freed = nullptr;  // recorded on compute: the nodes launched before are done
-    ggml_context        * bank_views = nullptr;  // scratch views of slot -> region copies
     std::unique_ptr<fc_host_thread> filler;      // without events: fills run on this thread
 };
 
@@ -178,9 +181,18 @@ struct fc_layer {
     std::vector<int32_t> map_dev;     // what map holds now
     uint64_t quiet_epoch = 0;         // the pass computing the layer without a stop (forecache_cache_set_quiet)
     const ggml_tensor * wait_node = nullptr; // the product whose copies the host waits for, its nodes before launched
-    ggml_tensor * bank[FC_MAX_PROJ] = {}; // its experts in its prompt bank region (forecache_cache_set_bank)
-    int32_t  bank_region = -1;
-    uint64_t bank_epoch  = 0;         // the pass computing the layer from its bank
+    // prompt banks (forecache_cache_set_bank): a bank layer's products in a long ubatch read span[p],
+    // from its region's start to its last slot (slot s at unit[p] + s), through its tables bmap[p]
+    int32_t  bank_region = -1;        // 0 or 1; -1: not a bank layer
+    ggml_tensor * span[FC_MAX_PROJ] = {};
+    ggml_tensor * bmap[FC_MAX_PROJ] = {};
+    int32_t  unit[FC_MAX_PROJ]      = {};
+    size_t   span_at[FC_MAX_PROJ]   = {}; // where span[p] starts in its device's slot buffer
+    std::vector<int32_t> bmap_dev[FC_MAX_PROJ]; // what bmap[p] holds now
+    std::vector<int32_t> plan_slot;   // this pass: expert -> the slot it is read from, -1
+    std::vector<int32_t> plan_bank;   // ... its place in the region, -1
+    bool     plan_copies = false;     // the plan copies some expert
+    uint64_t bank_gen    = 0;         // tables pointing at slots only, made in this hold (forecache_cache::bank_gen)
 
     std::vector<int32_t> slot_of;     // expert -> slot, -1 if none
     std::vector<int32_t> dg_host_k;   // its own decode gate tables (forecache_cache_set_layer_decode_gate;
@@ -267,12 +279,12 @@ struct forecache_cache {
     bool quiet = false;                   // forecache_cache_set_quiet
     // prompt banks (forecache_cache_set_bank): ubatches of at least bank_tokens tokens (0: never)
     int32_t bank_tokens = 0;
-    ggml_context * bank_ctx = nullptr;    // every bank layer's bank tensors
-    std::unordered_map<const ggml_tensor *, std::pair<int32_t, int32_t>> bank_map; // bank tensor -> (layer, proj)
-    std::unordered_map<const ggml_tensor *, ggml_tensor *> bank_remap; // product of a bank layer -> its remapped ids
-    std::unordered_map<const ggml_tensor *, int32_t> bank_next; // remap node of a bank layer in a long ubatch's graph -> next bank layer of its device, -1
-    int32_t bank_first = -1;              // that graph's first bank layer (-1: not such a graph)
-    bool    bank_hold  = false;           // fills may read bank layers' slots: no new copies into them
+    ggml_context * bank_ctx = nullptr;    // every bank layer's spans
+    std::unordered_map<const ggml_tensor *, std::pair<int32_t, int32_t>> bank_map; // span -> (layer, proj)
+    std::unordered_map<const ggml_tensor *, std::pair<int32_t, int32_t>> bank_rm;  // a long ubatch's graph: remap node of a bank product -> (layer, next bank layer of its device or -1; -2: not the layer's first product)
+    int32_t  bank_first = -1;             // that graph's first bank layer (-1: not such a graph)
+    bool     bank_hold  = false;          // fills write bank layers' slots: no other copies into them
+    uint64_t bank_gen   = 1;              // holds so far
     std::atomic<int32_t> little{0};           // forecache_cache_set_little: experts a little pass keeps
     std::atomic<bool>    little_resident{false}; // ... of those already resident, and the top-1
 
@@ -445,14 +457,14 @@ bool fc_host_entries(forecache_cache * c, fc_layer & L, int32_t p, const ggml_te
 bool fc_scatter_host(forecache_cache * c, fc_layer & L, ggml_tensor * t);
 bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor * t);
 
-// forecache-cache-bank.cpp: prompt banks
+// forecache-cache-bank.cpp: slot placement and prompt banks
+// places device k's slots in its slot buffer (anew), behind two regions of n_bank experts (0: none)
+bool fc_place_pools(forecache_cache * c, int32_t k, int32_t n_bank, char * err, size_t err_size);
 // a new graph's computation begins (lock not held)
 void fc_bank_begin(forecache_cache * c);
-// layer il's remap node (ask: whether to stop; !ask: fills issued, compute ordered after its own)
-int fc_bank_remap(forecache_cache * c, int32_t il, ggml_tensor * ids, int32_t next, bool ask);
-// product t of a bank layer reads its bank or (through `remap`) its slots, as the layer's pass
-// decided; true for its bank
-bool fc_bank_product(forecache_cache * c, ggml_tensor * t, ggml_tensor * remap, bool ask);
+// bank layer il's first remap node (ask: whether to stop; !ask: its experts placed, its tables
+// written, the next bank layer's fill issued, compute ordered after its own)
+int fc_bank_remap(forecache_cache * c, int32_t il, int32_t next, bool ask);
 void fc_bank_free(forecache_cache * c);
 
 // forecache-cache-disk.cpp: the disk tier (lock held unless said)

@@ -545,19 +545,14 @@ void fc_go_quiet(forecache_cache * c, int32_t il, const ggml_tensor * ids) {
 
 // the node that remaps layer il's routed ids to its slots (`mm`: the layer's first product): the
 // layer's one stop, where the ids are read, the gate decides and the map is written, unless the
-// layer is quiet or computed from its prompt bank
-static int fc_remap_node(forecache_cache * c, ggml_tensor * r, ggml_tensor * mm, bool ask) {
-    const int32_t il = (c->pool_map.count(mm->src[0]) ? c->pool_map.at(mm->src[0]) : c->bank_map.at(mm->src[0])).first;
+// layer is quiet
+static int fc_remap_node(forecache_cache * c, ggml_tensor * mm, bool ask) {
+    const int32_t il = c->pool_map.at(mm->src[0]).first;
     fc_layer & L = c->layers[il];
     if (ggml_nelements(mm->src[3]) == 0) {
         return 0; // no rows routed (a ubatch that asks for no outputs, in its last layer)
     }
-    if (!c->bank_next.empty()) {
-        auto bn = c->bank_next.find(r);
-        if (bn != c->bank_next.end() && c->quiet && c->little.load() == 0) {
-            return fc_bank_remap(c, il, mm->src[3], bn->second, ask);
-        }
-    }
+
     if (ask) {
         std::lock_guard<std::mutex> lock(c->mtx);
         return fc_quiet(c, il, mm->src[3]) ? 0 : 1;
@@ -592,10 +587,18 @@ int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
         }
         return 0;
     }
+    if (t->op == GGML_OP_GET_ROWS && !c->bank_rm.empty()) {
+        auto br = c->bank_rm.find(t);
+        if (br != c->bank_rm.end()) {
+            // a bank layer's product in a long ubatch: its first places the layer's experts
+            return br->second.second == -2 || ggml_nelements(t->src[1]) == 0 ? 0 :
+                fc_bank_remap(c, br->second.first, br->second.second, ask);
+        }
+    }
     if (t->op == GGML_OP_GET_ROWS && !c->remap_mm.empty()) {
         auto rm = c->remap_mm.find(t);
         if (rm != c->remap_mm.end()) {
-            return fc_remap_node(c, t, rm->second, ask);
+            return fc_remap_node(c, rm->second, ask);
         }
     }
     if (t->op != GGML_OP_MUL_MAT_ID) {
@@ -608,12 +611,11 @@ int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
         }
         return ask ? 1 : (fc_little_early(c, lb->second) ? 0 : -1);
     }
-    if (!c->bank_remap.empty()) {
-        auto br = c->bank_remap.find(t);
-        if (br != c->bank_remap.end()) {
-            if (fc_bank_product(c, t, br->second, ask)) {
-                return 0; // one product over its bank
-            }
+    if (!c->bank_map.empty()) {
+        auto bt = c->bank_map.find(t->src[0]);
+        if (bt != c->bank_map.end()) {
+            c->layers[bt->second.first].stats.products += ask; // one product over its span
+            return 0;
         }
     }
     auto it = c->pool_map.find(t->src[0]);

@@ -184,11 +184,15 @@ struct forecache_cache * forecache_cache_init(
         d.slot_ids = ggml_new_tensor_1d(d.pool_ctx, GGML_TYPE_I32, std::max<int64_t>(n_ids, 1));
         ggml_set_name(d.slot_ids, "fc.slot_ids");
 
+        // the slots in a buffer of their own (prompt banks place them anew), the tables in another
+        if (!fc_place_pools(c, (int32_t) k, 0, err, err_size)) {
+            forecache_cache_free(c);
+            return nullptr;
+        }
         ggml_backend_buffer_type_t buft = ggml_backend_dev_buffer_type(d.dev);
-        const size_t pool_size = ggml_backend_alloc_ctx_tensors_from_buft_size(d.pool_ctx, buft);
         d.pool_buf = ggml_backend_alloc_ctx_tensors_from_buft(d.pool_ctx, buft);
         if (d.pool_buf == nullptr) {
-            forecache_set_err(err, err_size, "cannot allocate %.1f MiB of expert slots on %s", pool_size/1048576.0, ggml_backend_dev_name(d.dev));
+            forecache_set_err(err, err_size, "cannot allocate the expert slot tables on %s", ggml_backend_dev_name(d.dev));
             forecache_cache_free(c);
             return nullptr;
         }
@@ -267,6 +271,7 @@ void forecache_cache_free(struct forecache_cache * cache) {
             cache->pool_free(d.cpu_pool);
         }
         ggml_backend_buffer_free(d.pool_buf);
+        ggml_backend_buffer_free(d.slot_buf);
         ggml_backend_buffer_free(d.stage_buf);
         if (d.stage_ctx) {
             ggml_free(d.stage_ctx);

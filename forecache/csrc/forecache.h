@@ -139,10 +139,9 @@ typedef int32_t (*forecache_gate_hook)(
     X(uint64_t, mini_graphs,    SUM) /* graphs the cache computed itself: expert groups, experts from host memory, host results written back */ \
     X(uint64_t, products,       SUM) /* MUL_MAT_IDs computed by the scheduler as one product over the slots */ \
     X(uint64_t, copy_waits,     SUM) /* times compute waited for copies */ \
-    X(uint64_t, quiet,          SUM) /* passes through the layer without a stop (every expert resident: forecache_cache_set_quiet) */ \
-    X(uint64_t, banked,         SUM) /* passes through the layer computed from its prompt bank (forecache_cache_set_bank) */ \
-    X(uint64_t, bank_bytes,     SUM) /* bytes copied host -> its bank */ \
-    X(uint64_t, bank_d2d_bytes, SUM) /* bytes copied slots -> its bank, within the device */
+    X(uint64_t, quiet,          SUM) /* passes through the layer without a stop or a copy (every expert resident: forecache_cache_set_quiet, or a bank layer) */ \
+    X(uint64_t, banked,         SUM) /* passes through the layer that copied experts into its prompt bank (forecache_cache_set_bank) */ \
+    X(uint64_t, bank_bytes,     SUM) /* bytes its prompt bank fills copied from host memory */
 
 struct forecache_cache_stats {
 #define FORECACHE_CACHE_STATS_FIELD(type, name, combine) type name;
@@ -279,16 +278,17 @@ LLAMA_API void forecache_cache_set_quiet(struct forecache_cache * cache, bool qu
 LLAMA_API void forecache_cache_set_gather(struct forecache_cache * cache, int32_t min_tokens, int32_t min_entries);
 
 // Prompt banks: a ubatch of at least `min_tokens` tokens (llama.cpp offloads a host layer's experts
-// for 32) computes each cached layer whose experts are in host memory as one product per projection over
-// a copy of all its experts, in one of two bank regions of its device: the experts in its slots are
-// copied within the device, the others from host memory, and the next bank layer's region is filled
-// while the layer computes. No routed id is read back and no slot changes: a prompt leaves the decode
-// working set as it was (copies into bank layers' slots are refused until a ubatch without them). A
-// layer whose every expert is resident reads its slots instead, as a quiet layer (only while quiet is on:
-// a hook or an event that must see every routing turns banks off). Where the device has events, fills
-// run on a stream of their own ordered by them, without a host synchronization; elsewhere a thread fills
-// and the layer stops once. Allocates two regions of the largest layer's experts on each device holding
-// bank layers. Returns 0, or -1 with a message in err.
+// for 32) computes each cached layer whose experts are in host memory as one product per projection
+// over its slots and a bank region holding the experts they lack: each device keeps two regions of as
+// many experts as its layer with the fewest slots lacks, in front of its slots, and the product reads
+// a span from the layer's region to its last slot through a table of where each expert is, on the
+// device. Only the missing experts cross the bus (those beyond the region, in a cold cache, go into
+// empty slots), and the next bank layer's region fills while the layer computes. No routed id is read
+// back, no gate hook or event runs for it, and no resident expert leaves its slot: other copies into
+// bank layers' slots are refused until a ubatch without them. Where the device has events, fills run
+// on a stream of their own ordered by them, without a host synchronization; elsewhere a thread fills
+// and the layer stops once. Must be called before any expert is loaded (the slots are placed anew
+// behind the regions). Returns 0, or -1 with a message in err.
 LLAMA_API int32_t forecache_cache_set_bank(struct forecache_cache * cache, int32_t min_tokens, char * err, size_t err_size);
 
 // Devices whose prompt banks fill on a stream of their own, ordered by events.
@@ -465,7 +465,7 @@ enum forecache_span_kind {
     FORECACHE_SPAN_COPY  = 5, // a chunk copied host -> slot, on the copy thread
     FORECACHE_SPAN_READ  = 6, // an expert read from the model file into a host slot, on a reader thread
     FORECACHE_SPAN_QUIET = 7, // a layer computed without a stop (forecache_cache_set_quiet): no time of its own
-    FORECACHE_SPAN_BANK  = 8, // a layer's prompt bank filled (with events: the time issuing the copies)
+    FORECACHE_SPAN_BANK  = 8, // a layer's prompt bank filled (with events: the time issuing its copies)
 };
 
 struct forecache_span {

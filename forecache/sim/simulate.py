@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from forecache.cache.budget import BANK_REGIONS, BANK_SHARE_MAX
 from forecache.cache.cost import DEVICE_MIN_TOKENS, CostModel, Profile, roofline_s
 from forecache.cache.forecast import Forecaster
 from forecache.cache.infinity import InfinityPolicy
@@ -28,7 +29,7 @@ from forecache.cache.prefetcher import (
     Prefetcher,
     stage_slots_for,
 )
-from forecache.cache.registry import SIM_POLICIES, policy_spec
+from forecache.cache.registry import SIM_POLICIES, PolicySpec, policy_spec
 from forecache.predictor.base import Predictor
 from forecache.sim.diskside import DiskSide
 from forecache.sim.engine import SimEngine
@@ -68,6 +69,13 @@ class SimConfig:
     # layer stops, a short ubatch with copies in flight computes expert groups), which the GPU
     # rows measured until 2026-11-26 ran
     hot_path: str = "remap"
+    # prompt banks (forecache_cache_set_bank, patch version 19): a ubatch of DEVICE_MIN_TOKENS
+    # rows or more computes each cached layer with a missing expert as one product over its
+    # slots and a bank holding the experts they lack, copied over the bus on a stream of their
+    # own, the next layer's filling while this one computes; no hook, no read-back, no slot
+    # changed (None: as the runtime's default on a GPU: with hot_path "remap" for a policy
+    # that does not watch every routing, without a disk tier)
+    prompt_bank: bool | None = None
     # speculative decoding (SP-MoE, issue 21): each step drafts ``spec_k`` tokens, verifies them
     # with the next in one ubatch and accepts each draft with probability ``spec_accept`` (until
     # the first rejection). ``spec_draft`` "little": the model's little pass over ``little_k``
@@ -202,8 +210,14 @@ class Simulator:
         for il in self.layers:
             self.n_slots[il] = max(min(cfg.slots_at(il), shape.experts), least)
         f = cfg.features
+        self.bank = self._banks(spec)
+        if self.bank:  # the banks' device memory, out of the slots as stage slots
+            held = self._bank_held()
+            cached = [il for il in self.layers if self.n_slots[il] > 1]
+            for k in range(held if cached else 0):
+                self.n_slots[cached[-1 - k % len(cached)]] -= 1
         stage = 0
-        if spec.proactive and f.reorder:
+        if spec.proactive and f.reorder and not self.bank:
             stage = cfg.stage_slots if cfg.stage_slots is not None else \
                 stage_slots_for(shape.experts, self.n_slots)
             # the stage's device memory comes out of the slots, one from a layer at a time
@@ -271,6 +285,8 @@ class Simulator:
         self._rng = np.random.default_rng(cfg.seed)
         self._little = False  # the pass being simulated is a MoBiLE little pass
         self._oracle: np.ndarray | None = None  # the big pass's routing, prefetched at its start
+        self._bank_end: dict[int, float] = {}  # layer -> when its bank's fill ends (this pass)
+        self._bank_free = 0.0  # when the fills' stream is free
         self._init_counters()
 
     def _init_counters(self) -> None:
@@ -282,6 +298,8 @@ class Simulator:
         self.cpu_s = self.bus_s = self.runtime_s = self.attn_s = 0.0
         self.fast_gates = 0
         self.quiet = 0  # layer passes without a stop (every expert resident)
+        self.banked = 0  # layer passes computed from a prompt bank
+        self.bank_bytes = 0.0  # bytes copied host -> banks
         self.hops = 0  # activations crossing between devices
         L = self.shape.layers
         self.lay = {k: np.zeros(L) for k in ("predicted", "correct", "in_time", "good", "stall")}
@@ -291,6 +309,37 @@ class Simulator:
         self.spec_cutoffs: list[int] = []  # SP-MoE's rule's choices
         self.bus_floor_prefill: list[float] = []
         self.floor_decode: list[float] = []  # per decoded token
+
+    def _banks(self, spec: PolicySpec) -> bool:
+        """Prompt banks, as ``cache.setup.held_back`` places them: asked for (by default with
+        the "remap" hot path), for a cached policy that does not watch every routing, without
+        a disk tier, where some layer misses experts and, by default, within
+        ``BANK_SHARE_MAX`` of the slots."""
+        cfg, sh = self.cfg, self.shape
+        want = cfg.prompt_bank if cfg.prompt_bank is not None else cfg.hot_path == "remap"
+        if not (want and spec.policy is not None and not spec.policy.routes_every_layer and
+                cfg.host_slots is None and cfg.hot_path == "remap"):
+            return False
+        if all(self.n_slots[il] >= sh.experts for il in self.layers):
+            return False
+        total = sum(self.n_slots[il] for il in self.layers)
+        return self._bank_held() < total * (1.0 if cfg.prompt_bank else BANK_SHARE_MAX)
+
+    def _bank_held(self) -> int:
+        """Slots the banks take (``cache.setup.bank_experts`` settled as the runtime's plan
+        settles it): two regions of what the layer with the fewest slots left lacks."""
+        held = 0
+        for _ in range(16):
+            slots = list(self.n_slots)
+            cached = [il for il in self.layers if slots[il] > 1]
+            for k in range(held if cached else 0):
+                slots[cached[-1 - k % len(cached)]] -= 1
+            need = BANK_REGIONS * max(self.shape.experts - min(slots[il] for il in self.layers),
+                                      0)
+            if need <= held:
+                break
+            held = need
+        return held
 
     def reset_counters(self) -> None:
         """Forget what was counted so far and keep the state (slots, host tier, page cache,
@@ -477,6 +526,10 @@ class Simulator:
             self.t += lead
             floor += lead
             compute += lead
+        banks = self.bank and n >= DEVICE_MIN_TOKENS and not self._little
+        self._bank_end = {}
+        if banks:  # the first bank layer's fill begins with the pass (fc_bank_begin)
+            self._bank_fill(self._next_bank(-1), self.t)
         for il in range(sh.layers):
             if il not in cached:
                 # a layer the trace logged no routing for is left out: the run is the model's
@@ -507,12 +560,18 @@ class Simulator:
             nodes = sum(self._node(experts, known.size, j) for j in range(len(sh.proj_bytes)))
             floor += nodes
             compute += nodes
-            if self.policy is not None and self.cfg.hot_path == "remap" and self._quiet(il):
+            if self.policy is not None and self.cfg.hot_path == "remap" and \
+                    (self._quiet(il) or banks and self._complete(il)):
                 # as fc_quiet: no stop, no gate; each projection one product over the slots
                 self.hits += len(experts)
                 self.quiet += 1
                 self.t += nodes
                 eng.advance_to(self.t)
+                continue
+            if banks and not self._complete(il):
+                copied = self._bank_layer(il, nodes)
+                missed_bytes += copied
+                floor += copied / (best_gbps * 1e9)
                 continue
             if self.policy is None:
                 self._stock_layer(il, experts, known.size, n)
@@ -568,6 +627,46 @@ class Simulator:
                               missed_bytes / (p.h2d_gbps * self.n_devices * 1e9))
         eng.advance_to(self.t)
         return self.t - t0
+
+    def _next_bank(self, il: int) -> int:
+        """The first layer after ``il`` a prompt pass computes from its bank (-1: none)."""
+        later = [k for k in self.layers if k > il and not self._complete(k)]
+        return later[0] if later else -1
+
+    def _bank_fill(self, il: int, issued: float) -> None:
+        """Layer ``il``'s bank filled on the fills' stream from ``issued`` on: the experts its
+        slots lack, over the bus (those beyond the bank's size go into empty slots at run time:
+        not modelled, the slots start full as promoe fills them)."""
+        if il < 0 or il in self._bank_end:
+            return
+        sh, p = self.shape, self.profile
+        expert_of, state = self.engine.layer_state(il)
+        resident = len(set(expert_of[state == SLOT_READY].tolist()))
+        h2d = (sh.experts - resident) * sh.expert_bytes
+        fill = p.chunk_latency_s + h2d / (p.h2d_gbps * 1e9)
+        start = max(issued, self._bank_free)
+        self._bank_free = self._bank_end[il] = start + fill
+        self.engine.stats["h2d_bytes"] += h2d
+        self.bank_bytes += h2d
+
+    def _bank_layer(self, il: int, nodes: float) -> float:
+        """Layer ``il`` of a prompt pass from its bank (fc_bank_remap): its fill issued if it
+        was not, the next bank layer's issued, one product per projection once its fill is
+        done. Returns the bytes its fill copied over the bus."""
+        before = self.bank_bytes
+        self._bank_fill(il, self.t)
+        self._bank_fill(self._next_bank(il), self.t)
+        self.t += self.profile.gpu_launch_s  # the ranges launched before the layer's products
+        self.runtime_s += self.profile.gpu_launch_s
+        ready = self._bank_end[il]
+        if ready > self.t:
+            self.stall += ready - self.t
+            self.lay["stall"][il] += ready - self.t
+            self.t = ready
+        self.t += nodes
+        self.banked += 1
+        self.engine.advance_to(self.t)
+        return int(self.bank_bytes - before)
 
     def _hop(self, n_rows: int) -> float:
         """A ubatch's hidden state (f32) crossing from one device to the next at a split
@@ -847,6 +946,8 @@ class Simulator:
         extra["decode_gate_s"] = self.fast
         extra["decode_gates_in_c"] = self.fast_gates
         extra["quiet_layers"] = self.quiet
+        extra["banked_layers"] = self.banked
+        extra["bank_bytes"] = int(self.bank_bytes)
         if isinstance(self.policy, Prefetcher):
             extra.update(prefetch_loads=self.policy.prefetch_loads,
                          stale_predictions=self.policy.stale_predictions)
