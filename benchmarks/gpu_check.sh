@@ -13,8 +13,9 @@
 #                                         bundle, doctor, write the 57B model (Q4_K_M mix), replay
 #                                         OLMoE-fitted routing at 24 GiB (all-gpu, ncmoe with
 #                                         --no-mmap and with mmap, promoe with and without
-#                                         gathered prompt groups, infinity), the real OLMoE trace,
-#                                         promoe's timeline, 12 GiB, every expert
+#                                         prompt banks, infinity), the real OLMoE trace,
+#                                         promoe's timeline, 12 GiB, a 4096-token prompt
+#                                         against stock at its best ubatch, every expert
 #                                         resident against all-gpu and the replay's own cost,
 #                                         promoe over the disk tier (a quarter of the experts in
 #                                         host memory), the other routings, then the lossless
@@ -137,7 +138,8 @@ if [ "$CPU" = 1 ]; then
     WORK=$OUT/.work
     MODEL=$WORK/tiny-q4_k_m.gguf
     PRESET=tiny
-    BIG=1GiB; SMALL=1GiB; FULL=1GiB; PROMPT=64; GEN=16; THREADS=(--threads 2)
+    BIG=1GiB; SMALL=1GiB; FULL=1GiB; PROMPT=64; LONG=128; GEN=16; THREADS=(--threads 2)
+    BANK_AB=promoe+bank
     LOSSLESS=(-k "(test_every_policy_equals_unpatched and tiny-q8_0) or split_model_gives")
 else
     # the machine's own Python (PyTorch's environment: numpy, onnxruntime, pytest, click); the
@@ -164,7 +166,8 @@ for p in sys.path:
     WORK=${FORECACHE_GPU_CHECK_WORK:-/tmp/forecache-gpu-check}
     PRESET=${FORECACHE_GPU_CHECK_PRESET:-qwen2-57b-a14b}
     MODEL=$WORK/$PRESET-random-q4_k_m.gguf
-    BIG=24GiB; SMALL=12GiB; FULL=64GiB; PROMPT=512; GEN=64; THREADS=()
+    BIG=24GiB; SMALL=12GiB; FULL=64GiB; PROMPT=512; LONG=4096; GEN=64; THREADS=()
+    BANK_AB=promoe+nobank
     # and a split model (its shards' experts in pinned host memory, the disk tier per shard)
     LOSSLESS=(-k "q8_0 or split_model_gives or disk_tier_reads_each_shard")
 fi
@@ -214,9 +217,10 @@ if src.exists():
 EOF
 }
 FIT=$WORK/traces/olmoe-fit.npz
-# promoe+gather: a prompt's expert groups wait for 8 entries while more copies can land (its A/B:
-# the H100's prefill spent 280 of 390 ms in 1241 groups, 2026-11-26)
-bench fit24 "$FIT" "$BIG" all-gpu,ncmoe,ncmoe-mmap,promoe,promoe+gather,infinity
+# promoe's prompt banks against its prompts without them (the H100's prefill spent 280 of 390 ms
+# in 1241 expert groups, 2026-11-26): promoe+nobank here, promoe+bank on a CPU build, where
+# promoe has none
+bench fit24 "$FIT" "$BIG" "all-gpu,ncmoe,ncmoe-mmap,promoe,$BANK_AB,infinity"
 # the real OLMoE trace mapped onto the model, the routing to beat (into bench_routings.json)
 REAL=$BUNDLE/olmoe-real.npz
 if [ -f "$REAL" ]; then bench r_olmoe-real "$REAL" "$BIG" ncmoe,promoe,infinity; fi
@@ -225,6 +229,11 @@ if [ -f "$REAL" ]; then bench r_olmoe-real "$REAL" "$BIG" ncmoe,promoe,infinity;
 bench timeline "$FIT" "$BIG" promoe --timeline
 keep_in bench_timeline.json bench_fit24.json timeline_run
 bench fit12 "$FIT" "$SMALL" ncmoe,ncmoe-mmap,promoe
+# a long prompt: 4096 tokens against stock at its best ubatch (a larger one is how stock users
+# speed up long prompts), kept in bench_fit24.json as "prefill_4k"
+bench p4k "$FIT" "$BIG" "ncmoe,ncmoe@ub1024,ncmoe@ub2048,ncmoe@ub4096,promoe,promoe@ub2048" \
+    --prompt-len "$LONG" --gen 4
+keep_in bench_p4k.json bench_fit24.json prefill_4k
 # the fixed cost when nothing misses: every expert in a slot against every layer on the GPU,
 # both replayed, and the replay's own cost (every layer on the GPU on the model's own routing)
 bench full "$FIT" "$FULL" all-gpu,promoe

@@ -65,8 +65,22 @@ RUN_VARIANTS: dict[str, Variant] = {
     "+gather": Variant({"features": Features(prompt_gather=GATHER_ENTRIES)}, routes=False,
                        note=f"+gather: a prompt's expert groups wait for {GATHER_ENTRIES} "
                             "entries while more copies can land (fewer, larger groups)"),
+    "+bank": Variant({"prompt_bank": True}, routes=False,
+                     note="+bank: prompt banks on (the default on a GPU)"),
+    "+nobank": Variant({"prompt_bank": False}, routes=False,
+                       note="+nobank: no prompt banks: a prompt's layers read their routing and "
+                            "stream their misses through the slots"),
 }
 PLAIN = Variant({}, routes=False)
+
+
+def _ubatch(name: str) -> tuple[str, int | None]:
+    """A run's name and its ubatch size: "ncmoe@ub2048" -> ("ncmoe", 2048); None: the default
+    (a larger ubatch is how stock llama.cpp users speed up long prompts)."""
+    head, sep, tail = name.rpartition("@ub")
+    if sep and tail.isdigit() and int(tail) > 0:
+        return head, int(tail)
+    return name, None
 
 
 def _variant(name: str) -> tuple[str, Variant]:
@@ -137,13 +151,17 @@ def _sized(policy: str, gpu_budget: int | None, fraction: float | None, **kw: ob
 def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n_gen: int, *,
                n_ctx: int, n_threads: int | None, decode_gate: bool = True,
                draft: str | None = None, use_mmap: bool = False,
-               routing_trace: Path | Routing | None = None, timeline: bool = False) -> dict:
+               routing_trace: Path | Routing | None = None, timeline: bool = False,
+               n_ubatch: int | None = None) -> dict:
     """Load the model under ``cfg``, warm up, then generate ``n_gen`` tokens for every prompt
     (``decode_gate=False``: every gate calls the Python policy; ``draft``: speculative;
     ``use_mmap``: host weights mmap'd, else read into (pinned) buffers as --no-mmap does;
     ``routing_trace``: every expert matmul reads that trace's routing, not the router's;
-    ``timeline``: the expert cache's timeline of the timed prompts, summarized per layer)."""
+    ``timeline``: the expert cache's timeline of the timed prompts, summarized per layer;
+    ``n_ubatch``: the ubatch (and batch) size, default llama.cpp's)."""
     spec: dict = {} if draft is None else {"draft": draft}
+    if n_ubatch is not None:
+        spec.update(n_batch=n_ubatch, n_ubatch=n_ubatch)
     if routing_trace is not None:
         spec["routing_trace"] = routing_trace
     with Llama.open(model, cache=cfg, n_ctx=n_ctx, n_threads=n_threads, use_mmap=use_mmap,
@@ -192,7 +210,8 @@ def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n
     }
 
 
-HOT_PATH = ("stops", "readbacks", "uploads", "mini_graphs", "products", "copy_waits", "quiet")
+HOT_PATH = ("stops", "readbacks", "uploads", "mini_graphs", "products", "copy_waits", "quiet",
+            "banked")
 
 
 def hot_path(stats: dict, n_passes: int) -> dict[str, float]:
@@ -218,8 +237,10 @@ def llama_cpp_threads(cpuinfo: str | None = None) -> int:
 
 
 def _baseline(raw: dict[str, dict], base: str) -> dict[str, float] | None:
-    """TTFT and TPOT of baseline ``base``; for ncmoe the faster of its runs, metric by metric."""
-    runs = [raw[n] for n in (NCMOE_RUNS if base == "ncmoe" else (base,)) if n in raw]
+    """TTFT and TPOT of baseline ``base``; for ncmoe the faster of its runs (mmap'd or not, at
+    any ubatch size), metric by metric."""
+    runs = [r for n, r in raw.items()
+            if (_ubatch(n)[0] in NCMOE_RUNS if base == "ncmoe" else n == base)]
     if not runs:
         return None
     return {"ttft_s": min(r["ttft_s"] for r in runs), "tpot_s": min(r["tpot_s"] for r in runs)}
@@ -257,10 +278,11 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
     raw: dict[str, dict] = {}
     errors: dict[str, str] = {}
     for pol in policies:
-        if pol in NCMOE_RUNS and gpu_budget is None:
+        name, n_ubatch = _ubatch(pol)
+        if name in NCMOE_RUNS and gpu_budget is None:
             progress(f"{pol} skipped: it needs {setting('gpu_budget')}")
             continue
-        base, variant = _variant(pol)
+        base, variant = _variant(name)
         extra, draft = variant.kw, variant.draft
         if routing_trace is not None and variant.routes:
             progress(f"{pol} skipped: a replayed routing fixes every token's experts")
@@ -275,7 +297,7 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
         try:
             raw[pol] = run_policy(model, cfg, prompts, n_gen, n_ctx=n_ctx, n_threads=n_threads,
                                   draft=draft, use_mmap=mmap, routing_trace=routing,
-                                  timeline=timeline)
+                                  timeline=timeline, n_ubatch=n_ubatch)
         except (ValueError, RuntimeError, OSError) as e:
             # one placement that cannot run (a budget too small, a failed load) leaves the others'
             # figures standing; the report names it
@@ -293,7 +315,7 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
                 }
         fields = {k: v for k, v in r.items() if k not in ("tokens", "stats", "per_prompt")}
         results.append(PolicyResult(policy=pol, ratios=ratios, **fields))
-    exact = [r["tokens"] for pol, r in raw.items() if not _lossy(pol)]
+    exact = [r["tokens"] for pol, r in raw.items() if not _lossy(_ubatch(pol)[0])]
     return {
         "model": str(model), "prompt_len": prompt_len, "gen": n_gen, "n_prompts": n_prompts,
         "gpu_budget": gpu_budget, "cache_fraction": cache_fraction, "host_budget": host_budget,
@@ -343,7 +365,7 @@ def format_table(report: dict) -> str:
     else:
         lines.append("ratios: prefill (TTFT) speedup / decode (TPOT) speedup; same greedy "
                      f"tokens (exact runs): {'yes' if report['same_tokens'] else 'NO'}")
-    notes = [_variant(r["policy"])[1].note for r in report["results"]]
+    notes = [_variant(_ubatch(r["policy"])[0])[1].note for r in report["results"]]
     lines.extend(dict.fromkeys(n for n in notes if n))
     return "\n".join(lines)
 

@@ -47,7 +47,18 @@ def test_cpu_dry_run_writes_every_result(tmp_path: Path) -> None:
     assert ent["uniform"] > ent["olmoe-fit"] > ent["skewed"]
     fit = json.loads((out / "bench_fit24.json").read_text())
     assert {r["policy"] for r in fit["results"]} == {
-        "all-gpu", "ncmoe", "ncmoe-mmap", "promoe", "promoe+gather", "infinity"}
+        "all-gpu", "ncmoe", "ncmoe-mmap", "promoe", "promoe+bank", "infinity"}
+    banked = next(r for r in fit["results"] if r["policy"] == "promoe+bank")
+    # (the dry run's budget holds the tiny model's every expert: nothing for banks to copy)
+    assert "banked" in banked["hot_path"] and not fit["errors"]
+    # a long prompt against stock at each ubatch size; promoe's ratio is over the best of them
+    long = fit["prefill_4k"]
+    assert long["prompt_len"] == 128 and not long["errors"]
+    assert {r["policy"] for r in long["results"]} == {
+        "ncmoe", "ncmoe@ub1024", "ncmoe@ub2048", "ncmoe@ub4096", "promoe", "promoe@ub2048"}
+    best = min(r["ttft_s"] for r in long["results"] if r["policy"].startswith("ncmoe"))
+    p4k = next(r for r in long["results"] if r["policy"] == "promoe")
+    assert abs(p4k["ratios"]["ncmoe"]["ttft_speedup"] - best / p4k["ttft_s"]) < 1e-9
     assert fit["routing_trace"].endswith("olmoe-fit.npz") and fit["same_tokens"] is None
     promoe = next(r for r in fit["results"] if r["policy"] == "promoe")
     assert promoe["ratios"]["ncmoe"]["decode_speedup"] > 0
