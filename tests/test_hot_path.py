@@ -4,6 +4,8 @@ every CPU."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -246,3 +248,54 @@ def test_prompt_banks_placement(tiny_model: Callable[[str], Path]) -> None:
     assert held(medium)[1] == 0 and held(medium, prompt_bank=True)[1] > 0  # asked for: placed
     with pytest.raises(BudgetError, match="prompt banks of .* leave no expert slots"):
         held(small, prompt_bank=True)
+
+
+def _restart_when_banked(cache, banks: int, seen: dict) -> None:  # type: ignore[no-untyped-def]
+    """Restarts the stopped copy worker once ``banks`` layer passes came from their banks (or a
+    minute on)."""
+    from forecache.native.testing import controls
+
+    deadline = time.monotonic() + 60  # a prompt that waits for the stopped worker fails
+    while cache.stats()["banked"] < banks and time.monotonic() < deadline:
+        time.sleep(0.001)
+    seen.update(cache.stats())
+    controls().cache_pause(cache.handle, False)
+
+
+def test_a_prompt_takes_the_place_of_queued_loads(tiny_model: Callable[[str], Path]) -> None:
+    """Loads still queued into a bank layer's slots when a prompt begins give way to its bank
+    fill (which copies those experts itself), so the prompt never waits on copies that cannot
+    run: with the copy worker stopped, every slot's load queued, the prompt still runs and
+    computes what it computes without banks."""
+    from forecache.native.testing import controls
+
+    model = tiny_model("q8_0")
+    n_slots = read_model_file(model).n_expert - 2
+    prompt: list[int] = []
+    logits = {}
+    for bank in (False, True):
+        cfg = CacheConfig("lru", slots_per_layer=n_slots, prompt_bank=bank)
+        with Llama.open(model, n_ctx=256, n_batch=128, n_threads=2, cache=cfg) as llm:
+            cache = llm.expert_cache
+            assert cache is not None
+            prompt = prompt or text_tokens(llm, "Sphinx of black quartz, judge my vow. " * 8)[:64]
+            ctl = controls()
+            ctl.cache_pause(cache.handle, True)
+            for il in cache.layers:
+                for s in range(n_slots):
+                    assert cache.load(il, s, s, 1) >= 0
+            if bank:
+                # the last layer computes the output row alone, routed as in decode: its misses
+                # need the worker, restarted once every bank layer has computed
+                banks = len(cache.layers) - 1
+                seen: dict[str, int] = {}
+                t = threading.Thread(target=_restart_when_banked, args=(cache, banks, seen))
+                t.start()
+                llm.eval(prompt)
+                t.join()
+                assert seen["banked"] == banks and seen["dropped_chunks"] > 0, seen
+            else:
+                ctl.cache_pause(cache.handle, False)
+                llm.eval(prompt)
+            logits[bank] = last_logits(llm).copy()
+    assert np.array_equal(logits[False], logits[True])

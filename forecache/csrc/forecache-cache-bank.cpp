@@ -352,7 +352,8 @@ static bool fc_bank_wants(const forecache_cache * c, int32_t m) {
 
 // plans where each expert of layer m is for this pass and issues the copies, after every node launched
 // so far: a resident expert is read from its slot; the others go into the region, side by side, and
-// those beyond its size into empty slots, once the layer's copies in flight have landed (lock not held)
+// those beyond its size into empty slots, the layer's queued loads dropped and its running ones
+// landed first where the two lack room (lock not held)
 static void fc_bank_fill(forecache_cache * c, int32_t m) {
     fc_layer & M = c->layers[m];
     fc_device & d = c->devs[M.dev];
@@ -412,6 +413,11 @@ static void fc_bank_fill(forecache_cache * c, int32_t m) {
             return true;
         };
         while (!plan()) {
+            // the layer's queued loads give way (the fill copies their experts itself); copies
+            // already running are waited for
+            if (fc_drop_queued(c, 0, [&](const fc_chunk & ch) { return ch.layer == m; }) > 0) {
+                continue;
+            }
             c->cv_done.wait(lock, [&] {
                 int32_t left = 0;
                 for (int32_t s = 0; s < M.n_slots; s++) {
