@@ -457,3 +457,24 @@ def test_chat_reports_each_devices_slots(tmp_path: Path, servers: list[str]) -> 
     child.expect("> ")
     child.sendeof()
     assert _finish(child) == 0
+
+
+def test_prompt_banks_on_rpc_devices_equal_unpatched(tiny_model: Callable[..., Path],
+                                                     stock: StockReference,
+                                                     servers: list[str]) -> None:
+    """Prompt banks on the servers' devices (no events there: a thread fills each device's
+    regions over the network): a 64-token prompt's layers come from their banks, and greedy
+    tokens and logits equal the unpatched build's with the same servers."""
+    model = tiny_model("q8_0")
+    prompts = [list(range(10, 74))]
+    ref = stock.run(model, prompts, N_GEN, rpc=servers, n_ctx=256)
+    info: dict = {}
+    ours = run_greedy_child(greedy_job(model, prompts, N_GEN, loader="forecache", rpc=servers,
+                                       n_ctx=256, cache={"policy": "lru", "cache_fraction": 0.5,
+                                                         "prompt_bank": True}),
+                            Path(str(model)).parent, info=info)
+    for (t, lg), (rt, rl) in zip(ours, ref, strict=True):
+        assert t == rt
+        np.testing.assert_array_equal(lg, rl)
+    assert sorted(set(info["layer_devices"].values())) == ["RPC0", "RPC1"], info
+    assert info["stats"]["banked"] > 0 and info["stats"]["readbacks"] > 0, info["stats"]

@@ -457,7 +457,13 @@ static bool fc_bank_tables(forecache_cache * c, int32_t il) {
             want[e] = L.plan_slot[e] >= 0 ? L.unit[p] + L.plan_slot[e] : std::max(L.plan_bank[e], 0);
         }
         if (want != L.bmap_dev[p]) {
-            ggml_backend_tensor_set(L.bmap[p], want.data(), 0, ggml_nbytes(L.bmap[p]));
+            fc_device & d = c->devs[L.dev];
+            if (d.bank_copy != nullptr) {
+                // on the compute stream: after the products of passes before that read the table
+                ggml_backend_tensor_set_async(d.compute, L.bmap[p], want.data(), 0, ggml_nbytes(L.bmap[p]));
+            } else {
+                ggml_backend_tensor_set(L.bmap[p], want.data(), 0, ggml_nbytes(L.bmap[p]));
+            }
             L.bmap_dev[p] = want;
             L.stats.uploads++;
             changed = true;
@@ -485,9 +491,13 @@ void fc_bank_begin(forecache_cache * c) {
         return;
     }
     if (c->bank_hold) {
+        // copies into slots start again: the last bank pass's products and fills are done first
         for (fc_device & d : c->devs) {
             if (d.bank_copy != nullptr) {
-                ggml_backend_synchronize(d.bank_copy); // no fill writes a slot or reads a region any more
+                ggml_backend_synchronize(d.bank_copy);
+            }
+            if (d.compute != nullptr) {
+                ggml_backend_synchronize(d.compute);
             }
         }
         std::lock_guard<std::mutex> lock(c->mtx);
