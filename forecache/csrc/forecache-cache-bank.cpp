@@ -126,6 +126,25 @@ bool fc_place_pools(forecache_cache * c, int32_t k, int32_t n_bank, char * err, 
     return true;
 }
 
+// the device's fills' backend and events (after its fills are done)
+static void fc_bank_stream_free(fc_device & d) {
+    if (d.bank_copy != nullptr) {
+        ggml_backend_synchronize(d.bank_copy);
+    }
+    for (ggml_backend_event_t & ev : d.bank_filled) {
+        if (ev != nullptr) {
+            ggml_backend_event_free(ev);
+            ev = nullptr;
+        }
+    }
+    if (d.bank_freed != nullptr) {
+        ggml_backend_event_free(d.bank_freed);
+        d.bank_freed = nullptr;
+    }
+    ggml_backend_free(d.bank_copy);
+    d.bank_copy = nullptr;
+}
+
 void fc_bank_free(forecache_cache * c) {
     for (fc_device & d : c->devs) {
         if (d.filler) {
@@ -133,21 +152,7 @@ void fc_bank_free(forecache_cache * c) {
             d.filler->finish();
             d.filler.reset();
         }
-        if (d.bank_copy != nullptr) {
-            ggml_backend_synchronize(d.bank_copy);
-        }
-        for (ggml_backend_event_t & ev : d.bank_filled) {
-            if (ev != nullptr) {
-                ggml_backend_event_free(ev);
-                ev = nullptr;
-            }
-        }
-        if (d.bank_freed != nullptr) {
-            ggml_backend_event_free(d.bank_freed);
-            d.bank_freed = nullptr;
-        }
-        ggml_backend_free(d.bank_copy);
-        d.bank_copy = nullptr;
+        fc_bank_stream_free(d);
         ggml_backend_buffer_free(d.bank_buf);
         d.bank_buf = nullptr;
         if (d.bmap_ctx != nullptr) {
@@ -182,18 +187,7 @@ static bool fc_bank_events(fc_device & d) {
     if (d.bank_filled[0] != nullptr && d.bank_filled[1] != nullptr) {
         return true;
     }
-    for (ggml_backend_event_t & ev : d.bank_filled) {
-        if (ev != nullptr) {
-            ggml_backend_event_free(ev);
-            ev = nullptr;
-        }
-    }
-    if (d.bank_freed != nullptr) {
-        ggml_backend_event_free(d.bank_freed);
-        d.bank_freed = nullptr;
-    }
-    ggml_backend_free(d.bank_copy);
-    d.bank_copy = nullptr;
+    fc_bank_stream_free(d);
     return false;
 }
 
