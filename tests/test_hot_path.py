@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from forecache.cache.setup import CacheConfig
+from forecache.cache.timeline import summarize
 from forecache.generate import SamplingParams, generate, last_logits, text_tokens
 from forecache.gguf.header import read_model_file
 from forecache.llama import Llama
@@ -165,9 +166,16 @@ def test_a_prompt_ubatch_reads_no_routing(tiny_model: Callable[[str], Path]) -> 
         llm.reset()
         llm.reset_stats()
         first = _passes(llm)
+        cache.start_timeline()
         llm.eval(prompt)  # two ubatches: 128 and 72 rows
         passes = _passes(llm) - first
         assert passes == 2
+        spans, _ = cache.timeline()
+        fills = [s for s in spans if s.kind == "bank"]
+        assert sorted({s.n for s in fills}) == [72, 128]  # each fill names its ubatch's rows
+        tl = summarize(spans)
+        assert set(tl["phases"]) == {"prefill"} and tl["phases"]["prefill"]["passes"] == 2
+        assert tl["phases"]["prefill"]["kinds"]["bank"]["n"] == len(fills) > 0
         after = _ready(llm)
         last = max(cache.layers)
         for il, info in cache.layers.items():

@@ -20,8 +20,9 @@ from forecache.native.cache_api import SPAN_KINDS, Span
 TIMELINE_CAPACITY = 1 << 18
 # kinds on the critical path of the graph thread
 PATH_KINDS = ("ids", "gate", "wait", "host", "group")
-# spans on threads of their own (the copy engine, the disk tier's readers), beside a pass
-OFF_PATH_KINDS = ("copy", "read")
+# spans on threads of their own (the copy engine, the disk tier's readers, prompt banks' fills),
+# beside a pass
+OFF_PATH_KINDS = ("copy", "read", "bank")
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,11 @@ class TimelineSpan:
 
 
 def pass_tokens(spans: list[TimelineSpan]) -> dict[int, int]:
-    """Tokens each pass routed (the most any of its layers routed, read back or quiet)."""
+    """Tokens each pass routed (the most any of its layers routed, read back, quiet or from a
+    prompt bank)."""
     out: dict[int, int] = {}
     for s in spans:
-        if s.kind in ("ids", "gate", "quiet"):
+        if s.kind in ("ids", "gate", "quiet", "bank"):
             out[s.pass_id] = max(out.get(s.pass_id, 0), s.n)
     return out
 

@@ -328,7 +328,7 @@ static void fc_bank_copy(forecache_cache * c, int32_t il, const std::vector<std:
         L.stats.bank_bytes += bytes;
     }
     if (c->tl_on.load(std::memory_order_relaxed)) {
-        fc_span_add(c, FORECACHE_SPAN_BANK, il, -1, -1, -1, L.n_expert, bytes, t0, fc_clock::now());
+        fc_span_add(c, FORECACHE_SPAN_BANK, il, -1, -1, -1, c->bank_rows, bytes, t0, fc_clock::now());
     }
 }
 

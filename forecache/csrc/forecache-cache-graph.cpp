@@ -84,6 +84,7 @@ static void fc_bank_graph(forecache_cache * c, ggml_cgraph * graph) {
         c->bank_rm[r] = {bt->second.first, -2};
         if (seen.emplace(node->src[3], true).second) {
             order.emplace_back(r, bt->second.first);
+            c->bank_rows = (int32_t) node->src[3]->ne[1];
         }
     }
     for (size_t k = 0; k < order.size(); k++) {

@@ -283,6 +283,7 @@ struct forecache_cache {
     std::unordered_map<const ggml_tensor *, std::pair<int32_t, int32_t>> bank_map; // span -> (layer, proj)
     std::unordered_map<const ggml_tensor *, std::pair<int32_t, int32_t>> bank_rm;  // a long ubatch's graph: remap node of a bank product -> (layer, next bank layer of its device or -1; -2: not the layer's first product)
     int32_t  bank_first = -1;             // that graph's first bank layer (-1: not such a graph)
+    int32_t  bank_rows  = 0;              // ... and its ubatch's rows
     bool     bank_hold  = false;          // fills write bank layers' slots: no other copies into them
     uint64_t bank_gen   = 1;              // holds so far
     std::atomic<int32_t> little{0};           // forecache_cache_set_little: experts a little pass keeps

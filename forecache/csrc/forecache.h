@@ -465,7 +465,7 @@ enum forecache_span_kind {
     FORECACHE_SPAN_COPY  = 5, // a chunk copied host -> slot, on the copy thread
     FORECACHE_SPAN_READ  = 6, // an expert read from the model file into a host slot, on a reader thread
     FORECACHE_SPAN_QUIET = 7, // a layer computed without a stop (forecache_cache_set_quiet): no time of its own
-    FORECACHE_SPAN_BANK  = 8, // a layer's prompt bank filled (with events: the time issuing its copies)
+    FORECACHE_SPAN_BANK  = 8, // a layer's prompt bank filled, n: the ubatch's rows (with events: the time issuing its copies)
 };
 
 struct forecache_span {
