@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from forecache.cache.policies import hit_rate
 from forecache.cache.prefetcher import Features
 from forecache.cache.registry import NCMOE_RUNS, policy_spec
+from forecache.cache.runtime import ExpertCache
 from forecache.cache.setup import CacheConfig
 from forecache.cache.timeline import format_summary, summarize
 from forecache.diskprobe import DiskRate
@@ -178,14 +179,21 @@ def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n
             first_pass = cache.passes(next(iter(cache.layers)))[0]
             if timeline:
                 cache.start_timeline()
+        phases = _PhaseCounts(llm, cache) if cache is not None else None
         runs = []
         t0 = time.perf_counter()
         for p in prompts:
+            if phases is not None:
+                phases.begin(len(p))
             runs.append(generate(llm, p, n_gen, SamplingParams(greedy=True), ignore_eos=True))
+            if phases is not None:
+                phases.end()
         wall = time.perf_counter() - t0
         stats = llm.expert_stats()
         n_passes = cache.passes(next(iter(cache.layers)))[0] - first_pass if cache else 0
         host_work = hot_path(cache.stats(), n_passes) if cache is not None and n_passes else None
+        if host_work is not None and phases is not None:
+            host_work["phases"] = phases.per_pass()
         spans = cache.timeline() if cache is not None and timeline else None
         if llm.replay is not None:
             llm.replay.check()
@@ -217,6 +225,55 @@ HOT_PATH = ("stops", "readbacks", "uploads", "mini_graphs", "products", "copy_wa
 def hot_path(stats: dict, n_passes: int) -> dict[str, float]:
     """The cache's host work per forward pass (``HOT_PATH`` counters over ``n_passes``)."""
     return {"passes": n_passes, **{k: stats[k] / n_passes for k in HOT_PATH}}
+
+
+class _PhaseCounts:
+    """The cache's ``HOT_PATH`` counters of each prompt split where its decode begins (the first
+    batch of one token, or the first after the prompt's tokens): one read of the counters
+    there, none a decoded token."""
+
+    def __init__(self, llm: Llama, cache: ExpertCache) -> None:
+        self._cache, self._layer = cache, next(iter(cache.layers))
+        self._sums = {ph: dict.fromkeys(HOT_PATH, 0) for ph in ("prefill", "decode")}
+        self._passes = {"prefill": 0, "decode": 0}
+        self._start: tuple[dict, int] | None = None
+        self._mid: tuple[dict, int] | None = None
+        self._left = 0  # prompt tokens not yet fed
+        self._armed = False
+        before = llm.on_batch
+
+        def on_batch(tokens: Sequence[int]) -> None:
+            if self._armed and (len(tokens) == 1 or self._left <= 0):
+                self._armed = False
+                self._mid = self._read()
+            self._left -= len(tokens)
+            if before is not None:
+                before(tokens)
+
+        llm.on_batch = on_batch
+
+    def _read(self) -> tuple[dict, int]:
+        return self._cache.stats(), self._cache.passes(self._layer)[0]
+
+    def begin(self, prompt_len: int) -> None:
+        """A prompt of ``prompt_len`` tokens is about to be generated from."""
+        self._start, self._mid = self._read(), None
+        self._left, self._armed = prompt_len, True
+
+    def end(self) -> None:
+        """Its generation ended: its counters go to their phases."""
+        assert self._start is not None
+        end = self._read()
+        mid = self._mid or end
+        for phase, (a, b) in (("prefill", (self._start, mid)), ("decode", (mid, end))):
+            for k in HOT_PATH:
+                self._sums[phase][k] += b[0][k] - a[0][k]
+            self._passes[phase] += b[1] - a[1]
+        self._armed = False
+
+    def per_pass(self) -> dict[str, dict[str, float]]:
+        """Each phase's counters a pass (phases without a pass left out)."""
+        return {ph: hot_path(self._sums[ph], n) for ph, n in self._passes.items() if n}
 
 
 def llama_cpp_threads(cpuinfo: str | None = None) -> int:
@@ -346,6 +403,9 @@ def format_table(report: dict) -> str:
         if h:
             lines.append(f"{r['policy']}: per pass " + ", ".join(
                 f"{k.replace('_', ' ')} {h[k]:.1f}" for k in HOT_PATH))
+            for phase, ph in h.get("phases", {}).items():
+                lines.append(f"  {phase} ({ph['passes']} passes): " + ", ".join(
+                    f"{k.replace('_', ' ')} {ph[k]:.1f}" for k in HOT_PATH))
     for r in report["results"]:
         d = r.get("disk")
         if d:

@@ -62,6 +62,7 @@ def test_cpu_dry_run_writes_every_result(tmp_path: Path) -> None:
     assert fit["routing_trace"].endswith("olmoe-fit.npz") and fit["same_tokens"] is None
     promoe = next(r for r in fit["results"] if r["policy"] == "promoe")
     assert promoe["ratios"]["ncmoe"]["decode_speedup"] > 0
+    assert set(promoe["hot_path"]["phases"]) == {"prefill", "decode"}  # host work by phase
     # promoe's timeline: every MoE layer's ids, gate and compute in prompt and decode passes,
     # or its quiet mark (the tiny model's experts all fit the dry run's budget)
     tl = fit["timeline_run"]["results"][0]["timeline"]

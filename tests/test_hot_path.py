@@ -307,3 +307,24 @@ def test_a_prompt_takes_the_place_of_queued_loads(tiny_model: Callable[[str], Pa
                 llm.eval(prompt)
             logits[bank] = last_logits(llm).copy()
     assert np.array_equal(logits[False], logits[True])
+
+
+def test_bench_splits_the_host_work_by_phase(tiny_model: Callable[[str], Path]) -> None:
+    """``forecache bench`` reports the host work a pass of each phase: a prompt pass from the
+    prompt banks (no read-back but the last layer's one output row), decode passes routed."""
+    from forecache.bench import run_policy
+
+    model = tiny_model("q8_0")
+    mf = read_model_file(model)
+    cfg = CacheConfig("lru", slots_per_layer=mf.n_expert - 2, prompt_bank=True)
+    with Llama.open(model, n_ctx=256, n_threads=2, cache=None) as llm:
+        prompt = text_tokens(llm, "How vexingly quick daft zebras jump. " * 10)[:64]
+    r = run_policy(model, cfg, [prompt], 6, n_ctx=256, n_threads=2)
+    h = r["hot_path"]
+    pre, dec = h["phases"]["prefill"], h["phases"]["decode"]
+    assert pre["passes"] == 1 and dec["passes"] >= 4
+    assert pre["passes"] + dec["passes"] == h["passes"]
+    layers = len(mf.moe_layers())
+    # every layer but the last (its one output row is routed as in decode) from its bank
+    assert pre["banked"] == layers - 1 and pre["readbacks"] < dec["readbacks"]
+    assert dec["banked"] == 0 and dec["stops"] >= layers and dec["readbacks"] >= layers
