@@ -36,7 +36,6 @@ from pathlib import Path
 import numpy as np
 
 from forecache.cache.budget import (
-    BANK_REGIONS,
     BANK_SHARE_MAX,
     MemoryPlan,
     compute_buffer_bytes,
@@ -224,13 +223,7 @@ def placement(budget: str, bank: bool = False) -> Placement:
                       n_expert=spec.experts, moe_layers=layers)
     pre = plan.slots_per_layer()
     if bank and any(n < spec.experts for n in pre):  # as cache.setup.held_back on a GPU
-        held = 0
-        for _ in range(16):
-            need = BANK_REGIONS * (spec.experts - min(plan.slots_per_layer(held=held)[il]
-                                                      for il in layers))
-            if need <= held:
-                break
-            held = need
+        held = plan.bank_held()
         if held * plan.largest_expert_bytes <= plan.expert_budget * BANK_SHARE_MAX:
             return Placement(pre, plan.slots_per_layer(held=held), 0, held)
     stage = stage_slots_for(spec.experts, pre)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from forecache.errors import setting
@@ -41,6 +41,26 @@ def format_size(n: float) -> str:
 BANK_REGIONS = 2
 # the most of the expert budget the prompt banks may take by default (their memory is the slots')
 BANK_SHARE_MAX = 0.25
+
+
+def bank_size(n_expert: int, slots: Iterable[int]) -> int:
+    """The experts' worth of device memory prompt banks take beside ``slots`` (each cached
+    layer's): two regions of as many experts as the layer with the fewest slots lacks."""
+    cached = [n for n in slots if n > 0]
+    return BANK_REGIONS * max(n_expert - min(cached), 0) if cached else 0
+
+
+def settle_bank(n_expert: int, slots_after: Callable[[int], Iterable[int]]) -> int:
+    """The experts' worth held back for prompt banks when holding ``h`` leaves the cached
+    layers ``slots_after(h)``: their size depends on the slots they leave (more held, fewer
+    slots, larger banks), so hold until the banks fit."""
+    held = 0
+    for _ in range(16):
+        need = bank_size(n_expert, slots_after(held))
+        if need <= held:
+            break
+        held = need
+    return held
 
 
 @dataclass(frozen=True)
@@ -81,6 +101,11 @@ class MemoryPlan:
             left -= nbytes if extra else 0
             out[il] = base + extra
         return out
+
+    def bank_held(self) -> int:
+        """The experts' worth (counted as the largest) prompt banks hold back (``settle_bank``)."""
+        return settle_bank(self.n_expert, lambda h: [self.slots_per_layer(held=h)[il]
+                                                     for il in self.moe_layers])
 
     def ncmoe_budget(self, host_layers: int) -> int:
         """The budget whose ``--n-cpu-moe`` placement keeps the first ``host_layers`` MoE layers'

@@ -9,10 +9,10 @@ from typing import Any
 import numpy as np
 
 from forecache.cache.budget import (
-    BANK_REGIONS,
     BANK_SHARE_MAX,
     BudgetError,
     MemoryPlan,
+    bank_size,
     device_host_layers,
     format_size,
     parse_budgets,
@@ -224,7 +224,7 @@ def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: 
     slots = plan.slots_per_layer()
     stage, bank = held_back(model, cfg, plan, slots, dev.type, proactive=cfg.features.reorder)
     if stage or bank:  # promoe would hold its stage slots or prompt banks back
-        slots = plan.slots_per_layer(held=stage + max(bank, 0))
+        slots = plan.slots_per_layer(held=stage + bank)
     shape = DecodeShape(n_moe=len(layers), n_expert=model.n_expert, top_k=model.n_expert_used,
                         n_slots=min(slots[il] for il in layers),
                         ncmoe_host_layers=plan.ncmoe_cpu_layers(),
@@ -242,22 +242,9 @@ def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: 
 
 
 def bank_experts(model: ModelFile, slots: Sequence[int]) -> int:
-    """The experts' worth of device memory a device's prompt banks take beside ``slots``: two
-    regions of as many experts as the cached layer with the fewest slots lacks."""
-    cached = [slots[il] for il in model.moe_layers() if il < len(slots) and slots[il] > 0]
-    return BANK_REGIONS * max(model.n_expert - min(cached), 0) if cached else 0
-
-
-def _bank_held(model: ModelFile, plan: MemoryPlan) -> int:
-    """The experts' worth a budget holds back for prompt banks: their size depends on the
-    slots they leave, so settle the two (more held, fewer slots, larger banks)."""
-    held = 0
-    for _ in range(16):
-        need = bank_experts(model, plan.slots_per_layer(held=held))
-        if need <= held:
-            break
-        held = need
-    return held
+    """The experts' worth of device memory a device's prompt banks take beside ``slots`` (per
+    model layer; ``budget.bank_size`` over the MoE layers)."""
+    return bank_size(model.n_expert, [slots[il] for il in model.moe_layers() if il < len(slots)])
 
 
 def held_back(model: ModelFile, cfg: CacheConfig, plan: MemoryPlan | None,
@@ -278,7 +265,7 @@ def held_back(model: ModelFile, cfg: CacheConfig, plan: MemoryPlan | None,
     bank = cfg.prompt_bank if cfg.prompt_bank is not None else device_type != "cpu"
     bank = bank and spec.cached and misses and cfg.host_budget is None and not watched
     if bank and plan is not None:
-        held = _bank_held(model, plan)
+        held = plan.bank_held()
         fits = held * plan.largest_expert_bytes <= plan.expert_budget
         if fits and (cfg.prompt_bank or held * plan.largest_expert_bytes <=
                      plan.expert_budget * BANK_SHARE_MAX):
@@ -291,7 +278,7 @@ def held_back(model: ModelFile, cfg: CacheConfig, plan: MemoryPlan | None,
                               f"turn them off ({off})")
         bank = False
     if bank:
-        return 0, -1  # beside the slots
+        return 0, bank_experts(model, slots)  # beside the slots
     if not proactive or device_type == "cpu" and cfg.stage_slots is None:
         return 0, 0
     stage = cfg.stage_slots if cfg.stage_slots is not None else \
@@ -353,7 +340,7 @@ def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int,
         stage, bank = held_back(model, cfg, plan, slots, dev.type,
                                 proactive=spec.proactive and cfg.features.reorder)
     if plan is not None and (stage or bank > 0):
-        slots = (plan.slots_per_layer(held=stage + max(bank, 0))
+        slots = (plan.slots_per_layer(held=stage + bank)
                  + [0] * model.n_layer)[:model.n_layer]
     slots = spec.policy.layer_slots(model, slots)
     disk = None
@@ -363,7 +350,7 @@ def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int,
         disk = plan_disk(model, cfg.host_budget, on_gpu=on_gpu, slot_bytes=slot_bytes)
         if disk is not None:  # every layer computes from slots: its experts are not in memory
             slots = [max(n, 1) if il in layers else n for il, n in enumerate(slots)]
-    return Placement(dev, plan, slots, layers, stage, bank != 0, disk)
+    return Placement(dev, plan, slots, layers, stage, bank > 0, disk)
 
 
 def ncmoe_per_device(cfg: CacheConfig) -> bool:

@@ -116,9 +116,7 @@ bool fc_place_pools(forecache_cache * c, int32_t k, int32_t n_bank, char * err, 
                 return false;
             }
             if (region[i] >= 0) {
-                const size_t from = bank_at[region[i]][p];
-                L.unit[p] = (int32_t) ((off[i*FC_MAX_PROJ + p] - from)/L.host[p]->nb[2]);
-                L.span_at[p] = from;
+                L.unit[p] = (int32_t) ((off[i*FC_MAX_PROJ + p] - bank_at[region[i]][p])/L.host[p]->nb[2]);
             }
         }
     }
@@ -176,7 +174,7 @@ void fc_bank_free(forecache_cache * c) {
 static bool fc_bank_events(fc_device & d) {
     ggml_backend_dev_props props;
     ggml_backend_dev_get_props(d.dev, &props);
-    if (ggml_backend_dev_type(d.dev) == GGML_BACKEND_DEVICE_TYPE_CPU || !props.caps.events || d.compute == nullptr) {
+    if (ggml_backend_dev_type(d.dev) == GGML_BACKEND_DEVICE_TYPE_CPU || !props.caps.events || d.backend == nullptr) {
         return false;
     }
     d.bank_copy = ggml_backend_dev_init(d.dev, nullptr);
@@ -243,7 +241,6 @@ int32_t forecache_cache_set_bank(struct forecache_cache * cache, int32_t min_tok
             /*.no_alloc   =*/ true,
         };
         d.bmap_ctx = ggml_init(mparams);
-        char * base = (char *) ggml_backend_buffer_get_base(d.slot_buf);
         for (int32_t il = 0; il < (int32_t) cache->layers.size(); il++) {
             fc_layer & L = cache->layers[il];
             if (L.dev != (int32_t) k || L.bank_region < 0) {
@@ -253,7 +250,9 @@ int32_t forecache_cache_set_bank(struct forecache_cache * cache, int32_t min_tok
                 const ggml_tensor * h = L.host[p];
                 ggml_tensor * t = ggml_new_tensor_3d(cache->bank_ctx, h->type, h->ne[0], h->ne[1], L.unit[p] + L.n_slots);
                 ggml_format_name(t, "fc.span.%s", h->name);
-                if (ggml_backend_tensor_alloc(d.slot_buf, t, base + L.span_at[p]) != GGML_STATUS_SUCCESS) {
+                // from its region's start: unit[p] experts before its first slot
+                char * from = (char *) L.pool[p]->data - (size_t) L.unit[p]*h->nb[2];
+                if (ggml_backend_tensor_alloc(d.slot_buf, t, from) != GGML_STATUS_SUCCESS) {
                     forecache_set_err(err, err_size, "cannot place the prompt bank of layer %d", il);
                     fc_bank_free(cache);
                     return -1;
@@ -290,14 +289,6 @@ int32_t forecache_cache_set_bank(struct forecache_cache * cache, int32_t min_tok
     return 0;
 }
 
-int32_t forecache_cache_bank_events(const struct forecache_cache * cache) {
-    int32_t n = 0;
-    for (const fc_device & d : cache->devs) {
-        n += d.bank_copy != nullptr;
-    }
-    return n;
-}
-
 // copies layer il's planned experts from host memory: run [e0, e1) of experts side by side, each into
 // the bank region's place the plan gave it (side by side too), or each into its slot
 static void fc_bank_copy(forecache_cache * c, int32_t il, const std::vector<std::pair<int32_t, int32_t>> & runs,
@@ -332,16 +323,17 @@ static void fc_bank_copy(forecache_cache * c, int32_t il, const std::vector<std:
     }
 }
 
-// whether layer m (-1: none) is to be filled ahead: its region does not hold it for this pass yet and
-// some expert of it is not resident (lock held)
-static bool fc_bank_wants(const forecache_cache * c, int32_t m) {
-    if (m < 0) {
-        return false;
-    }
+// layer m's fill for this pass is issued (its region holds it, or is being filled with it; lock held)
+static bool fc_bank_issued(const forecache_cache * c, int32_t m) {
     const fc_layer & M = c->layers[m];
     const fc_device & d = c->devs[M.dev];
-    const bool issued = d.bank_layer[M.bank_region] == m && d.bank_epoch[M.bank_region] == c->epoch;
-    return !issued && !fc_complete(c, m);
+    return d.bank_layer[M.bank_region] == m && d.bank_epoch[M.bank_region] == c->epoch;
+}
+
+// whether layer m (-1: none) is to be filled ahead: not issued yet, and some expert of it is not
+// resident (lock held)
+static bool fc_bank_wants(const forecache_cache * c, int32_t m) {
+    return m >= 0 && !fc_bank_issued(c, m) && !fc_complete(c, m);
 }
 
 // plans where each expert of layer m is for this pass and issues the copies, after every node launched
@@ -428,7 +420,7 @@ static void fc_bank_fill(forecache_cache * c, int32_t m) {
     }
     if (d.bank_copy != nullptr) {
         // the region is free once the compute stream has passed the nodes launched so far
-        ggml_backend_event_record(d.bank_freed, d.compute);
+        ggml_backend_event_record(d.bank_freed, d.backend);
         ggml_backend_event_wait(d.bank_copy, d.bank_freed);
         fc_bank_copy(c, m, runs, to_slots, d.bank_copy);
         ggml_backend_event_record(d.bank_filled[r], d.bank_copy);
@@ -441,9 +433,8 @@ static void fc_bank_fill(forecache_cache * c, int32_t m) {
 }
 
 // the tables the layer's products read its experts' places through, as its plan has them (lock held)
-static bool fc_bank_tables(forecache_cache * c, int32_t il) {
+static void fc_bank_tables(forecache_cache * c, int32_t il) {
     fc_layer & L = c->layers[il];
-    bool changed = false;
     for (int32_t p = 0; p < L.n_proj; p++) {
         std::vector<int32_t> & want = c->slots;
         want.resize(L.n_expert);
@@ -454,16 +445,14 @@ static bool fc_bank_tables(forecache_cache * c, int32_t il) {
             fc_device & d = c->devs[L.dev];
             if (d.bank_copy != nullptr) {
                 // on the compute stream: after the products of passes before that read the table
-                ggml_backend_tensor_set_async(d.compute, L.bmap[p], want.data(), 0, ggml_nbytes(L.bmap[p]));
+                ggml_backend_tensor_set_async(d.backend, L.bmap[p], want.data(), 0, ggml_nbytes(L.bmap[p]));
             } else {
                 ggml_backend_tensor_set(L.bmap[p], want.data(), 0, ggml_nbytes(L.bmap[p]));
             }
             L.bmap_dev[p] = want;
             L.stats.uploads++;
-            changed = true;
         }
     }
-    return changed;
 }
 
 void fc_bank_begin(forecache_cache * c) {
@@ -490,9 +479,7 @@ void fc_bank_begin(forecache_cache * c) {
             if (d.bank_copy != nullptr) {
                 ggml_backend_synchronize(d.bank_copy);
             }
-            if (d.compute != nullptr) {
-                ggml_backend_synchronize(d.compute);
-            }
+            ggml_backend_synchronize(d.backend);
         }
         std::lock_guard<std::mutex> lock(c->mtx);
         c->bank_hold = false;
@@ -506,8 +493,7 @@ int fc_bank_remap(forecache_cache * c, int32_t il, int32_t next, bool ask) {
     const bool events = d.bank_copy != nullptr;
     if (ask) {
         std::lock_guard<std::mutex> lock(c->mtx);
-        const bool issued = d.bank_layer[L.bank_region] == il && d.bank_epoch[L.bank_region] == c->epoch;
-        if (!issued && L.bank_gen == c->bank_gen && fc_complete(c, il) && !fc_bank_wants(c, next)) {
+        if (!fc_bank_issued(c, il) && L.bank_gen == c->bank_gen && fc_complete(c, il) && !fc_bank_wants(c, next)) {
             L.stats.quiet++; // every expert resident and its tables pointing at their slots
             return 0;
         }
@@ -520,7 +506,7 @@ int fc_bank_remap(forecache_cache * c, int32_t il, int32_t next, bool ask) {
     bool fill = false;
     {
         std::lock_guard<std::mutex> lock(c->mtx);
-        fill = !(d.bank_layer[L.bank_region] == il && d.bank_epoch[L.bank_region] == c->epoch);
+        fill = !fc_bank_issued(c, il);
     }
     if (fill) {
         fc_bank_fill(c, il); // not filled ahead: the layer before was complete, or this is the first
@@ -543,7 +529,7 @@ int fc_bank_remap(forecache_cache * c, int32_t il, int32_t next, bool ask) {
         fc_bank_fill(c, next); // while this layer computes
     }
     if (events && copies) {
-        ggml_backend_event_wait(d.compute, d.bank_filled[L.bank_region]);
+        ggml_backend_event_wait(d.backend, d.bank_filled[L.bank_region]);
     }
     return 0;
 }

@@ -9,8 +9,9 @@
 //                                MoBiLE's little pass, gate events
 //   forecache-cache-compute.cpp  expert compute outside the scheduler: host layers and entries,
 //                                expert groups from slots
-//   forecache-cache-bank.cpp     prompt banks: a long ubatch's layer computed from a copy of all its
-//                                experts, filled while the layer before computes
+//   forecache-cache-bank.cpp     where each device's slots sit, and prompt banks: a long ubatch's
+//                                layer computed over its slots and the experts they lack, copied
+//                                while the layer before computes
 //   forecache-cache-testing.cpp  the controls of forecache-testing.h
 
 #include "forecache.h"
@@ -156,7 +157,6 @@ struct fc_device {
 
     // prompt banks (forecache_cache_set_bank): two regions of bank_n experts each, in front of the
     // slots; consecutive bank layers of the device use different regions
-    ggml_backend_t        compute    = nullptr;  // the scheduler's backend of dev (the compute stream)
     int32_t               bank_n     = 0;
     ggml_context        * bmap_ctx   = nullptr;  // its bank layers' tables
     ggml_backend_buffer_t bank_buf   = nullptr;  // ... their memory
@@ -187,7 +187,6 @@ struct fc_layer {
     ggml_tensor * span[FC_MAX_PROJ] = {};
     ggml_tensor * bmap[FC_MAX_PROJ] = {};
     int32_t  unit[FC_MAX_PROJ]      = {};
-    size_t   span_at[FC_MAX_PROJ]   = {}; // where span[p] starts in its device's slot buffer
     std::vector<int32_t> bmap_dev[FC_MAX_PROJ]; // what bmap[p] holds now
     std::vector<int32_t> plan_slot;   // this pass: expert -> the slot it is read from, -1
     std::vector<int32_t> plan_bank;   // ... its place in the region, -1

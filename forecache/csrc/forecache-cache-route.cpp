@@ -611,15 +611,12 @@ int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
         }
         return ask ? 1 : (fc_little_early(c, lb->second) ? 0 : -1);
     }
-    if (!c->bank_map.empty()) {
+    auto it = c->pool_map.find(t->src[0]);
+    if (it == c->pool_map.end()) {
         auto bt = c->bank_map.find(t->src[0]);
         if (bt != c->bank_map.end()) {
             c->layers[bt->second.first].stats.products += ask; // one product over its span
-            return 0;
         }
-    }
-    auto it = c->pool_map.find(t->src[0]);
-    if (it == c->pool_map.end()) {
         return 0;
     }
     if (ggml_nelements(t->src[3]) == 0) {

@@ -209,7 +209,6 @@ struct forecache_cache * forecache_cache_init(
         d.view_ctx = ggml_init(params);
 
         d.backend = fc_sched_backend(sched, d.dev);
-        d.compute = d.backend;
         if (ggml_backend_dev_type(d.dev) == GGML_BACKEND_DEVICE_TYPE_CPU) {
             // the scheduler's CPU backend would start its threads for every expert group
             d.cpu = fc_cpu_backend(c, ctx->get_cparams().n_threads, d.cpu_pool);

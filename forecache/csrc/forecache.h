@@ -291,9 +291,6 @@ LLAMA_API void forecache_cache_set_gather(struct forecache_cache * cache, int32_
 // behind the regions). Returns 0, or -1 with a message in err.
 LLAMA_API int32_t forecache_cache_set_bank(struct forecache_cache * cache, int32_t min_tokens, char * err, size_t err_size);
 
-// Devices whose prompt banks fill on a stream of their own, ordered by events.
-LLAMA_API int32_t forecache_cache_bank_events(const struct forecache_cache * cache);
-
 // Copies slot -> expert (-1 empty) and slot states (enum forecache_slot_state) of `layer` into arrays of
 // n_slots entries. Returns n_slots, or -1 for a bad layer.
 LLAMA_API int32_t forecache_cache_layer_state(const struct forecache_cache * cache, int32_t layer, int32_t * expert_of, int32_t * state);

@@ -259,10 +259,6 @@ class ForecacheAPI(CFunctions):
                        err_size: int) -> int:
         """Prompt banks for ubatches of ``min_tokens`` or more: 0, or -1 (message in ``err``)."""
 
-    @c_function([c_void_p], c_int32)
-    def cache_bank_events(cache: CachePtr) -> int:
-        """Devices whose prompt banks fill on a stream of their own, ordered by events."""
-
     @c_function([c_void_p, c_int32, POINTER(c_int32), POINTER(c_int32)], c_int32)
     def cache_layer_state(cache: CachePtr, layer: int, expert_of: Ptr[c_int32],
                           state: Ptr[c_int32]) -> int:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from forecache.cache.budget import BANK_REGIONS, BANK_SHARE_MAX
+from forecache.cache.budget import BANK_SHARE_MAX, settle_bank
 from forecache.cache.cost import DEVICE_MIN_TOKENS, CostModel, Profile, roofline_s
 from forecache.cache.forecast import Forecaster
 from forecache.cache.infinity import InfinityPolicy
@@ -326,20 +326,16 @@ class Simulator:
         return self._bank_held() < total * (1.0 if cfg.prompt_bank else BANK_SHARE_MAX)
 
     def _bank_held(self) -> int:
-        """Slots the banks take (``cache.setup.bank_experts`` settled as the runtime's plan
-        settles it): two regions of what the layer with the fewest slots left lacks."""
-        held = 0
-        for _ in range(16):
+        """Slots the banks take (``budget.settle_bank``), taken as the simulator takes what is
+        held: one a layer from the last cached layers."""
+        def slots_after(held: int) -> list[int]:
             slots = list(self.n_slots)
             cached = [il for il in self.layers if slots[il] > 1]
             for k in range(held if cached else 0):
                 slots[cached[-1 - k % len(cached)]] -= 1
-            need = BANK_REGIONS * max(self.shape.experts - min(slots[il] for il in self.layers),
-                                      0)
-            if need <= held:
-                break
-            held = need
-        return held
+            return [slots[il] for il in self.layers]
+
+        return settle_bank(self.shape.experts, slots_after)
 
     def reset_counters(self) -> None:
         """Forget what was counted so far and keep the state (slots, host tier, page cache,
