@@ -128,7 +128,7 @@ def test_make_model_writes_split_files_from_the_cli(tmp_path: Path,
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
 
 
-@pytest.mark.parametrize("policy", ["offload", "ncmoe", "lru", "promoe"])
+@pytest.mark.parametrize("policy", ["offload", "ncmoe", "lru", "promoe", "lru+bank"])
 def test_split_model_gives_the_unpatched_tokens(policy: str, pair: tuple[Path, Path],
                                                 stock: StockReference) -> None:
     """Each policy on the split model: the unpatched build's tokens and logits for the model in
@@ -142,6 +142,8 @@ def test_split_model_gives_the_unpatched_tokens(policy: str, pair: tuple[Path, P
         cfg = CacheConfig("ncmoe", gpu_budget=plan.ncmoe_budget(2))
     elif policy == "offload":
         cfg = CacheConfig("offload")
+    elif policy == "lru+bank":  # prompt banks, filled from each shard's experts
+        cfg = CacheConfig("lru", cache_fraction=0.5, prompt_bank=True)
     else:
         cfg = CacheConfig(policy, cache_fraction=0.5)
     with Llama(str(one), cache=cfg, verbose=False, **PARAMS) as llm:
@@ -149,6 +151,8 @@ def test_split_model_gives_the_unpatched_tokens(policy: str, pair: tuple[Path, P
     with Llama(str(split), cache=cfg, verbose=False, **PARAMS) as llm:
         assert llm.placement == placed
         _assert_stock(llm, one, stock, f"split {policy}")
+        if cfg.prompt_bank:
+            assert llm.expert_stats()["banked"] > 0
 
 
 def test_split_model_under_llama_cpps_placement(pair: tuple[Path, Path]) -> None:
