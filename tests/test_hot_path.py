@@ -4,10 +4,12 @@ every CPU."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -17,6 +19,9 @@ from forecache.cache.timeline import summarize
 from forecache.generate import SamplingParams, generate, last_logits, text_tokens
 from forecache.gguf.header import read_model_file
 from forecache.llama import Llama
+
+if TYPE_CHECKING:
+    from conftest import StockReference
 
 HOST_WORK = ("stops", "readbacks", "uploads", "mini_graphs", "copy_waits")
 
@@ -113,6 +118,61 @@ def test_a_decode_pass_stops_once_a_layer(tiny_model: Callable[[str], Path]) -> 
                     seen["hit"] += 1
                     assert d["copy_waits"] == 0, (il, d)
         assert seen["hit"] and seen["miss"], seen  # both kinds of layer were seen
+
+
+def _slow_bus(tmp_path: Path) -> str:
+    """A machine whose copies are slower than its CPU's expert compute: a decoded token's missing
+    experts go to the host, its resident ones stay on the device."""
+    raw = json.loads((Path(__file__).parents[1] / "forecache" / "data" / "profiles" /
+                      "rtx4090.json").read_text())
+    path = tmp_path / "slow-bus.json"
+    path.write_text(json.dumps(dict(raw, name="slow-bus", h2d_gbps=0.01, cpu_mem_gbps=0.1)))
+    return str(path)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-deepseek2"])
+def test_host_experts_are_computed_whole(preset: str, tiny_model: Callable[..., Path],
+                                         tmp_path: Path, stock: StockReference) -> None:
+    """A decoded layer split between slots and host experts hands its host experts to the CPU
+    once, every projection computed there in one graph, while each projection runs as one
+    product over the slots; their rows are written into the last product's result on the
+    stream: one stop a layer, no expert group, no scatter. A layer computed wholly on the host
+    stops once and skips its products. Greedy tokens and logits equal the unpatched build's."""
+    model = tiny_model("q8_0", preset)
+    n_proj = _n_proj(model)
+    cfg = CacheConfig("promoe", cache_fraction=0.25, predictor="history",
+                      machine=_slow_bus(tmp_path))
+    with Llama.open(model, n_ctx=512, n_batch=128, n_threads=2, cache=cfg) as llm:
+        prompt = text_tokens(llm, "The quick brown fox jumps over the lazy dog. " * 6)
+        generate(llm, prompt, 4, SamplingParams(greedy=True), ignore_eos=True)
+        assert llm.expert_cache is not None
+        llm.expert_cache.wait_idle()
+        seen = {"split": 0, "host": 0}
+        for per_layer in _decode_passes(llm, 12):
+            for il, d in per_layer.items():
+                if d["quiet"]:
+                    continue
+                assert d["stops"] == 1 and d["n_groups"] == 0, (il, d)
+                if d["host_layers"]:
+                    seen["host"] += 1
+                    assert d["whole"] == 1 and d["products"] == 0, (il, d)
+                    assert d["mini_graphs"] == 1, (il, d)
+                elif d["host_entries"]:
+                    seen["split"] += 1
+                    assert d["whole"] == 1 and d["products"] == n_proj, (il, d)
+                    assert d["mini_graphs"] == 1, (il, d)  # the CPU's graph only
+                else:
+                    assert d["whole"] == 0 and d["mini_graphs"] == 0, (il, d)
+        assert seen["split"] > 0, seen
+        llm.reset()
+        res = generate(llm, prompt, 16, SamplingParams(greedy=True), ignore_eos=True)
+        logits = last_logits(llm)
+        assert llm.expert_cache.stats()["whole"] > 0
+    ref_tokens, ref_logits = stock.run(model, [prompt], 16, n_ctx=512, n_batch=128,
+                                       n_threads=2)[0]
+    assert res.tokens == ref_tokens
+    if stock.backend == "cpu":
+        assert np.array_equal(logits, ref_logits[-1])
 
 
 def test_layers_are_stopped_for_a_route_listener(tiny_model: Callable[[str], Path]) -> None:

@@ -161,9 +161,9 @@ def test_stage_slots_on_each_rpc_device(tiny_model: Callable[..., Path], stock: 
 def test_promoe_splitting_layers_over_rpc_devices_equals_unpatched(
         tiny_model: Callable[..., Path], stock: StockReference, servers: list[str],
         tmp_path: Path) -> None:
-    """promoe against a slow bus: layers split between slots (expert groups computed on the
-    server that holds the layer) and host experts (computed here, their rows written to the
-    server), equal to the unpatched build with the same servers."""
+    """promoe against a slow bus: layers split between slots (one product a projection on the
+    server that holds the layer) and host experts (computed whole here, their rows written into
+    the server's result), equal to the unpatched build with the same servers."""
     slow = json.loads((Path(__file__).parents[1] / "forecache" / "data" / "profiles" /
                        "rtx4090.json").read_text())
     machine = tmp_path / "slow-bus.json"
@@ -172,7 +172,7 @@ def test_promoe_splitting_layers_over_rpc_devices_equals_unpatched(
     info = _equal_to_unpatched(model, servers, stock, policy="promoe", cache_fraction=0.25,
                       predictor="history", machine=str(machine))
     st = info["stats"]
-    assert st["host_entries"] > 0 and st["n_groups"] > 0 and st["hits"] > 0, st
+    assert st["host_entries"] > 0 and st["whole"] > 0 and st["hits"] > 0, st
     assert sorted(set(info["layer_devices"].values())) == ["RPC0", "RPC1"], info
 
 

@@ -105,9 +105,10 @@ def promoe_layer_s(shape: DecodeShape, p: Profile, cost: CostModel, hit: float) 
         else:
             t += gate
             streamed = m - len(split.host)
-            # every expert in its slot: the node as rewritten; else the hits in one group, then
-            # each streamed expert in its own as its copy lands
-            if m:
+            # every expert in its slot, or the host entries computed whole: each projection one
+            # product; else the hits in one group, then each streamed expert in its own as its
+            # copy lands
+            if m and not cost.whole():
                 t += n_proj * p.group_s * ((k - m > 0) + streamed)
         total += pm * t
     return total

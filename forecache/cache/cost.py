@@ -256,6 +256,10 @@ class CostModel:
     # profile's (an RPC server's: another machine's processor, each group a network round trip)
     dev_scale: float = 1.0
     calibrate_device: bool = False  # correct dev_scale from the groups' measured time
+    # the host entries of a layer are computed whole, every projection in one hand-off to the CPU,
+    # while each projection is one product over the slots that also reads a spare slot for each
+    # of them (fc_whole_start); else (a disk tier) projection by projection beside expert groups
+    whole_host: bool = True
 
     @classmethod
     def from_profile(cls, profile: Profile, expert: ExpertShape) -> CostModel:
@@ -307,8 +311,18 @@ class CostModel:
         return (self.thread_s + self.gpu_launch_s + self.chunk_latency_s
                 + nbytes / (self.copy_gbps * 1e9))
 
+    def whole(self) -> bool:
+        """Whether a split layer's host entries are computed whole (``whole_host``, and no disk
+        tier: its host slots are read projection by projection)."""
+        return self.whole_host and self.disk_gbps <= 0
+
     def merge_s(self, pairs: int) -> float:
-        """Host rows of a split layer, every projection."""
+        """Host rows of a split layer, every projection: one hand-off when computed whole (the
+        layer's input read back and its output rows written, at the fitted cost of one), else
+        one a projection."""
+        if self.whole():
+            return (self.thread_s + self.gpu_launch_s + self.chunk_latency_s
+                    + 8.0 * pairs * self.expert.d_model / (self.copy_gbps * 1e9))
         return len(self.expert.proj_bytes) * self.merge_proj_s(pairs)
 
     def splits(self, tokens: int) -> bool:
@@ -348,7 +362,9 @@ class CostModel:
             alone = self.host_s(k, pairs)
             copy_t, host_t = shared_dram(c * (in_flight + len(missing) - k), alone,
                                          self.dram_factor)
-            dev = max(copy_t, self.dev_s(n_all - k, pairs_all - pairs))
+            # computed whole, the host entries' rows still pass through the device's products
+            on_dev = (n_all, pairs_all) if self.whole() else (n_all - k, pairs_all - pairs)
+            dev = max(copy_t, self.dev_s(*on_dev))
             t = max(dev, host_t) + self.merge_s(pairs)
             if t < best_t:
                 best_t, best_k, best_host = t, k, alone

@@ -308,3 +308,220 @@ bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor *
     }
     return ok;
 }
+
+// element-wise ops the CPU recomputes between a layer's products (the activation and its parts)
+static bool fc_ffn_op(const ggml_tensor * t) {
+    switch (t->op) {
+        case GGML_OP_GLU:
+        case GGML_OP_UNARY:
+        case GGML_OP_MUL:
+        case GGML_OP_ADD:
+        case GGML_OP_SCALE:
+        case GGML_OP_CLAMP:
+        case GGML_OP_SQR:
+            return true;
+        default:
+            return false;
+    }
+}
+
+// nodes of a layer's experts the CPU graph holds at most (with its input and ids: FC_MINI_GRAPH_SIZE)
+constexpr size_t FC_FFN_MAX_NODES = FC_MINI_GRAPH_SIZE - 2;
+
+void fc_ffn_graph(forecache_cache * c, ggml_cgraph * graph) {
+    c->ffn.clear();
+    c->ffn_tail.clear();
+    const int n = ggml_graph_n_nodes(graph);
+    std::unordered_map<const ggml_tensor *, std::pair<int, int>> span; // routed ids -> first, last product
+    for (int i = 0; i < n; i++) {
+        ggml_tensor * t = ggml_graph_node(graph, i);
+        if (t->op == GGML_OP_MUL_MAT_ID && c->pool_map.count(t->src[0]) && fc_remapped(t)) {
+            auto it = span.emplace(t->src[3], std::make_pair(i, i)).first;
+            it->second.second = i;
+        }
+    }
+    for (const auto & [ids, ij] : span) {
+        ggml_tensor * first = ggml_graph_node(graph, ij.first);
+        const int32_t il = c->pool_map.at(first->src[0]).first;
+        fc_ffn f;
+        f.x = first->src[1];
+        bool ok = ij.second > ij.first && f.x->type == GGML_TYPE_F32 && f.x->ne[1] == 1 &&
+                  ggml_is_contiguous(f.x) && c->layers[il].n_host == 0;
+        std::unordered_map<const ggml_tensor *, bool> made;
+        for (int j = ij.first; ok && j <= ij.second; j++) {
+            ggml_tensor * t = ggml_graph_node(graph, j);
+            ok = t->type == GGML_TYPE_F32 && ggml_is_contiguous(t) && t->view_src == nullptr &&
+                 f.nodes.size() < FC_FFN_MAX_NODES;
+            if (t->op == GGML_OP_MUL_MAT_ID) {
+                auto pt = c->pool_map.find(t->src[0]);
+                // the products read x, but the last, which reads what the nodes between made
+                ok = ok && pt != c->pool_map.end() && pt->second.first == il && t->src[3] == ids &&
+                     (j == ij.second ? made.count(t->src[1]) > 0 : t->src[1] == f.x);
+            } else {
+                ok = ok && fc_ffn_op(t);
+                for (int k = 0; ok && k < GGML_MAX_SRC; k++) {
+                    ok = t->src[k] == nullptr || (made.count(t->src[k]) && ggml_are_same_shape(t->src[k], t->src[0]));
+                }
+            }
+            made[t] = true;
+            f.nodes.push_back(t);
+        }
+        f.last = ggml_graph_node(graph, ij.second);
+        for (int j = ij.second + 1; ok && f.tail == nullptr && j < n; j++) {
+            ggml_tensor * t = ggml_graph_node(graph, j);
+            if (t->op == GGML_OP_RESHAPE || t->op == GGML_OP_VIEW || t->op == GGML_OP_PERMUTE ||
+                    t->op == GGML_OP_TRANSPOSE) {
+                continue;
+            }
+            for (int k = 0; k < GGML_MAX_SRC && t->src[k] != nullptr; k++) {
+                if (fc_viewed(t->src[k]) == f.last) {
+                    f.tail = t;
+                }
+            }
+        }
+        if (ok && f.tail != nullptr) {
+            c->ffn_tail[f.tail] = il;
+            c->ffn[il] = std::move(f);
+        }
+    }
+}
+
+bool fc_whole_start(forecache_cache * c, int32_t il, const ggml_tensor * mm, bool all) {
+    fc_layer & L = c->layers[il];
+    auto it = c->ffn.find(il);
+    if (it == c->ffn.end() || it->second.nodes[0] != mm || c->cpu == nullptr || L.little ||
+            (!all && (L.streams || L.staged))) {
+        return false;
+    }
+    const int64_t n_used   = mm->src[3]->ne[0];
+    const int64_t n_tokens = mm->src[3]->ne[1];
+    // the host experts read spare slots in the products (their rows are overwritten at the tail):
+    // slots no device entry reads, so that a token's slot ids stay distinct
+    c->w_slot.assign(L.n_expert, -1);
+    if (!all) {
+        std::vector<uint8_t> used(L.n_slots, 0);
+        for (int32_t i = 0; i < L.n_dev; i++) {
+            used[L.sch_s[i]] = 1;
+        }
+        int32_t s = 0;
+        for (size_t i = L.n_dev; i < L.sch_e.size(); i++) {
+            while (s < L.n_slots && used[s]) {
+                s++;
+            }
+            if (s == L.n_slots) {
+                return false;
+            }
+            c->w_slot[L.sch_e[i]] = s++;
+        }
+    }
+    c->w_dst.clear();
+    c->w_rows.clear();
+    c->w_ids.clear();
+    for (int64_t t = 0; t < n_tokens; t++) {
+        for (int64_t u = 0; u < n_used; u++) {
+            const int32_t e = c->ids[t*n_used + u];
+            if (all || L.entry_of[e] >= L.n_dev) {
+                c->w_dst.push_back(t*n_used + u);
+                c->w_rows.push_back((int32_t) t);
+                c->w_ids.push_back(e);
+            }
+        }
+    }
+    L.whole_epoch = c->epoch;
+    return true;
+}
+
+// computes the host rows c->w_rows through experts c->w_ids of layer il's recorded nodes on the CPU,
+// from input c->h_in, into c->h_out
+static bool fc_whole_compute(forecache_cache * c, int32_t il) {
+    const auto t0 = fc_clock::now();
+    fc_layer & L = c->layers[il];
+    const fc_ffn & f = c->ffn.at(il);
+    const int64_t m   = (int64_t) c->w_rows.size();
+    const int64_t ne0 = f.x->ne[0];
+    ggml_tensor * x   = nullptr;
+    ggml_tensor * ids = nullptr;
+    const bool ok = fc_mini_graph(c->cpu, nullptr,
+        [&](ggml_context * ctx) -> ggml_tensor * {
+            x   = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, ne0, 1, m);
+            ids = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, 1, m);
+            std::unordered_map<const ggml_tensor *, ggml_tensor *> made;
+            for (const ggml_tensor * t : f.nodes) {
+                ggml_tensor * y = nullptr;
+                if (t->op == GGML_OP_MUL_MAT_ID) {
+                    ggml_tensor * in = t->src[1] == f.x ? x : made.at(t->src[1]);
+                    y = ggml_mul_mat_id(ctx, L.host[c->pool_map.at(t->src[0]).second], in, ids);
+                } else {
+                    // the node again, over these rows: its op and parameters, sources made here
+                    const ggml_tensor * a = made.at(t->src[0]);
+                    const int64_t ne[GGML_MAX_DIMS] = {t->ne[0], a->ne[1], a->ne[2], 1};
+                    y = ggml_new_tensor(ctx, t->type, GGML_MAX_DIMS, ne);
+                    y->op = t->op;
+                    memcpy(y->op_params, t->op_params, sizeof(t->op_params));
+                    for (int k = 0; k < GGML_MAX_SRC && t->src[k] != nullptr; k++) {
+                        y->src[k] = made.at(t->src[k]);
+                    }
+                }
+                made[t] = y;
+            }
+            ggml_tensor * out = made.at(f.last);
+            return out->ne[0] == f.last->ne[0] ? out : nullptr;
+        },
+        [&] {
+            for (int64_t k = 0; k < m; k++) {
+                memcpy((float *) x->data + k*ne0, c->h_in.data() + (size_t) c->w_rows[k]*ne0, ne0*sizeof(float));
+            }
+            memcpy(ids->data, c->w_ids.data(), m*sizeof(int32_t));
+        },
+        [&](ggml_tensor * out) {
+            c->h_out.assign((const float *) out->data, (const float *) out->data + ggml_nelements(out));
+        });
+    fc_span(c, FORECACHE_SPAN_HOST, il, -1, (int32_t) m, t0, fc_clock::now());
+    std::lock_guard<std::mutex> lock(c->mtx);
+    L.stats.host_s += fc_seconds(t0);
+    return ok;
+}
+
+void fc_whole_launch(forecache_cache * c, int32_t il) {
+    fc_layer & L = c->layers[il];
+    const fc_ffn & f = c->ffn.at(il);
+    c->h_in.resize(ggml_nelements(f.x));
+    ggml_backend_tensor_get(f.x, c->h_in.data(), 0, ggml_nbytes(f.x)); // computed: the layer's stop synchronized
+    L.stats.readbacks++;
+    L.stats.mini_graphs++;
+    L.stats.whole++;
+    c->whole_busy = true;
+    c->whole_ok   = false;
+    c->host.run([c, il] { c->whole_ok = fc_whole_compute(c, il); });
+}
+
+void fc_whole_wait(forecache_cache * c) {
+    if (c->whole_busy) {
+        c->host.wait();
+        c->whole_busy = false;
+    }
+}
+
+bool fc_whole_finish(forecache_cache * c, int32_t il) {
+    fc_layer & L = c->layers[il];
+    L.whole_epoch = 0;
+    fc_whole_wait(c);
+    if (!c->whole_ok) {
+        LLAMA_LOG_ERROR("%s: host expert compute failed for layer %d\n", __func__, il);
+        return false;
+    }
+    // the rows into the last product's result, on the compute stream after it (runs of adjacent rows at once)
+    ggml_tensor * y = c->ffn.at(il).last;
+    ggml_backend_t be = c->devs[L.dev].backend;
+    const size_t row = y->nb[1];
+    const size_t n = c->w_dst.size();
+    for (size_t k = 0; k < n;) {
+        size_t j = k + 1;
+        while (j < n && c->w_dst[j] == c->w_dst[j - 1] + 1) {
+            j++;
+        }
+        ggml_backend_tensor_set_async(be, y, c->h_out.data() + k*y->ne[0], c->w_dst[k]*row, (j - k)*row);
+        k = j;
+    }
+    return true;
+}

@@ -5,9 +5,10 @@
 
 // the layer is computed group by group (streamed, split between slots and host, reading stage slots,
 // or routed by a little pass, whose repeated top-1 ids a gathered group computes as separate rows),
-// not as rewritten
+// not as rewritten; host entries computed whole on the CPU (fc_whole_start) leave it rewritten
 bool fc_grouped(const fc_layer & L) {
-    return L.streams || L.staged || L.little || L.n_dev < (int32_t) L.sch_e.size();
+    const bool whole = L.whole_epoch != 0 && L.whole_epoch == L.sch_epoch;
+    return L.streams || L.staged || L.little || (L.n_dev < (int32_t) L.sch_e.size() && !whole);
 }
 
 ggml_tensor * fc_view(fc_device & d, int64_t ne0, int64_t ne1) {
@@ -103,6 +104,7 @@ static void fc_bank_graph(forecache_cache * c, ggml_cgraph * graph) {
 // no room for it, that the hook writes)
 void fc_graph_hook(ggml_cgraph * graph, void * user_data) {
     auto * c = (forecache_cache *) user_data;
+    fc_whole_wait(c); // a cancelled compute's host job reads the nodes of the graph this one replaces
     std::unordered_map<const ggml_tensor *, int> first_use; // routed ids -> first node index
     std::unordered_map<const ggml_tensor *, ggml_tensor *> remap_of; // routed ids -> remapped ids
 
@@ -199,6 +201,7 @@ void fc_graph_hook(ggml_cgraph * graph, void * user_data) {
         }
     }
     fc_bank_graph(c, graph);
+    fc_ffn_graph(c, graph);
 
     // the router weights of each routed layer (the F32 rows its ids select before its matmul),
     // how they reach the expert outputs, and where a little pass that must drop experts before

@@ -125,6 +125,17 @@ struct fc_chunk {
     fc_clock::time_point queued_at;
 };
 
+// how a layer's routed experts are computed, as a graph made them, so that the CPU can compute an
+// expert whole from host memory: the products (MUL_MAT_IDs over slots, all reading input x but
+// the last) and the element-wise nodes between them, in graph order; the last product's result
+// is read first by `tail`
+struct fc_ffn {
+    ggml_tensor * x    = nullptr;
+    ggml_tensor * last = nullptr;
+    ggml_tensor * tail = nullptr;
+    std::vector<ggml_tensor *> nodes;
+};
+
 struct fc_event {
     forecache_event      head = {};
     std::vector<int32_t> ids;
@@ -219,6 +230,7 @@ struct fc_layer {
     bool     staged    = false;       // some entry reads a stage slot (slot n_slots + j)
     bool     little    = false;       // routed by a little pass: computed group by group
     std::vector<int32_t> little_ids;  // the top-k little passes routed their tokens to, before they kept some
+    uint64_t whole_epoch = 0;         // the pass whose host entries the CPU computes whole (fc_whole_start)
     bool     stage_ok  = false;       // its experts have the stage slots' layout
     std::vector<uint8_t> early_drop;  // positions a little pass dropped before the weights' normalization
     uint64_t             early_epoch = 0;
@@ -275,6 +287,14 @@ struct forecache_cache {
     std::unordered_map<const ggml_tensor *, int32_t>                     layer_of_ids; // routed ids -> layer
     std::unordered_map<const ggml_tensor *, ggml_tensor *>               remap_mm; // remap node (GET_ROWS of a layer's map) -> first MUL_MAT_ID reading it
     std::deque<ggml_context *> remap_ctx; // the remap nodes of the last graphs (a reused graph keeps reading them)
+    std::unordered_map<int32_t, fc_ffn> ffn;                  // the last graph's layers whose experts the CPU can compute whole
+    std::unordered_map<const ggml_tensor *, int32_t> ffn_tail; // ... their tails -> layer
+    bool whole_busy = false;              // a whole-expert job runs on the host thread (graph thread's)
+    bool whole_ok   = true;               // ... and whether it succeeded
+    std::vector<int64_t> w_dst;           // its rows of the last product: token*n_used + position
+    std::vector<int32_t> w_rows;          // ... each row's token (its input row)
+    std::vector<int32_t> w_ids;           // ... and expert
+    std::vector<int32_t> w_slot;          // expert -> the spare slot its products read meanwhile, -1
     bool quiet = false;                   // forecache_cache_set_quiet
     // prompt banks (forecache_cache_set_bank): ubatches of at least bank_tokens tokens (0: never)
     int32_t bank_tokens = 0;
@@ -449,6 +469,19 @@ ggml_tensor * fc_view(fc_device & d, int64_t ne0, int64_t ne1);
 void fc_graph_hook(ggml_cgraph * graph, void * user_data);
 
 // forecache-cache-compute.cpp: expert compute outside the scheduler
+// the layers of a graph whose host experts the CPU can compute whole (c->ffn, c->ffn_tail)
+void fc_ffn_graph(forecache_cache * c, ggml_cgraph * graph);
+// at layer il's stop (its routing decided, lock held): plans its host entries (every routed expert
+// when `all`) computed whole on the CPU, the others' products reading spare slots meanwhile
+// (c->w_slot); false when its graph or schedule does not allow it. fc_whole_launch (lock not
+// held) reads the input back and starts the host thread.
+bool fc_whole_start(forecache_cache * c, int32_t il, const ggml_tensor * mm, bool all);
+void fc_whole_launch(forecache_cache * c, int32_t il);
+// at the tail of a layer computed so: waits for the host thread, writes its rows into the last
+// product's result on the compute stream (lock not held)
+bool fc_whole_finish(forecache_cache * c, int32_t il);
+// waits for a whole-expert job still running (a graph compute cancelled before its tail)
+void fc_whole_wait(forecache_cache * c);
 ggml_backend_t fc_cpu_backend(forecache_cache * c, int n_threads, ggml_threadpool_t & pool);
 bool fc_host_compute(forecache_cache * c, fc_layer & L, int32_t proj, ggml_tensor * t);
 ggml_tensor * fc_alias_2d(ggml_context * ctx, ggml_tensor * src, int64_t ne0, int64_t ne1);

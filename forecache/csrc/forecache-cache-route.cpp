@@ -427,16 +427,23 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
         }
         host = host || !fc_set_schedule(c, il, c->routed.data(), c->slots.data(), (int32_t) c->routed.size(), 0);
     }
+    // host entries (or the whole layer on the host) computed whole on the CPU where the graph allows:
+    // one hand-off for every projection, the device's products one a projection
+    L.whole_epoch = 0;
+    bool whole = false;
     if (!host) {
         for (int32_t e : c->ids) {
             host = host || L.entry_of[e] < 0;
         }
+        whole = !host && L.n_dev < (int32_t) L.sch_e.size() && fc_whole_start(c, il, t, false);
         host = host || (L.streams && !c->reorder) || (fc_grouped(L) && c->devs[L.dev].group_alloc == nullptr);
     }
     if (host) {
         fc_clear_schedule(c, il);
         std::fill(L.in_use.begin(), L.in_use.end(), 0);
         L.stats.host_layers++;
+        L.whole_epoch = 0;
+        whole = fc_whole_start(c, il, t, true);
     }
     fc_release_unused_stage(c, il);
     fc_span(c, FORECACHE_SPAN_GATE, il, -1, (int32_t) n_tokens, t_gate, fc_clock::now());
@@ -457,9 +464,13 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
             // the routed experts' slots into the layer's map, which the graph reads at each id
             c->slots = L.map_dev;
             for (int32_t e : c->routed) {
-                c->slots[e] = L.sch_s[L.entry_of[e]];
+                const int32_t i = L.entry_of[e];
+                c->slots[e] = i < L.n_dev ? L.sch_s[i] : c->w_slot[e];
             }
             lock.unlock(); // the map is the graph thread's
+            if (whole) {
+                fc_whole_launch(c, il);
+            }
             fc_upload_map(c, il, c->slots);
         } else if (!fc_grouped(L)) {
             c->slots.resize(c->ids.size());
@@ -472,6 +483,12 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
         }
     }
 
+    if (whole && host) {
+        if (lock.owns_lock()) {
+            lock.unlock();
+        }
+        fc_whole_launch(c, il);
+    }
     L.epoch     = c->epoch;
     L.ids_src   = ids_t;
     L.host_mode = host;
@@ -578,6 +595,7 @@ static void fc_wait_proj(forecache_cache * c, int32_t il, int32_t p, std::unique
 int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
     auto * c = (forecache_cache *) user_data;
     if (t == nullptr) {
+        fc_whole_wait(c);
         {
             std::lock_guard<std::mutex> lock(c->mtx);
             c->epoch++;
@@ -599,6 +617,14 @@ int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
         auto rm = c->remap_mm.find(t);
         if (rm != c->remap_mm.end()) {
             return fc_remap_node(c, rm->second, ask);
+        }
+    }
+    if (!c->ffn_tail.empty()) {
+        auto ft = c->ffn_tail.find(t);
+        if (ft != c->ffn_tail.end() && c->layers[ft->second].whole_epoch == c->epoch) {
+            // the first reader of a layer whose host experts the CPU computed whole: their rows go
+            // into the last product's result, ordered on the stream after it (no stop)
+            return ask ? 2 : (fc_whole_finish(c, ft->second) ? 0 : -1);
         }
     }
     if (t->op != GGML_OP_MUL_MAT_ID) {
@@ -630,6 +656,9 @@ int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
         return 0;
     }
     const bool routed = L.epoch == c->epoch && L.ids_src == t->src[3];
+    if (routed && L.host_mode && L.whole_epoch == c->epoch) {
+        return ask ? 2 : 1; // the CPU computes the layer's experts whole: skipped, without a stop
+    }
     if (ask) {
         if (!routed || L.host_mode || fc_grouped(L)) {
             return 1;

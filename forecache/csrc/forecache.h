@@ -15,7 +15,7 @@ extern "C" {
 
 // Version of this API and of the patches it needs in llama.cpp; bumped whenever either changes.
 // The Python side reads it from this header and refuses a library that reports another.
-#define FORECACHE_PATCH_VERSION 19
+#define FORECACHE_PATCH_VERSION 20
 
 // Returns FORECACHE_PATCH_VERSION of the library the caller is linked against.
 LLAMA_API int32_t forecache_patch_version(void);
@@ -141,7 +141,8 @@ typedef int32_t (*forecache_gate_hook)(
     X(uint64_t, copy_waits,     SUM) /* times compute waited for copies */ \
     X(uint64_t, quiet,          SUM) /* passes through the layer without a stop or a copy (every expert resident: forecache_cache_set_quiet, or a bank layer) */ \
     X(uint64_t, banked,         SUM) /* passes through the layer that copied experts into its prompt bank (forecache_cache_set_bank) */ \
-    X(uint64_t, bank_bytes,     SUM) /* bytes its prompt bank fills copied from host memory */
+    X(uint64_t, bank_bytes,     SUM) /* bytes its prompt bank fills copied from host memory */ \
+    X(uint64_t, whole,          SUM) /* passes through the layer whose host experts the CPU computed whole (every projection in one hand-off) beside one product a projection */
 
 struct forecache_cache_stats {
 #define FORECACHE_CACHE_STATS_FIELD(type, name, combine) type name;

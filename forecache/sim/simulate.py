@@ -805,6 +805,22 @@ class Simulator:
         # one product, with no expert group
         waits = self.cfg.hot_path == "remap" and n_tokens < DEVICE_MIN_TOKENS and n > 0 and \
             not on_host and not L.streams and all(s < L.n_slots for s in L.sch_s[:n])
+        if self.cfg.hot_path == "remap" and on_host and tier is None and not L.streams and \
+                not self._little and all(s < L.n_slots for s in L.sch_s[:n]):
+            # as fc_whole_start: the CPU computes the host entries whole (every projection, one
+            # hand-off) while each projection is one product over the slots, the host entries'
+            # rows reading spare slots (their bytes read too); the rows are written at the end
+            host_end = self.t + sum(self._host(len(on_host) * sh.proj_bytes[p],
+                                               host_rows * sh.proj_flops) for p in range(L.n_proj))
+            for p in range(L.n_proj):
+                self._wait(il, lambda p=p: eng.all_ready_proj(il, p), L.sch_e[:n])
+                self.t += self._node(L.sch_e, sum(rows_of[e] for e in L.sch_e), p)
+                eng.advance_to(self.t)
+                eng.consume(il, range(n), p)
+            self.cpu_s += max(host_end - self.t, 0.0)
+            self.t = max(self.t, host_end) + self._merge.merge_s(host_rows)
+            eng.advance_to(self.t)
+            return
         if not self.cfg.features.reorder or not self.spec.proactive:
             # as the C side without reordering: wait for every slot, then each projection once
             self._wait(il, lambda: eng.all_ready(il), L.sch_e[:n])
