@@ -71,6 +71,9 @@ RUN_VARIANTS: dict[str, Variant] = {
     "+nobank": Variant({"prompt_bank": False}, routes=False,
                        note="+nobank: no prompt banks: a prompt's layers read their routing and "
                             "stream their misses through the slots"),
+    "+nostream": Variant({"copy_stream": False}, routes=False,
+                         note="+nostream: chunks copied one at a time, a decoded token's product "
+                              "waiting on the host for them (no copy stream)"),
 }
 PLAIN = Variant({}, routes=False)
 
@@ -219,7 +222,7 @@ def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n
 
 
 HOT_PATH = ("stops", "readbacks", "uploads", "mini_graphs", "products", "copy_waits", "quiet",
-            "banked")
+            "banked", "whole", "event_waits")
 
 
 def hot_path(stats: dict, n_passes: int) -> dict[str, float]:

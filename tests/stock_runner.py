@@ -129,6 +129,7 @@ def main(argv: list[str]) -> int:
                 "n_slots": [cache.layers[il].n_slots if il in cache.layers else 0
                             for il in range(llm.model_file.n_layer)],
                 "devices": cache.device_stats(names),
+                "copy_streams": cache.copy_streams,
                 "split_costs": llm.split_costs()}
         out["cache_info"] = np.frombuffer(json.dumps(info).encode(), dtype=np.uint8)
     elif getattr(llm, "placement", None) is not None:  # stock's placements: where experts live

@@ -73,7 +73,10 @@ def test_cpu_dry_run_writes_every_result(tmp_path: Path) -> None:
         assert k["gate"]["n"] == k["ids"]["n"]
         assert phase["host_overlap_s"] >= 0.0
     small = json.loads((out / "bench_fit12.json").read_text())
-    assert {r["policy"] for r in small["results"]} == {"ncmoe", "ncmoe-mmap", "promoe"}
+    assert {r["policy"] for r in small["results"]} == {"ncmoe", "ncmoe-mmap", "promoe",
+                                                       "promoe+nostream"}
+    assert all("whole" in r["hot_path"] and "event_waits" in r["hot_path"]
+               for r in small["results"] if r["policy"].startswith("promoe"))
     # the disk tier: promoe reads experts from the file
     disk = small["disk_run"]
     assert disk["host_budget"] > 0 and not disk["errors"]

@@ -102,6 +102,8 @@ def test_a_decode_pass_stops_once_a_layer(tiny_model: Callable[[str], Path]) -> 
         prompt = text_tokens(llm, "The quick brown fox jumps over the lazy dog. " * 6)
         generate(llm, prompt, 4, SamplingParams(greedy=True), ignore_eos=True)
         assert llm.expert_cache is not None
+        # a CPU has no events: no copy stream, each chunk copied synchronously by the worker
+        assert llm.expert_cache.copy_streams == 0
         llm.expert_cache.wait_idle()
         seen = {"hit": 0, "miss": 0}
         for per_layer in _decode_passes(llm, 16):
@@ -112,6 +114,7 @@ def test_a_decode_pass_stops_once_a_layer(tiny_model: Callable[[str], Path]) -> 
                 assert d["products"] == n_proj, (il, d)
                 assert d["readbacks"] == 2, (il, d)  # the routed ids and the router weights
                 assert d["uploads"] <= 1 and d["copy_waits"] <= n_proj, (il, d)
+                assert d["event_waits"] == 0, (il, d)
                 if d["misses"]:
                     seen["miss"] += 1
                 else:

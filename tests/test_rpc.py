@@ -134,6 +134,24 @@ def test_other_architectures_over_rpc_devices_equal_unpatched(
     assert info["stats"]["hits"] > 0 and len(set(info["layer_devices"].values())) == 2, info
 
 
+@pytest.mark.parametrize("stream", [True, False])
+def test_copies_on_each_rpc_devices_stream(stream: bool, tiny_model: Callable[..., Path],
+                                          stock: StockReference, servers: list[str]) -> None:
+    """An RPC device has events (its connection's queue, which orders every command): its worker
+    issues every chunk on a backend of their own, two in flight, and a decoded token's product
+    whose copies have not landed is ordered after them, the host waiting only until they are
+    issued. Without the stream each chunk is copied synchronously. Either way equal to the
+    unpatched build."""
+    model = tiny_model("q8_0")
+    info = _equal_to_unpatched(model, servers, stock, cache={
+        "policy": "lru", "cache_fraction": 0.5, "copy_stream": stream})
+    st = info["stats"]
+    assert info["copy_streams"] == (2 if stream else 0), info
+    assert st["misses"] > 0 and st["h2d_bytes"] > 0 and st["n_chunks"] > 0, st
+    if not stream:  # (with it, whether a product finds its copies landed is a matter of timing)
+        assert st["event_waits"] == 0, st
+
+
 def test_stage_slots_on_each_rpc_device(tiny_model: Callable[..., Path], stock: StockReference,
                                         servers: list[str]) -> None:
     """promoe with stage slots on each server's device: a prompt that streams more experts

@@ -103,7 +103,8 @@ class ExpertCache:
                  chunk_bytes: int = DEFAULT_CHUNK_BYTES, on_route: RouteCallback | None = None,
                  gate_input: bool = False, forecaster: Forecaster | None = None,
                  reorder: bool = True, stage_slots: int = 0,
-                 disk: DiskTier | None = None, gather: int = 0, bank_tokens: int = 0) -> None:
+                 disk: DiskTier | None = None, gather: int = 0, bank_tokens: int = 0,
+                 copy_stream: bool = True) -> None:
         self._api = c_api = api()
         arr = (ctypes.c_int32 * len(n_slots))(*n_slots)
         err = ctypes.create_string_buffer(512)
@@ -159,6 +160,8 @@ class ExpertCache:
             raise CacheError(f"cannot set up the prompt banks: {err.value.decode()}; turn them "
                              "off or lower the budget's slots")
         self.bank_tokens = bank_tokens
+        # devices whose chunks are issued on a copy stream of their own (events: a GPU's)
+        self.copy_streams = c_api.cache_set_copy_stream(handle, copy_stream)
         self._n_used = 0  # experts per token, known at the first gate
         self._decode_gate_on = True
         self.worker = None

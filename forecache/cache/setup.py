@@ -91,6 +91,9 @@ class CacheConfig:
     # layer from a copy of all its experts, filled while the layer before computes; held back
     # from a gpu_budget in place of stage slots (None: on a GPU, where some layer misses experts)
     prompt_bank: bool | None = None
+    # copies on a stream of each device's own, ordered with compute by events where the device has
+    # them (a GPU): a decoded token's product waits on the device, not the host, for its copies
+    copy_stream: bool = True
     # MoBiLE decoding (lossy; forecache_cache_set_little): each generated token first runs a
     # little pass over its top ``little_k`` experts (-1: half the model's top-k; 0: exact
     # decoding), and is recomputed by the full model when the little pass's top probability is
@@ -572,7 +575,8 @@ def attach(ctx: int, placement: Placement, cfg: CacheConfig, policy: Policy,
     return ExpertCache(ctx, placement.n_slots, policy, device=placement.device.index,
                        chunk_bytes=chunk, on_route=cfg.on_route, forecaster=forecaster,
                        reorder=reorder, stage_slots=placement.stage_slots, disk=disk,
-                       gather=gather, bank_tokens=DEVICE_MIN_TOKENS if placement.bank else 0)
+                       gather=gather, bank_tokens=DEVICE_MIN_TOKENS if placement.bank else 0,
+                       copy_stream=cfg.copy_stream)
 
 
 def attach_observer(ctx: int, model: ModelFile, device: int, on_route: RouteCallback, *,

@@ -97,11 +97,11 @@ void fc_count(forecache_cache * c, const fc_chunk & ch, int32_t d) {
     }
 }
 
-// copies one chunk; called with the lock held, releases it during the copy
-void fc_run(forecache_cache * c, const fc_chunk & ch, std::unique_lock<std::mutex> & lock) {
+// a chunk starts: its slot's state, its host slot held, the wait behind lower-priority chunks
+// counted (lock held); returns the host slot it reads, -1
+static int32_t fc_chunk_begin(forecache_cache * c, const fc_chunk & ch, fc_device & d) {
     fc_layer & L = c->layers[ch.layer];
     const int32_t j = fc_stage_of(L, ch.slot);
-    fc_device & d = c->devs[j >= 0 ? c->st_dev[j] : L.dev];
     if (j >= 0) {
         c->st_started[j] = 1;
     } else if (ch.entry < 0) {
@@ -125,9 +125,13 @@ void fc_run(forecache_cache * c, const fc_chunk & ch, std::unique_lock<std::mute
         }
     }
     c->running++;
-    lock.unlock();
+    return hs;
+}
 
-    const auto t0 = fc_clock::now();
+// copies a chunk's bytes (lock not held): synchronously, or issued on backend `be`; returns them
+static size_t fc_chunk_copy(forecache_cache * c, const fc_chunk & ch, int32_t hs, ggml_backend_t be) {
+    const fc_layer & L = c->layers[ch.layer];
+    const int32_t j = fc_stage_of(L, ch.slot);
     const int32_t p0 = ch.proj < 0 ? 0 : ch.proj;
     const int32_t p1 = ch.proj < 0 ? L.n_proj : ch.proj + 1;
     size_t bytes = 0;
@@ -138,13 +142,21 @@ void fc_run(forecache_cache * c, const fc_chunk & ch, std::unique_lock<std::mute
         const size_t size = ch.proj < 0 ? src->nb[2] : ch.size;
         const uint8_t * from = hs >= 0 ? (const uint8_t *) L.hpool[p]->data + (size_t) hs*src->nb[2]
                                        : (const uint8_t *) src->data + ch.expert*src->nb[2];
-        ggml_backend_tensor_set(dst, from + ch.offset, at*dst->nb[2] + ch.offset, size);
+        if (be != nullptr) {
+            ggml_backend_tensor_set_async(be, dst, from + ch.offset, at*dst->nb[2] + ch.offset, size);
+        } else {
+            ggml_backend_tensor_set(dst, from + ch.offset, at*dst->nb[2] + ch.offset, size);
+        }
         bytes += size;
     }
-    const auto   t1 = fc_clock::now();
-    const double dt = std::chrono::duration<double>(t1 - t0).count();
+    return bytes;
+}
 
-    lock.lock();
+// a chunk is done: counters, stats, its span, waiters woken (lock held)
+static void fc_chunk_end(forecache_cache * c, const fc_chunk & ch, int32_t hs, size_t bytes, fc_device & d,
+        fc_clock::time_point t0, fc_clock::time_point t1) {
+    fc_layer & L = c->layers[ch.layer];
+    const double dt = std::chrono::duration<double>(t1 - t0).count();
     if (ch.priority > 0) {
         d.low_start = t0;
         d.low_end   = t1;
@@ -164,25 +176,158 @@ void fc_run(forecache_cache * c, const fc_chunk & ch, std::unique_lock<std::mute
     c->cv_done.notify_all();
 }
 
-// copies the chunks for device dev, highest priority first, over that device's own link
+// copies one chunk; called with the lock held, releases it during the copy
+void fc_run(forecache_cache * c, const fc_chunk & ch, std::unique_lock<std::mutex> & lock) {
+    const fc_layer & L = c->layers[ch.layer];
+    const int32_t j = fc_stage_of(L, ch.slot);
+    fc_device & d = c->devs[j >= 0 ? c->st_dev[j] : L.dev];
+    const int32_t hs = fc_chunk_begin(c, ch, d);
+    lock.unlock();
+    const auto   t0 = fc_clock::now();
+    const size_t bytes = fc_chunk_copy(c, ch, hs, nullptr);
+    const auto   t1 = fc_clock::now();
+    lock.lock();
+    fc_chunk_end(c, ch, hs, bytes, d, t0, t1);
+}
+
+// issues one chunk on device dev's copy stream, an event after it (lock held, released meanwhile)
+static void fc_issue(forecache_cache * c, int32_t dev, const fc_chunk & ch, std::unique_lock<std::mutex> & lock) {
+    fc_device & d = c->devs[dev];
+    const int32_t hs = fc_chunk_begin(c, ch, d);
+    ggml_backend_event_t ev = d.copy_ev[d.issued % FC_COPY_DEPTH]; // the chunk that used it is done
+    const auto t0 = fc_clock::now();
+    d.issuing    = true; // out of the queue, not yet on the stream: not issued for a waiter
+    d.issuing_ch = ch;
+    lock.unlock();
+    const size_t bytes = fc_chunk_copy(c, ch, hs, d.copy);
+    ggml_backend_event_record(ev, d.copy);
+    lock.lock();
+    d.issuing = false;
+    d.inflight.push_back({ch, hs, bytes, ev, t0});
+    d.issued++;
+    d.last_ev = ev;
+    c->cv_done.notify_all(); // a product may wait on the device now
+}
+
+// waits for the oldest chunk in flight on device dev's copy stream (lock held, released meanwhile)
+static void fc_retire(forecache_cache * c, int32_t dev, std::unique_lock<std::mutex> & lock) {
+    fc_device & d = c->devs[dev];
+    const fc_inflight f = d.inflight.front();
+    lock.unlock();
+    ggml_backend_event_synchronize(f.ev);
+    const auto t1 = fc_clock::now();
+    lock.lock();
+    d.inflight.pop_front();
+    fc_chunk_end(c, f.ch, f.hs, f.bytes, d, f.t0, t1);
+}
+
+// copies the chunks for device dev, highest priority first, over that device's own link: one at a
+// time, or with a copy stream up to FC_COPY_DEPTH in flight (a demand chunk issued once one lands)
 void fc_worker(forecache_cache * c, int32_t dev) {
     std::unique_lock<std::mutex> lock(c->mtx);
+    fc_device & d = c->devs[dev];
     while (true) {
-        c->cv_work.wait(lock, [c, dev] {
-            if (c->stop) {
+        auto streamed = [c, &d] { return c->copy_stream && d.copy != nullptr; };
+        c->cv_work.wait(lock, [c, dev, &d, &streamed] {
+            if (c->stop || !d.inflight.empty()) {
                 return true;
             }
             fc_request_reads(c); // copies that could run but for their expert's read
             return !c->paused && fc_has_eligible(c, dev);
         });
+        const bool room = streamed() && (int) d.inflight.size() < FC_COPY_DEPTH;
+        fc_chunk ch;
+        if (!c->stop && !c->paused && (room || !streamed()) && fc_pop(c, ch, dev)) {
+            if (room) {
+                fc_issue(c, dev, ch, lock);
+            } else {
+                if (!d.inflight.empty()) {
+                    fc_retire(c, dev, lock); // streams were turned off: the stream's chunks first
+                }
+                fc_run(c, ch, lock);
+            }
+            continue;
+        }
+        if (!d.inflight.empty()) {
+            fc_retire(c, dev, lock);
+            continue;
+        }
         if (c->stop) {
             return;
         }
-        fc_chunk ch;
-        if (fc_pop(c, ch, dev)) {
-            fc_run(c, ch, lock);
+    }
+}
+
+int32_t fc_copy_streams(forecache_cache * c, bool on) {
+    c->copy_stream = on;
+    int32_t n = 0;
+    for (fc_device & d : c->devs) {
+        if (on && d.copy == nullptr && d.backend != nullptr && ggml_backend_dev_type(d.dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+            ggml_backend_dev_props props;
+            ggml_backend_dev_get_props(d.dev, &props);
+            ggml_backend_t be = props.caps.events && props.caps.async ? ggml_backend_dev_init(d.dev, nullptr) : nullptr;
+            bool ok = be != nullptr;
+            for (int k = 0; k < FC_COPY_DEPTH; k++) {
+                d.copy_ev[k] = ok ? ggml_backend_event_new(d.dev) : nullptr;
+                ok = ok && d.copy_ev[k] != nullptr;
+            }
+            if (ok) {
+                d.copy = be;
+            } else {
+                for (ggml_backend_event_t & ev : d.copy_ev) {
+                    if (ev != nullptr) {
+                        ggml_backend_event_free(ev);
+                        ev = nullptr;
+                    }
+                }
+                ggml_backend_free(be);
+            }
+        }
+        n += d.copy != nullptr;
+    }
+    c->cv_work.notify_all();
+    return on ? n : 0;
+}
+
+void fc_copy_streams_free(forecache_cache * c) {
+    for (fc_device & d : c->devs) {
+        if (d.copy == nullptr) {
+            continue;
+        }
+        ggml_backend_synchronize(d.copy);
+        for (ggml_backend_event_t & ev : d.copy_ev) {
+            ggml_backend_event_free(ev);
+            ev = nullptr;
+        }
+        ggml_backend_free(d.copy);
+        d.copy    = nullptr;
+        d.last_ev = nullptr;
+    }
+}
+
+bool fc_proj_issued(const forecache_cache * c, int32_t il, int32_t p) {
+    const fc_layer & L = c->layers[il];
+    auto needed = [&](const fc_chunk & ch) {
+        return ch.layer == il && ch.slot < L.n_slots && L.in_use[ch.slot] && (ch.proj < 0 || ch.proj == p);
+    };
+    for (const fc_device & d : c->devs) {
+        if (d.issuing && needed(d.issuing_ch)) {
+            return false;
         }
     }
+    for (const auto & q : c->queue) {
+        for (const auto & ch : q) {
+            if (needed(ch)) {
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
+int32_t forecache_cache_set_copy_stream(struct forecache_cache * cache, bool on) {
+    std::lock_guard<std::mutex> lock(cache->mtx);
+    return fc_copy_streams(cache, on);
 }
 
 // queues the copy of `expert` into `slot`: projection `proj` (-1: all) in chunks (lock held)

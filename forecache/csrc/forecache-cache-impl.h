@@ -136,6 +136,19 @@ struct fc_ffn {
     std::vector<ggml_tensor *> nodes;
 };
 
+// a chunk copied on its device's copy stream, not yet known to be done
+struct fc_inflight {
+    fc_chunk             ch;
+    int32_t              hs;    // the host slot it reads, -1
+    size_t               bytes;
+    ggml_backend_event_t ev;    // recorded on the copy stream after it
+    fc_clock::time_point t0;
+};
+
+// chunks a copy stream holds in flight: one copying, one queued behind it (a demand copy waits
+// for at most these)
+constexpr int FC_COPY_DEPTH = 2;
+
 struct fc_event {
     forecache_event      head = {};
     std::vector<int32_t> ids;
@@ -165,6 +178,16 @@ struct fc_device {
     fc_clock::time_point  low_end;               // and finished
 
     ggml_backend_buffer_t slot_buf   = nullptr; // its layers' slots, behind its prompt banks' regions
+
+    // the copy stream (forecache_cache_set_copy_stream): the worker issues chunks asynchronously on a
+    // backend of its own, an event after each; compute waits on the device for the last one issued
+    ggml_backend_t        copy       = nullptr;
+    ggml_backend_event_t  copy_ev[FC_COPY_DEPTH] = {};
+    std::deque<fc_inflight> inflight;            // issued, oldest first (lock held)
+    uint64_t              issued     = 0;        // chunks issued on it
+    ggml_backend_event_t  last_ev    = nullptr;  // the event after the last one issued
+    bool                  issuing    = false;    // a chunk taken from the queue is being issued ...
+    fc_chunk              issuing_ch = {};       // ... this one (not yet on the stream)
 
     // prompt banks (forecache_cache_set_bank): two regions of bank_n experts each, in front of the
     // slots; consecutive bank layers of the device use different regions
@@ -385,6 +408,7 @@ struct forecache_cache {
     int                     running = 0;       // chunks being copied, on every device
     bool                    paused  = false;
     bool                    stop    = false;
+    bool                    copy_stream = false; // forecache_cache_set_copy_stream
 
     // disk tier readers (forecache-cache-disk.cpp), under mtx
     std::vector<int>        disk_fd;               // each of the model's files (a split model's shards)
@@ -437,6 +461,12 @@ inline ggml_tensor * fc_stage_tensor(const forecache_cache * c, int32_t j, int32
 void fc_count(forecache_cache * c, const fc_chunk & ch, int32_t d);
 void fc_run(forecache_cache * c, const fc_chunk & ch, std::unique_lock<std::mutex> & lock);
 void fc_worker(forecache_cache * c, int32_t dev);
+// a copy stream for each device whose backend has events (on: made where missing; lock held)
+int32_t fc_copy_streams(forecache_cache * c, bool on);
+void fc_copy_streams_free(forecache_cache * c); // the workers joined
+// the chunks of projection p the schedule of layer il copies into its slots are all issued on
+// its device's copy stream (lock held)
+bool fc_proj_issued(const forecache_cache * c, int32_t il, int32_t p);
 void fc_queue_copy(forecache_cache * c, int32_t il, int32_t expert, int32_t slot, int32_t proj,
         int32_t priority, int32_t entry, int32_t need);
 void fc_empty_slot(fc_layer & L, int32_t slot);

@@ -592,6 +592,28 @@ static void fc_wait_proj(forecache_cache * c, int32_t il, int32_t p, std::unique
     fc_span(c, FORECACHE_SPAN_WAIT, il, p, 0, t0, fc_clock::now());
 }
 
+// with a copy stream: waits until projection p's copies are issued, then orders the compute stream
+// after the last chunk issued, unless they have landed already (lock held)
+static void fc_wait_proj_event(forecache_cache * c, int32_t il, int32_t p, std::unique_lock<std::mutex> & lock) {
+    fc_layer & L = c->layers[il];
+    if (!fc_proj_issued(c, il, p)) {
+        const auto t0 = fc_clock::now();
+        c->cv_done.wait(lock, [&] { return fc_proj_issued(c, il, p) || c->disk_failed; });
+        L.stats.copy_waits++;
+        L.stats.stall_s += fc_seconds(t0);
+        fc_span(c, FORECACHE_SPAN_WAIT, il, p, 0, t0, fc_clock::now());
+    }
+    if (c->disk_failed || fc_all_ready(c, L, p, p + 1)) {
+        return;
+    }
+    fc_device & d = c->devs[L.dev];
+    ggml_backend_event_t ev = d.last_ev;
+    L.stats.event_waits++;
+    lock.unlock();
+    ggml_backend_event_wait(d.backend, ev);
+    lock.lock();
+}
+
 int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
     auto * c = (forecache_cache *) user_data;
     if (t == nullptr) {
@@ -680,7 +702,11 @@ int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
     if (L.wait_node == t) {
         L.wait_node = nullptr;
         std::unique_lock<std::mutex> lock(c->mtx);
-        fc_wait_proj(c, it->second.first, p, lock);
+        if (c->copy_stream && c->devs[L.dev].copy != nullptr) {
+            fc_wait_proj_event(c, it->second.first, p, lock);
+        } else {
+            fc_wait_proj(c, it->second.first, p, lock);
+        }
         if (c->disk_failed) {
             return -1; // an expert could not be read
         }

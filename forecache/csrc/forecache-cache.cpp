@@ -249,6 +249,7 @@ void forecache_cache_free(struct forecache_cache * cache) {
             d.worker.join();
         }
     }
+    fc_copy_streams_free(cache);
     fc_disk_stop(cache);
     cache->host.finish();
     if (cache->sched != nullptr) {

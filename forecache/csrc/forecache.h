@@ -142,7 +142,8 @@ typedef int32_t (*forecache_gate_hook)(
     X(uint64_t, quiet,          SUM) /* passes through the layer without a stop or a copy (every expert resident: forecache_cache_set_quiet, or a bank layer) */ \
     X(uint64_t, banked,         SUM) /* passes through the layer that copied experts into its prompt bank (forecache_cache_set_bank) */ \
     X(uint64_t, bank_bytes,     SUM) /* bytes its prompt bank fills copied from host memory */ \
-    X(uint64_t, whole,          SUM) /* passes through the layer whose host experts the CPU computed whole (every projection in one hand-off) beside one product a projection */
+    X(uint64_t, whole,          SUM) /* passes through the layer whose host experts the CPU computed whole (every projection in one hand-off) beside one product a projection */ \
+    X(uint64_t, event_waits,    SUM) /* products ordered after copies by an event on the device, the host waiting only until they were issued (forecache_cache_set_copy_stream) */
 
 struct forecache_cache_stats {
 #define FORECACHE_CACHE_STATS_FIELD(type, name, combine) type name;
@@ -291,6 +292,13 @@ LLAMA_API void forecache_cache_set_gather(struct forecache_cache * cache, int32_
 // and the layer stops once. Must be called before any expert is loaded (the slots are placed anew
 // behind the regions). Returns 0, or -1 with a message in err.
 LLAMA_API int32_t forecache_cache_set_bank(struct forecache_cache * cache, int32_t min_tokens, char * err, size_t err_size);
+
+// Copy streams: with `on`, each device whose backend has events copies its chunks asynchronously on
+// a stream of its own, at most two in flight, an event recorded after each; a one-token ubatch's
+// product then waits on the device for its copies (the host only until they are issued), not on
+// the host for them to land. On a device without events (a CPU) chunks are copied synchronously by
+// the device's worker, as with `on` false. Returns the number of devices copying on a stream.
+LLAMA_API int32_t forecache_cache_set_copy_stream(struct forecache_cache * cache, bool on);
 
 // Copies slot -> expert (-1 empty) and slot states (enum forecache_slot_state) of `layer` into arrays of
 // n_slots entries. Returns n_slots, or -1 for a bad layer.

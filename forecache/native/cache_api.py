@@ -259,6 +259,11 @@ class ForecacheAPI(CFunctions):
                        err_size: int) -> int:
         """Prompt banks for ubatches of ``min_tokens`` or more: 0, or -1 (message in ``err``)."""
 
+    @c_function([c_void_p, c_bool], c_int32)
+    def cache_set_copy_stream(cache: CachePtr, on: bool) -> int:
+        """Chunks copied asynchronously on a stream of each device's own, ordered with compute by
+        events, where the device has them: the number of devices that do."""
+
     @c_function([c_void_p, c_int32, POINTER(c_int32), POINTER(c_int32)], c_int32)
     def cache_layer_state(cache: CachePtr, layer: int, expert_of: Ptr[c_int32],
                           state: Ptr[c_int32]) -> int:
