@@ -609,6 +609,10 @@ static void fc_wait_proj_event(forecache_cache * c, int32_t il, int32_t p, std::
     fc_device & d = c->devs[L.dev];
     ggml_backend_event_t ev = d.last_ev;
     L.stats.event_waits++;
+    if (c->tl_on.load(std::memory_order_relaxed)) {
+        const auto now = fc_clock::now();
+        fc_span_add(c, FORECACHE_SPAN_EVENT, il, p, -1, -1, 0, 0, now, now);
+    }
     lock.unlock();
     ggml_backend_event_wait(d.backend, ev);
     lock.lock();

@@ -472,6 +472,7 @@ enum forecache_span_kind {
     FORECACHE_SPAN_READ  = 6, // an expert read from the model file into a host slot, on a reader thread
     FORECACHE_SPAN_QUIET = 7, // a layer computed without a stop (forecache_cache_set_quiet): no time of its own
     FORECACHE_SPAN_BANK  = 8, // a layer's prompt bank filled, n: the ubatch's rows (with events: the time issuing its copies)
+    FORECACHE_SPAN_EVENT = 9, // a product ordered after its copies on the device (forecache_cache_set_copy_stream): no time of its own
 };
 
 struct forecache_span {

@@ -111,7 +111,7 @@ class Span(ctypes.Structure):
 
 
 # enum forecache_span_kind, in order
-SPAN_KINDS = ("ids", "gate", "wait", "host", "group", "copy", "read", "quiet", "bank")
+SPAN_KINDS = ("ids", "gate", "wait", "host", "group", "copy", "read", "quiet", "bank", "event")
 # enum forecache_event_kind
 EVENT_GATE, EVENT_MARKER = 0, 1
 # copy priorities (0 is the highest): a layer's misses, predicted experts
