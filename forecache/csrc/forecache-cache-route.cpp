@@ -351,21 +351,27 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
     }
     const auto t_gate = fc_clock::now();
 
+    // the router weights, read back only where something needs them: a little pass, or the hook
     const float * weights = nullptr;
     auto wit = c->weights_of.find(ids_t);
-    if (wit != c->weights_of.end() && wit->second->src[1] == ids_t && ggml_nelements(wit->second) == n_used*n_tokens) {
-        c->weights.resize(n_used*n_tokens);
-        ggml_backend_tensor_get(wit->second, c->weights.data(), 0, ggml_nbytes(wit->second));
-        L.stats.readbacks++;
-        weights = c->weights.data();
-    }
+    const bool has_weights = wit != c->weights_of.end() && wit->second->src[1] == ids_t &&
+                             ggml_nelements(wit->second) == n_used*n_tokens;
+    auto read_weights = [&] {
+        if (has_weights && weights == nullptr) {
+            c->weights.resize(n_used*n_tokens);
+            ggml_backend_tensor_get(wit->second, c->weights.data(), 0, ggml_nbytes(wit->second));
+            L.stats.readbacks++;
+            weights = c->weights.data();
+        }
+    };
 
     // little pass: the positions it drops take the top-1's id and weight 0 (written back where the
     // weights multiply the outputs as they are; dropped before their normalization otherwise)
     L.little = false;
-    const fc_weights_use use = weights != nullptr ? c->weights_use.at(wit->second) : FC_WEIGHTS_UNKNOWN;
+    const fc_weights_use use = has_weights ? c->weights_use.at(wit->second) : FC_WEIGHTS_UNKNOWN;
     const int64_t little = std::min<int64_t>(c->little.load(), n_used);
     if (use != FC_WEIGHTS_UNKNOWN && little > 0 && (little < n_used || c->little_resident.load())) {
+        read_weights();
         L.little_ids.insert(L.little_ids.end(), c->ids.begin(), c->ids.end());
         std::vector<uint8_t> drop;
         if (use == FC_WEIGHTS_DIRECT) {
@@ -403,6 +409,7 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
     if (rc == 2) {
         rc = 1;
         if (c->hook != nullptr) {
+            read_weights();
             const auto t0 = fc_clock::now();
             rc = c->hook(c->hook_ud, il, (int32_t) n_tokens, (int32_t) n_used, c->ids.data(), weights, gate_input, n_embd);
             L.stats.hook_s += fc_seconds(t0);
