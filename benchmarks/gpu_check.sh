@@ -168,8 +168,9 @@ for p in sys.path:
     MODEL=$WORK/$PRESET-random-q4_k_m.gguf
     BIG=24GiB; SMALL=12GiB; FULL=64GiB; PROMPT=512; LONG=4096; GEN=64; THREADS=()
     BANK_AB=promoe+nobank
-    # and a split model (its shards' experts in pinned host memory, the disk tier per shard)
-    LOSSLESS=(-k "q8_0 or split_model_gives or disk_tier_reads_each_shard")
+    # and a split model (its shards' experts in pinned host memory, the disk tier per shard), and
+    # host experts computed whole beside the slots' products, with copies on their stream
+    LOSSLESS=(-k "q8_0 or split_model_gives or disk_tier_reads_each_shard or computed_whole")
 fi
 mkdir -p "$WORK"
 # a build that does not load ends the call here, while the device time left allows another
@@ -292,6 +293,7 @@ if [ "$t" -ge 45 ]; then
     log "lossless subset ($t s left)"
     set +e
     timeout "$t" "$PY" -m pytest -q -p no:cacheprovider tests/test_lossless.py tests/test_split.py \
+        tests/test_hot_path.py \
         "${LOSSLESS[@]}" \
         --junitxml "$WORK/lossless.xml" >&2
     rc=$?
