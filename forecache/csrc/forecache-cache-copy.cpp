@@ -205,7 +205,6 @@ static void fc_issue(forecache_cache * c, int32_t dev, const fc_chunk & ch, std:
     d.issuing = false;
     d.inflight.push_back({ch, hs, bytes, ev, t0});
     d.issued++;
-    d.last_ev = ev;
     c->cv_done.notify_all(); // a product may wait on the device now
 }
 
@@ -300,8 +299,7 @@ void fc_copy_streams_free(forecache_cache * c) {
             ev = nullptr;
         }
         ggml_backend_free(d.copy);
-        d.copy    = nullptr;
-        d.last_ev = nullptr;
+        d.copy = nullptr;
     }
 }
 

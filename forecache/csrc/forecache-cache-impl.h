@@ -184,8 +184,7 @@ struct fc_device {
     ggml_backend_t        copy       = nullptr;
     ggml_backend_event_t  copy_ev[FC_COPY_DEPTH] = {};
     std::deque<fc_inflight> inflight;            // issued, oldest first (lock held)
-    uint64_t              issued     = 0;        // chunks issued on it
-    ggml_backend_event_t  last_ev    = nullptr;  // the event after the last one issued
+    uint64_t              issued     = 0;        // chunks issued on it (chunk k's event: copy_ev[k % FC_COPY_DEPTH])
     bool                  issuing    = false;    // a chunk taken from the queue is being issued ...
     fc_chunk              issuing_ch = {};       // ... this one (not yet on the stream)
 

@@ -449,7 +449,6 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
         fc_clear_schedule(c, il);
         std::fill(L.in_use.begin(), L.in_use.end(), 0);
         L.stats.host_layers++;
-        L.whole_epoch = 0;
         whole = fc_whole_start(c, il, t, true);
     }
     fc_release_unused_stage(c, il);
@@ -614,7 +613,7 @@ static void fc_wait_proj_event(forecache_cache * c, int32_t il, int32_t p, std::
         return;
     }
     fc_device & d = c->devs[L.dev];
-    ggml_backend_event_t ev = d.last_ev;
+    ggml_backend_event_t ev = d.copy_ev[(d.issued - 1) % FC_COPY_DEPTH]; // the last one issued
     L.stats.event_waits++;
     if (c->tl_on.load(std::memory_order_relaxed)) {
         const auto now = fc_clock::now();
@@ -652,7 +651,7 @@ int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
             return fc_remap_node(c, rm->second, ask);
         }
     }
-    if (!c->ffn_tail.empty()) {
+    if (c->whole_busy) { // a whole-expert job runs: its layer's tail is the only node to find
         auto ft = c->ffn_tail.find(t);
         if (ft != c->ffn_tail.end() && c->layers[ft->second].whole_epoch == c->epoch) {
             // the first reader of a layer whose host experts the CPU computed whole: their rows go

@@ -768,7 +768,7 @@ class Simulator:
             self.cpu_s += host
         self.engine.advance_to(self.t)
 
-    def _host_layer(self, experts: np.ndarray, pairs: int) -> float:
+    def _host_layer(self, experts: Sequence[int], pairs: int) -> float:
         sh = self.shape
         t = 0.0
         for p in range(len(sh.proj_bytes)):  # one projection after the other
@@ -810,8 +810,7 @@ class Simulator:
             # as fc_whole_start: the CPU computes the host entries whole (every projection, one
             # hand-off) while each projection is one product over the slots, the host entries'
             # rows reading spare slots (their bytes read too); the rows are written at the end
-            host_end = self.t + sum(self._host(len(on_host) * sh.proj_bytes[p],
-                                               host_rows * sh.proj_flops) for p in range(L.n_proj))
+            host_end = self.t + self._host_layer(on_host, host_rows)
             for p in range(L.n_proj):
                 self._wait(il, lambda p=p: eng.all_ready_proj(il, p), L.sch_e[:n])
                 self.t += self._node(L.sch_e, sum(rows_of[e] for e in L.sch_e), p)
