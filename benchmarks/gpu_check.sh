@@ -218,20 +218,23 @@ if src.exists():
 EOF
 }
 FIT=$WORK/traces/olmoe-fit.npz
+# "default" in a run list is what a user gets without --policy (cache/choice.py: the cache only
+# where neither its prompt nor its decode is estimated slower than stock's, from the routing
+# replayed): the chosen policy's run of the same call, with the reason (no load of its own)
 # promoe's prompt banks against its prompts without them (the H100's prefill spent 280 of 390 ms
 # in 1241 expert groups, 2026-11-26): promoe+nobank here, promoe+bank on a CPU build, where
 # promoe has none
-bench fit24 "$FIT" "$BIG" "all-gpu,ncmoe,ncmoe-mmap,promoe,$BANK_AB,infinity"
+bench fit24 "$FIT" "$BIG" "all-gpu,ncmoe,ncmoe-mmap,promoe,$BANK_AB,infinity,default"
 # the real OLMoE trace mapped onto the model, the routing to beat (into bench_routings.json)
 REAL=$BUNDLE/olmoe-real.npz
-if [ -f "$REAL" ]; then bench r_olmoe-real "$REAL" "$BIG" ncmoe,promoe,infinity; fi
+if [ -f "$REAL" ]; then bench r_olmoe-real "$REAL" "$BIG" ncmoe,promoe,infinity,default; fi
 # where promoe's time goes, layer by layer (a run of its own: recording costs a little), kept
 # in bench_fit24.json as "timeline_run" (the device returns at most 8 files)
 bench timeline "$FIT" "$BIG" promoe --timeline
 keep_in bench_timeline.json bench_fit24.json timeline_run
 # at 12 GiB half of each layer's experts miss: promoe without its copy stream beside it (a
 # decoded token's product waiting on the host for its copies; the same run on a CPU build)
-bench fit12 "$FIT" "$SMALL" ncmoe,ncmoe-mmap,promoe,promoe+nostream
+bench fit12 "$FIT" "$SMALL" ncmoe,ncmoe-mmap,promoe,promoe+nostream,default
 # the fixed cost when nothing misses: every expert in a slot against every layer on the GPU,
 # both replayed, and the replay's own cost (every layer on the GPU on the model's own routing)
 bench full "$FIT" "$FULL" all-gpu,promoe
@@ -274,7 +277,7 @@ bench disk "$FIT" "${DISK_DEV[0]}" promoe "${DISK_DEV[@]:1}" --host-budget "$DIS
 keep_in bench_disk.json bench_fit12.json disk_run
 # the other routings, in one file with the real trace's
 for r in "$WORK/traces/uniform.npz" "$WORK/traces/skewed.npz"; do
-    if [ -f "$r" ]; then bench "r_$(basename "$r" .npz)" "$r" "$BIG" ncmoe,promoe; fi
+    if [ -f "$r" ]; then bench "r_$(basename "$r" .npz)" "$r" "$BIG" ncmoe,promoe,default; fi
 done
 "$PY" - "$OUT" <<'EOF'
 import json, sys

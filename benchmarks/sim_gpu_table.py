@@ -30,7 +30,7 @@ import argparse
 import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +41,8 @@ from forecache.cache.budget import (
     compute_buffer_bytes,
     parse_size,
 )
-from forecache.cache.cost import Profile
+from forecache.cache.choice import DecodeShape, Evidence, choose, locality
+from forecache.cache.cost import CostModel, Profile
 from forecache.cache.prefetcher import stage_slots_for
 from forecache.cache.registry import policy_spec
 from forecache.cache.setup import DEFAULT_GPU_MACHINE, DEFAULT_MACHINE, EAM_WINDOW
@@ -201,9 +202,9 @@ class Placement:
         return out
 
 
-def placement(budget: str, bank: bool = False) -> Placement:
-    """The runtime's split of ``budget`` for the model (``cache.setup.place``): its memory plan
-    from the tensors make-model writes (``plan_memory`` reads the same numbers from the file)."""
+def memory_plan(budget: str) -> MemoryPlan:
+    """The runtime's memory plan of ``budget`` for the model, from the tensors make-model writes
+    (``plan_memory`` reads the same numbers from the file)."""
     spec = get_spec(MODEL)
     plans = tensor_plan(spec, QTYPE)
     per: dict[int, int] = {}
@@ -221,6 +222,13 @@ def placement(budget: str, bank: bool = False) -> Placement:
                                                          spec.d_model, spec.vocab),
                       layer_bytes=tuple(per[il] // spec.experts for il in layers),
                       n_expert=spec.experts, moe_layers=layers)
+    return plan
+
+
+def placement(budget: str, bank: bool = False) -> Placement:
+    """The runtime's split of ``budget`` for the model (``cache.setup.place``)."""
+    spec = get_spec(MODEL)
+    plan = memory_plan(budget)
     pre = plan.slots_per_layer()
     if bank and any(n < spec.experts for n in pre):  # as cache.setup.held_back on a GPU
         held = plan.bank_held()
@@ -386,6 +394,56 @@ def format_table(results: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def default_rows(results: Sequence[dict], profile: Profile, plan_profile: Profile,
+                 olmoe_real: Path = OLMOE_REAL) -> list[dict]:
+    """What a run without --policy gets on each routing and budget that has both an ncmoe and a
+    promoe row: the default's choice as the runtime makes it from the routing replayed
+    (``cache.setup.default_choice``: the replay's LRU decode hit rate at promoe's slots, the
+    planning profile with the machine's copy rate, a 512-row prompt ubatch, prompt banks where
+    the runtime places them), and the chosen run's simulated TTFT and TPOT over simulated
+    ncmoe's (1.00x where it chooses ncmoe)."""
+    shape = shape_of(MODEL, QTYPE)
+    by = {(r["routing"], r["budget"], r["policy"]): r for r in results}
+    out = []
+    for (name, budget, policy), pm in by.items():
+        nc = by.get((name, budget, "ncmoe"))
+        if policy != "promoe" or nc is None:
+            continue
+        plan = memory_plan(budget)
+        pl = placement(budget, pm.get("banked_layers", 0) > 0)
+        n_slots = min(pl.post)
+        ds = DecodeShape(n_moe=shape.layers, n_expert=shape.experts, top_k=shape.top_k,
+                         n_slots=n_slots, ncmoe_host_layers=plan.ncmoe_cpu_layers(),
+                         dense_bytes=plan.non_expert_bytes, n_layer=shape.layers,
+                         prompt_rows=N_UBATCH, bank=pl.bank)
+        hit, lookups = routing(name, shape, olmoe_real).decode_hit_rate(n_slots)
+        share = n_slots / shape.experts
+        cost = CostModel.from_profile(replace(plan_profile, h2d_gbps=profile.h2d_gbps),
+                                      shape.expert)
+        c = choose(ds, plan_profile, cost, Evidence(locality(hit, share), "replay", lookups,
+                                                    share=share))
+        chosen = pm if c.policy == "promoe" else nc
+        out.append({"routing": name, "budget": budget, "policy": c.policy,
+                    "reason": c.reason(), "decode_estimate": c.ncmoe_s / c.promoe_s,
+                    "prompt_estimate": c.prompt_ratio(),
+                    "ttft_over_ncmoe": nc["sim_ttft_ms"] / chosen["sim_ttft_ms"],
+                    "tpot_over_ncmoe": nc["sim_tpot_ms"] / chosen["sim_tpot_ms"],
+                    "promoe_ttft_over_ncmoe": nc["sim_ttft_ms"] / pm["sim_ttft_ms"],
+                    "promoe_tpot_over_ncmoe": nc["sim_tpot_ms"] / pm["sim_tpot_ms"]})
+    return out
+
+
+def format_defaults(rows: Sequence[dict]) -> str:
+    lines = [f"{'routing, budget':<20} | {'chosen':>7} | {'estimate prompt/decode':>22} | "
+             f"{'simulated over ncmoe':>20} | {'promoe over ncmoe':>17}"]
+    for r in rows:
+        est = f"{r['prompt_estimate'] or 0:.2f}x / {r['decode_estimate']:.2f}x"
+        lines.append(f"{r['routing'] + ', ' + r['budget']:<20} | {r['policy']:>7} | {est:>22} | "
+                     f"{r['ttft_over_ncmoe']:>8.2f}x / {r['tpot_over_ncmoe']:.2f}x | "
+                     f"{r['promoe_ttft_over_ncmoe']:>7.2f}x / {r['promoe_tpot_over_ncmoe']:.2f}x")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run", choices=sorted(RUNS), default="h200",
@@ -404,6 +462,9 @@ def main() -> None:
     ap.add_argument("--prompt-bank", action="store_true",
                     help="with --hot-path remap: prompt banks, as the runtime places them on a "
                          "GPU (patch version 19)")
+    ap.add_argument("--default", action="store_true",
+                    help="also what a run without --policy gets on each routing and budget: "
+                         "the default's choice from the routing replayed, simulated over ncmoe")
     ap.add_argument("--olmoe-real", type=Path, default=OLMOE_REAL)
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args()
@@ -431,11 +492,16 @@ def main() -> None:
     print(f"within {TOLERANCE * 100:.0f}%: {s['ttft_within']} of {len(results)} TTFTs, "
           f"{s['tpot_within']} of {len(results)} TPOTs; outside: "
           f"{', '.join(s['outside']) or 'none'}")
+    defaults = default_rows(results, profile, plan, a.olmoe_real) if a.default else []
+    if defaults:
+        print("\nWithout --policy (the default's choice from the routing replayed; ratios over "
+              "simulated ncmoe, TTFT / TPOT):")
+        print(format_defaults(defaults))
     if a.json:
         a.json.write_text(json.dumps({"run": a.run, "profile": profile.name,
                                       "plan_profile": plan.name,
-                                      "tolerance": TOLERANCE, "summary": s, "rows": results},
-                                     indent=1))
+                                      "tolerance": TOLERANCE, "summary": s, "rows": results,
+                                      "defaults": defaults}, indent=1))
         print(f"wrote {a.json}")
 
 

@@ -13,12 +13,12 @@ from forecache.cache.policies import hit_rate
 from forecache.cache.prefetcher import Features
 from forecache.cache.registry import NCMOE_RUNS, policy_spec
 from forecache.cache.runtime import ExpertCache
-from forecache.cache.setup import CacheConfig
+from forecache.cache.setup import CacheConfig, default_choice
 from forecache.cache.timeline import format_summary, summarize
 from forecache.diskprobe import DiskRate
 from forecache.errors import setting
 from forecache.generate import SamplingParams, generate, text_tokens
-from forecache.gguf.header import require_moe
+from forecache.gguf.header import read_model_file, require_moe
 from forecache.llama import CALIBRATION_TEXT, Llama
 from forecache.trace.replay import Routing, load_routing
 
@@ -29,6 +29,9 @@ BASELINES = ("ncmoe", "offload", "lru")
 # no cache: the bound a cache approaches when every expert fits), and --n-cpu-moe with mmap'd
 # (pageable) host weights; "ncmoe" itself is --no-mmap's (pinned host weights copy at the bus rate)
 STOCK_RUNS = ("all-gpu", "ncmoe-mmap")
+# what a user gets without --policy: the placement the default chooses (``cache.choice``) for
+# this model, budget and routing; its row is the chosen policy's run in the same call
+DEFAULT_RUN = "default"
 @dataclass(frozen=True)
 class Variant:
     """A run a benchmark may add to a policy's name: extra CacheConfig fields, a draft, whether
@@ -117,6 +120,7 @@ class PolicyResult:
     timeline: dict | None = None  # the cache's timeline summarized (``cache.timeline``)
     disk: dict | None = None  # the disk tier's reads a decoded token (a host budget)
     hot_path: dict | None = None  # the cache's host work a pass (``hot_path``)
+    chosen: dict | None = None  # the default run: the policy chosen and why
 
 
 def bench_prompts(llm: Llama, n_prompts: int, prompt_len: int,
@@ -230,6 +234,23 @@ def hot_path(stats: dict, n_passes: int) -> dict[str, float]:
     return {"passes": n_passes, **{k: stats[k] / n_passes for k in HOT_PATH}}
 
 
+def default_run(model: Path, gpu_budget: int | None, cache_fraction: float | None,
+                routing: Routing | None, n_ctx: int, n_ubatch: int = 512, *,
+                host_budget: int | None = None) -> dict[str, str]:
+    """The policy a run without ``--policy`` takes for ``model`` at this budget, on ``routing``
+    when replayed (``cache.setup.default_choice``, as ``Llama`` decides it), and why."""
+    cfg = CacheConfig(policy="promoe", gpu_budget=gpu_budget,
+                      cache_fraction=None if gpu_budget is not None else cache_fraction,
+                      auto=True, host_budget=host_budget)
+    choice = default_choice(read_model_file(model), cfg, n_ctx=n_ctx, n_ubatch=n_ubatch,
+                            routing_hit=routing.decode_hit_rate if routing is not None else None)
+    if choice is None:
+        return {"policy": cfg.policy, "reason": f"policy {cfg.policy}: nothing to choose (no "
+                f"{setting('gpu_budget')}, a host budget, or a CPU build without a machine "
+                "profile)"}
+    return {"policy": choice.policy, "reason": choice.reason()}
+
+
 class _PhaseCounts:
     """The cache's ``HOT_PATH`` counters of each prompt split where its decode begins (the first
     batch of one token, or the first after the prompt's tokens): one read of the counters
@@ -337,7 +358,30 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
     n_ctx, prompts = workload(model, n_prompts, prompt_len, n_gen, n_ctx)
     raw: dict[str, dict] = {}
     errors: dict[str, str] = {}
-    for pol in policies:
+    # the default last: its choice reuses the chosen policy's run when the call makes one
+    order = [p for p in policies if p != DEFAULT_RUN] + \
+        [DEFAULT_RUN] * (DEFAULT_RUN in policies)
+    for pol in order:
+        if pol == DEFAULT_RUN:
+            chosen = default_run(model, gpu_budget, cache_fraction, routing, n_ctx,
+                                 host_budget=host_budget)
+            progress(f"{DEFAULT_RUN}: {chosen['reason']}")
+            pick = chosen["policy"]
+            if pick in raw:
+                raw[pol] = {**raw[pick], "chosen": chosen}
+                continue
+            extra = {"host_budget": host_budget} if host_budget is not None and \
+                policy_spec(pick).cached else {}
+            progress(f"running {DEFAULT_RUN} ({pick}) ...")
+            try:
+                raw[pol] = {**run_policy(model, _sized(pick, gpu_budget, cache_fraction, **extra),
+                                         prompts, n_gen, n_ctx=n_ctx, n_threads=n_threads,
+                                         routing_trace=routing, timeline=timeline),
+                            "chosen": chosen}
+            except (ValueError, RuntimeError, OSError) as e:
+                progress(f"{DEFAULT_RUN} failed: {e}")
+                errors[DEFAULT_RUN] = str(e)
+            continue
         name, n_ubatch = _ubatch(pol)
         if name in NCMOE_RUNS and gpu_budget is None:
             progress(f"{pol} skipped: it needs {setting('gpu_budget')}")
@@ -401,6 +445,9 @@ def format_table(report: dict) -> str:
                                                                   for b in BASELINES))
     for pol, err in report.get("errors", {}).items():
         lines.append(f"{pol}: failed ({err})")
+    for r in report["results"]:
+        if r.get("chosen"):
+            lines.append(f"{r['policy']} (no --policy): {r['chosen']['reason']}")
     for r in report["results"]:
         h = r.get("hot_path")
         if h:

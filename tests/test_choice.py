@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +20,11 @@ from forecache.cache.choice import (
     choose,
     hit_at,
     locality,
+    ncmoe_prompt_s,
     promoe_decode_s,
     promoe_filled_s,
+    promoe_prompt_s,
+    touched,
 )
 from forecache.cache.cost import CostModel, Profile
 from forecache.cache.measured import MIN_LOOKUPS, load_evidence, record_path, record_run
@@ -232,3 +237,74 @@ def test_run_states_its_choice_and_learns_the_routing(tmp_path: Path,
     again = run_cli(*args, check=True)
     line = next(x for x in again.stderr.splitlines() if x.startswith("policy "))
     assert re.search(r"measured by a promoe run, \d+ decode lookups", line), line
+
+
+H100 = Profile.load("h100-xeon")
+
+
+def test_a_prompt_estimated_slower_keeps_stock_placement() -> None:
+    """The default weighs both phases: at 12 GiB (a quarter of the target's experts in slots) a
+    decode with OLMoE-like locality is estimated well ahead of --n-cpu-moe, but without prompt
+    banks each layer's 50 missing experts stream through its slots as groups, estimated slower
+    than stock's op offload: stock's placement. With banks the prompt's fills run beside the
+    layer before, and promoe is chosen."""
+    sh = shape_of("qwen2-57b-a14b", "q4_k")
+    ds = decode_shape(sh, slots_for(sh, sh.layers, "12GiB", None))
+    cost = CostModel.from_profile(H100, sh.expert)
+    ev = Evidence(0.8, "run", 4096)
+    plain = choose(ds, H100, cost, ev)
+    assert plain.ncmoe_s / plain.promoe_s >= MARGIN  # decode alone would take the cache
+    assert plain.prompt_ratio() is not None and plain.prompt_ratio() < 1.0
+    assert plain.policy == "ncmoe" and "the prompt decides" in plain.reason()
+    assert "without prompt banks" in plain.reason()
+    banked = choose(replace(ds, bank=True), H100, cost, ev)
+    assert banked.prompt_ratio() > 1.0 and banked.policy == "promoe"
+    assert "the prompt decides" not in banked.reason()
+    # a ubatch under llama.cpp's offload rule is decode's question: no prompt estimate
+    short = choose(replace(ds, prompt_rows=16), H100, cost, ev)
+    assert short.prompt_ratio() is None and short.policy == "promoe"
+    # more rows route more experts, never more than a layer has
+    assert touched(64, 8, 1) == pytest.approx(8) and touched(64, 8, 4096) <= 64
+    assert touched(64, 8, 16) < touched(64, 8, 64) < 64
+
+
+@pytest.mark.parametrize("budget", ["16GiB", "24GiB"])
+def test_prompt_estimates_agree_with_the_simulator(budget: str) -> None:
+    """A 512-token prompt at the target: ncmoe's and promoe's (with prompt banks) estimates are
+    the simulator's within 10%, and so their ratio within 15%."""
+    sh = shape_of("qwen2-57b-a14b", "q4_k")
+    n = slots_for(sh, sh.layers, budget, None)
+    reqs = synth.synthesize(synth.OLMOE_FIT, n_layers=sh.layers, n_expert=sh.experts,
+                            top_k=sh.top_k, tokens=[514], prefill=[512], seed=0)
+    sim = {p: run_one(reqs, sh, H100, SimConfig(p, n), None) for p in ("ncmoe", "promoe")}
+    assert sim["promoe"].extra["banked_layers"] > 0
+    # the slots the banks leave: a layer's bank holds what they lack
+    lack = sim["promoe"].extra["bank_bytes"] / sh.expert_bytes / sh.layers
+    ds = replace(decode_shape(sh, n), bank=True, n_slots=round(sh.experts - lack))
+    cost = CostModel.from_profile(H100, sh.expert)
+    nc, pm = ncmoe_prompt_s(ds, H100, cost), promoe_prompt_s(ds, H100, cost)
+    assert nc == pytest.approx(sim["ncmoe"].ttft_s, rel=0.10)
+    assert pm == pytest.approx(sim["promoe"].ttft_s, rel=0.10)
+    assert nc / pm == pytest.approx(sim["ncmoe"].ttft_s / sim["promoe"].ttft_s, rel=0.15)
+
+
+def test_bench_reports_the_default_with_its_reason(tiny_model: Callable[..., Path]) -> None:
+    """``forecache bench``'s default row is what a run without --policy gets: the chosen
+    policy's run in the same call, with the choice's reason; named alone, it runs itself."""
+    from forecache.bench import DEFAULT_RUN, format_table, run_bench
+
+    model = tiny_model("q8_0")
+    both = run_bench(model, [DEFAULT_RUN, "promoe"], gpu_budget=None, cache_fraction=0.5,
+                     prompt_len=24, n_gen=4, n_prompts=1, n_threads=2)
+    rows = {r["policy"]: r for r in both["results"]}
+    assert set(rows) == {"promoe", DEFAULT_RUN} and not both["errors"]
+    d = rows[DEFAULT_RUN]
+    # a cache sized by a fraction has nothing to choose from (ncmoe needs a budget)
+    assert d["chosen"]["policy"] == "promoe" and "nothing to choose" in d["chosen"]["reason"]
+    assert d["ttft_s"] == rows["promoe"]["ttft_s"] and d["tpot_s"] == rows["promoe"]["tpot_s"]
+    assert both["same_tokens"]
+    assert f"{DEFAULT_RUN} (no --policy): policy promoe" in format_table(both)
+    alone = run_bench(model, [DEFAULT_RUN], gpu_budget=None, cache_fraction=0.5,
+                      prompt_len=24, n_gen=4, n_prompts=1, n_threads=2)
+    (r,) = alone["results"]
+    assert r["policy"] == DEFAULT_RUN and r["chosen"]["policy"] == "promoe" and r["tpot_s"] > 0

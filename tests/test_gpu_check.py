@@ -47,7 +47,10 @@ def test_cpu_dry_run_writes_every_result(tmp_path: Path) -> None:
     assert ent["uniform"] > ent["olmoe-fit"] > ent["skewed"]
     fit = json.loads((out / "bench_fit24.json").read_text())
     assert {r["policy"] for r in fit["results"]} == {
-        "all-gpu", "ncmoe", "ncmoe-mmap", "promoe", "promoe+bank", "infinity"}
+        "all-gpu", "ncmoe", "ncmoe-mmap", "promoe", "promoe+bank", "infinity", "default"}
+    # what a run without --policy gets, with its reason, from the chosen run of the same call
+    chosen = next(r for r in fit["results"] if r["policy"] == "default")["chosen"]
+    assert chosen["policy"] in ("promoe", "ncmoe") and chosen["reason"]
     banked = next(r for r in fit["results"] if r["policy"] == "promoe+bank")
     # (the dry run's budget holds the tiny model's every expert: nothing for banks to copy)
     assert "banked" in banked["hot_path"] and not fit["errors"]
@@ -74,7 +77,7 @@ def test_cpu_dry_run_writes_every_result(tmp_path: Path) -> None:
         assert phase["host_overlap_s"] >= 0.0
     small = json.loads((out / "bench_fit12.json").read_text())
     assert {r["policy"] for r in small["results"]} == {"ncmoe", "ncmoe-mmap", "promoe",
-                                                       "promoe+nostream"}
+                                                       "promoe+nostream", "default"}
     assert all("whole" in r["hot_path"] and "event_waits" in r["hot_path"]
                for r in small["results"] if r["policy"].startswith("promoe"))
     # the disk tier: promoe reads experts from the file
@@ -86,6 +89,7 @@ def test_cpu_dry_run_writes_every_result(tmp_path: Path) -> None:
     routings = json.loads((out / "bench_routings.json").read_text())
     assert {"uniform", "skewed"} <= set(routings)
     assert all(r["routing_trace"] for r in routings.values())
+    assert all(any(x["policy"] == "default" for x in r["results"]) for r in routings.values())
     fixed = json.loads((out / "bench_fixed.json").read_text())
     assert {r["policy"] for r in fixed["full"]["results"]} == {"all-gpu", "promoe"}
     assert fixed["full"]["routing_trace"] and fixed["own"]["routing_trace"] is None

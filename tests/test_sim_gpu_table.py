@@ -117,3 +117,27 @@ def test_h100_profile_reproduces_every_decode() -> None:
             assert abs(r["sim_hit"] - r["measured_hit"]) < 1.0, r["row"]
         if r["policy"] in ("ncmoe", "ncmoe-mmap", "all-gpu"):
             assert abs(r["ttft_error"]) <= table.TOLERANCE, r["row"]
+
+
+def test_the_default_is_never_simulated_below_stock() -> None:
+    """What a run without --policy gets on the H100 check's routings (today's hot path with
+    prompt banks): the default's choice, from the routing replayed, is never simulated slower
+    than --n-cpu-moe in either phase; on uniform routing, where promoe's decode loses, it
+    chooses stock's placement, and on skewed routing the cache."""
+    labels = [f"{r} {p}" for r in ("uniform 24G", "skewed 24G", "fit 12G")
+              for p in ("ncmoe", "promoe")]
+    run = table.RUNS["h100"]
+    rows = [r for r in run.rows if r.label in labels]
+    res = table.simulate_table(rows, Profile.load(run.profile), Profile.load(run.plan_profile),
+                               warm_prompt=run.warm_prompt, hot_path="remap", prompt_bank=True)
+    got = {(d["routing"], d["budget"]): d for d in
+           table.default_rows(res, Profile.load(run.profile), Profile.load(run.plan_profile))}
+    assert set(got) == {("uniform", "24GiB"), ("skewed", "24GiB"), ("olmoe-fit", "12GiB")}
+    for d in got.values():
+        assert d["ttft_over_ncmoe"] >= 0.97 and d["tpot_over_ncmoe"] >= 0.97, d
+        assert d["reason"].startswith(f"policy {d['policy']}:")
+    assert got[("uniform", "24GiB")]["policy"] == "ncmoe"
+    assert got[("uniform", "24GiB")]["promoe_tpot_over_ncmoe"] < 0.97
+    assert got[("skewed", "24GiB")]["policy"] == "promoe"
+    text = table.format_defaults(list(got.values()))
+    assert text.count("\n") == 3 and "uniform, 24GiB" in text

@@ -211,8 +211,9 @@ def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: 
                    routing_hit: Callable[[int], tuple[float, int]] | None = None,
                    ) -> Choice | None:
     """For a configuration whose policy nobody named: promoe or ncmoe, whichever the cost model
-    (with this model's measured routing and rates when a run kept them) expects to decode
-    faster at this budget; ``routing_hit`` (slots a layer -> LRU hit rate and lookups): the
+    (with this model's measured routing and rates when a run kept them) expects to be faster at
+    this budget, a prompt ubatch of ``n_ubatch`` rows and a decoded token both weighed
+    (``choice.choose``); ``routing_hit`` (slots a layer -> LRU hit rate and lookups): the
     routing the run will replay, which then decides in place of the measured one. None where
     there is nothing to choose: a policy was named, the cache is sized by a fraction (ncmoe needs
     a budget), or a CPU-only build with no ``machine`` (device and host are the same memory)."""
@@ -231,7 +232,8 @@ def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: 
     shape = DecodeShape(n_moe=len(layers), n_expert=model.n_expert, top_k=model.n_expert_used,
                         n_slots=min(slots[il] for il in layers),
                         ncmoe_host_layers=plan.ncmoe_cpu_layers(),
-                        dense_bytes=plan.non_expert_bytes, n_layer=model.n_layer)
+                        dense_bytes=plan.non_expert_bytes, n_layer=model.n_layer,
+                        prompt_rows=n_ubatch, bank=bank > 0)
     profile = Profile.load(machines_for(cfg.machine, 1)[0] or default_machine(dev))
     cost = CostModel.from_profile(profile, expert_shape(model))
     share = shape.n_slots / shape.n_expert

@@ -17,8 +17,9 @@ from forecache.cli.model_arg import model_option
 @model_option(required=True)
 @click.option("--policies", default=",".join(POLICIES), show_default=True,
               help="Comma-separated policies to run; also all-gpu (every layer on the GPU, no "
-                   "cache) and ncmoe-mmap (--n-cpu-moe with mmap'd host weights; ncmoe itself "
-                   "loads them as --no-mmap does).")
+                   "cache), ncmoe-mmap (--n-cpu-moe with mmap'd host weights; ncmoe itself "
+                   "loads them as --no-mmap does) and default (what a run without --policy "
+                   "chooses, reported with why).")
 @click.option("--gpu-budget", default=None, help="Device memory for each run (e.g. 24GiB).")
 @click.option("--cache-fraction", type=float, default=None,
               help="Share of experts in slots (instead of --gpu-budget; ncmoe needs a budget).")
@@ -43,6 +44,7 @@ def bench(model: Path, policies: str, gpu_budget: str | None, cache_fraction: fl
           rates: str | None, routing_trace: Path | None, timeline: bool, as_json: bool) -> None:
     """Run each policy on the same prompts; report TTFT, TPOT, hit rate, H2D and ratios."""
     from forecache.bench import (
+        DEFAULT_RUN,
         STOCK_RUNS,
         format_ablation,
         format_rates,
@@ -53,10 +55,11 @@ def bench(model: Path, policies: str, gpu_budget: str | None, cache_fraction: fl
     )
 
     names = [p.strip() for p in policies.split(",") if p.strip()]
-    bad = [p for p in names if p not in POLICIES and p not in STOCK_RUNS]
+    known = (*POLICIES, *STOCK_RUNS, DEFAULT_RUN)
+    bad = [p for p in names if p not in known]
     if bad or not names:
         raise click.BadParameter(f"unknown policy {', '.join(bad) or '(none)'}; choose from "
-                                 f"{', '.join(POLICIES + STOCK_RUNS)}", param_hint="--policies")
+                                 f"{', '.join(known)}", param_hint="--policies")
     if ablation and rates:
         raise click.UsageError("give --ablation or --rates, not both")
     if (routing_trace is not None or timeline) and (ablation or rates):
