@@ -41,7 +41,7 @@ from forecache.cache.budget import (
     compute_buffer_bytes,
     parse_size,
 )
-from forecache.cache.choice import DecodeShape, Evidence, choose, locality
+from forecache.cache.choice import DecodeShape, Evidence, choose_among, locality
 from forecache.cache.cost import CostModel, Profile
 from forecache.cache.prefetcher import stage_slots_for
 from forecache.cache.registry import policy_spec
@@ -225,14 +225,17 @@ def memory_plan(budget: str) -> MemoryPlan:
     return plan
 
 
-def placement(budget: str, bank: bool = False) -> Placement:
-    """The runtime's split of ``budget`` for the model (``cache.setup.place``)."""
+def placement(budget: str, bank: bool = False, bank_share: float = BANK_SHARE_MAX
+              ) -> Placement:
+    """The runtime's split of ``budget`` for the model (``cache.setup.place``); prompt banks
+    (``bank``) where they take at most ``bank_share`` of the expert budget (1: wherever they
+    fit, as when they are asked for)."""
     spec = get_spec(MODEL)
     plan = memory_plan(budget)
     pre = plan.slots_per_layer()
     if bank and any(n < spec.experts for n in pre):  # as cache.setup.held_back on a GPU
         held = plan.bank_held()
-        if held * plan.largest_expert_bytes <= plan.expert_budget * BANK_SHARE_MAX:
+        if held * plan.largest_expert_bytes <= plan.expert_budget * bank_share:
             return Placement(pre, plan.slots_per_layer(held=held), 0, held)
     stage = stage_slots_for(spec.experts, pre)
     return Placement(pre, plan.slots_per_layer(held=stage), stage)
@@ -298,16 +301,17 @@ class Simulated:
 
 def simulate_row(row: Row, shape: ModelShape, profile: Profile, plan_profile: Profile | None,
                  routings: dict[str, Routing], warm_prompt: int = WARM_PROMPT,
-                 hot_path: str = "groups", prompt_bank: bool = False) -> Simulated:
+                 hot_path: str = "groups", prompt_bank: bool = False,
+                 bank_share: float = BANK_SHARE_MAX) -> Simulated:
     """One row on the modelled machine, with the runtime's ``hot_path`` (``SimConfig``):
     "groups" is the one the measured rows ran, "remap" today's, with ``prompt_bank`` the
-    runtime's default on a GPU since patch version 19."""
+    runtime's default on a GPU since patch version 19 (within ``bank_share`` of the budget)."""
     budget = "64GiB" if row.policy == "all-gpu" else row.budget
     policy = "ncmoe" if row.policy == "all-gpu" else row.policy
     spec = policy_spec(policy, simulated=True)
     bank = prompt_bank and hot_path == "remap" and spec.cached and \
         not spec.policy.routes_every_layer
-    pl = placement(budget, bank)
+    pl = placement(budget, bank, bank_share)
     slots = pl.sim_slots() if spec.proactive or pl.bank else pl.pre
     pred, window = predictor_for(policy, shape)
     # the split plans as the runtime's does (cache.setup.split_cost): the default machine's
@@ -395,35 +399,51 @@ def format_table(results: Sequence[dict]) -> str:
 
 
 def default_rows(results: Sequence[dict], profile: Profile, plan_profile: Profile,
-                 olmoe_real: Path = OLMOE_REAL) -> list[dict]:
+                 olmoe_real: Path = OLMOE_REAL, warm_prompt: int = WARM_PROMPT) -> list[dict]:
     """What a run without --policy gets on each routing and budget that has both an ncmoe and a
-    promoe row: the default's choice as the runtime makes it from the routing replayed
-    (``cache.setup.default_choice``: the replay's LRU decode hit rate at promoe's slots, the
-    planning profile with the machine's copy rate, a 512-row prompt ubatch, prompt banks where
-    the runtime places them), and the chosen run's simulated TTFT and TPOT over simulated
-    ncmoe's (1.00x where it chooses ncmoe)."""
+    promoe row (simulated with today's hot path and prompt banks): the default's choice as the
+    runtime makes it from the routing replayed (``cache.setup.default_choice``: promoe's own
+    placement, then the one with prompt banks the other way, each at the replay's LRU decode
+    hit rate at its slots; the planning profile with the machine's copy rate; a 512-row prompt
+    ubatch), and the chosen run's simulated TTFT and TPOT over simulated ncmoe's (1.00x where
+    it chooses ncmoe; a placement with banks over their default share simulated here)."""
     shape = shape_of(MODEL, QTYPE)
     by = {(r["routing"], r["budget"], r["policy"]): r for r in results}
+    cost = CostModel.from_profile(replace(plan_profile, h2d_gbps=profile.h2d_gbps),
+                                  shape.expert)
     out = []
     for (name, budget, policy), pm in by.items():
         nc = by.get((name, budget, "ncmoe"))
         if policy != "promoe" or nc is None:
             continue
         plan = memory_plan(budget)
-        pl = placement(budget, pm.get("banked_layers", 0) > 0)
-        n_slots = min(pl.post)
-        ds = DecodeShape(n_moe=shape.layers, n_expert=shape.experts, top_k=shape.top_k,
-                         n_slots=n_slots, ncmoe_host_layers=plan.ncmoe_cpu_layers(),
-                         dense_bytes=plan.non_expert_bytes, n_layer=shape.layers,
-                         prompt_rows=N_UBATCH, bank=pl.bank)
-        hit, lookups = routing(name, shape, olmoe_real).decode_hit_rate(n_slots)
-        share = n_slots / shape.experts
-        cost = CostModel.from_profile(replace(plan_profile, h2d_gbps=profile.h2d_gbps),
-                                      shape.expert)
-        c = choose(ds, plan_profile, cost, Evidence(locality(hit, share), "replay", lookups,
-                                                    share=share))
-        chosen = pm if c.policy == "promoe" else nc
+        rt = routing(name, shape, olmoe_real)
+        own = pm.get("banked_layers", 0) > 0
+        options = []
+        for bank, share in ((own, BANK_SHARE_MAX), (not own, 1.0)):
+            pl = placement(budget, bank, share)
+            if options and pl.bank == own:
+                continue  # no other placement
+            n_slots = min(pl.post)
+            ds = DecodeShape(n_moe=shape.layers, n_expert=shape.experts, top_k=shape.top_k,
+                             n_slots=n_slots, ncmoe_host_layers=plan.ncmoe_cpu_layers(),
+                             dense_bytes=plan.non_expert_bytes, n_layer=shape.layers,
+                             prompt_rows=N_UBATCH, bank=pl.bank)
+            hit, lookups = rt.decode_hit_rate(n_slots)
+            share_ = n_slots / shape.experts
+            options.append((ds, Evidence(locality(hit, share_), "replay", lookups,
+                                         share=share_)))
+        c = choose_among(options, plan_profile, cost)
+        chosen = nc
+        if c.policy == "promoe":
+            chosen = pm
+            if c.alternative:
+                row = Row(f"{name} {budget} promoe (default)", name, budget, "promoe", 0.0, 0.0)
+                sim = simulate_row(row, shape, profile, plan_profile, {name: rt}, warm_prompt,
+                                   "remap", c.shape.bank, 1.0)
+                chosen = {"sim_ttft_ms": sim.ttft_s * 1e3, "sim_tpot_ms": sim.tpot_s * 1e3}
         out.append({"routing": name, "budget": budget, "policy": c.policy,
+                    "prompt_bank": c.shape.bank, "alternative": c.alternative,
                     "reason": c.reason(), "decode_estimate": c.ncmoe_s / c.promoe_s,
                     "prompt_estimate": c.prompt_ratio(),
                     "ttft_over_ncmoe": nc["sim_ttft_ms"] / chosen["sim_ttft_ms"],
@@ -434,11 +454,12 @@ def default_rows(results: Sequence[dict], profile: Profile, plan_profile: Profil
 
 
 def format_defaults(rows: Sequence[dict]) -> str:
-    lines = [f"{'routing, budget':<20} | {'chosen':>7} | {'estimate prompt/decode':>22} | "
+    lines = [f"{'routing, budget':<20} | {'chosen':>12} | {'estimate prompt/decode':>22} | "
              f"{'simulated over ncmoe':>20} | {'promoe over ncmoe':>17}"]
     for r in rows:
         est = f"{r['prompt_estimate'] or 0:.2f}x / {r['decode_estimate']:.2f}x"
-        lines.append(f"{r['routing'] + ', ' + r['budget']:<20} | {r['policy']:>7} | {est:>22} | "
+        pick = r["policy"] + ("+bank" if r["policy"] == "promoe" and r["prompt_bank"] else "")
+        lines.append(f"{r['routing'] + ', ' + r['budget']:<20} | {pick:>12} | {est:>22} | "
                      f"{r['ttft_over_ncmoe']:>8.2f}x / {r['tpot_over_ncmoe']:.2f}x | "
                      f"{r['promoe_ttft_over_ncmoe']:>7.2f}x / {r['promoe_tpot_over_ncmoe']:.2f}x")
     return "\n".join(lines)
@@ -492,7 +513,8 @@ def main() -> None:
     print(f"within {TOLERANCE * 100:.0f}%: {s['ttft_within']} of {len(results)} TTFTs, "
           f"{s['tpot_within']} of {len(results)} TPOTs; outside: "
           f"{', '.join(s['outside']) or 'none'}")
-    defaults = default_rows(results, profile, plan, a.olmoe_real) if a.default else []
+    defaults = default_rows(results, profile, plan, a.olmoe_real, run.warm_prompt) \
+        if a.default else []
     if defaults:
         print("\nWithout --policy (the default's choice from the routing replayed; ratios over "
               "simulated ncmoe, TTFT / TPOT):")

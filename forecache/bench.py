@@ -236,19 +236,27 @@ def hot_path(stats: dict, n_passes: int) -> dict[str, float]:
 
 def default_run(model: Path, gpu_budget: int | None, cache_fraction: float | None,
                 routing: Routing | None, n_ctx: int, n_ubatch: int = 512, *,
-                host_budget: int | None = None) -> dict[str, str]:
+                host_budget: int | None = None) -> dict:
     """The policy a run without ``--policy`` takes for ``model`` at this budget, on ``routing``
-    when replayed (``cache.setup.default_choice``, as ``Llama`` decides it), and why."""
+    when replayed (``cache.setup.default_choice``, as ``Llama`` decides it), the benchmark run
+    of the same configuration (``run``), and why."""
     cfg = CacheConfig(policy="promoe", gpu_budget=gpu_budget,
                       cache_fraction=None if gpu_budget is not None else cache_fraction,
                       auto=True, host_budget=host_budget)
     choice = default_choice(read_model_file(model), cfg, n_ctx=n_ctx, n_ubatch=n_ubatch,
                             routing_hit=routing.decode_hit_rate if routing is not None else None)
     if choice is None:
-        return {"policy": cfg.policy, "reason": f"policy {cfg.policy}: nothing to choose (no "
+        return {"policy": cfg.policy, "run": cfg.policy,
+                "reason": f"policy {cfg.policy}: nothing to choose (no "
                 f"{setting('gpu_budget')}, a host budget, or a CPU build without a machine "
                 "profile)"}
-    return {"policy": choice.policy, "reason": choice.reason()}
+    # the run of the same configuration: promoe's prompt banks as chosen, when that is not
+    # what a named promoe run gets
+    run = choice.policy
+    if choice.policy == "promoe" and choice.alternative:
+        run += "+bank" if choice.shape.bank else "+nobank"
+    return {"policy": choice.policy, "run": run, "prompt_bank": choice.shape.bank,
+            "reason": choice.reason()}
 
 
 class _PhaseCounts:
@@ -362,27 +370,17 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
     order = [p for p in policies if p != DEFAULT_RUN] + \
         [DEFAULT_RUN] * (DEFAULT_RUN in policies)
     for pol in order:
+        chosen = None
+        run = pol
         if pol == DEFAULT_RUN:
             chosen = default_run(model, gpu_budget, cache_fraction, routing, n_ctx,
                                  host_budget=host_budget)
             progress(f"{DEFAULT_RUN}: {chosen['reason']}")
-            pick = chosen["policy"]
-            if pick in raw:
-                raw[pol] = {**raw[pick], "chosen": chosen}
+            run = chosen["run"]
+            if run in raw:  # the same configuration, run in this call
+                raw[pol] = {**raw[run], "chosen": chosen}
                 continue
-            extra = {"host_budget": host_budget} if host_budget is not None and \
-                policy_spec(pick).cached else {}
-            progress(f"running {DEFAULT_RUN} ({pick}) ...")
-            try:
-                raw[pol] = {**run_policy(model, _sized(pick, gpu_budget, cache_fraction, **extra),
-                                         prompts, n_gen, n_ctx=n_ctx, n_threads=n_threads,
-                                         routing_trace=routing, timeline=timeline),
-                            "chosen": chosen}
-            except (ValueError, RuntimeError, OSError) as e:
-                progress(f"{DEFAULT_RUN} failed: {e}")
-                errors[DEFAULT_RUN] = str(e)
-            continue
-        name, n_ubatch = _ubatch(pol)
+        name, n_ubatch = _ubatch(run)
         if name in NCMOE_RUNS and gpu_budget is None:
             progress(f"{pol} skipped: it needs {setting('gpu_budget')}")
             continue
@@ -391,7 +389,7 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
         if routing_trace is not None and variant.routes:
             progress(f"{pol} skipped: a replayed routing fixes every token's experts")
             continue
-        progress(f"running {pol} ...")
+        progress(f"running {pol}{f' ({run})' if run != pol else ''} ...")
         mmap = base == "ncmoe-mmap"
         if host_budget is not None and base != "all-gpu" and \
                 policy_spec("ncmoe" if mmap else base).cached:
@@ -407,6 +405,9 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
             # figures standing; the report names it
             progress(f"{pol} failed: {e}")
             errors[pol] = str(e)
+            continue
+        if chosen is not None:
+            raw[pol]["chosen"] = chosen
     results = []
     for pol, r in raw.items():
         ratios = {}

@@ -188,7 +188,11 @@ class Llama(llama_cpp.Llama):
                 self.model_file, cache, n_ctx=n_ctx, n_ubatch=n_ubatch,
                 routing_hit=routing.decode_hit_rate if routing_trace is not None else None)
             if self.policy_choice is not None:
-                cache = dataclasses.replace(cache, policy=self.policy_choice.policy)
+                chosen = self.policy_choice
+                cache = dataclasses.replace(cache, policy=chosen.policy)
+                if chosen.policy != "ncmoe" and cache.prompt_bank is None:
+                    # the banks the choice weighed (perhaps over their default share)
+                    cache = dataclasses.replace(cache, prompt_bank=chosen.shape.bank)
         self.cache_config: CacheConfig | None = cache
         split: list[int] | None = None  # where llama.cpp will put each layer (ncmoe per device)
         if cache is not None:

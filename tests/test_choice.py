@@ -18,6 +18,7 @@ from forecache.cache.choice import (
     DecodeShape,
     Evidence,
     choose,
+    choose_among,
     hit_at,
     locality,
     ncmoe_prompt_s,
@@ -260,6 +261,15 @@ def test_a_prompt_estimated_slower_keeps_stock_placement() -> None:
     banked = choose(replace(ds, bank=True), H100, cost, ev)
     assert banked.prompt_ratio() > 1.0 and banked.policy == "promoe"
     assert "the prompt decides" not in banked.reason()
+    # the default weighs the banked placement second (fewer slots: the banks' memory)
+    fewer = replace(ds, bank=True, n_slots=ds.n_slots - 4)
+    got = choose_among([(ds, ev), (fewer, ev)], H100, cost)
+    assert got.policy == "promoe" and got.alternative and got.shape == fewer
+    assert "beyond their default share" in got.reason()
+    first = choose_among([(fewer, ev), (ds, ev)], H100, cost)
+    assert first.shape == fewer and not first.alternative
+    none = choose_among([(ds, PRIOR), (fewer, PRIOR)], H100, cost)  # uniform: stock's
+    assert none.policy == "ncmoe" and none.shape == ds and not none.alternative
     # a ubatch under llama.cpp's offload rule is decode's question: no prompt estimate
     short = choose(replace(ds, prompt_rows=16), H100, cost, ev)
     assert short.prompt_ratio() is None and short.policy == "promoe"

@@ -591,3 +591,60 @@ def test_default_guard_decides_from_the_replayed_routing(tiny_model: Callable[..
             seen[name] = choice
     assert seen["sticky"].evidence.locality > seen["spread"].evidence.locality
     assert seen["sticky"].hit > seen["spread"].hit
+
+
+def test_the_default_takes_prompt_banks_where_they_pay(tiny_model: Callable[[str], Path],
+                                                       tmp_path: Path) -> None:
+    """The default weighs promoe's placement with prompt banks besides its own (none on a CPU
+    build): on a machine whose expert groups are dear and whose CPU is slow, promoe without
+    banks would prefill slower than --n-cpu-moe (streamed misses as groups) and with them does
+    not, so the run loads with banks and computes its prompt from them. Told no banks, it
+    keeps stock's placement, and says the prompt decided."""
+    from forecache.cache.budget import plan_memory
+    from forecache.cache.setup import default_choice, resolve_cache_config
+    from forecache.gguf.header import read_model_file
+    from forecache.llama import Llama
+    from forecache.native.ggml_devices import cache_device
+
+    base = json.loads((Path(__file__).parents[1] / "forecache" / "data" / "profiles" /
+                       "h100-xeon.json").read_text())
+    # no fixed costs but an expert group's (10 ms); a CPU at 0.5 GB/s
+    base.update(name="dear-groups", gpu_launch_s=0.0, hook_s=0.0, prefetch_hook_s=0.0,
+                decode_gate_s=0.0, token_s=0.0, chunk_latency_s=0.0, cpu_launch_s=0.0,
+                thread_s=0.0, group_s=0.01, cpu_mem_gbps=0.5, cpu_gflops=1.0, source="a test")
+    machine = tmp_path / "dear-groups.json"
+    machine.write_text(json.dumps(base))
+    model = tiny_model("q8_0")
+    mf, dev = read_model_file(model), cache_device()
+    n_pre, n_dec = 40, 24
+    trace = _prefill_decode_trace(tmp_path / "spread.npz", n_pre, n_dec, seed=5)
+    budget = None
+    for mib in range(200, 2048, 2):  # the smallest budget at which banks decide
+        try:
+            plan = plan_memory(mf, mib << 20, n_ctx=256, n_ubatch=512, device_name=dev.name,
+                               device_total=dev.memory_total)
+        except ValueError:
+            continue
+        if not 0 < plan.ncmoe_cpu_layers() < len(mf.moe_layers()):
+            continue
+        cfg = resolve_cache_config(None, mib << 20, None, machine=str(machine))
+        c = default_choice(mf, cfg, n_ctx=256, n_ubatch=512,
+                           routing_hit=lambda n: (n / N_EXPERT, 1000))
+        if c is not None and c.policy == "promoe" and c.alternative:
+            budget = mib << 20
+            break
+    assert budget is not None
+    cfg = resolve_cache_config(None, budget, None, machine=str(machine))
+    with Llama.open(model, cache=cfg, n_ctx=256, n_threads=1, routing_trace=trace) as llm:
+        choice = llm.policy_choice
+        assert choice is not None and choice.policy == "promoe" and choice.shape.bank
+        assert choice.prompt_ratio() >= 1.0 and "with prompt banks" in choice.reason()
+        assert llm.placement.bank and llm.cache_config.prompt_bank
+        llm.eval(list(range(1, n_pre + 1)))
+        assert llm.expert_stats()["banked"] > 0
+    told = resolve_cache_config(None, budget, None, machine=str(machine), prompt_bank=False)
+    with Llama.open(model, cache=told, n_ctx=256, n_threads=1, routing_trace=trace) as llm:
+        choice = llm.policy_choice
+        assert choice is not None and choice.policy == "ncmoe" and not choice.shape.bank
+        assert "the prompt decides" in choice.reason()
+        assert llm.placement.host_layers  # stock's placement: whole layers on the host

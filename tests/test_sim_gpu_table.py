@@ -123,7 +123,9 @@ def test_the_default_is_never_simulated_below_stock() -> None:
     """What a run without --policy gets on the H100 check's routings (today's hot path with
     prompt banks): the default's choice, from the routing replayed, is never simulated slower
     than --n-cpu-moe in either phase; on uniform routing, where promoe's decode loses, it
-    chooses stock's placement, and on skewed routing the cache."""
+    chooses stock's placement, and on skewed routing the cache. At 12 GiB promoe's own
+    placement has no banks (over a quarter of the budget) and prefills slower than stock: the
+    default takes the banks, and both phases beat stock."""
     labels = [f"{r} {p}" for r in ("uniform 24G", "skewed 24G", "fit 12G")
               for p in ("ncmoe", "promoe")]
     run = table.RUNS["h100"]
@@ -139,5 +141,8 @@ def test_the_default_is_never_simulated_below_stock() -> None:
     assert got[("uniform", "24GiB")]["policy"] == "ncmoe"
     assert got[("uniform", "24GiB")]["promoe_tpot_over_ncmoe"] < 0.97
     assert got[("skewed", "24GiB")]["policy"] == "promoe"
+    small = got[("olmoe-fit", "12GiB")]
+    assert small["policy"] == "promoe" and small["prompt_bank"] and small["alternative"]
+    assert small["promoe_ttft_over_ncmoe"] < 1.0 < small["ttft_over_ncmoe"]
     text = table.format_defaults(list(got.values()))
     assert text.count("\n") == 3 and "uniform, 24GiB" in text

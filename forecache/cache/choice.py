@@ -34,6 +34,7 @@ expert of a layer, whatever the routing's locality:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from math import comb
 
@@ -245,6 +246,9 @@ class Choice:
     # to choose: decode decides)
     prompt_promoe_s: float | None = None
     prompt_ncmoe_s: float | None = None
+    # promoe's placement is not the runtime's own (``choose_among``): prompt banks the other
+    # way than by default
+    alternative: bool = False
 
     def prompt_ratio(self) -> float | None:
         """promoe's estimated prompt speed over ncmoe's (above 1: promoe faster)."""
@@ -277,6 +281,10 @@ class Choice:
                      f"{'with' if s.bank else 'without'} prompt banks)")
             if self.policy == "ncmoe" and ratio >= MARGIN and prompt < PROMPT_MARGIN:
                 head += "; the prompt decides"
+        if self.alternative and self.policy == "promoe":
+            head += ("; prompt banks beyond their default share of the budget, which promoe "
+                     "without them would lose" if s.bank else
+                     "; without prompt banks, which promoe with them would lose")
         if self.policy == "ncmoe" and e.source == "prior":
             head += ("; a run with --policy promoe (or `forecache trace`) measures this model's "
                      "routing for the next choice")
@@ -304,3 +312,13 @@ def choose(shape: DecodeShape, profile: Profile, cost: CostModel,
     promoe = pm * MARGIN <= nc and prompt_ok and shape.ncmoe_host_layers > 0
     return Choice("promoe" if promoe else "ncmoe", pm, nc, hit, evidence, shape, prompt_pm,
                   prompt_nc)
+
+
+def choose_among(options: Sequence[tuple[DecodeShape, Evidence]], profile: Profile,
+                 cost: CostModel) -> Choice:
+    """``choose`` over promoe's placements at one budget (the runtime's own first, then one with
+    or without prompt banks), each with the routing evidence at its slots: the first that
+    ``choose`` takes promoe for, else the first's choice (ncmoe)."""
+    choices = [choose(shape, profile, cost, ev) for shape, ev in options]
+    i = next((i for i, c in enumerate(choices) if c.policy == "promoe"), 0)
+    return replace(choices[i], alternative=i > 0)

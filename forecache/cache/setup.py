@@ -20,7 +20,7 @@ from forecache.cache.budget import (
     plan_memory,
     slots_for_fraction,
 )
-from forecache.cache.choice import PRIOR, Choice, DecodeShape, Evidence, choose, locality
+from forecache.cache.choice import PRIOR, Choice, DecodeShape, Evidence, choose_among, locality
 from forecache.cache.cost import DEVICE_MIN_TOKENS, CostModel, ExpertShape, Profile
 from forecache.cache.disk import DiskPlan, DiskTier, plan_disk, readers_default
 from forecache.cache.forecast import Forecaster
@@ -225,25 +225,40 @@ def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: 
     plan = plan_memory(model, cfg.gpu_budget, n_ctx=n_ctx, n_ubatch=n_ubatch,
                        device_name=dev.name, device_total=dev.memory_total)
     layers = model.moe_layers()
-    slots = plan.slots_per_layer()
-    stage, bank = held_back(model, cfg, plan, slots, dev.type, proactive=cfg.features.reorder)
-    if stage or bank:  # promoe would hold its stage slots or prompt banks back
-        slots = plan.slots_per_layer(held=stage + bank)
-    shape = DecodeShape(n_moe=len(layers), n_expert=model.n_expert, top_k=model.n_expert_used,
-                        n_slots=min(slots[il] for il in layers),
-                        ncmoe_host_layers=plan.ncmoe_cpu_layers(),
-                        dense_bytes=plan.non_expert_bytes, n_layer=model.n_layer,
-                        prompt_rows=n_ubatch, bank=bank > 0)
+    full = plan.slots_per_layer()
+
+    def promoe_shape(c: CacheConfig) -> DecodeShape:
+        """promoe's placement under ``c``: the slots its stage slots or prompt banks leave."""
+        stage, bank = held_back(model, c, plan, full, dev.type, proactive=c.features.reorder)
+        slots = plan.slots_per_layer(held=stage + bank) if stage or bank else full
+        return DecodeShape(n_moe=len(layers), n_expert=model.n_expert,
+                           top_k=model.n_expert_used, n_slots=min(slots[il] for il in layers),
+                           ncmoe_host_layers=plan.ncmoe_cpu_layers(),
+                           dense_bytes=plan.non_expert_bytes, n_layer=model.n_layer,
+                           prompt_rows=n_ubatch, bank=bank > 0)
+
+    # the placement promoe takes by default, then (where nobody said) the one with prompt banks
+    # the other way: banks over BANK_SHARE_MAX of the budget may still pay in both phases
+    shapes = [promoe_shape(cfg)]
+    if cfg.prompt_bank is None:
+        try:
+            other = promoe_shape(replace(cfg, prompt_bank=not shapes[0].bank))
+        except BudgetError:  # no room for them
+            other = shapes[0]
+        if other.bank != shapes[0].bank:
+            shapes.append(other)
     profile = Profile.load(machines_for(cfg.machine, 1)[0] or default_machine(dev))
     cost = CostModel.from_profile(profile, expert_shape(model))
-    share = shape.n_slots / shape.n_expert
-    if routing_hit is not None:  # the routing replayed decides, with this device's rates
-        hit, lookups = routing_hit(shape.n_slots)
-        copy, scale = measured_rates(model, dev.name)
-        evidence = Evidence(locality(hit, share), "replay", lookups, copy, scale, share)
-    else:
-        evidence = load_evidence(model, dev.name, share)
-    return choose(shape, profile, cost, evidence or PRIOR)
+
+    def evidence_at(n_slots: int) -> Evidence:
+        share = n_slots / model.n_expert
+        if routing_hit is not None:  # the routing replayed decides, with this device's rates
+            hit, lookups = routing_hit(n_slots)
+            copy, scale = measured_rates(model, dev.name)
+            return Evidence(locality(hit, share), "replay", lookups, copy, scale, share)
+        return load_evidence(model, dev.name, share) or PRIOR
+
+    return choose_among([(s, evidence_at(s.n_slots)) for s in shapes], profile, cost)
 
 
 def bank_experts(model: ModelFile, slots: Sequence[int]) -> int:
