@@ -5,13 +5,14 @@
 
 from __future__ import annotations
 
+from forecache.version import __version__
+
 # typing for type checkers only: it takes about 10 ms to import, and the command line takes
 # over Ctrl-C only after this package is imported
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     from typing import Any
 
-__version__ = "0.1.0"
 __all__ = ["Llama", "__version__"]
 
 

@@ -3,7 +3,8 @@ decoded together in one llama.cpp batch.
 
 A killed job loses nothing: every finished record is one ``write`` to a file opened for
 appending, and a rerun skips the ids already in the output. A job that ends with every request
-of its input in the output puts the records in the input's order (``rewrite_in_input_order``).
+of its input in the output puts the records in the input's order (``rewrite_in_input_order``),
+leaving out the error records of lines that have since been fixed.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ from __future__ import annotations
 import codecs
 import json
 import os
+import re
 import stat
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,9 +36,9 @@ class BatchOutputError(ValueError):
 
 
 def done_ids(path: Path) -> tuple[set[str], set[str], bool]:
-    """Ids already in an output file, those of them that are error records, and whether a
-    half-written last record was cut off. A complete line that is not a JSON record is refused
-    (the file is not touched)."""
+    """Ids already in an output file, those of them whose newest record is an error record, and
+    whether a half-written last record was cut off. A complete line that is not a JSON record is
+    refused (the file is not touched)."""
     if not path.exists():
         return set(), set(), False
     try:
@@ -52,9 +54,12 @@ def done_ids(path: Path) -> tuple[set[str], set[str], bool]:
             continue
         try:
             rec = json.loads(line)
-            ids.add(str(rec["id"]))
+            rid = str(rec["id"])
+            ids.add(rid)
             if "error" in rec:
-                failed.add(str(rec["id"]))
+                failed.add(rid)
+            else:  # a newer record of the id (a fixed line's) replaces its error
+                failed.discard(rid)
         except (ValueError, KeyError, TypeError):
             raise BatchOutputError(f"{path} line {i} is not a forecache batch record; fix or "
                                    f"remove it, or write to another {setting('output')}") \
@@ -91,11 +96,31 @@ class OutputWriter:
             self._fd = -1
 
 
-def rewrite_in_input_order(path: Path, ids: Sequence[str]) -> bool:
+_LINE_ID = re.compile(r"line-([0-9]+)")
+
+
+def _superseded(rid: str, rec: dict, index: int, last: Mapping[str, int],
+                requests_by_line: Mapping[int, str]) -> bool:
+    """Whether ``rec`` (the ``index``-th record, of id ``rid``) is the error record of an input
+    line (id ``line-N``) that now holds a valid request, whose own newest record (``last``:
+    each id's newest index) is another one: the fixed line's result supersedes its error."""
+    m = _LINE_ID.fullmatch(rid)
+    if m is None or "error" not in rec or rec.get("line", int(m[1])) != int(m[1]):
+        return False
+    now = requests_by_line.get(int(m[1]))
+    return now is not None and now in last and last[now] != index
+
+
+def rewrite_in_input_order(path: Path, ids: Sequence[str],
+                           requests_by_line: Mapping[int, str] | None = None) -> bool:
     """Put the records of the output file ``path`` in the order of ``ids`` (the input's ids, in
     the order of its lines); records of other ids follow them in the order they had. Each record
     keeps its bytes, and the file is replaced atomically (a temp file beside it, fsync, rename),
     so an interruption leaves the old file whole.
+
+    ``requests_by_line`` maps each input line that holds a valid request to its id: the error
+    record written for such a line while it was malformed (``line-N``) is left out once the
+    request has a record of its own, so the output keeps one record per request.
 
     Only a complete output is rewritten: with a record of ``ids`` missing, a half-written last
     record or a line that is not a record, the file is left as it is (a rerun resumes it), as it
@@ -112,19 +137,20 @@ def rewrite_in_input_order(path: Path, ids: Sequence[str]) -> bool:
     rank: dict[str, int] = {}
     for i, rid in enumerate(ids):
         rank.setdefault(rid, i)
-    keyed: list[tuple[int, bytes]] = []
-    found: set[str] = set()
+    records: list[tuple[str, dict, bytes]] = []
     for line in lines:
         if not line.strip():
             continue
         try:
-            rid = str(json.loads(line)["id"])
+            rec = json.loads(line)
+            records.append((str(rec["id"]), rec, line))
         except (ValueError, KeyError, TypeError):
             return False
-        found.add(rid)
-        keyed.append((rank.get(rid, len(ids)), line))
-    if not found.issuperset(rank):
+    if not {rid for rid, _, _ in records}.issuperset(rank):
         return False
+    last = {rid: i for i, (rid, _, _) in enumerate(records)}
+    keyed = [(rank.get(rid, len(ids)), line) for i, (rid, rec, line) in enumerate(records)
+             if not _superseded(rid, rec, i, last, requests_by_line or {})]
     keyed.sort(key=lambda k: k[0])  # stable: other ids (and any repeats) keep their order
     ordered = b"".join(line + b"\n" for _, line in keyed)
     if ordered == data:

@@ -192,7 +192,8 @@ def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n
         for p in prompts:
             if phases is not None:
                 phases.begin(len(p))
-            runs.append(generate(llm, p, n_gen, SamplingParams(greedy=True), ignore_eos=True))
+            runs.append(generate(llm, p, n_gen, SamplingParams(greedy=True), ignore_eos=True,
+                                 tokens_flag="--gen"))
             if phases is not None:
                 phases.end()
         wall = time.perf_counter() - t0

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from forecache.cache.budget import format_size
 from forecache.cache.policies import hit_rate
-from forecache.errors import setting
-from forecache.generate import SamplingParams
+from forecache.generate import SamplingParams, Streamed, context_advice
 from forecache.interrupt import deferred_signals
 from forecache.llama import Llama
 from forecache.paths import write_atomic
@@ -30,6 +30,8 @@ class Turn:
     signum: int | None  # the signal that stopped it (SIGINT or SIGTERM)
     dropped_turns: int  # earliest turns left out to fit the context
     stats: dict
+    # False: stopped before its first token; no answer, and the message was not kept
+    answered: bool = True
 
     @property
     def tokens_per_s(self) -> float:
@@ -78,30 +80,49 @@ class ChatSession:
             if len(tokens) + self.max_tokens <= n_ctx:
                 return tokens, dropped
             if 2 * dropped >= len(self.history):
+                advice = context_advice(self.llm, len(tokens), self.max_tokens, "--max-tokens")
                 raise ValueError(f"the message ({len(tokens)} tokens) and an answer of "
                                  f"{self.max_tokens} tokens exceed the context of {n_ctx}; "
-                                 f"shorten it or start with a larger {setting('n_ctx')}")
+                                 f"{advice}")
             dropped += 1  # a user message and its answer
 
-    def ask(self, user: str, on_text: Callable[[str], None] | None = None) -> Turn:
-        """Answer ``user``, streaming text to ``on_text``. Ctrl-C stops the answer: what was
-        generated so far is kept in the conversation and returned with ``stopped``. SIGTERM
-        stops it the same way (``signum`` tells them apart)."""
-        tokens, dropped = self._prompt(user)
-        if dropped:
-            self.history = self.history[2 * dropped:]
+    def _reused(self, tokens: list[int]) -> int:
+        """How many of ``tokens`` lead the KV cache already (the prefix llama-cpp-python keeps)."""
         llm = self.llm
         reused = 0
         for a, b in zip(llm.input_ids[:llm.n_tokens], tokens[:-1], strict=False):
             if a != b:
                 break
             reused += 1
-        llm.reset_stats()
+        return reused
+
+    def ask(self, user: str, on_text: Callable[[str], None] | None = None) -> Turn:
+        """Answer ``user``, streaming text to ``on_text``. Ctrl-C stops the answer: what was
+        generated so far is kept in the conversation and returned with ``stopped``. Stopped
+        before its first token, there is no answer: the turn comes back with ``answered``
+        false and the conversation stays as it was, ``user``'s message left out (a user turn
+        without a reply would otherwise be sent again with the next message). SIGTERM stops it
+        the same way (``signum`` tells them apart)."""
+        llm = self.llm
+        # signals are deferred from the start: Ctrl-C while a long conversation is rendered
+        # stops this answer, as one during the prefill does, rather than ending the chat
         with deferred_signals() as stop:
-            done = llm.complete(tokens, self.max_tokens, on_text, stop=stop,
-                                **self.sampling.llama_kwargs())
-        t_first = done.t_first if done.t_first is not None else done.t_end
+            tokens, dropped = self._prompt(user)
+            reused = self._reused(tokens)
+            llm.reset_stats()
+            if stop:  # nothing prefilled yet: no need to
+                now = time.perf_counter()
+                done = Streamed(finish="interrupted", t_start=now, t_end=now)
+            else:
+                done = llm.complete(tokens, self.max_tokens, on_text, stop=stop,
+                                    **self.sampling.llama_kwargs())
+        if done.t_first is None:  # stopped before its first token: no TTFT, nothing kept
+            return Turn("", 0, len(tokens), reused, 0.0, 0.0, True, stop.signum, 0,
+                        llm.expert_stats(), answered=False)
+        t_first = done.t_first
         out, text = done.tokens, done.text
+        if dropped:
+            self.history = self.history[2 * dropped:]
         self.history += [{"role": "user", "content": user},
                          {"role": "assistant", "content": text}]
         turn = Turn(text, len(out), len(tokens), reused, t_first - done.t_start,
@@ -117,7 +138,10 @@ class ChatSession:
 
 
 def status_line(turn: Turn) -> str:
-    """One line after each answer: speed, TTFT, expert hit rate and GPU cache use."""
+    """One line after each answer: speed, TTFT, expert hit rate and GPU cache use; for an answer
+    stopped before its first token, that it was (no speed or TTFT: there was no token)."""
+    if not turn.answered:
+        return f"[interrupted before the first token: no answer | {expert_summary(turn.stats)}]"
     parts = [f"{turn.tokens_per_s:.1f} tokens/s", f"TTFT {turn.ttft_s * 1000:.0f} ms",
              f"{turn.tokens} tokens",
              f"prompt {turn.prompt_tokens - turn.reused_tokens} new + {turn.reused_tokens} cached"]

@@ -88,21 +88,48 @@ def text_tokens(llm: Llama, text: str, special: bool = True) -> list[int]:
     return llm.tokenize(text.encode("utf-8"), add_bos=True, special=special)
 
 
+def context_advice(llm: Llama, n_prompt: int, max_tokens: int, tokens_flag: str = "-n") -> str:
+    """What to change when ``n_prompt`` tokens and ``max_tokens`` new ones do not fit ``llm``'s
+    context. A larger context only where it helps: forecache's commands cap the context at the
+    length the model was trained for, so past that the model's own limit is the answer (the most
+    new tokens that fit after this prompt). ``tokens_flag``: the command's flag for the number of
+    new tokens (``max_tokens=`` in Python)."""
+    n_ctx = llm.n_ctx()
+    trained = int(llm.model_file.arch_kv("context_length", 0) or 0)
+    fewer = setting("max_tokens", flag=tokens_flag)
+    if trained and n_prompt + max_tokens > trained:  # no context the model takes is enough
+        room = trained - n_prompt
+        limit = ("that is the model's own context (the length it was trained for)"
+                 if n_ctx >= trained else
+                 f"the model's own context is {trained} tokens (the length it was trained for)")
+        if room <= 0:
+            return f"{limit}, which the prompt alone fills: shorten it"
+        larger = f", with {setting('n_ctx', trained)}" if n_ctx < trained else ""
+        return (f"{limit}: at most {room} new tokens after this prompt{larger}; lower {fewer} "
+                "or shorten the prompt")
+    upto = f" (the model takes up to {trained})" if trained else ""
+    room = n_ctx - n_prompt
+    other = f"lower {fewer} to {room}" if room > 0 else "shorten the prompt"
+    return f"raise {setting('n_ctx')} to {n_prompt + max_tokens} or more{upto}, or {other}"
+
+
 def generate(llm: Llama, prompt: str | list[int], max_tokens: int, sampling: SamplingParams,
              on_text: Callable[[str], None] | None = None, ignore_eos: bool = False,
-             stop: object = None) -> GenerationResult:
+             stop: object = None, tokens_flag: str = "-n") -> GenerationResult:
     """Prefill the prompt (text or token ids), then decode up to ``max_tokens``, streaming text to
     ``on_text``; a true ``stop`` (a flag checked before each token) ends it early, with finish
     reason "interrupted". The result's stats are the expert cache's counters since the last
-    ``reset_stats()``."""
+    ``reset_stats()``. A prompt and ``max_tokens`` that do not fit the context are refused with
+    what to change (``context_advice``; ``tokens_flag``: the command's flag for
+    ``max_tokens``)."""
     tokens = text_tokens(llm, prompt) if isinstance(prompt, str) else list(prompt)
     if not tokens:
         raise ValueError("the prompt is empty")
     n_ctx = llm.n_ctx()
     if len(tokens) + max_tokens > n_ctx:
         raise ValueError(f"prompt ({len(tokens)} tokens) + {max_tokens} generated tokens "
-                         f"exceed the context of {n_ctx}; use a shorter prompt, fewer "
-                         f"tokens or a larger {setting('n_ctx')}")
+                         f"exceed the context of {n_ctx}; "
+                         f"{context_advice(llm, len(tokens), max_tokens, tokens_flag)}")
     if max_tokens > 0:
         done = llm.complete(tokens, max_tokens, on_text, ignore_eos=ignore_eos, stop=stop,
                             **sampling.llama_kwargs())

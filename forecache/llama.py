@@ -48,6 +48,7 @@ from forecache.diskprobe import DiskRate
 from forecache.errors import setting
 from forecache.generate import Streamed
 from forecache.gguf.header import ModelFile, require_moe
+from forecache.models.names import resolve_model_arg
 from forecache.native import llama_cpp_module, llama_cpp_package, patch_version
 from forecache.native.cache_api import SLOT_EMPTY
 from forecache.native.ggml_devices import Device, layer_split, local_gpus
@@ -84,6 +85,8 @@ def top_probability(logits: np.ndarray) -> float:
 class Llama(llama_cpp.Llama):
     """A drop-in for ``llama_cpp.Llama`` that runs MoE GGUF models with forecache's expert cache.
 
+    ``model_path`` is a GGUF file or, as a string, any name the command line's ``-m`` takes
+    (``"default"``: the built-in default model; `forecache models` lists the names).
     ``policy`` (promoe, infinity, lru, lfu, static, ncmoe, offload), ``gpu_budget`` (bytes or a
     size such as ``"24GiB"``: all device memory the run may use) and ``cache_fraction`` (share
     of each layer's experts in slots) choose the placement. Without a policy, the budget
@@ -130,6 +133,7 @@ class Llama(llama_cpp.Llama):
             n = kwargs.get(key)
             if n is not None and not 1 <= int(n) <= MAX_THREADS:
                 raise ValueError(f"{key}={n}: use 1 to {MAX_THREADS} (or None: every core)")
+        model_path = resolve_model_arg(model_path)  # a name, as -m takes it, or a path
         self.model_file: ModelFile = require_moe(model_path)
         patch_version()  # refuses a stock llama-cpp-python before llama.cpp touches the file
         abort_in_one_line()
@@ -340,6 +344,7 @@ class Llama(llama_cpp.Llama):
         training context, every core for prompt and generation threads, and every layer on the
         GPU of a GPU build, with or without a cache."""
         threads = n_threads or os.cpu_count() or 1
+        model_path = resolve_model_arg(model_path)
         per_seq = require_moe(model_path).fit_context(n_ctx)
         return cls(model_path, cache=cache, n_ctx=per_seq * n_seq_max, n_seq_max=n_seq_max,
                    n_threads=threads, n_threads_batch=threads, n_gpu_layers=n_gpu_layers,

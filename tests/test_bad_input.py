@@ -47,6 +47,15 @@ def test_missing_file(tmp_path: Path) -> None:
                            "model file not found")
 
 
+def test_a_missing_file_points_at_the_names_not_at_make_model(tmp_path: Path) -> None:
+    # `make-model PATH --preset tiny` would write random weights under the mistyped name
+    for cmd in (["generate", "-p", "x"], ["run"], ["chat"]):
+        args = [cmd[0], "-m", str(tmp_path / "defualt.gguf"), *cmd[1:]]
+        _assert_one_line_error(args, "a model name such as -m default (the built-in default "
+                                     "model; `forecache models` lists the names)")
+        assert "make-model" not in run_cli(*args).stderr
+
+
 def test_not_gguf(tmp_path: Path) -> None:
     p = tmp_path / "notes.gguf"
     p.write_text("just some text\n")

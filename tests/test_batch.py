@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -386,6 +387,115 @@ def test_rewrite_in_input_order_only_rewrites_a_complete_output(tmp_path: Path) 
     assert not rewrite_in_input_order(out, ["a", "b", "c"])  # already in order: not touched
     assert out.stat().st_ino == inode
     assert sorted(os.listdir(tmp_path)) == ["link.jsonl", "out.jsonl"]
+
+
+def _line(rid: str | None, i: int, max_tokens: int = 4) -> str:
+    return json.dumps({**({"id": rid} if rid is not None else {}),
+                       "prompt": f"request {i} says", "max_tokens": max_tokens,
+                       "temperature": 0})
+
+
+def test_a_fixed_line_supersedes_its_error_record(tmp_path: Path, tiny_model) -> None:
+    """Two malformed lines, one naming an id and one without any, are fixed and the job run
+    again into the same output: each fixed line's request runs and its record takes the place
+    of the line's error record, one record a line, exit 0 (README: exit 1 only while a line of
+    the input has an error record). A rerun killed after the fixed results were appended, before
+    the output was rewritten, is finished by the next one; a fixed line whose request fails
+    still ends the job with exit 1."""
+    model = str(tiny_model("q8_0"))
+    good = [_line(f"r{i}", i) for i in range(6)]
+    broken = good[:2] + ['{"id": "r9", "prompt": '] + good[2:4] + ['{"prompt": 5}'] + good[4:]
+    fixed = good[:2] + [_line("r9", 9)] + good[2:4] + [_line(None, 6)] + good[4:]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    args = ("batch", "-m", model, "--input", str(src), "--output", str(out), "--parallel", "2")
+    _write(src, broken)
+    res = run_cli(*args)
+    assert res.returncode == 1 and "2 of 8 requests failed" in res.stderr, res.stderr
+    first = out.read_bytes()
+    assert [r["id"] for r in _records(out)] == ["r0", "r1", "line-3", "r2", "r3", "line-6", "r4",
+                                                "r5"]
+
+    _write(src, fixed)
+    res = run_cli(*args)
+    assert res.returncode == 0, res.stderr
+    assert "6 of 8 requests are already in" in res.stderr
+    assert "2 done, 6 skipped, 0 failed of 8" in res.stderr
+    recs = _records(out)
+    assert [r["id"] for r in recs] == ["r0", "r1", "r9", "r2", "r3", "line-6", "r4", "r5"]
+    assert not [r for r in recs if "error" in r]
+    done = out.read_bytes()
+    lines = done.splitlines(keepends=True)
+    assert all(x in lines for x in first.splitlines(keepends=True) if b'"error"' not in x)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp file
+
+    # killed after appending the fixed lines' results, before the rewrite: both records there
+    late = [x for x in lines if json.loads(x)["id"] in ("r9", "line-6")]
+    out.write_bytes(first + b"".join(late))
+    res = run_cli(*args)
+    assert res.returncode == 0 and "nothing to do" in res.stderr, res.stderr
+    assert out.read_bytes() == done
+
+    # a fixed line whose request cannot run: its own error record, and the job fails
+    out.write_bytes(first)
+    _write(src, good[:2] + [_line("r9", 9, max_tokens=5000)] + good[2:4] + [_line(None, 6)]
+           + good[4:])
+    res = run_cli(*args)
+    assert res.returncode == 1 and "1 of 8 requests failed" in res.stderr, res.stderr
+    recs = _records(out)
+    assert [r["id"] for r in recs] == ["r0", "r1", "r9", "r2", "r3", "line-6", "r4", "r5"]
+    assert "exceed the context" in recs[2]["error"] and "text" in recs[5]
+
+
+def test_plan_auto_names_the_cpu_on_a_machine_without_a_gpu(tmp_path: Path, tiny_model,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """On a CPU-only machine the plan's line speaks of the CPU and host memory, not of a GPU or
+    device memory that does not exist, and the plan it prints is one --plan runs."""
+    from forecache.native.ggml_devices import cache_device
+
+    if cache_device().type != "cpu":
+        pytest.skip("this machine has a GPU")
+    monkeypatch.setenv("FORECACHE_CACHE_DIR", str(tmp_path / "cache"))
+    model = str(tiny_model("q8_0"))
+    src = _write(tmp_path / "in.jsonl", [_line(f"r{i}", i) for i in range(3)])
+    res = run_cli("batch", "-m", model, "--input", str(src), "--output",
+                  str(tmp_path / "auto.jsonl"))
+    assert res.returncode == 0, res.stderr
+    plan = [x for x in res.stderr.splitlines() if x.startswith("forecache: plan seq=")]
+    assert len(plan) == 1, res.stderr
+    line = plan[0]
+    assert "GPU" not in line and "device" not in line and "PCIe" not in line, line
+    assert "in host memory" in line, line
+    bounds = re.findall(r"bound by ([^;]+)", line)
+    assert len(bounds) == 2 and set(bounds) <= {"CPU compute", "memory bandwidth",
+                                                "expert copies"}, line
+    label = line.split()[2]
+    res = run_cli("batch", "-m", model, "--input", str(src), "--output",
+                  str(tmp_path / "given.jsonl"), "--plan", label)
+    assert res.returncode == 0, res.stderr
+    assert len(_records(tmp_path / "given.jsonl")) == 3
+
+
+def test_progress_follows_each_record_and_the_summary_names_its_speeds(tmp_path: Path,
+                                                                       tiny_model) -> None:
+    """Six requests of one length decode together and finish in the same steps: the progress
+    bar is drawn at every record written (1/6, 2/6 ... in turn, none skipped), and the summary
+    names the job's tokens/s apart from the records' own decode rates, whose range it gives."""
+    model = str(tiny_model("q8_0"))
+    src = _write(tmp_path / "in.jsonl", [_line(f"r{i}", i, max_tokens=6) for i in range(6)])
+    out = tmp_path / "out.jsonl"
+    res = run_cli("batch", "-m", model, "--input", str(src), "--output", str(out),
+                  "--parallel", "6", "--progress")
+    assert res.returncode == 0, res.stderr
+    shown = [int(n) for n in re.findall(r"\b(\d+)/6 \[", res.stderr)]
+    assert sorted(shown) == shown and set(shown) == set(range(7)), shown
+    summary = [x for x in res.stderr.splitlines() if x.startswith("forecache: 6 done")]
+    assert len(summary) == 1, res.stderr
+    rates = [r["timings"]["tokens_per_s"] for r in _records(out)]
+    lo, hi = min(rates), max(rates)
+    span = f"{lo:.1f}" if lo == hi else f"{lo:.1f}-{hi:.1f}"
+    assert "tokens/s over the job's wall time (prefill included)" in summary[0], summary
+    assert f"each request decoded {span} tokens/s after its first token" in summary[0], summary
 
 
 def _greedy(rid: str, prompt: str, max_tokens: int) -> object:

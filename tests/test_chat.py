@@ -123,3 +123,72 @@ def test_chat_refuses_a_missing_model(tmp_path: Path) -> None:
     assert child.exitstatus == 1
     lines = [ln for ln in child.before.splitlines() if ln.strip()]
     assert len(lines) == 1 and "none.gguf" in lines[0], lines
+
+
+def test_a_message_past_the_models_context_gets_its_limit_not_ctx(tmp_path: Path,
+                                                                  tiny_model) -> None:
+    # --ctx is capped at the model's own context: the hint is the answer's length, not --ctx
+    child = _spawn(tmp_path, "-m", str(tiny_model("q8_0")), "--max-tokens", "5000", "--ctx",
+                   "8192")
+    child.sendline("hello")
+    child.expect(r"forecache: the message \(\d+ tokens\) and an answer of 5000 tokens exceed the "
+                 r"context of (\d+); that is the model's own context \(the length it was trained "
+                 r"for\): at most \d+ new tokens after this prompt; lower --max-tokens or shorten "
+                 r"the prompt\r\n")
+    assert "--ctx" not in child.match.group(0)
+    child.expect("> ")
+    child.sendline("/exit")
+    assert _finish(child) == 0
+
+
+def _cpu_ticks(pid: int) -> int:
+    """Clock ticks of CPU time (user + system, every thread) process ``pid`` has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").is_file(), reason="needs Linux's /proc")
+def test_ctrl_c_before_the_first_token_keeps_no_empty_answer(tmp_path: Path, tiny_model) -> None:
+    """Ctrl-C during a long prefill: no TTFT (there is no token), no empty answer, and the
+    message left out of the conversation (said so), which goes on consistently."""
+    system = "word " * 3000  # a prefill of some 3000 tokens, seconds of CPU
+    child = _spawn(tmp_path, "-m", str(tiny_model("q8_0")), "--max-tokens", "4", "--temp", "0",
+                   "--system", system)
+    start = _cpu_ticks(child.pid)
+    child.sendline("hello")
+    # Ctrl-C once the chat is working on the message (rendering or prefilling it): it waits for
+    # a line using no CPU; a time limit only guards against a hang
+    deadline = time.monotonic() + 120
+    while _cpu_ticks(child.pid) < start + 3:
+        assert time.monotonic() < deadline, "the chat never started on the message"
+        time.sleep(0.002)
+    child.sendintr()
+    got = child.expect([r"\[interrupted before the first token: no answer \| experts: [^\]]*\]",
+                        STATUS])
+    assert got == 0, child.match.group(0)
+    assert "TTFT" not in child.before + child.match.group(0)
+    child.expect(r"\(your message is left out of the conversation; the up arrow brings it back\)")
+    child.expect("> ")
+    saved = tmp_path / "conv.json"
+    child.sendline(f"/save {saved}")
+    child.expect(r"saved 1 messages")
+    assert [m["role"] for m in json.loads(saved.read_text())["messages"]] == ["system"]
+    child.expect("> ")
+    child.sendline("/stats")
+    child.expect(r"turns: 0, generated tokens: 0")
+    child.expect("> ")
+    # the next message is answered after the system message alone
+    child.sendline("tell me")
+    child.expect(STATUS)
+    assert child.match.group(1) is None  # not stopped
+    child.expect("> ")
+    child.sendline(f"/save {saved}")
+    child.expect(r"saved 3 messages")
+    child.expect("> ")
+    child.sendline("/exit")
+    assert _finish(child) == 0
+    msgs = json.loads(saved.read_text())["messages"]
+    assert [(m["role"], m["content"]) for m in msgs[:2]] == [("system", system),
+                                                             ("user", "tell me")]
+    assert msgs[2]["role"] == "assistant"
+    assert "hello" in (tmp_path / "history").read_text()  # the up arrow brings it back

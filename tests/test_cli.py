@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import subprocess
 
 import pytest
 from cli_helpers import run_cli
@@ -111,3 +113,46 @@ def test_cli_starts_without_loading_llama_cpp() -> None:
             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'llama_cpp'))")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert res.stdout.strip() == "[]", res.stdout
+
+
+def _error_line(res: subprocess.CompletedProcess) -> str:
+    """The one error line of a command that failed (``run`` says what it loaded first)."""
+    errors = [ln for ln in res.stderr.splitlines() if ln.startswith("forecache: error:")]
+    assert res.returncode == 1 and len(errors) == 1, res.stderr
+    return errors[0]
+
+
+def test_past_the_models_context_the_hint_is_its_limit_not_ctx(tiny_model) -> None:
+    """The context is capped at the length the model was trained for, so a larger --ctx cannot
+    help there: the hint says how many new tokens fit, and names no --ctx."""
+    from forecache.gguf.header import read_model_file
+
+    model = tiny_model("q8_0")
+    trained = int(read_model_file(model).arch_kv("context_length"))
+    for cmd in (["generate", "-p", "hi"], ["run"]):
+        line = _error_line(run_cli(cmd[0], "-m", str(model), *cmd[1:], "-n", str(trained + 100),
+                                   "--ctx", str(2 * trained)))
+        m = re.search(r"prompt \((\d+) tokens\) .* that is the model's own context \(the length "
+                      r"it was trained for\): at most (\d+) new tokens after this prompt; "
+                      r"lower -n or shorten the prompt$", line)
+        assert m and int(m[1]) + int(m[2]) == trained, line
+        assert "--ctx" not in line
+
+
+def test_where_a_larger_ctx_helps_the_hint_says_how_large(tiny_model) -> None:
+    """Below the model's own context, the hint gives the --ctx that fits (which `run` takes as
+    `generate` does), and that context runs."""
+    from forecache.gguf.header import read_model_file
+
+    model = str(tiny_model("q8_0"))
+    trained = int(read_model_file(model).arch_kv("context_length"))
+    need = {}
+    for cmd in (["generate", "-p", "hi"], ["run"]):
+        line = _error_line(run_cli(cmd[0], "-m", model, *cmd[1:], "-n", "300", "--ctx", "256"))
+        m = re.search(rf"prompt \((\d+) tokens\) \+ 300 generated tokens exceed the context of "
+                      rf"256; raise --ctx to (\d+) or more \(the model takes up to {trained}\), "
+                      r"or lower -n to (\d+)$", line)
+        assert m and int(m[2]) == int(m[1]) + 300 and int(m[3]) == 256 - int(m[1]), line
+        need[cmd[0]] = m[2]
+    for cmd in (["generate", "-p", "hi", "--greedy"], ["run"]):
+        run_cli(cmd[0], "-m", model, *cmd[1:], "-n", "300", "--ctx", need[cmd[0]], check=True)

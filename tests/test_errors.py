@@ -55,3 +55,23 @@ def test_budget_error_names_the_keyword_in_python_and_the_flag_on_the_cli(
                   "--gpu-budget", "1MiB")
     assert res.returncode == 1
     assert res.stderr.strip().endswith("raise --gpu-budget or lower --ctx"), res.stderr
+
+
+def test_context_hint_names_the_keywords_in_python(tiny_model: Callable[[str], Path]) -> None:
+    """A prompt and max_tokens past the context: the model's own limit where the context is the
+    model's (no n_ctx= then: nothing larger loads), else the n_ctx= that fits."""
+    from forecache.generate import SamplingParams, generate
+    from forecache.llama import Llama
+
+    model = tiny_model("q8_0")
+    greedy = SamplingParams(greedy=True)
+    with Llama.open(model, cache=None, n_ctx=1 << 20) as llm:  # capped at the model's
+        with pytest.raises(ValueError, match=r"that is the model's own context .*: at most \d+ "
+                                             r"new tokens after this prompt; lower max_tokens= "
+                                             r"or shorten the prompt$") as err:
+            generate(llm, "hi", llm.n_ctx() + 1, greedy)
+        assert "n_ctx" not in str(err.value)
+    with Llama(str(model), n_ctx=256, cache=None, verbose=False) as llm:
+        with pytest.raises(ValueError, match=r"raise n_ctx= to \d+ or more \(the model takes up "
+                                             r"to \d+\), or lower max_tokens= to \d+$"):
+            generate(llm, "hi", 300, greedy)

@@ -214,3 +214,40 @@ def test_each_generation_frees_the_last_sampler(tiny_model) -> None:
             assert live() - base <= 1
         finally:
             gc.enable()
+
+
+def test_model_names_are_taken_as_on_the_command_line(tmp_path: Path, tiny_model,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Llama(NAME) and Llama.open(NAME) load what `-m NAME` loads: the built-in default model,
+    a catalog model's file in the model directory."""
+    import shutil
+
+    from forecache.models.names import catalog, resolve_model
+
+    monkeypatch.setenv("FORECACHE_CACHE_DIR", str(tmp_path / "cache"))  # a tiny made, if need be
+    monkeypatch.setenv("FORECACHE_MODEL_DIR", str(tmp_path))
+    default = resolve_model("default")
+    with Llama("default", n_ctx=256, cache=None, verbose=False) as llm:
+        assert llm.model_file.path == default
+        assert llm.create_completion(PROMPT, max_tokens=2, temperature=0)["choices"][0]["text"]
+    entry = catalog()["qwen2-57b-a14b-instruct"]
+    shutil.copy(tiny_model("q8_0"), tmp_path / entry.file)
+    with Llama.open(entry.name, cache=None, n_ctx=256) as llm:
+        assert llm.model_file.path == tmp_path / entry.file
+
+
+def test_a_missing_model_is_never_offered_to_make_model(tmp_path: Path) -> None:
+    """A path that is not there, or a mistyped name: the names there are and the built-in
+    default model, never a make-model that would write a random-weight file of that name."""
+    from forecache.gguf.header import GGUFError
+    from forecache.models.names import ModelNotFoundError
+
+    with pytest.raises(GGUFError, match="model file not found") as err:
+        Llama(str(tmp_path / "defualt.gguf"))
+    msg = str(err.value)
+    assert "make-model" not in msg and "model_path='default'" in msg
+    assert "forecache models" in msg
+    for typo in ("defualt", "qwen2-57b-a14b-instruc"):
+        with pytest.raises(ModelNotFoundError, match=f"no model file or name {typo!r}") as err:
+            Llama(typo)
+        assert "make-model" not in str(err.value) and "default" in str(err.value)

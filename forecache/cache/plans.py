@@ -20,7 +20,7 @@ every decode step computes one token of each of ``n_seq`` sequences at their mea
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -36,6 +36,11 @@ if TYPE_CHECKING:
 EXPERTS = ("cache", "ncmoe")
 # the resources a stage can be bound by
 RESOURCES = ("GPU compute", "GPU memory", "PCIe", "CPU compute", "DRAM")
+# on a machine without a GPU the "device" is the CPU itself and its memory the host's (a CPU
+# build's profile gives the device the host's rates): each resource as it really is there
+CPU_ONLY_RESOURCES = {"GPU compute": "CPU compute", "GPU memory": "memory bandwidth",
+                      "PCIe": "expert copies", "CPU compute": "CPU compute",
+                      "DRAM": "memory bandwidth"}
 # the grid ``search`` tries unless told otherwise
 N_SEQS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 # sequences one stock llama.cpp context decodes together (LLAMA_MAX_SEQ, llama-cparams.h, as
@@ -60,9 +65,13 @@ class Plan:
         if self.experts not in EXPERTS:
             raise ValueError(f"experts={self.experts}: use one of {', '.join(EXPERTS)}")
 
-    def label(self) -> str:
-        """The plan as ``--plan`` takes it."""
-        return (f"seq={self.n_seq},ubatch={self.n_ubatch},kv={'host' if self.kv_host else 'device'}"
+    def label(self, cpu_only: bool = False) -> str:
+        """The plan as ``--plan`` takes it; ``cpu_only`` (a machine without a GPU) leaves out
+        the KV cache's place where it is llama.cpp's default (no device memory to name), as
+        ``--plan`` reads it."""
+        kv = "" if cpu_only and not self.kv_host else \
+            f",kv={'host' if self.kv_host else 'device'}"
+        return (f"seq={self.n_seq},ubatch={self.n_ubatch}{kv}"
                 + ("" if self.experts == "cache" else f",experts={self.experts}"))
 
     @classmethod
@@ -108,6 +117,15 @@ class Stage:
     def bound(self) -> str:
         """The resource whose ops take most of the stage."""
         return max(self.parts, key=lambda k: self.parts[k]) if self.parts else "GPU memory"
+
+    def bound_as(self, names: Mapping[str, str]) -> str:
+        """The bound where resources are ``names`` (several may be one: on a machine without a
+        GPU the device's memory is the host's), their ops' seconds added."""
+        merged: dict[str, float] = {}
+        for k, v in self.parts.items():
+            name = names.get(k, k)
+            merged[name] = merged.get(name, 0.0) + v
+        return Stage(self.seconds, merged).bound if merged else names.get(self.bound, self.bound)
 
     @property
     def overlapped_s(self) -> float:
@@ -176,15 +194,19 @@ class Estimate:
             return f"--n-cpu-moe {self.host_layers}"
         return f"{self.slots} slots a layer"
 
-    def line(self, placement: str | None = None) -> str:
+    def line(self, placement: str | None = None, cpu_only: bool = False) -> str:
         """One line: the plan, its predicted throughput and what bounds it (``placement``
-        names the experts' placement instead of the slots or layers)."""
+        names the experts' placement instead of the slots or layers). ``cpu_only``: on a
+        machine without a GPU, where the device is the CPU, it names no GPU and no device
+        memory (``CPU_ONLY_RESOURCES``)."""
         p = self.plan
-        return (f"plan {p.label()} ({placement or self.experts_text()}, KV "
-                f"{format_size(self.device_bytes['kv'])} on the "
-                f"{'host' if p.kv_host else 'device'}): {self.tokens_per_s:.1f} tokens/s "
-                f"predicted; decode {self.decode.seconds * 1e3:.1f} ms a step, bound by "
-                f"{self.decode.bound}; prefill bound by {self.prefill.bound}")
+        names = CPU_ONLY_RESOURCES if cpu_only else {}
+        where = "in host memory" if cpu_only else f"on the {'host' if p.kv_host else 'device'}"
+        return (f"plan {p.label(cpu_only)} ({placement or self.experts_text()}, KV "
+                f"{format_size(self.device_bytes['kv'])} {where}): {self.tokens_per_s:.1f} "
+                f"tokens/s predicted; decode {self.decode.seconds * 1e3:.1f} ms a step, bound "
+                f"by {self.decode.bound_as(names)}; prefill bound by "
+                f"{self.prefill.bound_as(names)}")
 
 
 def distinct_experts(n_tokens: float, n_expert: int, top_k: int) -> float:

@@ -20,6 +20,21 @@ from forecache.cli.model_arg import model_option
 from forecache.native.libs import MAX_SEQUENCES
 
 
+def rates_text(generated: int, wall_s: float, decode_rates: list[float]) -> str:
+    """The summary's speeds, each named: the job's (its generated tokens over its wall time
+    after the model loaded, the prompts' prefill and every wait included) and the range of the
+    records' own decode rates (``timings.tokens_per_s``: a request's tokens after its first,
+    over their time), which leave its prefill and every other request out."""
+    text = (f"{generated} tokens in {wall_s:.1f} s: {generated / wall_s:.1f} tokens/s over "
+            "the job's wall time (prefill included)")
+    if decode_rates:
+        lo, hi = min(decode_rates), max(decode_rates)
+        span = f"{lo:.1f}" if lo == hi else f"{lo:.1f}-{hi:.1f}"
+        text += (f"; each request decoded {span} tokens/s after its first token (its record's "
+                 "tokens_per_s)")
+    return text
+
+
 class BatchFailed(click.ClickException):
     """Some requests ended as error records; the job itself ran to the end."""
 
@@ -61,9 +76,10 @@ def batch(model: Path, input_path: Path, output_path: Path, plan_text: str | Non
     Temperature 0 is greedy; a sampled request draws from its own "seed". A record says
     "batched": true when its request shared llama.cpp passes with others, whose kernels round
     its logits otherwise: decoded again beside other requests, its text may differ (README). A
-    malformed line becomes an error record and the job goes on; a killed job is resumed by
-    running the same command again. The longest requests start first; once every request is in
-    OUTPUT, its records are put in the input's order.
+    malformed line becomes an error record and the job goes on; fixed and run again, its
+    request's record replaces the error. A killed job is resumed by running the same command
+    again. The longest requests start first; once every request is in OUTPUT, its records are
+    put in the input's order. Exit 1 while a line of the input has an error record in OUTPUT.
     """
     from tqdm import tqdm
 
@@ -116,22 +132,27 @@ def batch(model: Path, input_path: Path, output_path: Path, plan_text: str | Non
     if cut:
         click.echo(f"forecache: dropped a half-written last record of {output_path}; it will be "
                    "redone", err=True)
-    todo = [r for r in requests if r.id not in done]
+    # a fixed line without an id of its own takes its line's id, which its error record holds:
+    # that record stands for no request now, so the request runs and its record supersedes it
+    redo = {r.id for r in requests if r.id == f"line-{r.line}" and r.id in done_failed}
+    todo = [r for r in requests if r.id not in done or r.id in redo]
     # every id of the input, in the order of its lines: the output's order once it is complete
     order = [rid for _, rid in sorted([(r.line, r.id) for r in requests]
                                       + [(b["line"], b["id"]) for b in bad])]
     ids = set(order)
     bad = [b for b in bad if b["id"] not in done]
-    failed = len(done_failed & ids)  # a resumed job still reports the failures it wrote before
+    # a resumed job still reports the failures it wrote before, but not those of fixed lines
+    failed = len((done_failed & ids) - redo)
     if total - len(todo) - len(bad):
         click.echo(f"forecache: {total - len(todo) - len(bad)} of {total} requests are already "
                    f"in {output_path}; skipping them", err=True)
     skipped = total - len(todo) - len(bad) - failed  # done before, not failed
     writer = OutputWriter(output_path)
+    by_line = {r.line: r.id for r in requests}  # a fixed line's error record is left out
 
     def finish_in_order() -> None:
         writer.close()  # nothing more to append; the rewrite replaces the file
-        rewrite_in_input_order(output_path, order)
+        rewrite_in_input_order(output_path, order, by_line)
 
     try:
         for record in bad:
@@ -158,10 +179,13 @@ def batch(model: Path, input_path: Path, output_path: Path, plan_text: str | Non
                          n_ubatch=plan.n_ubatch, offload_kqv=not plan.kv_host)
         say_choice(llm)
         show = progress if progress is not None else sys.stderr.isatty()
+        # redrawn at each record written: tqdm's default redraws at most every 0.1 s and skips
+        # the records written between, leaving the bar behind the output until the next one
         bar = tqdm(total=len(todo), unit="req", disable=not show, file=sys.stderr,
-                   dynamic_ncols=True)
+                   dynamic_ncols=True, mininterval=0, miniters=1)
         generated = 0
         ok = 0
+        decode_rates: list[float] = []  # the records' own, named apart from the job's
         t0 = time.perf_counter()
 
         def on_token(n: int) -> None:
@@ -178,6 +202,8 @@ def batch(model: Path, input_path: Path, output_path: Path, plan_text: str | Non
                 failed += 1
             else:
                 ok += 1
+                if record["timings"]["tokens_per_s"] is not None:
+                    decode_rates.append(record["timings"]["tokens_per_s"])
             bar.update(1)
 
         try:
@@ -190,8 +216,7 @@ def batch(model: Path, input_path: Path, output_path: Path, plan_text: str | Non
         wall = time.perf_counter() - t0
         rate = stats["hit_rate"]
         click.echo(f"forecache: {ok} done, {skipped} skipped, {failed} failed of {total}; "
-                   f"{generated} tokens in {wall:.1f} s ({generated / wall:.1f} tokens/s); "
-                   f"experts: {stats['policy']}"
+                   f"{rates_text(generated, wall, decode_rates)}; experts: {stats['policy']}"
                    + (f", hit rate {rate * 100:.0f}%" if rate is not None else "")
                    + (f"; {mobile_summary(stats)}" if stats["mode"] == "mobile" else "")
                    + (f"; {spec_summary(stats)}" if "draft" in stats else ""),

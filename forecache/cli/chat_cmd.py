@@ -12,6 +12,7 @@ import click
 from forecache.cli.generate_cmd import (
     cache_config,
     cache_options,
+    ctx_option,
     open_args,
     say_choice,
     threads_option,
@@ -30,7 +31,8 @@ HELP = """commands:
   /stats          speed of the last answer and the expert cache's counters
   /system [TEXT]  show or set the system message
   /save FILE      write the conversation as JSON
-  /exit           quit (Ctrl-D too); Ctrl-C stops an answer"""
+  /exit           quit (Ctrl-D too); Ctrl-C stops an answer (before its first token, the
+                  message is left out of the conversation)"""
 
 
 def _line_editing() -> Path | None:
@@ -107,8 +109,7 @@ def _command(session: ChatSession, line: str) -> bool:
 @click.option("--max-tokens", default=512, show_default=True, help="Longest answer, in tokens.")
 @click.option("--temp", default=0.7, show_default=True, help="Sampling temperature (0: greedy).")
 @click.option("--seed", default=0, show_default=True, help="Sampling seed.")
-@click.option("--ctx", "n_ctx", default=4096, show_default=True,
-              help="Context length (capped by the model's).")
+@ctx_option
 @threads_option
 @click.option("--verbose", is_flag=True, help="Show llama.cpp's own log.")
 @ubatch_option
@@ -178,6 +179,9 @@ def _loop(session: ChatSession) -> None:
             sys.stdout.write("\n")
             sys.stdout.flush()
             click.echo(status_line(turn), err=True)
+            if not turn.answered:  # say where the message went: it is not in the conversation
+                recall = "; the up arrow brings it back" if history is not None else ""
+                click.echo(f"(your message is left out of the conversation{recall})", err=True)
             if turn.signum == signal.SIGTERM:
                 raise Terminated
     finally:

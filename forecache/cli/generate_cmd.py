@@ -28,6 +28,12 @@ def threads_option(fn):  # type: ignore[no-untyped-def]
                         help=f"CPU threads, 1 to {MAX_THREADS} (default: all cores).")(fn)
 
 
+def ctx_option(fn):  # type: ignore[no-untyped-def]
+    """--ctx: the context length, capped at the length the model was trained for."""
+    return click.option("--ctx", "n_ctx", default=4096, show_default=True,
+                        help="Context length (capped by the model's).")(fn)
+
+
 def ubatch_option(fn):  # type: ignore[no-untyped-def]
     """--ubatch: prompt tokens per forward pass (llama.cpp's n_batch and n_ubatch)."""
     return click.option("--ubatch", type=click.IntRange(1, 8192), default=None,
@@ -196,7 +202,7 @@ def _stream(text: str) -> None:
 @click.option("--greedy", is_flag=True, help="Always take the most likely token.")
 @click.option("--seed", default=0, show_default=True, help="Sampling seed.")
 @click.option("--temp", default=0.8, show_default=True, help="Sampling temperature.")
-@click.option("--ctx", "n_ctx", default=4096, show_default=True, help="Context length.")
+@ctx_option
 @threads_option
 @click.option("--n-gpu-layers", default=-1, show_default=True,
               help="Layers on the GPU on a CUDA build (-1 = all).")
@@ -235,8 +241,10 @@ def generate(model: Path, prompt: str, n_predict: int, greedy: bool, seed: int, 
 @click.option("-p", "--prompt", default=None, help="Prompt (default: a short built-in question).")
 @click.option("-n", "--n-predict", "n_predict", default=64, show_default=True,
               help="Tokens to generate.")
+@ctx_option
 @cache_options
-def run(model: Path, prompt: str | None, n_predict: int, **cache_opts: object) -> None:
+def run(model: Path, prompt: str | None, n_predict: int, n_ctx: int,
+        **cache_opts: object) -> None:
     """Answer a prompt with the default model (or -m MODEL) and print the speed and the expert
     cache's statistics."""
     from forecache.chat import expert_summary, spec_summary
@@ -248,7 +256,7 @@ def run(model: Path, prompt: str | None, n_predict: int, **cache_opts: object) -
     question = prompt or DEFAULT_PROMPT
     spec = open_args(cache_opts)
     with Llama.open(path, cache=cache_config(**cache_opts),  # type: ignore[arg-type]
-                    **spec) as llm:
+                    n_ctx=n_ctx, **spec) as llm:
         text = llm.format_chat([{"role": "user", "content": question}])
         mf = llm.model_file
         click.echo(f"model: {path.name} ({mf.arch}, {mf.n_layer} layers, {mf.n_expert} experts, "

@@ -17,11 +17,9 @@ class ModelArg(click.ParamType):
 
     def convert(self, value: Any, param: click.Parameter | None,
                 ctx: click.Context | None) -> Path:
-        if isinstance(value, Path):
-            return value
-        from forecache.models.names import resolve_model
+        from forecache.models.names import resolve_model_arg
 
-        return resolve_model(value)  # ModelNotFoundError: one line through the error guard
+        return resolve_model_arg(value)  # ModelNotFoundError: one line through the error guard
 
 
 MODEL = ModelArg()

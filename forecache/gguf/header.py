@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from forecache.errors import setting
 from forecache.gguf.base import (  # noqa: F401  (re-exported: the names readers import)
     EXPERT_TENSOR_PATTERN,
     EXPERT_TENSOR_SUFFIX,
@@ -323,9 +324,10 @@ class _Reader:
 def read_model_file(path: str | os.PathLike[str]) -> ModelFile:
     """Parse a GGUF header and check the file is complete; raises GGUFError with a one-line fix."""
     p = Path(path)
-    if not p.exists():
-        raise GGUFError(f"model file not found: {p} (create one with "
-                        f"`forecache make-model {p} --preset tiny`)")
+    if not p.exists():  # a typo, most likely: point at what exists, never make-model's output
+        raise GGUFError(f"model file not found: {p}; give the path of a GGUF file, or a model "
+                        f"name such as {setting('model_path', 'default')} (the built-in default "
+                        "model; `forecache models` lists the names)")
     if p.is_dir():
         raise GGUFError(f"{p} is a directory, not a GGUF model file")
     first = _read_file(p)

@@ -319,10 +319,13 @@ class Chosen:
     plan: Plan
     estimate: Estimate
     cache: CacheConfig | None  # None: llama.cpp's own placement (a CPU build given no size)
+    cpu_only: bool = False  # no GPU: the device the plan was priced on is the CPU
 
     def line(self) -> str:
-        """The plan's one line, as the job prints it."""
-        return self.estimate.line("llama.cpp's own placement" if self.cache is None else None)
+        """The plan's one line, as the job prints it (on a machine without a GPU, in the
+        CPU's and host memory's words)."""
+        return self.estimate.line("llama.cpp's own placement" if self.cache is None else None,
+                                  cpu_only=self.cpu_only)
 
 
 def plan_cache(cfg: CacheConfig | None, plan: Plan) -> CacheConfig | None:
@@ -388,4 +391,4 @@ def choose_plan(model_path: str | Path, cfg: CacheConfig | None, prompt_lens: Se
         raise ValueError(f"no batch plan fits {format_size(budget)} for {mf.path.name}: "
                          f"raise {setting('gpu_budget')} or lower {setting('ctx_per_seq')}")
     best = found[0]
-    return Chosen(best.plan, best, plan_cache(cfg, best.plan))
+    return Chosen(best.plan, best, plan_cache(cfg, best.plan), cpu_only=on_cpu)

@@ -89,6 +89,15 @@ def known_names() -> list[str]:
     return ["default", *catalog(), *load_specs()]
 
 
+def resolve_model_arg(arg: str | os.PathLike[str]) -> Path:
+    """The GGUF file a model argument means, alike for the command line's ``-m`` and
+    ``forecache.Llama(...)``: a path object is that file; a string is a path or a name
+    (``resolve_model``)."""
+    if isinstance(arg, os.PathLike):
+        return Path(arg)
+    return resolve_model(arg)
+
+
 def resolve_model(arg: str | os.PathLike[str] | None) -> Path:
     """The GGUF file ``arg`` means. None or ``default``: the default model. An existing file,
     or a name ending in .gguf: itself. ``OWNER/REPO[:QUANT]``: the file ``forecache pull`` put

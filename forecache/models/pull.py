@@ -403,7 +403,7 @@ def _download(repo: str, revision: str, folder: Path, f: str, sha: str | None,
     from huggingface_hub.file_download import http_get
     from huggingface_hub.utils import build_hf_headers
 
-    from forecache import __version__
+    from forecache.version import __version__
 
     url = hf_hub_url(repo, f, revision=revision)
     with _hub_errors(repo, f):

@@ -22,8 +22,7 @@ import numpy as np
 from forecache.cache.choice import locality
 from forecache.cache.measured import add_localities
 from forecache.cache.setup import CacheConfig, attach_observer
-from forecache.errors import setting
-from forecache.generate import SamplingParams, generate, text_tokens
+from forecache.generate import SamplingParams, context_advice, generate, text_tokens
 from forecache.gguf.header import ModelFile
 from forecache.gguf.identity import identity
 from forecache.interrupt import Terminated, deferred_signals
@@ -151,9 +150,9 @@ def record_trace(model_path: str | os.PathLike[str], prompts: list[Request],
                     text = _render(llm, item, chat and has_template)
                     tokens = text_tokens(llm, text)
                     if len(tokens) >= n_ctx_loaded:
-                        raise ValueError(f"prompt {item.id} has {len(tokens)} tokens, more than "
-                                         f"the context of {n_ctx_loaded}; use a larger "
-                                         f"{setting('n_ctx')}")
+                        raise ValueError(f"prompt {item.id} has {len(tokens)} tokens, too many "
+                                         f"for the context of {n_ctx_loaded}; "
+                                         f"{context_advice(llm, len(tokens), 1)}")
                     budget = min(n_gen, n_ctx_loaded - len(tokens))
                     rec.reset()
                     llm.reset()  # no KV prefix reuse: every prompt token is routed
