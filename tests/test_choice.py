@@ -19,13 +19,13 @@ from forecache.cache.choice import (
     Evidence,
     choose,
     choose_among,
+    distinct_experts,
     hit_at,
     locality,
     ncmoe_prompt_s,
     promoe_decode_s,
     promoe_filled_s,
     promoe_prompt_s,
-    touched,
 )
 from forecache.cache.cost import CostModel, Profile
 from forecache.cache.measured import MIN_LOOKUPS, load_evidence, record_path, record_run
@@ -274,8 +274,8 @@ def test_a_prompt_estimated_slower_keeps_stock_placement() -> None:
     short = choose(replace(ds, prompt_rows=16), H100, cost, ev)
     assert short.prompt_ratio() is None and short.policy == "promoe"
     # more rows route more experts, never more than a layer has
-    assert touched(64, 8, 1) == pytest.approx(8) and touched(64, 8, 4096) <= 64
-    assert touched(64, 8, 16) < touched(64, 8, 64) < 64
+    assert distinct_experts(1, 64, 8) == pytest.approx(8) and distinct_experts(4096, 64, 8) <= 64
+    assert distinct_experts(16, 64, 8) < distinct_experts(64, 64, 8) < 64
 
 
 @pytest.mark.parametrize("budget", ["16GiB", "24GiB"])

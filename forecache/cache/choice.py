@@ -143,11 +143,12 @@ def promoe_decode_s(shape: DecodeShape, p: Profile, cost: CostModel, hit: float)
     return _dense_s(shape, p) + shape.n_moe * promoe_layer_s(shape, p, cost, hit)
 
 
-def touched(n_expert: int, top_k: int, rows: int) -> float:
-    """Distinct experts a ubatch of ``rows`` routes in a layer, each row ``top_k`` distinct ones
-    drawn uniformly (a prompt's rows spread over nearly all: 512 rows of top-8 of 64 leave
-    none)."""
-    return n_expert * (1.0 - (1.0 - top_k / n_expert) ** rows)
+def distinct_experts(n_tokens: float, n_expert: int, top_k: int) -> float:
+    """Expected distinct experts ``n_tokens`` route to, each to ``top_k`` of ``n_expert`` at
+    random (a prompt's rows spread over nearly all: 512 rows of top-8 of 64 leave none)."""
+    if n_tokens <= 0:
+        return 0.0
+    return n_expert * (1.0 - (1.0 - top_k / n_expert) ** n_tokens)
 
 
 def _dense_prompt_s(shape: DecodeShape, p: Profile, cost: CostModel) -> float:
@@ -166,7 +167,7 @@ def ncmoe_prompt_s(shape: DecodeShape, p: Profile, cost: CostModel) -> float:
     projections, on the compute stream (op offload), or, for a ubatch under llama.cpp's offload
     rule, computed on the CPU."""
     n, e = shape.prompt_rows, cost.expert
-    used, pairs = touched(shape.n_expert, shape.top_k, n), n * shape.top_k
+    used, pairs = distinct_experts(n, shape.n_expert, shape.top_k), n * shape.top_k
     dev = cost.dev_s(round(used), pairs)
     if 0 < p.op_offload_min_batch <= n:
         host = dev + sum(cost.chunk_latency_s + used * nb / (cost.copy_gbps * 1e9)
@@ -188,7 +189,7 @@ def promoe_prompt_s(shape: DecodeShape, p: Profile, cost: CostModel) -> float:
     once its routing is read, computed as expert groups (the hits' group, then about one a
     streamed expert a projection) while they land."""
     n, e = shape.prompt_rows, cost.expert
-    used, pairs = touched(shape.n_expert, shape.top_k, n), n * shape.top_k
+    used, pairs = distinct_experts(n, shape.n_expert, shape.top_k), n * shape.top_k
     dense = _dense_prompt_s(shape, p, cost) / shape.n_moe  # a layer's share, before its experts
     dev = cost.dev_s(round(used), pairs) + p.gpu_launch_s * len(e.proj_bytes)
     lack = shape.n_expert - shape.n_slots

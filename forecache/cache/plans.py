@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from forecache.cache.budget import compute_buffer_bytes, format_size
-from forecache.cache.choice import hit_at
+from forecache.cache.choice import distinct_experts, hit_at
 from forecache.cache.cost import CostModel, Profile, roofline_s
 from forecache.cache.prefetcher import stage_slots_for
 from forecache.native.libs import STOCK_MAX_SEQUENCES
@@ -207,14 +207,6 @@ class Estimate:
                 f"tokens/s predicted; decode {self.decode.seconds * 1e3:.1f} ms a step, bound "
                 f"by {self.decode.bound_as(names)}; prefill bound by "
                 f"{self.prefill.bound_as(names)}")
-
-
-def distinct_experts(n_tokens: float, n_expert: int, top_k: int) -> float:
-    """Expected distinct experts ``n_tokens`` route to, each to ``top_k`` of ``n_expert`` at
-    random."""
-    if n_tokens <= 0:
-        return 0.0
-    return n_expert * (1.0 - (1.0 - top_k / n_expert) ** n_tokens)
 
 
 def _memory(shape: ModelShape, budget: int, work: Workload, plan: Plan,
