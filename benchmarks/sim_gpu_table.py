@@ -43,7 +43,7 @@ from forecache.cache.budget import (
 )
 from forecache.cache.choice import DecodeShape, Evidence, choose_among, locality
 from forecache.cache.cost import CostModel, Profile
-from forecache.cache.prefetcher import stage_slots_for
+from forecache.cache.prefetcher import stage_slots
 from forecache.cache.registry import policy_spec
 from forecache.cache.setup import DEFAULT_GPU_MACHINE, DEFAULT_MACHINE, EAM_WINDOW
 from forecache.gguf.header import is_expert_tensor
@@ -175,7 +175,7 @@ RUNS = {
 @dataclass(frozen=True)
 class Placement:
     """Slots a layer as the runtime's memory plan gives them (``pre``: before stage slots are
-    held back, which is what ncmoe's layers and ``stage_slots_for`` read) and the stage slots."""
+    held back, which is what ncmoe's layers and ``stage_slots`` read) and the stage slots."""
 
     pre: list[int]
     post: list[int]
@@ -237,7 +237,7 @@ def placement(budget: str, bank: bool = False, bank_share: float = BANK_SHARE_MA
         held = plan.bank_held()
         if held * plan.largest_expert_bytes <= plan.expert_budget * bank_share:
             return Placement(pre, plan.slots_per_layer(held=held), 0, held)
-    stage = stage_slots_for(spec.experts, pre)
+    stage = stage_slots(spec.experts, pre, streams=True)
     return Placement(pre, plan.slots_per_layer(held=stage), stage)
 
 

@@ -19,7 +19,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from forecache.cache.prefetcher import stage_slots_for
+from forecache.cache.prefetcher import stage_slots
 from forecache.sim.run import (
     NCMOE_LEGEND,
     fit_predictor,
@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--stage", default="0,4,8,12,18,24,32")
     args = ap.parse_args()
     shape, profile, n_slots, info, fit, replay, _ = target_replay(args)
-    default = stage_slots_for(shape.experts, [n_slots] * shape.layers)
+    default = stage_slots(shape.experts, [n_slots] * shape.layers, streams=True)
     _, pred = fit_predictor("auto", info, fit, 2)
     base = SimConfig("promoe", n_slots, window=2)
     stock = run_ncmoe(replay, shape, profile, base)

@@ -29,7 +29,7 @@ from forecache.cache.cost import CostModel
 from forecache.cache.disk import experts_left_on_disk, probe_expert_reads, readers_default
 from forecache.cache.measured import record_run
 from forecache.cache.policies import hit_rate
-from forecache.cache.prefetcher import stage_slots_for
+from forecache.cache.prefetcher import stage_slots
 from forecache.cache.runtime import ExpertCache
 from forecache.cache.setup import (
     CacheConfig,
@@ -385,10 +385,10 @@ class Llama(llama_cpp.Llama):
         try:
             slots = device_slots(self.model_file, cfg.device_budgets, layer_dev, names,
                                  n_ctx=n_ctx, n_ubatch=n_ubatch)
-            stage = 0
-            if cfg.spec.proactive and cfg.features.reorder:  # held back on every device
-                stage = cfg.stage_slots if cfg.stage_slots is not None else \
-                    stage_slots_for(self.model_file.n_expert, slots)
+            # held back on every device
+            stage = stage_slots(self.model_file.n_expert, slots, given=cfg.stage_slots,
+                                streams=cfg.spec.proactive and cfg.features.reorder)
+            if stage:
                 slots = device_slots(self.model_file, cfg.device_budgets, layer_dev, names,
                                      n_ctx=n_ctx, n_ubatch=n_ubatch, held=stage)
         except ValueError:

@@ -27,13 +27,12 @@ from forecache.cache.choice import (
     promoe_filled_s,
     promoe_prompt_s,
 )
-from forecache.cache.cost import CostModel, Profile
+from forecache.cache.cost import CostModel, ExpertShape, Profile
 from forecache.cache.measured import MIN_LOOKUPS, load_evidence, record_path, record_run
 from forecache.cache.setup import (
     DEFAULT_GPU_MACHINE,
     CacheConfig,
     default_machine,
-    expert_shape,
     split_cost,
 )
 from forecache.gguf.header import read_model_file
@@ -150,7 +149,7 @@ def test_measured_record(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                          tiny_model) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.setenv("FORECACHE_CACHE_DIR", str(tmp_path / "cache"))
     model = read_model_file(tiny_model("q8_0"))
-    cost = CostModel.from_profile(RTX4090, expert_shape(model))
+    cost = CostModel.from_profile(RTX4090, ExpertShape.of(model))
     assert load_evidence(model, "GPU0", 0.5) is None
     assert not record_run(model, "GPU0", 0.5, 10, MIN_LOOKUPS - 11, cost)  # too little decode
     assert not record_path(model).exists()
@@ -189,7 +188,7 @@ def test_split_starts_from_the_measured_rates(tmp_path: Path, monkeypatch: pytes
     cfg = CacheConfig(policy="promoe", cache_fraction=0.5)
     start = split_cost(model, cfg, dev)
     assert (start.copy_gbps, start.host_scale) == (RTX4090.h2d_gbps, 1.0)  # nothing measured
-    ran = CostModel.from_profile(RTX4090, expert_shape(model))
+    ran = CostModel.from_profile(RTX4090, ExpertShape.of(model))
     ran.copy_gbps, ran.copy_measured, ran.host_scale = 41.5, True, 2.5
     assert record_run(model, dev.name, 0.5, 750, 250, ran)
     cost = split_cost(model, cfg, dev)

@@ -298,7 +298,7 @@ def test_prompt_banks_placement(tiny_model: Callable[[str], Path]) -> None:
     fewest slots lacks, settled with the slots they leave; none where nothing misses, where
     something watches every routing, or (by default) past a quarter of the expert budget."""
     from forecache.cache.budget import BANK_REGIONS, BudgetError, plan_memory
-    from forecache.cache.prefetcher import stage_slots_for
+    from forecache.cache.prefetcher import stage_slots
     from forecache.cache.setup import bank_experts, held_back
 
     mf = read_model_file(tiny_model("q8_0"))
@@ -320,7 +320,8 @@ def test_prompt_banks_placement(tiny_model: Callable[[str], Path]) -> None:
     slots = big.slots_per_layer(held=bank)
     assert stage == 0 and bank == bank_experts(mf, slots) > 0
     assert bank == BANK_REGIONS * (mf.n_expert - min(slots[il] for il in layers))
-    assert held(big, prompt_bank=False) == (stage_slots_for(mf.n_expert, big.slots_per_layer()), 0)
+    assert held(big, prompt_bank=False) == \
+        (stage_slots(mf.n_expert, big.slots_per_layer(), streams=True), 0)
     assert held(big, "infinity")[1] == 0  # its EAM reads every routing
     assert held(plan(len(layers) * mf.n_expert * 1.5)) == (0, 0)  # every expert fits
     small = plan(len(layers) * mf.n_expert * 0.3)

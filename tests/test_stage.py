@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from forecache.cache.cost import Profile
-from forecache.cache.prefetcher import HIGH, LOW, SLOT_EMPTY, Features, stage_slots_for
+from forecache.cache.prefetcher import HIGH, LOW, SLOT_EMPTY, Features, stage_slots
 from forecache.cache.runtime import CacheError
 from forecache.cache.setup import CacheConfig
 from forecache.generate import SamplingParams, generate, last_logits, text_tokens
@@ -128,11 +128,11 @@ def test_staged_prompt_passes_are_lossless(tiny_model: Callable[..., Path],
 
 def test_stage_slots_rule_and_budget() -> None:
     """As many stage slots as a prompt layer misses, within 32 and a 64th of the slots."""
-    assert stage_slots_for(64, [0, 60] + [60] * 27) == 4  # every layer misses 4
-    assert stage_slots_for(64, [0, 43] + [43] * 27) == 18  # a 64th of 1204 slots
-    assert stage_slots_for(128, [64] * 48) == 32
-    assert stage_slots_for(64, [64] * 4) == 0  # every expert has a slot
-    assert stage_slots_for(64, [0, 0]) == 0
+    assert stage_slots(64, [0, 60] + [60] * 27, streams=True) == 4  # every layer misses 4
+    assert stage_slots(64, [0, 43] + [43] * 27, streams=True) == 18  # a 64th of 1204 slots
+    assert stage_slots(128, [64] * 48, streams=True) == 32
+    assert stage_slots(64, [64] * 4, streams=True) == 0  # every expert has a slot
+    assert stage_slots(64, [0, 0], streams=True) == 0
 
 
 def _prompts(n_req: int = 3, seed: int = 0) -> list[Request]:

@@ -21,6 +21,10 @@ from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, fields
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from forecache.gguf.header import ModelFile
 
 PROFILE_DIR = "data/profiles"
 
@@ -184,6 +188,13 @@ class ExpertShape:
         """Multiply-adds x2 of one token through one projection, on average: a gated expert's
         three d_model x expert_ff matrices, in three tensors or two (gate and up fused)."""
         return 6.0 * self.d_model * self.expert_ff / len(self.proj_bytes)
+
+    @classmethod
+    def of(cls, model: ModelFile) -> ExpertShape:
+        """``model``'s routed expert, its projections' bytes averaged over the MoE layers
+        (quantizers give some layers more bits; ``ModelFile.expert_proj_bytes``)."""
+        return cls(int(model.arch_kv("embedding_length", 0)), model.expert_ff(),
+                   model.expert_proj_bytes())
 
 
 def roofline_s(launch_s: float, nbytes: float, mem_gbps: float, flops: float,

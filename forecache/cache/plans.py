@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from forecache.cache.budget import compute_buffer_bytes, format_size
 from forecache.cache.choice import distinct_experts, hit_at
 from forecache.cache.cost import CostModel, Profile, roofline_s
-from forecache.cache.prefetcher import stage_slots_for
+from forecache.cache.prefetcher import stage_slots
 from forecache.native.libs import STOCK_MAX_SEQUENCES
 
 if TYPE_CHECKING:
@@ -262,8 +262,7 @@ def layout(shape: ModelShape, budget: int, work: Workload, plan: Plan,
         return None
     device, slots, host_layers = mem
     # the stage slots' memory comes out of the slots, as the runtime takes it
-    stage = stage_slots_for(shape.experts, [slots] * shape.layers) \
-        if plan.experts == "cache" else 0
+    stage = stage_slots(shape.experts, [slots] * shape.layers, streams=plan.experts == "cache")
     share = (slots * shape.layers - stage) / (shape.layers * shape.experts)
     return Layout(device, slots, host_layers, stage, share)
 

@@ -64,13 +64,21 @@ ABLATION = [("base (lru)", "lru", Features()),
 MAX_STAGE_SLOTS = 32
 
 
-def stage_slots_for(n_expert: int, n_slots: Sequence[int]) -> int:
-    """Stage slots for prompt passes (``CopyEngine.stage``): a layer of a long prompt routes
-    every expert and misses ``n_expert - slots`` of them; half the stage slots take the next
-    layer's misses while the other half serve the layer being computed. As many as a layer's
-    misses, at most 32 and a 64th of the slots: the memory comes out of the slots, which decode
-    misses (BENCHMARKS.md: at the target 18 take prefill from 1.42x to 1.11x of its floor for
-    1.5% of decode)."""
+def stage_slots(n_expert: int, n_slots: Sequence[int], *, streams: bool,
+                given: int | None = None, on_cpu: bool = False) -> int:
+    """The stage slots a placement holds back for prompt passes (``CopyEngine.stage``), the one
+    rule the runtime, the batch planner and the simulator follow. None unless the policy
+    ``streams`` a prompt's misses through them (proactive, cache-first order); ``given`` where a
+    count was stated; none by default ``on_cpu`` (a CPU build's slots are host memory too). Else
+    as many as a layer misses: a layer of a long prompt routes every expert and misses
+    ``n_expert - slots`` of them, half the stage slots take the next layer's misses while the
+    other half serve the layer being computed; at most 32 and a 64th of the slots, whose memory
+    they take, which decode misses (BENCHMARKS.md: at the target 18 take prefill from 1.42x to
+    1.11x of its floor for 1.5% of decode)."""
+    if not streams or given is None and on_cpu:
+        return 0
+    if given is not None:
+        return given
     cached = [n for n in n_slots if n > 0]
     if not cached:
         return 0

@@ -26,7 +26,7 @@ from forecache.cache.disk import DiskPlan, DiskTier, plan_disk, readers_default
 from forecache.cache.forecast import Forecaster
 from forecache.cache.measured import load_evidence, measured_rates
 from forecache.cache.policies import HostOnlyPolicy, Policy, PolicyInputs
-from forecache.cache.prefetcher import Features, Prefetcher, stage_slots_for
+from forecache.cache.prefetcher import Features, Prefetcher, stage_slots
 from forecache.cache.registry import PolicySpec, build_policy, policy_spec
 from forecache.cache.runtime import DEFAULT_CHUNK_BYTES, ExpertCache, RouteCallback
 from forecache.diskprobe import DiskRate
@@ -248,7 +248,7 @@ def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: 
         if other.bank != shapes[0].bank:
             shapes.append(other)
     profile = Profile.load(machines_for(cfg.machine, 1)[0] or default_machine(dev))
-    cost = CostModel.from_profile(profile, expert_shape(model))
+    cost = CostModel.from_profile(profile, ExpertShape.of(model))
 
     def evidence_at(n_slots: int) -> Evidence:
         share = n_slots / model.n_expert
@@ -299,11 +299,8 @@ def held_back(model: ModelFile, cfg: CacheConfig, plan: MemoryPlan | None,
         bank = False
     if bank:
         return 0, bank_experts(model, slots)  # beside the slots
-    if not proactive or device_type == "cpu" and cfg.stage_slots is None:
-        return 0, 0
-    stage = cfg.stage_slots if cfg.stage_slots is not None else \
-        stage_slots_for(model.n_expert, list(slots))
-    return stage, 0
+    return stage_slots(model.n_expert, list(slots), streams=proactive, given=cfg.stage_slots,
+                       on_cpu=device_type == "cpu"), 0
 
 
 @dataclass
@@ -392,13 +389,6 @@ def expert_overrides(placement: Placement) -> dict[str, Any]:
             "use_extra_bufts": False}
 
 
-def expert_shape(model: ModelFile) -> ExpertShape:
-    """Bytes and per-token flops of one routed expert's projections, averaged over the MoE layers
-    (quantizers give some layers more bits; ``ModelFile.expert_proj_bytes``)."""
-    return ExpertShape(int(model.arch_kv("embedding_length", 0)), model.expert_ff(),
-                       model.expert_proj_bytes())
-
-
 def make_policy(cfg: CacheConfig, n_slots: list[int], model: ModelFile | None = None,
                 device: Device | None = None, disk_rate: DiskRate | None = None,
                 layer_devices: Sequence[Device | None] | None = None) -> Policy:
@@ -472,7 +462,7 @@ def split_cost(model: ModelFile, cfg: CacheConfig, device: Device | None,
     GPU). The run corrects them as it measures (``CostModel.calibrate``). With a disk tier, its
     reads cost what ``disk_rate`` measured, unless the named profile gives its disk."""
     profile = Profile.load(machines_for(cfg.machine, 1)[0] or default_machine(device))
-    cost = CostModel.from_profile(profile, expert_shape(model))
+    cost = CostModel.from_profile(profile, ExpertShape.of(model))
     if disk_rate is not None and (cfg.machine is None or profile.disk is None):
         cost.disk_gbps, cost.disk_latency_s = disk_rate.gbps, disk_rate.latency_s
     # an RPC server computes on another machine, each expert group a network round trip: its

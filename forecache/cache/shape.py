@@ -11,7 +11,6 @@ from gguf import GGML_QUANT_SIZES
 
 from forecache.cache.budget import kv_cache_bytes
 from forecache.cache.cost import ExpertShape
-from forecache.cache.setup import expert_shape
 from forecache.gguf.header import ModelFile, expert_proj_bytes, is_expert_tensor, tensor_nbytes
 from forecache.gguf.qtypes import parse_qtype, tensor_type
 from forecache.gguf.specs import ModelSpec, TensorPlan, get_spec, models_yaml, tensor_plan
@@ -125,7 +124,7 @@ def model_shape(model: ModelFile) -> ModelShape:
     MoE layers (a trace's), dense leading layers go into ``lead_bytes``."""
     moe = model.moe_layers()
     blk = [t for t in model.tensors if t.name.startswith(f"blk.{moe[0]}.")]
-    ex = expert_shape(model)
+    ex = ExpertShape.of(model)
     qtype = next(t for t in blk if is_expert_tensor(t.name)).type.name.lower()
     head = sum(t.nbytes for t in model.tensors if t.name.startswith("output"))
     lead = sum(t.nbytes for t in model.tensors if t.name.startswith("blk.") and

@@ -27,7 +27,7 @@ from forecache.cache.prefetcher import (
     SLOT_READY,
     Features,
     Prefetcher,
-    stage_slots_for,
+    stage_slots,
 )
 from forecache.cache.registry import SIM_POLICIES, PolicySpec, policy_spec
 from forecache.predictor.base import Predictor
@@ -52,7 +52,7 @@ class SimConfig:
     n_ubatch: int = 512
     static_profile: np.ndarray | None = None  # static: routed counts [L, E]
     # promoe/infinity: stage slots for prompt passes, taken from the layers' slots (None:
-    # stage_slots_for, as on a GPU at run time)
+    # stage_slots, as on a GPU at run time)
     stage_slots: int | None = None
     # MoBiLE (issue 20): a decode token's little pass routes its top ``little_k`` experts (0:
     # exact decoding); ``fallback`` of the tokens are then recomputed by the big pass, whose
@@ -216,14 +216,12 @@ class Simulator:
             cached = [il for il in self.layers if self.n_slots[il] > 1]
             for k in range(held if cached else 0):
                 self.n_slots[cached[-1 - k % len(cached)]] -= 1
-        stage = 0
-        if spec.proactive and f.reorder and not self.bank:
-            stage = cfg.stage_slots if cfg.stage_slots is not None else \
-                stage_slots_for(shape.experts, self.n_slots)
-            # the stage's device memory comes out of the slots, one from a layer at a time
-            cached = [il for il in self.layers if self.n_slots[il] > 1]
-            for k in range(stage if cached else 0):
-                self.n_slots[cached[-1 - k % len(cached)]] -= 1
+        stage = stage_slots(shape.experts, self.n_slots, given=cfg.stage_slots,
+                            streams=spec.proactive and f.reorder and not self.bank)
+        # the stage's device memory comes out of the slots, one from a layer at a time
+        cached = [il for il in self.layers if self.n_slots[il] > 1]
+        for k in range(stage if cached else 0):
+            self.n_slots[cached[-1 - k % len(cached)]] -= 1
         self.n_stage = stage
         if cfg.spec_draft == "model" and cfg.draft_bytes > 0:
             # the draft's weights come out of the slots, as whole experts, a layer at a time
