@@ -28,13 +28,13 @@ from pathlib import Path
 
 from forecache.batch import decode_many
 from forecache.cache.plans import Plan, Workload, estimate, layout
-from forecache.cache.setup import resolve_cache_config
 from forecache.cache.shape import model_shape
 from forecache.generate import SamplingParams
 from forecache.jobs.plan import calibrate, job_workload
 from forecache.jobs.requests import Request
 from forecache.llama import Llama
 from forecache.models.default import ensure_default_model
+from forecache.placement.options import Options
 
 PROMPTS = Path(__file__).resolve().parent.parent / "forecache" / "data" / "prompts" / \
     "default.jsonl"
@@ -107,7 +107,7 @@ def main() -> int:
           f"{platform.processor() or platform.machine()}")
     runs = []  # (placement, cfg, budget, plan, estimate)
     for name, (policy, budget, experts) in placements.items():
-        cfg = resolve_cache_config(policy, budget, None, predictor="history") \
+        cfg = Options(policy=policy, gpu_budget=budget, predictor="history").cache_config() \
             if policy else None
         with open_plan(cfg, max(seqs), max(ubatches), ctx) as llm:
             profile = calibrate(llm, Plan(max(seqs), max(ubatches), False, experts), budget,

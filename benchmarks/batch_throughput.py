@@ -17,11 +17,11 @@ import time
 from pathlib import Path
 
 from forecache.batch import decode_many
-from forecache.cache.setup import resolve_cache_config
 from forecache.generate import SamplingParams
 from forecache.jobs.requests import Request
 from forecache.llama import Llama
 from forecache.models.default import ensure_default_model
+from forecache.placement.options import Options
 
 PROMPTS = Path(__file__).resolve().parent.parent / "forecache" / "data" / "prompts" / \
     "default.jsonl"
@@ -49,7 +49,8 @@ def main() -> int:
     threads = a.threads or os.cpu_count() or 1
     rows = []
     for n in [int(x) for x in a.parallel.split(",")]:
-        cfg = resolve_cache_config(a.policy, a.gpu_budget, a.cache_fraction)
+        cfg = Options(policy=a.policy, gpu_budget=a.gpu_budget,
+                      cache_fraction=a.cache_fraction).cache_config()
         llm = Llama(model, cache=cfg, n_seq_max=n, n_ctx=a.ctx_per_seq * n, n_threads=threads,
                     n_threads_batch=threads, verbose=False)
         done: list[dict] = []

@@ -22,14 +22,14 @@ import sys
 import time
 from pathlib import Path
 
-from forecache.cache.budget import format_size
+from forecache.cache.budget import format_size, slots_for_fraction
 from forecache.cache.disk import host_weight_bytes
 from forecache.cache.policies import hit_rate
-from forecache.cache.setup import CacheConfig, slots_for_fraction
 from forecache.generate import SamplingParams, generate
 from forecache.gguf.header import read_model_file
 from forecache.llama import Llama
 from forecache.paths import cache_dir
+from forecache.placement.options import CacheConfig
 
 TRACE = Path(__file__).resolve().parents[2] / "shared" / "traces" / \
     "qwen15_moe_a27b_nf4gemm_decode_4x512.npz"

@@ -24,10 +24,10 @@ import tempfile
 from pathlib import Path
 
 from forecache.cache.runtime import ExpertCache
-from forecache.cache.setup import CacheConfig
 from forecache.gguf.maker import make_model
 from forecache.llama import Llama
 from forecache.native.testing import controls
+from forecache.placement.options import CacheConfig
 
 
 def _seconds(cache: ExpertCache, layer: int, n_proj: int, rows: int, k: int, repacked: bool,

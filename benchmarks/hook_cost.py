@@ -26,8 +26,8 @@ from pathlib import Path
 from forecache.bench import run_policy, workload
 from forecache.cache.cost import Profile
 from forecache.cache.prefetcher import Features
-from forecache.cache.setup import CacheConfig
 from forecache.models.default import REFERENCE_MODEL
+from forecache.placement.options import CacheConfig
 from forecache.sim.run import run_one, slots_for
 from forecache.sim.shapes import shape_of
 from forecache.sim.simulate import SimConfig

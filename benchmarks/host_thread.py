@@ -17,10 +17,10 @@ import platform
 import statistics
 from pathlib import Path
 
-from forecache.cache.setup import CacheConfig
 from forecache.llama import Llama
 from forecache.models.default import REFERENCE_MODEL
 from forecache.native.testing import controls
+from forecache.placement.options import CacheConfig
 
 
 def main() -> None:

@@ -39,10 +39,10 @@ from pathlib import Path
 
 import numpy as np
 
-from forecache.cache.setup import CacheConfig
 from forecache.generate import last_logits
 from forecache.llama import Llama
 from forecache.models.default import REFERENCE_MODEL
+from forecache.placement.options import CacheConfig
 
 MODEL = REFERENCE_MODEL
 VALID = REFERENCE_MODEL.with_name("forecache-ref-valid.txt")

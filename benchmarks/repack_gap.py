@@ -21,10 +21,10 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from forecache.cache.setup import CacheConfig
 from forecache.generate import SamplingParams, generate
 from forecache.gguf.maker import make_model
 from forecache.llama import Llama
+from forecache.placement.options import CacheConfig
 
 
 def _run(model: Path, cfg: CacheConfig | None, prompt: list[int], n_gen: int) -> tuple[float,

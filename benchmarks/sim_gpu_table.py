@@ -16,7 +16,7 @@ prefix, so the timed prompt is one ubatch of 504 rows), then the timed prompt an
 passes. promoe and infinity predict as the runtime did without trained predictors (history at
 window 1; an empty EAM collection at window 2) and plan their host split with the cost model the
 runtime measured then started from (``--plan-profile``, default the 4090 profile, with the
-device's copy rate; the runtime now plans with ``cache.setup.DEFAULT_GPU_MACHINE`` on a GPU:
+device's copy rate; the runtime now plans with ``placement.costs.DEFAULT_GPU_MACHINE`` on a GPU:
 ``--plan-profile h200-xeon`` simulates that). ``all-gpu`` is ncmoe at a budget that keeps every
 layer on the device.
 
@@ -45,9 +45,10 @@ from forecache.cache.choice import DecodeShape, Evidence, choose_among, locality
 from forecache.cache.cost import CostModel, Profile
 from forecache.cache.prefetcher import stage_slots
 from forecache.cache.registry import policy_spec
-from forecache.cache.setup import DEFAULT_GPU_MACHINE, DEFAULT_MACHINE, EAM_WINDOW
 from forecache.gguf.header import is_expert_tensor
 from forecache.gguf.specs import get_spec, tensor_plan
+from forecache.placement.build import EAM_WINDOW
+from forecache.placement.costs import DEFAULT_GPU_MACHINE, DEFAULT_MACHINE
 from forecache.predictor.base import Predictor
 from forecache.predictor.eam import EAMPredictor
 from forecache.predictor.history import HistoryPredictor
@@ -167,7 +168,7 @@ RUNS = {
     # the warm-up passed 8 prompt tokens; the split planned with the 4090's profile
     "h200": Run(MEASURED, WARM_PROMPT, DEFAULT_MACHINE, "h200-xeon"),
     # a warm-up as long as the prompt (its 512 rows wrap the prompt cursor: the timed prompt
-    # replays the same rows); the split planned with h200-xeon (cache.setup.DEFAULT_GPU_MACHINE)
+    # replays the same rows); the split planned with h200-xeon (placement.costs.DEFAULT_GPU_MACHINE)
     "h100": Run(MEASURED_H100, PROMPT, DEFAULT_GPU_MACHINE, "h100-xeon"),
 }
 
@@ -227,13 +228,13 @@ def memory_plan(budget: str) -> MemoryPlan:
 
 def placement(budget: str, bank: bool = False, bank_share: float = BANK_SHARE_MAX
               ) -> Placement:
-    """The runtime's split of ``budget`` for the model (``cache.setup.place``); prompt banks
+    """The runtime's split of ``budget`` for the model (``placement.before.place``); prompt banks
     (``bank``) where they take at most ``bank_share`` of the expert budget (1: wherever they
     fit, as when they are asked for)."""
     spec = get_spec(MODEL)
     plan = memory_plan(budget)
     pre = plan.slots_per_layer()
-    if bank and any(n < spec.experts for n in pre):  # as cache.setup.held_back on a GPU
+    if bank and any(n < spec.experts for n in pre):  # as placement.before.held_back on a GPU
         held = plan.bank_held()
         if held * plan.largest_expert_bytes <= plan.expert_budget * bank_share:
             return Placement(pre, plan.slots_per_layer(held=held), 0, held)
@@ -279,8 +280,8 @@ def replayed_requests(rt: Routing, warm_prompt: int = WARM_PROMPT) -> tuple[Requ
 
 
 def predictor_for(policy: str, shape: ModelShape) -> tuple[Predictor | None, int]:
-    """The predictor and window the runtime ran ``policy`` with (``cache.setup.make_forecaster``,
-    no trained predictors, no EAM collection)."""
+    """The predictor and window the runtime ran ``policy`` with
+    (``placement.build.make_forecaster``, no trained predictors, no EAM collection)."""
     if policy == "promoe":
         return HistoryPredictor(shape.layers, shape.experts, shape.top_k), 1
     if policy == "infinity":
@@ -314,7 +315,7 @@ def simulate_row(row: Row, shape: ModelShape, profile: Profile, plan_profile: Pr
     pl = placement(budget, bank, bank_share)
     slots = pl.sim_slots() if spec.proactive or pl.bank else pl.pre
     pred, window = predictor_for(policy, shape)
-    # the split plans as the runtime's does (cache.setup.split_cost): the default machine's
+    # the split plans as the runtime's does (placement.costs.split_cost): the default machine's
     # profile with the copy rate probed on the device
     cfg = SimConfig(policy, slots, window=window, n_ubatch=N_UBATCH, plan_profile=plan_profile,
                     hot_path=hot_path, prompt_bank=pl.bank)
@@ -402,7 +403,7 @@ def default_rows(results: Sequence[dict], profile: Profile, plan_profile: Profil
                  olmoe_real: Path = OLMOE_REAL, warm_prompt: int = WARM_PROMPT) -> list[dict]:
     """What a run without --policy gets on each routing and budget that has both an ncmoe and a
     promoe row (simulated with today's hot path and prompt banks): the default's choice as the
-    runtime makes it from the routing replayed (``cache.setup.default_choice``: promoe's own
+    runtime makes it from the routing replayed (``placement.before.default_choice``: promoe's own
     placement, then the one with prompt banks the other way, each at the replay's LRU decode
     hit rate at its slots; the planning profile with the machine's copy rate; a 512-row prompt
     ubatch), and the chosen run's simulated TTFT and TPOT over simulated ncmoe's (1.00x where

@@ -23,10 +23,10 @@ import platform
 import time
 from pathlib import Path
 
-from forecache.cache.setup import CacheConfig
 from forecache.generate import SamplingParams, generate
 from forecache.llama import Llama
 from forecache.models.default import REFERENCE_MODEL
+from forecache.placement.options import CacheConfig
 
 VALID = REFERENCE_MODEL.with_name("forecache-ref-valid.txt")
 

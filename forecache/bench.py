@@ -13,13 +13,14 @@ from forecache.cache.policies import hit_rate
 from forecache.cache.prefetcher import Features
 from forecache.cache.registry import NCMOE_RUNS, policy_spec
 from forecache.cache.runtime import ExpertCache
-from forecache.cache.setup import CacheConfig, default_choice
 from forecache.cache.timeline import format_summary, summarize
 from forecache.diskprobe import DiskRate
 from forecache.errors import setting
 from forecache.generate import SamplingParams, generate, text_tokens
 from forecache.gguf.header import read_model_file, require_moe
 from forecache.llama import CALIBRATION_TEXT, Llama
+from forecache.placement.before import default_choice
+from forecache.placement.options import CacheConfig
 from forecache.trace.replay import Routing, load_routing
 
 # stock llama.cpp's best (--n-cpu-moe, the faster of --no-mmap and mmap'd host weights) first:
@@ -239,7 +240,7 @@ def default_run(model: Path, gpu_budget: int | None, cache_fraction: float | Non
                 routing: Routing | None, n_ctx: int, n_ubatch: int = 512, *,
                 host_budget: int | None = None) -> dict:
     """The policy a run without ``--policy`` takes for ``model`` at this budget, on ``routing``
-    when replayed (``cache.setup.default_choice``, as ``Llama`` decides it), the benchmark run
+    when replayed (``placement.before.default_choice``, as ``Llama`` decides it), the benchmark run
     of the same configuration (``run``), and why."""
     cfg = CacheConfig(policy="promoe", gpu_budget=gpu_budget,
                       cache_fraction=None if gpu_budget is not None else cache_fraction,

@@ -11,8 +11,6 @@ need in device slots, within ``gpu_budget`` (on a GPU by default ``promoe``, or 
 from __future__ import annotations
 
 import codecs
-import ctypes
-import dataclasses
 import functools
 import os
 import re
@@ -23,27 +21,12 @@ from typing import Any
 
 import numpy as np
 
-from forecache.cache.budget import device_slots, format_size
+from forecache.cache.budget import format_size
 from forecache.cache.choice import Choice
-from forecache.cache.cost import CostModel
-from forecache.cache.disk import experts_left_on_disk, probe_expert_reads, readers_default
+from forecache.cache.disk import experts_left_on_disk
 from forecache.cache.measured import record_run
 from forecache.cache.policies import hit_rate
-from forecache.cache.prefetcher import stage_slots
 from forecache.cache.runtime import ExpertCache
-from forecache.cache.setup import (
-    CacheConfig,
-    Placement,
-    attach,
-    attach_observer,
-    default_choice,
-    expert_overrides,
-    make_policy,
-    ncmoe_per_device,
-    place,
-    resolve_cache_config,
-    spread_budget,
-)
 from forecache.diskprobe import DiskRate
 from forecache.errors import setting
 from forecache.generate import Streamed
@@ -51,12 +34,15 @@ from forecache.gguf.header import ModelFile, require_moe
 from forecache.models.names import resolve_model_arg
 from forecache.native import llama_cpp_module, llama_cpp_package, patch_version
 from forecache.native.cache_api import SLOT_EMPTY
-from forecache.native.ggml_devices import Device, layer_split, local_gpus
-from forecache.native.libs import MAX_THREADS, ModelLoadError, api
+from forecache.native.ggml_devices import Device
+from forecache.native.libs import ModelLoadError
 from forecache.native.log import LOG_ERROR, abort_in_one_line, load_log
-from forecache.native.rpc import RPCError, add_servers, parse_endpoints
+from forecache.placement.after import finish, priced_devices, probe_disk, split_devices
+from forecache.placement.before import LoadPlan, Placement, plan_load
+from forecache.placement.build import attach_observer, build_cache
+from forecache.placement.options import AUTO, CacheConfig, Options
 from forecache.speculative.speculator import SpecStats, Speculator, sampler_for
-from forecache.trace.replay import ReplayError, Routing, RoutingReplay, load_routing
+from forecache.trace.replay import Routing, RoutingReplay
 
 llama_cpp = llama_cpp_package()  # after checking that the build fits this CPU
 
@@ -68,13 +54,6 @@ CALIBRATION_TEXT = (
 # llama.cpp log lines that mean an allocation failed during load
 _OOM = re.compile(r"out of memory|insufficient memory|failed to allocate|unable to allocate|"
                   r"cudaMalloc failed|cannot allocate|ErrorOutOfDeviceMemory", re.IGNORECASE)
-
-
-class _Auto:
-    """Marker: choose the cache configuration from the keyword arguments and the device."""
-
-
-AUTO: Any = _Auto()
 
 
 def top_probability(logits: np.ndarray) -> float:
@@ -111,16 +90,9 @@ class Llama(llama_cpp.Llama):
     ``n_gpu_layers`` defaults to all layers when a cache is used.
     """
 
-    def __init__(self, model_path: str | os.PathLike[str], *, gpu_budget: int | str | None = None,
-                 policy: str | None = None, cache_fraction: float | None = None,
-                 predictor: str = "auto", window: int | None = None, machine: str | None = None,
-                 mode: str = "exact", gamma: float = 0.7, little_k: int | None = None,
-                 little_resident: bool = False, draft: str | None = None,
-                 draft_k: int | None = None, n_seq_max: int = 1,
-                 host_budget: int | str | None = None,
+    def __init__(self, model_path: str | os.PathLike[str], *, options: Options | None = None,
                  cache: CacheConfig | None = AUTO,
                  routing_trace: str | os.PathLike[str] | Routing | None = None,
-                 rpc: str | Sequence[str] | None = None,
                  **kwargs: Any) -> None:
         self.expert_cache: ExpertCache | None = None
         self.replay: RoutingReplay | None = None
@@ -129,133 +101,63 @@ class Llama(llama_cpp.Llama):
         self._mobile: tuple[int, float, bool] | None = None
         # little passes, big passes (fallbacks), copies the big passes prefetched: since reset_stats
         self.mobile_passes = [0, 0, 0]
-        for key in ("n_threads", "n_threads_batch"):
-            n = kwargs.get(key)
-            if n is not None and not 1 <= int(n) <= MAX_THREADS:
-                raise ValueError(f"{key}={n}: use 1 to {MAX_THREADS} (or None: every core)")
-        model_path = resolve_model_arg(model_path)  # a name, as -m takes it, or a path
-        self.model_file: ModelFile = require_moe(model_path)
-        patch_version()  # refuses a stock llama-cpp-python before llama.cpp touches the file
-        abort_in_one_line()
-        if mode not in ("exact", "mobile"):
-            raise ValueError(f"{setting('mode')} {mode!r}: use 'exact' or 'mobile'")
-        if draft is not None and (mode == "mobile" or
-                                  isinstance(cache, CacheConfig) and cache.little_k):
-            raise ValueError(f"{setting('draft')} and {setting('mode')} mobile: choose one "
-                             "(speculation is exact, mobile decoding is not)")
-        if mode == "mobile" and cache is not AUTO:
-            raise ValueError(f"{setting('mode')} goes with the policy keywords; with "
-                             f"{setting('cache')} set CacheConfig(little_k=..., gamma=...)")
-        if cache is AUTO:
-            cache = resolve_cache_config(policy, gpu_budget, cache_fraction, predictor=predictor,
-                                         window=window, machine=machine,
-                                         little_k=(little_k or -1) if mode == "mobile" else 0,
-                                         gamma=gamma, little_resident=little_resident,
-                                         host_budget=host_budget)
-        elif host_budget is not None:
-            raise ValueError(f"{setting('host_budget')} goes with the policy keywords; with "
-                             f"{setting('cache')} set CacheConfig(host_budget=...)")
-        self.rpc: list[str] = (parse_endpoints(rpc) if isinstance(rpc, str) else list(rpc)) \
-            if rpc else []
-        if self.rpc:
-            cache = self._rpc_placement(cache)
-            kwargs.setdefault("n_gpu_layers", -1)  # the servers' devices take the layers
-        elif cache is not None and len(local_gpus()) > 1:
-            cache = spread_budget(cache)  # llama.cpp splits the layers over every GPU
-        self.placement: Placement | None = None
         # per model layer, the device whose link the split prices that layer's copies by
         # (None: the cache's own device for every layer)
         self.split_devices: list[Device | None] | None = None
         self.disk_rate: DiskRate | None = None  # the disk tier's reads, measured at start
-        n_ctx = int(kwargs.get("n_ctx", 512)) or int(self.model_file.arch_kv("context_length",
-                                                                            4096))
-        n_ubatch = min(int(kwargs.get("n_batch", 512)), int(kwargs.get("n_ubatch", 512)))
-        if routing_trace is not None:
-            if draft is not None or (cache is not None and cache.little_k):
-                raise ValueError(f"{setting('routing_trace')} replays every expert of the "
-                                 f"trace's rows: it cannot go with {setting('draft')} or "
-                                 "MoBiLE's little pass, which choose experts or rows of their own")
-            # a replayed routing is set per ubatch: every llama_decode must be one
-            kwargs.update(n_batch=n_ubatch, n_ubatch=n_ubatch)
-            routing = routing_trace if isinstance(routing_trace, Routing) else load_routing(
-                routing_trace, n_layers=len(self.model_file.moe_layers()),
-                n_expert=self.model_file.n_expert, top_k=self.model_file.n_expert_used)
-            if cache is not None and cache.spec.needs_profile and cache.profile is None:
-                # the hottest experts of the routing replayed, not of the model's own
-                cache = dataclasses.replace(cache, profile=routing.counts(
-                    self.model_file.moe_layers(), self.model_file.n_layer,
-                    self.model_file.n_expert))
-        # the default placement is never expected to decode slower than --n-cpu-moe
-        self.policy_choice: Choice | None = None
-        if cache is not None:
-            self.policy_choice = default_choice(
-                self.model_file, cache, n_ctx=n_ctx, n_ubatch=n_ubatch,
-                routing_hit=routing.decode_hit_rate if routing_trace is not None else None)
-            if self.policy_choice is not None:
-                chosen = self.policy_choice
-                cache = dataclasses.replace(cache, policy=chosen.policy)
-                if chosen.policy != "ncmoe" and cache.prompt_bank is None:
-                    # the banks the choice weighed (perhaps over their default share)
-                    cache = dataclasses.replace(cache, prompt_bank=chosen.shape.bank)
-        self.cache_config: CacheConfig | None = cache
-        split: list[int] | None = None  # where llama.cpp will put each layer (ncmoe per device)
-        if cache is not None:
-            kwargs.setdefault("n_gpu_layers", -1)
-            if ncmoe_per_device(cache):
-                split = layer_split(self.model_file.n_layer, int(kwargs["n_gpu_layers"]),
-                                    kwargs.get("tensor_split"))
-            self.placement = place(self.model_file, cache, n_ctx=n_ctx, n_ubatch=n_ubatch,
-                                   layer_dev=split)
-        verbose = bool(kwargs.get("verbose", True))
-        on_disk = self.placement is not None and self.placement.disk is not None
-        if on_disk:  # the other weights read into memory, not faulted in from the file's pages
-            kwargs.setdefault("use_mmap", False)
-        with load_log(not verbose) as log, experts_left_on_disk(on_disk):
+        options = Options.take(kwargs, options)  # forecache's keywords; llama.cpp's stay
+        self.model_file: ModelFile = require_moe(resolve_model_arg(model_path))
+        patch_version()  # refuses a stock llama-cpp-python before llama.cpp touches the file
+        abort_in_one_line()
+        plan = self.load_plan = plan_load(self.model_file, options, cache, routing_trace, kwargs)
+        self.cache_config: CacheConfig | None = plan.cache
+        self.policy_choice: Choice | None = plan.choice
+        self.placement: Placement | None = plan.placement
+        self.rpc: list[str] = plan.rpc
+        self.n_seq_max = options.n_seq_max
+        self._load(plan)
+        try:
+            self._finish(plan)
+        except BaseException:
+            self.close()
+            raise
+
+    def _load(self, plan: LoadPlan) -> None:
+        """llama_cpp.Llama's load with ``plan``'s keywords; a failure in one line."""
+        on_disk = plan.placement is not None and plan.placement.disk is not None
+        with load_log(not plan.load_kwargs.get("verbose", True)) as log, \
+                experts_left_on_disk(on_disk):
             try:
-                super().__init__(str(model_path), **kwargs, **self._load_params(n_seq_max))
+                super().__init__(str(self.model_file.path), **plan.load_kwargs)
             except (ValueError, RuntimeError) as e:
                 failure = e
             else:
                 failure = None
         if failure is not None:
             raise ModelLoadError(self._load_failure(failure, log)) from failure
-        self.n_seq_max = n_seq_max
-        low = llama_cpp_module()
-        self._vocab = low.llama_model_get_vocab(self.model)
-        if split is not None:
-            self._check_split(split)
-        if cache is not None and cache.device_budgets is not None and cache.spec.cached:
-            self._size_per_device(cache, n_ctx, n_ubatch)
-        if cache is not None and cache.spec.cached:
-            self._attach_cache(cache)
-        if routing_trace is not None:
-            self._attach_replay(routing, n_ubatch)
-        if cache is not None and cache.little_k:
-            self._mobile = (self._little_k(cache.little_k, cache.little_resident), cache.gamma,
-                            cache.little_resident)
+
+    def _finish(self, plan: LoadPlan) -> None:
+        """After the load: the placement as the load turned out, then the expert cache, the
+        routing replayed, MoBiLE's little pass and the draft attached."""
+        self._vocab = llama_cpp_module().llama_model_get_vocab(self.model)
+        self.placement = finish(self.ctx, self.model_file, plan)
+        cfg = self.cache_config
+        if cfg is not None and cfg.spec.cached:
+            self._attach_cache(cfg)
+        if plan.routing is not None:
+            self._attach_replay(plan.routing, plan.n_ubatch)
+        if cfg is not None and cfg.little_k:
+            self._mobile = (self._little_k(cfg.little_k, cfg.little_resident), cfg.gamma,
+                            cfg.little_resident)
+        draft = plan.options.draft
         if (draft is not None or self._mobile is not None) and self.is_recurrent:
-            self.close()
             raise ValueError(
                 f"{self.model_file.path.name} ({self.model_file.arch}) keeps a recurrent state, "
                 f"which llama.cpp cannot take back to an earlier token: "
                 f"{setting('draft') if draft is not None else setting('mode', 'mobile')} "
                 "recomputes tokens and needs that; run without it")
         if draft is not None:
-            self._spec = self._speculator(draft, draft_k)
-
-    def _rpc_placement(self, cache: CacheConfig | None) -> CacheConfig | None:
-        """Register the RPC servers (before the model loads: llama.cpp then splits its layers
-        over their devices) and check the placement asked for runs over them: llama.cpp's own
-        (no policy: the default), offload, or an expert cache whose slots go on the device each
-        layer lives on, sized by a fraction or a budget per device (one size: their total).
-        ncmoe's host layers are fitted to each device's budget from llama.cpp's split."""
-        if cache is not None and not cache.auto:
-            cache = spread_budget(cache)  # a single size is the devices' total
-        try:
-            add_servers(self.rpc)
-        except RPCError as e:
-            raise ModelLoadError(str(e)) from e
-        return None if cache is None or cache.auto else cache
+            self._spec = Speculator(self, draft, plan.options.draft_k)
 
     @property
     def is_recurrent(self) -> bool:
@@ -264,14 +166,6 @@ class Llama(llama_cpp.Llama):
         low = llama_cpp_module()
         return bool(low.llama_model_is_recurrent(self.model) or
                     low.llama_model_is_hybrid(self.model))
-
-    def _speculator(self, draft: str, draft_k: int | None) -> Speculator:
-        """Speculative decoding with ``draft`` (closing the model on a bad one)."""
-        try:
-            return Speculator(self, draft, draft_k)
-        except ValueError:
-            self.close()
-            raise
 
     @property
     def speculator(self) -> Speculator | None:
@@ -292,12 +186,10 @@ class Llama(llama_cpp.Llama):
         m = (k if resident else k // 2) if little_k < 0 else little_k
         if self.expert_cache is None:
             policy = self.cache_config.policy if self.cache_config else "none"
-            self.close()
             raise ValueError("MoBiLE decoding runs in forecache's expert cache, which this run "
                              f"does not have (policy {policy}); give {setting('policy')} promoe "
                              "(or lru, lfu, static, infinity)")
         if not 1 <= m <= top:
-            self.close()
             raise ValueError(f"{setting('little_k')} {m}: the little pass routes 1 to {top} of "
                              f"the {k} experts {self.model_file.path.name} routes per token")
         return m
@@ -327,17 +219,8 @@ class Llama(llama_cpp.Llama):
             self.mobile_passes[1] += 1
         return None
 
-    def _load_params(self, n_seq_max: int) -> dict[str, Any]:
-        """llama_cpp.Llama keywords of forecache's placement and of ``n_seq_max`` sequences."""
-        params = expert_overrides(self.placement) if self.placement else {}
-        if n_seq_max > 1:
-            # a KV stream per sequence: each sees its cells where it would alone, which keeps its
-            # attention sums in the same order as a single-sequence run
-            params.update(n_seq_max=n_seq_max, kv_unified=False)
-        return params
-
     @classmethod
-    def open(cls, model_path: str | os.PathLike[str], *, cache: CacheConfig | None,
+    def open(cls, model_path: str | os.PathLike[str], *, cache: CacheConfig | None = AUTO,
              n_ctx: int = 4096, n_threads: int | None = None, n_seq_max: int = 1,
              n_gpu_layers: int = -1, verbose: bool = False, **kwargs: Any) -> Llama:
         """Load as forecache's commands do: ``n_ctx`` tokens per sequence, capped by the model's
@@ -370,136 +253,30 @@ class Llama(llama_cpp.Llama):
         return (f"llama.cpp could not load {name}: {err}{detail}; run with "
                 f"{setting('verbose', True)} for llama.cpp's log")
 
-    def _size_per_device(self, cfg: CacheConfig, n_ctx: int, n_ubatch: int) -> None:
-        """Slots for each layer from each device's budget, now that llama.cpp has put the layers
-        on devices (``budget.device_slots``); a budget too small is refused in one line."""
-        from forecache.native.ggml_devices import devices
-
-        assert self.placement is not None and cfg.device_budgets is not None
-        layer_dev = self._layer_devices()
-        if layer_dev is None:
-            self.close()
-            raise ModelLoadError("cannot tell which device holds each of the "
-                                 f"{self.model_file.n_layer} layers")
-        names = {d.index: d.name for d in devices()}
-        try:
-            slots = device_slots(self.model_file, cfg.device_budgets, layer_dev, names,
-                                 n_ctx=n_ctx, n_ubatch=n_ubatch)
-            # held back on every device
-            stage = stage_slots(self.model_file.n_expert, slots, given=cfg.stage_slots,
-                                streams=cfg.spec.proactive and cfg.features.reorder)
-            if stage:
-                slots = device_slots(self.model_file, cfg.device_budgets, layer_dev, names,
-                                     n_ctx=n_ctx, n_ubatch=n_ubatch, held=stage)
-        except ValueError:
-            self.close()
-            raise
-        # a policy moving slots between layers (infinity) moves them within each device
-        by_dev: dict[int, list[int]] = {}
-        for il in self.model_file.moe_layers():
-            by_dev.setdefault(layer_dev[il], []).append(il)
-        slots = cfg.spec.policy.layer_slots(self.model_file, slots, list(by_dev.values()))
-        self.placement = dataclasses.replace(self.placement, n_slots=slots, stage_slots=stage)
-
-    def _check_split(self, split: list[int]) -> None:
-        """ncmoe's host layers were fitted to ``split``, the layer split predicted before the
-        load: refuse a load whose layers went elsewhere (the budgets would not hold)."""
-        from forecache.native.ggml_devices import devices
-
-        got = self._llama_layer_devices()
-        if got != split[:self.model_file.n_layer]:
-            names = {d.index: d.name for d in devices()}
-            where = [names.get(d, "CPU") for d in got or []] or ["devices it does not report"]
-            self.close()
-            raise ModelLoadError(f"llama.cpp put the layers on {', '.join(where)}, not where "
-                                 "ncmoe's budget per device was fitted; give each device's "
-                                 "share with tensor_split")
-
-    def _llama_layer_devices(self) -> list[int] | None:
-        """The ggml device index of each layer's non-expert weights as llama.cpp put them, -1
-        for host memory (None if the C side cannot tell)."""
-        n_layer = self.model_file.n_layer
-        arr = (ctypes.c_int32 * n_layer)()
-        return list(arr) if api().layer_devices(self.ctx, arr, n_layer) == 0 else None
-
-    def _layer_devices(self) -> list[int] | None:
-        """The ggml device index each layer's slots go on: the device llama.cpp put the layer
-        on, or the cache's own for a layer in host memory (None if the C side cannot tell)."""
-        assert self.placement is not None
-        got = self._llama_layer_devices()
-        return None if got is None else [d if d >= 0 else self.placement.device.index for d in got]
-
-    def _split_devices(self) -> list[Device | None] | None:
-        """Per model layer, the device whose link the host/device split prices the layer's
-        copies by: where llama.cpp put layers on other devices than the cache's own (RPC
-        servers, other GPUs), the device holding the layer's slots, each of which the split then
-        prices by its own measured link; None where every layer's slots are on the cache's own
-        device."""
-        from forecache.native.ggml_devices import devices
-
-        assert self.placement is not None
-        local = self.placement.device
-        if not self.rpc and len(local_gpus()) < 2:
-            return None
-        layer_dev = self._layer_devices()
-        if layer_dev is None:
-            return None
-        moe = set(self.model_file.moe_layers())
-        by_index = {dev.index: dev for dev in devices()}
-        out = [by_index.get(d) if il in moe and self.placement.n_slots[il] > 0 else None
-               for il, d in enumerate(layer_dev)]
-        if all(d is None or d.index == local.index for d in out):
-            return None
-        return out
-
     def split_costs(self) -> dict[str, dict[str, float]]:
         """Each device the host/device split prices, with what it prices now: its copy rate
         (``copy_gbps``) and its expert groups' measured over modelled compute time
         (``device_scale``; 1 where not measured); empty without a split."""
         cache = self.expert_cache
-        policy = cache.policy if cache is not None else None
-        if policy is None or policy.cost is None:
-            return {}
-
-        def row(c: CostModel) -> dict[str, float]:
-            return {"copy_gbps": c.copy_gbps, "device_scale": c.dev_scale}
-
-        if not self.split_devices:
-            name = self.placement.device.name if self.placement is not None else "device"
-            return {name: row(policy.cost)}
-        out: dict[str, dict[str, float]] = {}
-        for il, dev in enumerate(self.split_devices):
-            cost = policy.cost_for(il)
-            if dev is not None and cost is not None:
-                out.setdefault(dev.name, row(cost))
-        return out
+        return priced_devices(cache.policy if cache is not None else None, self.placement,
+                              self.split_devices)
 
     def _attach_cache(self, cfg: CacheConfig) -> None:
+        """The expert cache on the loaded context, priced by the links and disk it runs on."""
         assert self.placement is not None
         if cfg.spec.needs_profile and cfg.profile is None:
             cfg.profile = self.routing_profile(self.tokenize(CALIBRATION_TEXT.encode() * 2), 16)
-        if self.placement.disk is not None:  # the file's read rate, for the split's costs
-            try:
-                self.disk_rate = probe_expert_reads(self.model_file, readers_default())
-            except OSError as e:
-                self.close()
-                raise ModelLoadError(f"cannot read the experts of {self.model_file.path}: {e}; "
-                                     "the disk tier reads them from the file") from e
-        self.split_devices = self._split_devices()
-        self.expert_cache = attach(self.ctx, self.placement, cfg,
-                                   make_policy(cfg, self.placement.n_slots, self.model_file,
-                                               self.placement.device, self.disk_rate,
-                                               self.split_devices),
-                                   self.model_file,
-                                   say=lambda msg: print(msg, file=sys.stderr))
-        cache = self.expert_cache  # predictors that read token ids get each batch's
+        self.disk_rate = probe_disk(self.model_file, self.placement)
+        self.split_devices = split_devices(self.ctx, self.model_file, self.placement,
+                                           bool(self.rpc))
+        cache = self.expert_cache = build_cache(
+            self.ctx, self.model_file, self.placement, cfg, self.split_devices, self.disk_rate,
+            say=lambda msg: print(msg, file=sys.stderr))
 
-        def on_batch(tokens: Sequence[int]) -> None:
+        def on_batch(tokens: Sequence[int]) -> None:  # predictors that read token ids
             cache.begin_ubatch(np.asarray(tokens, dtype=np.int32))
 
         self.on_batch = on_batch
-        self.expert_cache.wait_idle()  # the static policy's pinned experts
-        self.expert_cache.reset_stats()
 
     def routing_profile(self, tokens: list[int], n_gen: int) -> np.ndarray:
         """Routed-expert counts [n_layer, n_expert] of a greedy run over ``tokens``, computed from
@@ -676,11 +453,7 @@ class Llama(llama_cpp.Llama):
 
         replay = RoutingReplay(routing, self.model_file.moe_layers(), self.model_file.n_layer,
                                n_ubatch)
-        try:
-            replay.attach(libllama(), self.ctx, cache_device().index)
-        except ReplayError:
-            self.close()
-            raise
+        replay.attach(libllama(), self.ctx, cache_device().index)
         self.replay = replay
         before = self.on_batch
 

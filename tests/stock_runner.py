@@ -102,7 +102,7 @@ def main(argv: list[str]) -> int:
         params = dict(job.get("params", {}))
         if isinstance(params.get("cache"), dict):  # a CacheConfig's fields
             from forecache.cache.prefetcher import Features
-            from forecache.cache.setup import CacheConfig
+            from forecache.placement.options import CacheConfig
 
             fields = dict(params["cache"])
             if isinstance(fields.get("features"), dict):

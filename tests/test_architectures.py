@@ -14,12 +14,12 @@ import pytest
 from cli_helpers import run_cli
 from stock_runner import greedy
 
-from forecache.cache.setup import CacheConfig
 from forecache.gguf.header import read_model_file
 from forecache.jobs.requests import Request
 from forecache.llama import Llama
+from forecache.placement.options import CacheConfig
 from forecache.predictor.store import load_learned
-from forecache.trace.record import record_trace
+from forecache.record import record_trace
 
 if TYPE_CHECKING:
     from conftest import StockReference

@@ -640,8 +640,8 @@ def test_decoding_sequences_share_one_ubatch(tiny_model) -> None:
     once none waits to the sequences left (their KV streams copied down), a step of every
     sequence's next token still runs as one ubatch (one routing of each layer)."""
     from forecache.batch import decode_many
-    from forecache.cache.setup import CacheConfig
     from forecache.llama import Llama
+    from forecache.placement.options import CacheConfig
 
     def job(llm: Llama, reqs: list, compact: bool) -> tuple[dict, list[int], int]:
         """Texts, the hook calls of each step after one in which nothing finished (no prompt,

@@ -10,7 +10,6 @@ import pytest
 
 from forecache.cache.cost import Profile
 from forecache.cache.plans import Plan, estimate
-from forecache.cache.setup import DEFAULT_MACHINE, CacheConfig
 from forecache.cache.shape import model_shape
 from forecache.jobs.plan import (
     StageSample,
@@ -25,6 +24,8 @@ from forecache.jobs.plan import (
 )
 from forecache.llama import Llama
 from forecache.models.default import REFERENCE_MODEL
+from forecache.placement.costs import DEFAULT_MACHINE
+from forecache.placement.options import CacheConfig
 
 STOCK = Plan(8, 256, False, "ncmoe")  # llama.cpp's own placement: every expert in place
 BUDGET = 1 << 40

@@ -29,14 +29,10 @@ from forecache.cache.choice import (
 )
 from forecache.cache.cost import CostModel, ExpertShape, Profile
 from forecache.cache.measured import MIN_LOOKUPS, load_evidence, record_path, record_run
-from forecache.cache.setup import (
-    DEFAULT_GPU_MACHINE,
-    CacheConfig,
-    default_machine,
-    split_cost,
-)
 from forecache.gguf.header import read_model_file
 from forecache.native.ggml_devices import Device, cache_device
+from forecache.placement.costs import DEFAULT_GPU_MACHINE, default_machine, split_cost
+from forecache.placement.options import CacheConfig
 from forecache.sim.run import decode_shape, run_one, slots_for
 from forecache.sim.shapes import shape_of
 from forecache.sim.simulate import SimConfig

@@ -15,11 +15,11 @@ from split_costs import split_costs
 from forecache.cache.infinity import InfinityPolicy
 from forecache.cache.prefetcher import Features, Prefetcher
 from forecache.cache.runtime import ExpertCache
-from forecache.cache.setup import CacheConfig
 from forecache.generate import SamplingParams, generate
 from forecache.gguf.header import read_model_file
 from forecache.llama import Llama
 from forecache.native.testing import ChunkInfo, controls
+from forecache.placement.options import CacheConfig
 from forecache.sim.shapes import shape_of
 
 

@@ -19,9 +19,9 @@ from disk_helpers import cached_pages, direct_io, drop_cached, quarter_budget
 from stock_runner import greedy
 
 from forecache.cache.disk import host_weight_bytes, plan_disk
-from forecache.cache.setup import CacheConfig
 from forecache.gguf.header import ModelFile, read_model_file
 from forecache.llama import Llama
+from forecache.placement.options import CacheConfig
 
 if TYPE_CHECKING:
     from conftest import StockReference
@@ -158,7 +158,7 @@ def test_disk_reads_match_the_simulator(tiny_model: Callable[..., Path], tmp_pat
     from forecache.sim.disk_reads import predict_disk_reads
     from forecache.sim.shapes import model_shape
     from forecache.trace.format import TraceFile
-    from forecache.trace.record import record_trace
+    from forecache.record import record_trace
 
     model = _own_copy(tiny_model("q8_0"), tmp_path)
     mf = read_model_file(model)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from forecache.cache.budget import BudgetError
-from forecache.cache.setup import CacheConfig
 from forecache.errors import flag_names, setting, use_flag_names
+from forecache.placement.options import CacheConfig
 from tests.cli_helpers import run_cli
 
 

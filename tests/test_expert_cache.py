@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from forecache.cache.budget import BudgetError, device_slots, plan_memory
-from forecache.cache.setup import CacheConfig, spread_budget
 from forecache.generate import SamplingParams, generate, last_logits, text_tokens
 from forecache.gguf.header import read_model_file
 from forecache.llama import Llama
 from forecache.native import api
 from forecache.native.testing import controls
+from forecache.placement.options import CacheConfig, spread_budget
 
 if TYPE_CHECKING:
     from conftest import StockReference

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 
-from forecache.cache.setup import CacheConfig
 from forecache.cache.timeline import summarize
 from forecache.generate import SamplingParams, generate, last_logits, text_tokens
 from forecache.gguf.header import read_model_file
 from forecache.llama import Llama
+from forecache.placement.options import CacheConfig
 from tests.conftest import assert_same_tokens
 
 if TYPE_CHECKING:
@@ -299,7 +299,7 @@ def test_prompt_banks_placement(tiny_model: Callable[[str], Path]) -> None:
     something watches every routing, or (by default) past a quarter of the expert budget."""
     from forecache.cache.budget import BANK_REGIONS, BudgetError, plan_memory
     from forecache.cache.prefetcher import stage_slots
-    from forecache.cache.setup import bank_experts, held_back
+    from forecache.placement.before import bank_experts, held_back
 
     mf = read_model_file(tiny_model("q8_0"))
     layers = mf.moe_layers()

@@ -17,10 +17,10 @@ from forecache.cache.cost import Profile
 from forecache.cache.infinity import InfinityPolicy
 from forecache.cache.policies import LFUPolicy, LRUPolicy
 from forecache.cache.prefetcher import Features
-from forecache.cache.setup import CacheConfig
 from forecache.generate import SamplingParams, generate, last_logits, text_tokens
 from forecache.llama import Llama
 from forecache.models.default import REFERENCE_MODEL
+from forecache.placement.options import CacheConfig
 from forecache.predictor.history import HistoryPredictor
 from forecache.sim.engine import SimEngine
 from forecache.sim.shapes import shape_of
@@ -252,8 +252,8 @@ def test_eam_predictor_from_a_stored_collection(tmp_path: Path,
         assert json.loads(out.stdout)["tokens"] == ref, policy
 
     # the collection and the reuse it recorded reach the runtime
-    from forecache.cache.setup import make_forecaster
     from forecache.gguf.header import read_model_file
+    from forecache.placement.build import make_forecaster
     from forecache.predictor.store import load_eam
 
     mf = read_model_file(REFERENCE_MODEL)

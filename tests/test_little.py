@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 
-from forecache.cache.setup import CacheConfig
 from forecache.generate import SamplingParams, generate, last_logits
 from forecache.gguf.header import read_model_file
 from forecache.llama import Llama
+from forecache.placement.options import CacheConfig
 from tests.conftest import assert_same_tokens
 
 if TYPE_CHECKING:

@@ -176,20 +176,20 @@ def test_not_moe_and_missing_files_are_refused(tmp_path: Path) -> None:
 
 
 def test_promoe_is_the_default_policy() -> None:
-    from forecache.cache.setup import resolve_cache_config
     from forecache.native.ggml_devices import cache_device
+    from forecache.placement.options import Options
 
     dev = cache_device()
-    auto = resolve_cache_config(None, None, None)
+    auto = Options().cache_config()
     if dev.type == "cpu":  # device and host are the same memory: llama.cpp's own placement
         assert auto is None
     else:  # the GPU's free memory, less a reserve
         assert auto is not None and auto.policy == "promoe"
         assert 0 < auto.gpu_budget < dev.memory_free
-    assert resolve_cache_config(None, None, 0.5).policy == "promoe"
-    sized = resolve_cache_config(None, "1GiB", None)
+    assert Options(cache_fraction=0.5).cache_config().policy == "promoe"
+    sized = Options(gpu_budget="1GiB").cache_config()
     assert sized.policy == "promoe" and sized.gpu_budget == 1 << 30
-    assert resolve_cache_config("lru", None, 0.5).policy == "lru"
+    assert Options(policy="lru", cache_fraction=0.5).cache_config().policy == "lru"
 
 
 def test_each_generation_frees_the_last_sampler(tiny_model) -> None:

@@ -28,9 +28,9 @@ from stock_runner import greedy
 
 from forecache.cache.budget import plan_memory
 from forecache.cache.prefetcher import Features
-from forecache.cache.setup import CacheConfig
 from forecache.gguf.header import read_model_file
 from forecache.llama import Llama
+from forecache.placement.options import CacheConfig
 
 if TYPE_CHECKING:
     from conftest import StockReference

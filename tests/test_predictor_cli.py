@@ -93,9 +93,9 @@ def test_train_stores_predictors_and_refuses_other_models(ref_trace: Path, tmp_p
     assert res.returncode == 1 and "was made for" in res.stderr and "forecache trace" in res.stderr
 
     # at run time, promoe picks the trained predictors up and prefetches with them, losslessly
-    from forecache.cache.setup import CacheConfig
     from forecache.generate import SamplingParams, generate
     from forecache.llama import Llama
+    from forecache.placement.options import CacheConfig
 
     def run(cfg: CacheConfig | None) -> tuple[list[int], dict]:
         with Llama.open(model, n_ctx=256, cache=cfg) as llm:

@@ -15,11 +15,11 @@ import pytest
 
 from forecache.cache.cost import Profile
 from forecache.cache.prefetcher import HIGH, LOW, SLOT_EMPTY, SLOT_QUEUED, Features
-from forecache.cache.setup import CacheConfig
 from forecache.generate import SamplingParams, generate, last_logits, text_tokens
 from forecache.llama import Llama
 from forecache.native.cache_api import CHUNK_EXPERT
 from forecache.native.testing import ChunkInfo, controls
+from forecache.placement.options import CacheConfig
 from forecache.sim.engine import SimEngine
 from forecache.sim.shapes import ModelShape, shape_of
 from forecache.sim.simulate import SimConfig, simulate

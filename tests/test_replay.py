@@ -69,8 +69,8 @@ class _Seen:
 
 
 def _open(model: Path, trace: Path | None, cache: object = "lru", **kw: object):
-    from forecache.cache.setup import CacheConfig
     from forecache.llama import Llama
+    from forecache.placement.options import CacheConfig
 
     if cache == "lru":
         cache = CacheConfig(policy="lru", cache_fraction=0.5)
@@ -215,7 +215,7 @@ def test_gate_hook_sees_the_replayed_rows(tiny_model: Callable[..., Path],
     run routes exactly the trace's rows: the prompt its prefill rows, generated tokens its decode
     rows, in order; a trace written from what the hook saw has the input's routing statistics,
     which differ from the model's own."""
-    from forecache.trace.record import RouteRecorder, all_rows_computed
+    from forecache.record import RouteRecorder, all_rows_computed
 
     model = tiny_model("q8_0")
     n_prefill, n_decode = 24, 8
@@ -264,7 +264,7 @@ def test_rows_are_read_in_order_across_requests(tiny_model: Callable[..., Path],
     """Each phase's cursor runs on from request to request and wraps when used up; llama.cpp
     computes the last layer for a prompt batch's output row only, which reads the batch's last
     row."""
-    from forecache.trace.record import all_rows_computed
+    from forecache.record import all_rows_computed
 
     model = tiny_model("q8_0")
     P, D = 16, 6
@@ -305,7 +305,7 @@ def test_replaying_a_models_own_routing_reproduces_it(tiny_model: Callable[..., 
     Without the weights (1/k) the logits change. qwen2moe multiplies the expert outputs by the
     router weights as the gate hook reports them (architectures that normalise them after the
     selection would not reproduce)."""
-    from forecache.trace.record import all_rows_computed
+    from forecache.record import all_rows_computed
 
     model = tiny_model("q8_0")
     prompt, n_gen = list(range(200, 220)), 8  # ubatches of 8, 8 and 4 tokens
@@ -357,7 +357,7 @@ def test_replay_maps_a_trace_onto_another_model(preset: str, tiny_model: Callabl
     deepseek2 (a dense first block, then 3 MoE layers of 16, top-4): each MoE layer routes the
     mapped rows, with the trace's own ids wherever they fit."""
     from forecache.gguf.header import read_model_file
-    from forecache.trace.record import all_rows_computed
+    from forecache.record import all_rows_computed
 
     model = tiny_model("q8_0", preset)
     mf = read_model_file(model)
@@ -394,7 +394,7 @@ def test_every_placement_replays_the_same_routing(tiny_model: Callable[..., Path
     on the CPU build (the same kernels everywhere) all compute the same greedy tokens, which are
     not the model's own."""
     from forecache import build
-    from forecache.cache.setup import CacheConfig
+    from forecache.placement.options import CacheConfig
 
     model = tiny_model("q8_0")
     trace = _prefill_decode_trace(tmp_path / "t.npz", 20, 10, seed=2)
@@ -424,7 +424,7 @@ def test_every_placement_replays_the_same_routing(tiny_model: Callable[..., Path
 # -- one ubatch per batch --------------------------------------------------------------------------
 def test_replay_makes_every_batch_one_ubatch(tiny_model: Callable[..., Path],
                                              tmp_path: Path) -> None:
-    from forecache.trace.record import all_rows_computed
+    from forecache.record import all_rows_computed
 
     model = tiny_model("q8_0")
     P, D = 24, 4
@@ -516,8 +516,8 @@ def test_replay_refuses_what_chooses_experts_or_rows(tiny_model: Callable[..., P
                                                     tmp_path: Path) -> None:
     """MoBiLE's little pass and speculative decoding pick experts or rows of their own: a replay
     fixes both, so they are refused in one line rather than silently measured wrong."""
-    from forecache.cache.setup import CacheConfig
     from forecache.llama import Llama
+    from forecache.placement.options import CacheConfig
 
     model = tiny_model("q8_0")
     trace = _prefill_decode_trace(tmp_path / "t.npz", 20, 10, seed=2)
@@ -533,8 +533,8 @@ def test_static_under_replay_pins_the_replayed_routings_experts(
         tiny_model: Callable[..., Path], tmp_path: Path) -> None:
     """The static policy's profile is the replayed routing's expert counts, not a calibration
     run of the model's own router."""
-    from forecache.cache.setup import CacheConfig
     from forecache.llama import Llama
+    from forecache.placement.options import CacheConfig
 
     model = tiny_model("q8_0")
     trace = _prefill_decode_trace(tmp_path / "t.npz", 30, 10, seed=5)
@@ -555,10 +555,10 @@ def test_default_guard_decides_from_the_replayed_routing(tiny_model: Callable[..
     """With no policy named, the default placement is estimated from the routing the run
     replays, not from what the model's own router did before."""
     from forecache.cache.budget import plan_memory
-    from forecache.cache.setup import resolve_cache_config
     from forecache.gguf.header import read_model_file
     from forecache.llama import Llama
     from forecache.native.ggml_devices import cache_device
+    from forecache.placement.options import Options
 
     model = tiny_model("q8_0")
     mf, dev = read_model_file(model), cache_device()
@@ -582,7 +582,7 @@ def test_default_guard_decides_from_the_replayed_routing(tiny_model: Callable[..
               "spread": _prefill_decode_trace(tmp_path / "spread.npz", n_pre, n_dec, seed=4)}
     seen = {}
     for name, trace in traces.items():
-        cfg = resolve_cache_config(None, budget, None, machine="rtx4090")
+        cfg = Options(gpu_budget=budget, machine="rtx4090").cache_config()
         with Llama.open(model, cache=cfg, n_ctx=256, n_threads=1, routing_trace=trace) as llm:
             choice = llm.policy_choice
             assert choice is not None and choice.evidence.source == "replay"
@@ -601,10 +601,11 @@ def test_the_default_takes_prompt_banks_where_they_pay(tiny_model: Callable[[str
     not, so the run loads with banks and computes its prompt from them. Told no banks, it
     keeps stock's placement, and says the prompt decided."""
     from forecache.cache.budget import plan_memory
-    from forecache.cache.setup import default_choice, resolve_cache_config
     from forecache.gguf.header import read_model_file
     from forecache.llama import Llama
     from forecache.native.ggml_devices import cache_device
+    from forecache.placement.before import default_choice
+    from forecache.placement.options import Options
 
     base = json.loads((Path(__file__).parents[1] / "forecache" / "data" / "profiles" /
                        "h100-xeon.json").read_text())
@@ -627,14 +628,14 @@ def test_the_default_takes_prompt_banks_where_they_pay(tiny_model: Callable[[str
             continue
         if not 0 < plan.ncmoe_cpu_layers() < len(mf.moe_layers()):
             continue
-        cfg = resolve_cache_config(None, mib << 20, None, machine=str(machine))
+        cfg = Options(gpu_budget=mib << 20, machine=str(machine)).cache_config()
         c = default_choice(mf, cfg, n_ctx=256, n_ubatch=512,
                            routing_hit=lambda n: (n / N_EXPERT, 1000))
         if c is not None and c.policy == "promoe" and c.alternative:
             budget = mib << 20
             break
     assert budget is not None
-    cfg = resolve_cache_config(None, budget, None, machine=str(machine))
+    cfg = Options(gpu_budget=budget, machine=str(machine)).cache_config()
     with Llama.open(model, cache=cfg, n_ctx=256, n_threads=1, routing_trace=trace) as llm:
         choice = llm.policy_choice
         assert choice is not None and choice.policy == "promoe" and choice.shape.bank
@@ -642,7 +643,7 @@ def test_the_default_takes_prompt_banks_where_they_pay(tiny_model: Callable[[str
         assert llm.placement.bank and llm.cache_config.prompt_bank
         llm.eval(list(range(1, n_pre + 1)))
         assert llm.expert_stats()["banked"] > 0
-    told = resolve_cache_config(None, budget, None, machine=str(machine), prompt_bank=False)
+    told = Options(gpu_budget=budget, machine=str(machine), prompt_bank=False).cache_config()
     with Llama.open(model, cache=told, n_ctx=256, n_threads=1, routing_trace=trace) as llm:
         choice = llm.policy_choice
         assert choice is not None and choice.policy == "ncmoe" and not choice.shape.bank

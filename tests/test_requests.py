@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from forecache.jobs.requests import read_requests
-from forecache.trace.record import load_prompts
+from forecache.record import load_prompts
 
 GOOD = '{"id": "ok", "prompt": "fine"}'
 BAD = {

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pytest
 
-from forecache.cache.setup import CacheConfig
 from forecache.generate import SamplingParams, generate, last_logits
 from forecache.llama import Llama
 from forecache.models.default import REFERENCE_DRAFT, REFERENCE_MODEL
+from forecache.placement.options import CacheConfig
 from forecache.speculative import speculator
 from forecache.speculative.speculator import (
     BACKOFF,

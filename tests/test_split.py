@@ -24,13 +24,13 @@ from disk_helpers import cached_pages, direct_io, drop_cached, quarter_budget
 from stock_runner import greedy
 
 from forecache.cache.disk import plan_disk, probe_expert_reads, probe_ranges
-from forecache.cache.setup import CacheConfig
 from forecache.gguf.base import GGUFError
 from forecache.gguf.header import read_model_file, require_moe
 from forecache.gguf.identity import fingerprint, identity
 from forecache.gguf.maker import make_model
 from forecache.gguf.tensors import tensor_array
 from forecache.llama import Llama
+from forecache.placement.options import CacheConfig
 
 if TYPE_CHECKING:
     from conftest import StockReference

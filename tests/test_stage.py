@@ -14,11 +14,11 @@ import pytest
 from forecache.cache.cost import Profile
 from forecache.cache.prefetcher import HIGH, LOW, SLOT_EMPTY, Features, stage_slots
 from forecache.cache.runtime import CacheError
-from forecache.cache.setup import CacheConfig
 from forecache.generate import SamplingParams, generate, last_logits, text_tokens
 from forecache.gguf.header import read_model_file
 from forecache.llama import Llama
 from forecache.native.testing import controls
+from forecache.placement.options import CacheConfig
 from forecache.predictor.history import HistoryPredictor
 from forecache.sim.engine import SimEngine
 from forecache.sim.shapes import shape_of

@@ -126,13 +126,13 @@ def test_tracing_keeps_tokens_and_records_true_routing(preset: str, tiny_model,
     and gate inputs/weights that reproduce each layer's routing through its own router, in each
     architecture's router form (deepseek2: sigmoid scores, a selection bias, groups; its dense
     first layer is not a trace layer)."""
-    from forecache.cache.setup import CacheConfig
     from forecache.generate import SamplingParams, generate, text_tokens
     from forecache.gguf.header import read_model_file
     from forecache.jobs.requests import Request
     from forecache.llama import Llama
+    from forecache.placement.options import CacheConfig
     from forecache.predictor.skip import SkipPredictor
-    from forecache.trace.record import _render, record_trace
+    from forecache.record import _render, record_trace
 
     model = tiny_model("q8_0", preset)
     prompts = [Request("a", 1, prompt="Tell me about rivers and the sea."),

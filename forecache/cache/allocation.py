@@ -6,7 +6,7 @@ gains little from a tenth slot, one that spreads gains a lot. ``trace.stats.lru_
 measures, from a routing trace, the hits a per-layer LRU cache of every size would get;
 ``allocate_slots`` then
 hands out a fixed total greedily by marginal gain (weighted by each layer's miss cost), at least
-one slot per layer. The runtime (``cache.setup``) and the simulator (``sim.run``) both call it.
+one slot per layer. The runtime (``placement``) and the simulator (``sim.run``) both call it.
 """
 
 from __future__ import annotations

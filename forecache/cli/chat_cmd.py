@@ -10,10 +10,9 @@ from typing import TYPE_CHECKING
 import click
 
 from forecache.cli.generate_cmd import (
-    cache_config,
     cache_options,
+    cli_options,
     ctx_option,
-    open_args,
     say_choice,
     threads_option,
     ubatch_args,
@@ -128,10 +127,8 @@ def chat(model: Path, system: str | None, max_tokens: int, temp: float, seed: in
     from forecache.llama import Llama
 
     sampling = SamplingParams(greedy=temp <= 0, temperature=temp)
-    spec = open_args(cache_opts)
-    llm = Llama.open(model, cache=cache_config(**cache_opts),  # type: ignore[arg-type]
-                     n_ctx=n_ctx, n_threads=threads, seed=seed, verbose=verbose,
-                     **ubatch_args(ubatch), **spec)
+    llm = Llama.open(model, options=cli_options(cache_opts), n_ctx=n_ctx, n_threads=threads,
+                     seed=seed, verbose=verbose, **ubatch_args(ubatch))
     mf = llm.model_file
     try:
         llm.format_chat([{"role": "user", "content": "hi"}])  # refuse a model without template

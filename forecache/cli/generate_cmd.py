@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING
 import click
 
 from forecache.cache.budget import format_size
-from forecache.cache.prefetcher import Features
 from forecache.cache.registry import POLICIES
-from forecache.cache.setup import DEFAULT_GPU_MACHINE, CacheConfig, resolve_cache_config
 from forecache.cli.model_arg import model_option
 from forecache.interrupt import deferred_signals
 from forecache.native.libs import MAX_THREADS
+from forecache.placement.costs import DEFAULT_GPU_MACHINE
+from forecache.placement.options import MODES, PREDICTORS, SWITCHES, CacheConfig, Options
 
 if TYPE_CHECKING:
     from forecache.generate import GenerationResult
@@ -51,11 +51,7 @@ def ubatch_args(ubatch: int | None) -> dict[str, int]:
 
 def cache_options(fn):  # type: ignore[no-untyped-def]
     """--policy, --gpu-budget, --cache-fraction and promoe's switches."""
-    for name, what in (("split", "computing missing experts on the CPU when cheaper than copying"),
-                       ("reorder", "cache-first expert order and slot streaming"),
-                       ("preempt", "early preemption of queued predictions at the gate"),
-                       ("chunk", "per-projection copy chunks (one chunk per expert instead)"),
-                       ("prefetch", "predicted prefetch")):
+    for name, what in reversed(list(SWITCHES.items())):
         fn = click.option(f"--no-{name}", f"no_{name}", is_flag=True,
                           help=f"promoe without {what} (for ablations).")(fn)
     fn = click.option("--draft-k", type=click.IntRange(1, 16), default=None,
@@ -74,11 +70,11 @@ def cache_options(fn):  # type: ignore[no-untyped-def]
     fn = click.option("--little-k", type=click.IntRange(1, 256), default=None,
                       help="--mode mobile: experts per token of the little pass (default: half "
                            "the model's).")(fn)
-    fn = click.option("--gamma", type=click.FloatRange(0.0, 1.0), default=0.7,
+    fn = click.option("--gamma", type=click.FloatRange(0.0, 1.0), default=Options.gamma,
                       show_default=True,
                       help="--mode mobile: a token whose little pass gives its top token a "
                            "lower probability is recomputed by the full model.")(fn)
-    fn = click.option("--mode", type=click.Choice(["exact", "mobile"]), default="exact",
+    fn = click.option("--mode", type=click.Choice(MODES), default=Options.mode,
                       show_default=True,
                       help="exact: the model as it is. mobile (MoBiLE, lossy): each generated "
                            "token runs a little pass over fewer experts, and the full model "
@@ -105,8 +101,8 @@ def cache_options(fn):  # type: ignore[no-untyped-def]
     fn = click.option("--window", type=click.IntRange(1, 64), default=None,
                       help="promoe: predict this many layers ahead (default: the window the "
                            "model's learned predictors were trained for).")(fn)
-    fn = click.option("--predictor", type=click.Choice(["auto", "learned", "history", "eam"]),
-                      default="auto", show_default=True,
+    fn = click.option("--predictor", type=click.Choice(PREDICTORS),
+                      default=Options.predictor, show_default=True,
                       help="promoe's predictor (auto: learned when trained for the model; eam: "
                            "MoE-Infinity's EAM matching, from the collection `forecache train "
                            "--predictor eam` makes).")(fn)
@@ -145,26 +141,16 @@ def open_args(cache_opts: dict) -> dict:
         ({} if rpc is None else {"rpc": rpc})
 
 
-def cache_config(policy: str | None, gpu_budget: str | None, cache_fraction: float | None,
-                 predictor: str = "auto", window: int | None = None, no_prefetch: bool = False,
-                 no_chunk: bool = False, no_preempt: bool = False,
-                 no_reorder: bool = False, no_split: bool = False,
-                 machine: str | None = None, stage_slots: int | None = None,
-                 prompt_bank: bool | None = None, mode: str = "exact", gamma: float = 0.7,
-                 little_k: int | None = None, little_resident: bool = False,
-                 host_budget: str | None = None) -> CacheConfig | None:
-    """The CacheConfig the cache options ask for: promoe unless a policy is named, sized by the
-    GPU's free memory unless a size is given; None (llama.cpp's own placement) on a CPU-only build
-    given no option."""
-    return resolve_cache_config(policy, gpu_budget, cache_fraction, predictor=predictor,
-                                window=window, machine=machine, stage_slots=stage_slots,
-                                prompt_bank=prompt_bank,
-                                little_k=(little_k or -1) if mode == "mobile" else 0,
-                                gamma=gamma, little_resident=little_resident,
-                                host_budget=host_budget,
-                                features=Features(prefetch=not no_prefetch, chunk=not no_chunk,
-                                                  preempt=not no_preempt,
-                                                  reorder=not no_reorder, split=not no_split))
+def cli_options(cache_opts: dict) -> Options:
+    """The run's options from the cache options' values (``Options.from_cli``)."""
+    return Options.from_cli(**cache_opts)
+
+
+def cache_config(**cache_opts: object) -> CacheConfig | None:
+    """The CacheConfig the cache options ask for, before the load (a batch job plans with it):
+    promoe unless a policy is named, sized by the GPU's free memory unless a size is given; None
+    (llama.cpp's own placement) on a CPU-only build given no option."""
+    return Options.from_cli(**cache_opts).cache_config()
 
 
 def say_choice(llm: Llama) -> None:
@@ -222,10 +208,9 @@ def generate(model: Path, prompt: str, n_predict: int, greedy: bool, seed: int, 
     from forecache.llama import Llama
 
     sampling = SamplingParams(greedy=greedy, temperature=temp)
-    spec = open_args(cache_opts)
-    cfg = cache_config(**cache_opts)  # type: ignore[arg-type]
-    with Llama.open(model, cache=cfg, n_ctx=n_ctx, n_threads=threads, n_gpu_layers=n_gpu_layers,
-                    seed=seed, verbose=verbose, **ubatch_args(ubatch), **spec) as llm, \
+    with Llama.open(model, options=cli_options(cache_opts), n_ctx=n_ctx, n_threads=threads,
+                    n_gpu_layers=n_gpu_layers, seed=seed, verbose=verbose,
+                    **ubatch_args(ubatch)) as llm, \
             deferred_signals() as stop:
         res = generate(llm, prompt, n_predict, sampling, on_text=None if as_json else _stream,
                        ignore_eos=ignore_eos, stop=stop)
@@ -254,9 +239,7 @@ def run(model: Path, prompt: str | None, n_predict: int, n_ctx: int,
 
     path = model
     question = prompt or DEFAULT_PROMPT
-    spec = open_args(cache_opts)
-    with Llama.open(path, cache=cache_config(**cache_opts),  # type: ignore[arg-type]
-                    n_ctx=n_ctx, **spec) as llm:
+    with Llama.open(path, options=cli_options(cache_opts), n_ctx=n_ctx) as llm:
         text = llm.format_chat([{"role": "user", "content": question}])
         mf = llm.model_file
         click.echo(f"model: {path.name} ({mf.arch}, {mf.n_layer} layers, {mf.n_expert} experts, "

@@ -44,9 +44,9 @@ def plan(model: Path | None, shape: str | None, qtype: str, gpu_budget: str, pro
     from forecache.cache.budget import format_size, parse_size
     from forecache.cache.cost import Profile
     from forecache.cache.plans import Workload, search
-    from forecache.cache.setup import DEFAULT_MACHINE
     from forecache.cache.shape import model_shape, shape_of
     from forecache.native.libs import MAX_SEQUENCES
+    from forecache.placement.costs import DEFAULT_MACHINE
 
     if (model is None) == (shape is None):
         raise click.UsageError("give a model (-m FILE) or a models.yaml shape (--shape NAME)")

@@ -40,7 +40,7 @@ def trace_cmd(model: Path, prompts: Path | None, builtin: str | None, out: Path,
               gate_input: bool, limit: int | None, raw: bool, n_ctx: int, n_batch: int,
               force: bool) -> None:
     """Record which experts every MoE layer routes each token to, for predictors and caches."""
-    from forecache.trace.record import builtin_prompts_path, load_prompts, record_trace
+    from forecache.record import builtin_prompts_path, load_prompts, record_trace
 
     if (prompts is None) == (builtin is None):
         raise click.UsageError("give exactly one of --prompts FILE and --builtin NAME")

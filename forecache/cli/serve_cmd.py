@@ -8,9 +8,8 @@ from typing import Any
 import click
 
 from forecache.cli.generate_cmd import (
-    cache_config,
     cache_options,
-    open_args,
+    cli_options,
     say_choice,
     threads_option,
     ubatch_args,
@@ -49,15 +48,15 @@ def serve(model: Path, host: str, port: int, api_key: str | None, n_ctx: int,
     if api_key is not None and not api_key.strip():
         raise click.BadParameter("the key is empty", param_hint="--api-key")
     require_moe(model)  # a bad model fails before the port is taken
-    spec = open_args(cache_opts)
-    cfg = cache_config(**cache_opts)  # type: ignore[arg-type]
+    options = cli_options(cache_opts)
+    cfg = options.cache_config()  # bad options fail before the port is taken
     sock = bind(host, port)  # before the model loads: a busy port fails at once
     policy = [cfg.policy if cfg else "none"]  # what the loaded model runs (the default chooses)
     try:
         def load(settings: Any) -> Llama:
-            llm = ServedLlama.open(settings.model, cache=cfg, n_ctx=n_ctx, n_threads=threads,
-                                   chat_format=settings.chat_format, verbose=verbose,
-                                   **ubatch_args(ubatch), **spec)
+            llm = ServedLlama.open(settings.model, options=options, n_ctx=n_ctx,
+                                   n_threads=threads, chat_format=settings.chat_format,
+                                   verbose=verbose, **ubatch_args(ubatch))
             say_choice(llm)
             policy[0] = llm.cache_config.policy if llm.cache_config else "none"
             return llm

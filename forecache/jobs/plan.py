@@ -30,7 +30,6 @@ from forecache.cache.plans import (
     search,
     ubatch_stage,
 )
-from forecache.cache.setup import DEFAULT_MACHINE, CacheConfig
 from forecache.cache.shape import ModelShape, model_shape
 from forecache.errors import setting
 from forecache.gguf.header import ModelFile
@@ -39,6 +38,8 @@ from forecache.jobs.fit import minimise
 from forecache.llama import Llama
 from forecache.native.libs import MAX_SEQUENCES
 from forecache.paths import cache_dir, write_atomic
+from forecache.placement.costs import DEFAULT_MACHINE
+from forecache.placement.options import CacheConfig
 
 # what the fit moves: rates and the runtime's fixed costs (log-space)
 FITTED = ("launch_s", "mem_gbps", "gflops", "seq_s", "token_s", "sample_s", "hook_s",

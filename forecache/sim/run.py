@@ -212,7 +212,7 @@ def infinity_setup(fit: Sequence[Request], info: TraceInfo, shape: ModelShape,
                    layers: Sequence[int], n_slots: int, *, decay: bool = False,
                    ) -> tuple[list[int], EAMPredictor]:
     """What the infinity policy is run with: slots per model layer (``n_slots`` on each of
-    ``layers``, moved between them by the ``fit`` requests' decode reuse, as ``cache.setup``
+    ``layers``, moved between them by the ``fit`` requests' decode reuse, as ``placement``
     does with a stored collection; ``decay``: weighted by MoE-Infinity's layer term) and the
     EAM predictor fitted to ``fit`` without a prior (experts no match activates score 0)."""
     layers = list(layers)

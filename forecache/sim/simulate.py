@@ -102,7 +102,7 @@ class SimConfig:
     split: str = "simple"
     # the profile the policy's host split plans with (None: the simulated machine's own). The
     # runtime plans with its default machine's profile and the device's probed copy rate
-    # (``cache.setup.split_cost``): given, the plan takes the simulated machine's copy rate too
+    # (``placement.costs.split_cost``): given, the plan takes the simulated machine's copy rate too
     plan_profile: Profile | None = None
     # the disk tier (issue 38): host slots each MoE layer keeps of its routed experts, the rest
     # read from the model file when needed (None, or every expert: all in host memory, no disk
@@ -309,7 +309,7 @@ class Simulator:
         self.floor_decode: list[float] = []  # per decoded token
 
     def _banks(self, spec: PolicySpec) -> bool:
-        """Prompt banks, as ``cache.setup.held_back`` places them: asked for (by default with
+        """Prompt banks, as ``placement.before.held_back`` places them: asked for (by default with
         the "remap" hot path), for a cached policy that does not watch every routing, without
         a disk tier, where some layer misses experts and, by default, within
         ``BANK_SHARE_MAX`` of the slots."""

@@ -21,12 +21,13 @@ import numpy as np
 
 from forecache.cache.choice import locality
 from forecache.cache.measured import add_localities
-from forecache.cache.setup import CacheConfig, attach_observer
 from forecache.generate import SamplingParams, context_advice, generate, text_tokens
 from forecache.gguf.header import ModelFile
 from forecache.gguf.identity import identity
 from forecache.interrupt import Terminated, deferred_signals
 from forecache.jobs.requests import Request, read_requests
+from forecache.placement.build import attach_observer
+from forecache.placement.options import CacheConfig
 from forecache.trace.format import TraceError, TraceFile, TraceWriter
 from forecache.trace.stats import lru_hit_curves
 
