@@ -20,7 +20,7 @@ from forecache.generate import SamplingParams, generate, text_tokens
 from forecache.gguf.header import read_model_file, require_moe
 from forecache.llama import CALIBRATION_TEXT, Llama
 from forecache.placement.before import default_choice
-from forecache.placement.options import CacheConfig
+from forecache.placement.options import DEFAULT_POLICY, CacheConfig
 from forecache.trace.replay import Routing, load_routing
 
 # stock llama.cpp's best (--n-cpu-moe, the faster of --no-mmap and mmap'd host weights) first:
@@ -242,14 +242,14 @@ def default_run(model: Path, gpu_budget: int | None, cache_fraction: float | Non
     """The policy a run without ``--policy`` takes for ``model`` at this budget, on ``routing``
     when replayed (``placement.before.default_choice``, as ``Llama`` decides it), the benchmark run
     of the same configuration (``run``), and why."""
-    cfg = CacheConfig(policy="promoe", gpu_budget=gpu_budget,
+    cfg = CacheConfig(policy=None, gpu_budget=gpu_budget,
                       cache_fraction=None if gpu_budget is not None else cache_fraction,
-                      auto=True, host_budget=host_budget)
+                      host_budget=host_budget)
     choice = default_choice(read_model_file(model), cfg, n_ctx=n_ctx, n_ubatch=n_ubatch,
                             routing_hit=routing.decode_hit_rate if routing is not None else None)
     if choice is None:
-        return {"policy": cfg.policy, "run": cfg.policy,
-                "reason": f"policy {cfg.policy}: nothing to choose (no "
+        return {"policy": DEFAULT_POLICY, "run": DEFAULT_POLICY,
+                "reason": f"policy {DEFAULT_POLICY}: nothing to choose (no "
                 f"{setting('gpu_budget')}, a host budget, or a CPU build without a machine "
                 "profile)"}
     # the run of the same configuration: promoe's prompt banks as chosen, when that is not

@@ -37,9 +37,9 @@ from forecache.native.cache_api import SLOT_EMPTY
 from forecache.native.ggml_devices import Device
 from forecache.native.libs import ModelLoadError
 from forecache.native.log import LOG_ERROR, abort_in_one_line, load_log
-from forecache.placement.after import finish, priced_devices, probe_disk, split_devices
+from forecache.placement.after import finish, priced_devices
 from forecache.placement.before import LoadPlan, Placement, plan_load
-from forecache.placement.build import attach_observer, build_cache
+from forecache.placement.build import attach_observer
 from forecache.placement.options import AUTO, CacheConfig, Options
 from forecache.speculative.speculator import SpecStats, Speculator, sampler_for
 from forecache.trace.replay import Routing, RoutingReplay
@@ -140,10 +140,19 @@ class Llama(llama_cpp.Llama):
         """After the load: the placement as the load turned out, then the expert cache, the
         routing replayed, MoBiLE's little pass and the draft attached."""
         self._vocab = llama_cpp_module().llama_model_get_vocab(self.model)
-        self.placement = finish(self.ctx, self.model_file, plan)
+        done = finish(self.ctx, self.model_file, plan, say=lambda msg: print(msg, file=sys.stderr),
+                      profile=lambda: self.routing_profile(
+                          self.tokenize(CALIBRATION_TEXT.encode() * 2), 16))
+        self.placement, self.expert_cache = done.placement, done.cache
+        self.split_devices, self.disk_rate = done.split_devices, done.disk_rate
+        if done.cache is not None:
+            cache = done.cache
+
+            def on_batch(tokens: Sequence[int]) -> None:  # predictors that read token ids
+                cache.begin_ubatch(np.asarray(tokens, dtype=np.int32))
+
+            self.on_batch = on_batch
         cfg = self.cache_config
-        if cfg is not None and cfg.spec.cached:
-            self._attach_cache(cfg)
         if plan.routing is not None:
             self._attach_replay(plan.routing, plan.n_ubatch)
         if cfg is not None and cfg.little_k:
@@ -260,23 +269,6 @@ class Llama(llama_cpp.Llama):
         cache = self.expert_cache
         return priced_devices(cache.policy if cache is not None else None, self.placement,
                               self.split_devices)
-
-    def _attach_cache(self, cfg: CacheConfig) -> None:
-        """The expert cache on the loaded context, priced by the links and disk it runs on."""
-        assert self.placement is not None
-        if cfg.spec.needs_profile and cfg.profile is None:
-            cfg.profile = self.routing_profile(self.tokenize(CALIBRATION_TEXT.encode() * 2), 16)
-        self.disk_rate = probe_disk(self.model_file, self.placement)
-        self.split_devices = split_devices(self.ctx, self.model_file, self.placement,
-                                           bool(self.rpc))
-        cache = self.expert_cache = build_cache(
-            self.ctx, self.model_file, self.placement, cfg, self.split_devices, self.disk_rate,
-            say=lambda msg: print(msg, file=sys.stderr))
-
-        def on_batch(tokens: Sequence[int]) -> None:  # predictors that read token ids
-            cache.begin_ubatch(np.asarray(tokens, dtype=np.int32))
-
-        self.on_batch = on_batch
 
     def routing_profile(self, tokens: list[int], n_gen: int) -> np.ndarray:
         """Routed-expert counts [n_layer, n_expert] of a greedy run over ``tokens``, computed from

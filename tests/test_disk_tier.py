@@ -155,10 +155,10 @@ def test_disk_reads_match_the_simulator(tiny_model: Callable[..., Path], tmp_pat
     policy = "lru"
     from forecache.generate import SamplingParams, generate
     from forecache.jobs.requests import Request as JobRequest
+    from forecache.record import record_trace
     from forecache.sim.disk_reads import predict_disk_reads
     from forecache.sim.shapes import model_shape
     from forecache.trace.format import TraceFile
-    from forecache.record import record_trace
 
     model = _own_copy(tiny_model("q8_0"), tmp_path)
     mf = read_model_file(model)

@@ -175,7 +175,10 @@ def test_not_moe_and_missing_files_are_refused(tmp_path: Path) -> None:
         Llama(str(tmp_path / "missing.gguf"))
 
 
-def test_promoe_is_the_default_policy() -> None:
+def test_promoe_is_the_default_policy(tiny_model) -> None:
+    """Unnamed, the policy stays unnamed until the load chooses (promoe's placement weighed
+    first); where there is nothing to choose (a fraction: ncmoe needs a budget) it is promoe."""
+    from forecache.llama import Llama
     from forecache.native.ggml_devices import cache_device
     from forecache.placement.options import Options
 
@@ -184,12 +187,16 @@ def test_promoe_is_the_default_policy() -> None:
     if dev.type == "cpu":  # device and host are the same memory: llama.cpp's own placement
         assert auto is None
     else:  # the GPU's free memory, less a reserve
-        assert auto is not None and auto.policy == "promoe"
+        assert auto is not None and auto.policy is None and auto.spec.name == "promoe"
         assert 0 < auto.gpu_budget < dev.memory_free
-    assert Options(cache_fraction=0.5).cache_config().policy == "promoe"
+    by_share = Options(cache_fraction=0.5).cache_config()
+    assert by_share.policy is None and by_share.spec.name == "promoe"
     sized = Options(gpu_budget="1GiB").cache_config()
-    assert sized.policy == "promoe" and sized.gpu_budget == 1 << 30
+    assert sized.policy is None and sized.gpu_budget == 1 << 30
     assert Options(policy="lru", cache_fraction=0.5).cache_config().policy == "lru"
+    with Llama(tiny_model(), cache_fraction=0.5, n_ctx=64, verbose=False) as llm:
+        assert llm.policy_choice is None and llm.cache_config.policy == "promoe"
+        assert llm.expert_stats()["policy"] == "promoe"
 
 
 def test_each_generation_frees_the_last_sampler(tiny_model) -> None:

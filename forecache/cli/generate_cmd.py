@@ -52,22 +52,22 @@ def ubatch_args(ubatch: int | None) -> dict[str, int]:
 def cache_options(fn):  # type: ignore[no-untyped-def]
     """--policy, --gpu-budget, --cache-fraction and promoe's switches."""
     for name, what in reversed(list(SWITCHES.items())):
-        fn = click.option(f"--no-{name}", f"no_{name}", is_flag=True,
+        fn = click.option(f"--no-{name}", f"no_{name}", is_flag=True, default=False,
                           help=f"promoe without {what} (for ablations).")(fn)
-    fn = click.option("--draft-k", type=click.IntRange(1, 16), default=None,
+    fn = click.option("--draft-k", type=click.IntRange(1, 16), default=Options.draft_k,
                       help="--draft: tokens drafted before each verification (default: adaptive, "
                            "from how many the model accepts).")(fn)
-    fn = click.option("--draft", default=None, metavar="MODEL|self-little|self-cached",
+    fn = click.option("--draft", default=Options.draft, metavar="MODEL|self-little|self-cached",
                       help="Speculative decoding (exact): a draft proposes tokens and the model "
                            "verifies several in one pass. self-little: the model's own little "
                            "pass (half its experts); self-cached: its experts already on the "
                            "device; or a GGUF with the same vocabulary.")(fn)
-    fn = click.option("--little-resident", is_flag=True,
+    fn = click.option("--little-resident", is_flag=True, default=Options.little_resident,
                       help="--mode mobile: the little pass keeps each token's top expert and "
                            "those of its top --little-k (default: all it routes) already on the "
                            "device, so it never waits for a copy (cache-conditional "
                            "routing).")(fn)
-    fn = click.option("--little-k", type=click.IntRange(1, 256), default=None,
+    fn = click.option("--little-k", type=click.IntRange(1, 256), default=Options.little_k,
                       help="--mode mobile: experts per token of the little pass (default: half "
                            "the model's).")(fn)
     fn = click.option("--gamma", type=click.FloatRange(0.0, 1.0), default=Options.gamma,
@@ -79,26 +79,26 @@ def cache_options(fn):  # type: ignore[no-untyped-def]
                       help="exact: the model as it is. mobile (MoBiLE, lossy): each generated "
                            "token runs a little pass over fewer experts, and the full model "
                            "recomputes the tokens the little pass is unsure of.")(fn)
-    fn = click.option("--stage-slots", type=click.IntRange(0, 256), default=None,
+    fn = click.option("--stage-slots", type=click.IntRange(0, 256), default=Options.stage_slots,
                       help="promoe: experts' worth of device memory, held back from the budget, "
                            "into which a long prompt copies the next layer's missing experts "
                            "while the current layer computes (default: as many as a prompt "
                            "layer misses, at most 32 and a 64th of the slots, on a GPU; 0 "
                            "turns it off).")(fn)
-    fn = click.option("--prompt-bank/--no-prompt-bank", default=None,
+    fn = click.option("--prompt-bank/--no-prompt-bank", default=Options.prompt_bank,
                       help="Long prompts (ubatches of 32 tokens or more) compute each layer as "
                            "llama.cpp does for its host layers, from a copy of all its experts "
                            "on the device, but copy only the experts the slots lack, while the "
                            "layer before computes; two layers' experts of device memory held "
                            "back from the budget in place of --stage-slots (default: on a GPU "
                            "when some layer misses experts).")(fn)
-    fn = click.option("--machine", default=None,
+    fn = click.option("--machine", default=Options.machine,
                       help="promoe: machine profile (shipped name or JSON) the CPU/device split "
                            f"starts from (default {DEFAULT_GPU_MACHINE} on a GPU; no split on a "
                            "CPU build), or one per device holding slots (A,B,... in llama.cpp's "
                            "order: RPC servers, several GPUs); "
                            "the measured rates correct it during the run.")(fn)
-    fn = click.option("--window", type=click.IntRange(1, 64), default=None,
+    fn = click.option("--window", type=click.IntRange(1, 64), default=Options.window,
                       help="promoe: predict this many layers ahead (default: the window the "
                            "model's learned predictors were trained for).")(fn)
     fn = click.option("--predictor", type=click.Choice(PREDICTORS),
@@ -106,25 +106,25 @@ def cache_options(fn):  # type: ignore[no-untyped-def]
                       help="promoe's predictor (auto: learned when trained for the model; eam: "
                            "MoE-Infinity's EAM matching, from the collection `forecache train "
                            "--predictor eam` makes).")(fn)
-    fn = click.option("--host-budget", default=None,
+    fn = click.option("--host-budget", default=Options.host_budget,
                       help="Host memory for the model's weights kept on the host, its experts "
                            "included (e.g. 48GiB); experts beyond it stay in the GGUF file and "
                            "are read as they are needed: a model larger than host memory "
                            "(default: every expert in memory).")(fn)
-    fn = click.option("--cache-fraction", type=float, default=None,
+    fn = click.option("--cache-fraction", type=float, default=Options.cache_fraction,
                       help="Share of each layer's experts held in device slots (0-1].")(fn)
-    fn = click.option("--gpu-budget", default=None,
+    fn = click.option("--gpu-budget", default=Options.gpu_budget,
                       help="All device memory the run may use: weights, KV cache, buffers, "
                            "expert slots (e.g. 24GiB). With layers on several devices (--rpc), "
                            "one size per device in llama.cpp's order (e.g. 20GiB,22GiB), or one "
                            "size for all of them together, shared so that every layer gets the "
                            "same slots.")(fn)
-    fn = click.option("--rpc", default=None, metavar="HOST:PORT[,...]",
+    fn = click.option("--rpc", default=Options.rpc, metavar="HOST:PORT[,...]",
                       help="llama.cpp's RPC servers (`forecache rpc-server` on each): their "
                            "devices take the model's layers as llama.cpp splits them; a cached "
                            "policy keeps each layer's slots on the device that holds the "
                            "layer.")(fn)
-    fn = click.option("--policy", type=click.Choice(POLICIES), default=None,
+    fn = click.option("--policy", type=click.Choice(POLICIES), default=Options.policy,
                       help="Expert placement (default: promoe where it is expected to decode "
                            "at least 1.2x faster than ncmoe for this model and budget, else "
                            "ncmoe, within the GPU's free memory unless a size is given; a "

@@ -11,6 +11,7 @@ import click
 
 from forecache.cli.model_arg import model_option
 from forecache.gguf.header import ModelFile, read_model_file, require_moe
+from forecache.predictor.registry import TRAINED_PREDICTORS
 from forecache.trace.format import TraceError, TraceFile
 
 
@@ -77,7 +78,7 @@ def trace_cmd(model: Path, prompts: Path | None, builtin: str | None, out: Path,
 @model_option(required=True)
 @click.option("--trace", "trace_path", required=True, type=click.Path(path_type=Path),
               help="Trace of the model (learned: recorded with --gate-input).")
-@click.option("--predictor", type=click.Choice(["learned", "eam"]), default="learned",
+@click.option("--predictor", type=click.Choice(TRAINED_PREDICTORS), default=TRAINED_PREDICTORS[0],
               show_default=True,
               help="learned: ProMoE's per-layer MLPs; eam: MoE-Infinity's EAM collection (and "
                    "the per-layer reuse the infinity policy sizes its slots from).")

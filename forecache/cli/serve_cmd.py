@@ -16,6 +16,7 @@ from forecache.cli.generate_cmd import (
     ubatch_option,
 )
 from forecache.cli.model_arg import model_option
+from forecache.placement.options import DEFAULT_POLICY
 
 
 @click.command("serve")
@@ -51,7 +52,8 @@ def serve(model: Path, host: str, port: int, api_key: str | None, n_ctx: int,
     options = cli_options(cache_opts)
     cfg = options.cache_config()  # bad options fail before the port is taken
     sock = bind(host, port)  # before the model loads: a busy port fails at once
-    policy = [cfg.policy if cfg else "none"]  # what the loaded model runs (the default chooses)
+    # what the loaded model runs (until it has loaded: the default's own, which it may change)
+    policy = [(cfg.policy or DEFAULT_POLICY) if cfg else "none"]
     try:
         def load(settings: Any) -> Llama:
             llm = ServedLlama.open(settings.model, options=options, n_ctx=n_ctx,

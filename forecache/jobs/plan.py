@@ -39,7 +39,7 @@ from forecache.llama import Llama
 from forecache.native.libs import MAX_SEQUENCES
 from forecache.paths import cache_dir, write_atomic
 from forecache.placement.costs import DEFAULT_MACHINE
-from forecache.placement.options import CacheConfig
+from forecache.placement.options import DEFAULT_POLICY, CacheConfig
 
 # what the fit moves: rates and the runtime's fixed costs (log-space)
 FITTED = ("launch_s", "mem_gbps", "gflops", "seq_s", "token_s", "sample_s", "hook_s",
@@ -338,11 +338,11 @@ def plan_cache(cfg: CacheConfig | None, plan: Plan) -> CacheConfig | None:
         if cfg.gpu_budget is None:
             raise ValueError(f"plan {plan.label()}: ncmoe places whole layers and needs "
                              f"{setting('gpu_budget')}")
-        return replace(cfg, policy="ncmoe", auto=False)
-    if cfg.policy in ("ncmoe", "offload") and not cfg.auto:
+        return replace(cfg, policy="ncmoe")
+    if cfg.policy in ("ncmoe", "offload"):
         raise ValueError(f"plan {plan.label()} caches experts, but {setting('policy')} is "
                          f"{cfg.policy}: add experts=ncmoe to the plan or name a cache policy")
-    return replace(cfg, policy="promoe" if cfg.auto else cfg.policy, auto=False)
+    return replace(cfg, policy=cfg.policy or DEFAULT_POLICY)
 
 
 def choose_plan(model_path: str | Path, cfg: CacheConfig | None, prompt_lens: Sequence[int],
@@ -371,7 +371,7 @@ def choose_plan(model_path: str | Path, cfg: CacheConfig | None, prompt_lens: Se
         raise ValueError(f"{setting('policy')} offload has no plan to search: give "
                          f"{setting('n_parallel')} or a cache policy")
     else:
-        experts = ("cache", "ncmoe") if cfg.auto and cfg.gpu_budget is not None else \
+        experts = ("cache", "ncmoe") if cfg.policy is None and cfg.gpu_budget is not None else \
             ("ncmoe",) if cfg.policy == "ncmoe" else ("cache",)
         budget = cfg.gpu_budget if cfg.gpu_budget is not None else STOCK_BUDGET
     slots = fraction_slots(mf.n_expert, cfg.cache_fraction) \

@@ -4,18 +4,23 @@ each device's slots and the link each layer's copies are priced by."""
 from __future__ import annotations
 
 import ctypes
-from dataclasses import replace
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import numpy as np
 
 from forecache.cache.budget import device_slots
 from forecache.cache.cost import CostModel
 from forecache.cache.disk import probe_expert_reads, readers_default
 from forecache.cache.policies import Policy
 from forecache.cache.prefetcher import stage_slots
+from forecache.cache.runtime import ExpertCache
 from forecache.diskprobe import DiskRate
 from forecache.gguf.header import ModelFile
 from forecache.native.ggml_devices import Device, devices, local_gpus
 from forecache.native.libs import ModelLoadError, api
 from forecache.placement.before import LoadPlan, Placement
+from forecache.placement.build import build_cache
 
 
 def llama_layer_devices(ctx: int, n_layer: int) -> list[int] | None:
@@ -32,7 +37,36 @@ def slot_devices(ctx: int, model: ModelFile, placement: Placement) -> list[int] 
     return None if got is None else [d if d >= 0 else placement.device.index for d in got]
 
 
-def finish(ctx: int, model: ModelFile, plan: LoadPlan) -> Placement | None:
+@dataclass
+class Finished:
+    """The placement as the load turned out, and the expert cache attached to it."""
+
+    placement: Placement | None
+    cache: ExpertCache | None = None
+    # per model layer, the device whose link the split prices that layer's copies by (None: the
+    # cache's own device for every layer)
+    split_devices: list[Device | None] | None = None
+    disk_rate: DiskRate | None = None  # the disk tier's reads, measured at start
+
+
+def finish(ctx: int, model: ModelFile, plan: LoadPlan, *,
+           profile: Callable[[], np.ndarray] | None = None,
+           say: Callable[[str], None] | None = None) -> Finished:
+    """Finish ``plan`` on the loaded context ``ctx``: the placement as the load turned out
+    (``fit``), then a cached policy's expert cache on it, priced by the links and the disk it
+    runs on. ``profile``: the routing counts a static policy pins from when none was given."""
+    placement, cfg = fit(ctx, model, plan), plan.cache
+    if placement is None or cfg is None or not cfg.spec.cached:
+        return Finished(placement)
+    if cfg.spec.needs_profile and cfg.profile is None and profile is not None:
+        cfg.profile = profile()
+    disk_rate = probe_disk(model, placement)
+    devices_of = split_devices(ctx, model, placement, bool(plan.rpc))
+    cache = build_cache(ctx, model, placement, cfg, devices_of, disk_rate, say=say)
+    return Finished(placement, cache, devices_of, disk_rate)
+
+
+def fit(ctx: int, model: ModelFile, plan: LoadPlan) -> Placement | None:
     """``plan``'s placement as the load turned out: ncmoe's host layers were fitted to the
     layer split predicted before the load (a load whose layers went elsewhere is refused), and
     a cached policy's slots with a budget per device are sized from where the layers are."""

@@ -34,7 +34,13 @@ from forecache.native.ggml_devices import (
 from forecache.native.libs import MAX_THREADS, ModelLoadError
 from forecache.native.rpc import RPCError, add_servers, parse_endpoints
 from forecache.placement.costs import default_machine, machines_for
-from forecache.placement.options import AUTO, CacheConfig, Options, spread_budget
+from forecache.placement.options import (
+    AUTO,
+    DEFAULT_POLICY,
+    CacheConfig,
+    Options,
+    spread_budget,
+)
 from forecache.trace.replay import Routing, load_routing
 
 
@@ -48,7 +54,7 @@ def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: 
     routing the run will replay, which then decides in place of the measured one. None where
     there is nothing to choose: a policy was named, the cache is sized by a fraction (ncmoe needs
     a budget), or a CPU-only build with no ``machine`` (device and host are the same memory)."""
-    if not cfg.auto or cfg.gpu_budget is None or cfg.host_budget is not None:
+    if cfg.policy is not None or cfg.gpu_budget is None or cfg.host_budget is not None:
         return None  # (stock's placements need every expert in memory)
     dev = cache_device()
     if dev.type == "cpu" and cfg.machine is None:
@@ -255,14 +261,14 @@ def plan_load(model: ModelFile, options: Options, cache: CacheConfig | None | ob
     rpc = (parse_endpoints(options.rpc) if isinstance(options.rpc, str) else
            list(options.rpc)) if options.rpc else []
     if rpc:
-        if cfg is not None and not cfg.auto:
+        if cfg is not None and cfg.policy is not None:
             cfg = spread_budget(cfg)  # a single size is the devices' total
         try:
             add_servers(rpc)  # before the load: llama.cpp then splits the layers over them
         except RPCError as e:
             raise ModelLoadError(str(e)) from e
         # over RPC the default is llama.cpp's own placement
-        cfg = None if cfg is None or cfg.auto else cfg
+        cfg = None if cfg is None or cfg.policy is None else cfg
         kwargs.setdefault("n_gpu_layers", -1)  # the servers' devices take the layers
     elif cfg is not None and len(local_gpus()) > 1:
         cfg = spread_budget(cfg)  # llama.cpp splits the layers over every GPU
@@ -287,8 +293,9 @@ def plan_load(model: ModelFile, options: Options, cache: CacheConfig | None | ob
     if cfg is not None:
         choice = default_choice(model, cfg, n_ctx=n_ctx, n_ubatch=n_ubatch,
                                 routing_hit=routing.decode_hit_rate if routing else None)
-    if choice is not None:
-        cfg = replace(cfg, policy=choice.policy)
+    if cfg is not None and cfg.policy is None:  # named now: the choice, or the default's own
+        cfg = replace(cfg, policy=choice.policy if choice is not None else DEFAULT_POLICY)
+    if choice is not None and cfg is not None:
         if choice.policy != "ncmoe" and cfg.prompt_bank is None:
             # the banks the choice weighed (perhaps over their default share)
             cfg = replace(cfg, prompt_bank=choice.shape.bank)

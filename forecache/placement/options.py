@@ -21,6 +21,7 @@ from forecache.native.ggml_devices import (
     cache_device,
     local_gpus,
 )
+from forecache.predictor.registry import RUNTIME_PREDICTORS
 
 
 class _Auto:
@@ -28,9 +29,11 @@ class _Auto:
 
 
 AUTO: Any = _Auto()
-# promoe's predictors (``build.make_forecaster``): learned when trained for the model, else
-# history; or MoE-Infinity's EAM matching
-PREDICTORS = ("auto", "learned", "history", "eam")
+# the placement the default weighs first, and takes where there is nothing to choose
+DEFAULT_POLICY = "promoe"
+# promoe's predictors (``build.make_forecaster``); auto: learned when trained for the model,
+# else history
+PREDICTORS = ("auto", *RUNTIME_PREDICTORS)
 # exact: the model as it is; mobile: MoBiLE's little and big passes (lossy)
 MODES = ("exact", "mobile")
 # promoe's techniques, each of which the command line turns off (``--no-prefetch``, ...)
@@ -125,10 +128,10 @@ class Options:
                                      f"{setting('policy')} promoe with "
                                      f"{setting('cache_fraction')}")
                 return None
-        return CacheConfig(policy=policy or "promoe", gpu_budget=budget,
+        return CacheConfig(policy=policy, gpu_budget=budget,
                            cache_fraction=cache_fraction, predictor=self.predictor,
                            window=self.window, machine=self.machine, features=self.features,
-                           auto=policy is None, stage_slots=self.stage_slots,
+                           stage_slots=self.stage_slots,
                            prompt_bank=self.prompt_bank, little_k=self.mobile_k,
                            gamma=self.gamma, little_resident=self.little_resident,
                            host_budget=host, device_budgets=per_device)
@@ -144,7 +147,9 @@ class CacheConfig:
     cache; ``offload`` needs none.
     """
 
-    policy: str = "offload"
+    # None: nobody named one, and the load chooses (``before.plan_load``: promoe or ncmoe,
+    # whichever is expected faster; DEFAULT_POLICY where there is nothing to choose)
+    policy: str | None = "offload"
     gpu_budget: int | None = None
     cache_fraction: float | None = None
     slots_per_layer: int | None = None
@@ -155,9 +160,8 @@ class CacheConfig:
     predictor: str = Options.predictor  # promoe: one of PREDICTORS
     window: int | None = None  # promoe: prediction distance; default: the trained one
     machine: str | None = None  # promoe: profile the split's costs start from (None: default)
-    auto: bool = False  # no policy was named: the default placement may pick ncmoe (choice.py)
-    # promoe/infinity: stage slots for prompt passes (None: stage_slots_for on a GPU, none on
-    # a CPU build, where slots are host memory too); held back from a gpu_budget
+    # promoe/infinity: stage slots for prompt passes (None: prefetcher.stage_slots's rule: on a
+    # GPU, none on a CPU build, where slots are host memory too); held back from a gpu_budget
     stage_slots: int | None = None
     # prompt banks (forecache_cache_set_bank): ubatches of DEVICE_MIN_TOKENS or more compute each
     # layer from a copy of all its experts, filled while the layer before computes; held back
@@ -180,10 +184,10 @@ class CacheConfig:
     device_budgets: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        spec = policy_spec(self.policy)
+        spec = self.spec
         if self.host_budget is not None and spec.placement != "slots":
             raise ValueError(f"{setting('host_budget')} runs in forecache's expert cache, and "
-                             f"policy {self.policy} reads every expert from memory: use "
+                             f"policy {spec.name} reads every expert from memory: use "
                              f"{setting('policy', 'promoe')}, infinity or lru")
         sizes = [x for x in (self.gpu_budget, self.cache_fraction, self.slots_per_layer,
                              self.device_budgets) if x is not None]
@@ -191,13 +195,13 @@ class CacheConfig:
                                                 self.host_budget is not None):
             raise ValueError(f"a {setting('gpu_budget')} per device sizes the slots of a cached "
                              f"policy (promoe, infinity, lru, ...) or ncmoe's host layers, "
-                             f"without {setting('host_budget')}; not {self.policy}"
+                             f"without {setting('host_budget')}; not {spec.name}"
                              f"{' with a disk tier' if self.host_budget is not None else ''}")
         if len(sizes) > 1:
             raise ValueError(f"give one of {setting('gpu_budget')} and "
                              f"{setting('cache_fraction')}, not both")
         if spec.placement != "host" and not sizes:
-            raise ValueError(f"policy {self.policy} needs {setting('gpu_budget')} or "
+            raise ValueError(f"policy {spec.name} needs {setting('gpu_budget')} or "
                              f"{setting('cache_fraction')}")
         if spec.placement == "layers" and self.gpu_budget is None and \
                 self.device_budgets is None:
@@ -207,8 +211,8 @@ class CacheConfig:
 
     @property
     def spec(self) -> PolicySpec:
-        """The placement ``policy`` names."""
-        return policy_spec(self.policy)
+        """The placement ``policy`` names; before the load's choice, the default's own."""
+        return policy_spec(self.policy or DEFAULT_POLICY)
 
 
 # Device memory left free when the budget is taken from the GPU's free memory: other processes,

@@ -23,7 +23,7 @@ from forecache.errors import setting
 from forecache.gguf.header import ModelFile
 from forecache.predictor.base import source_layer
 from forecache.predictor.metrics import topk_accuracy
-from forecache.predictor.registry import make_predictor, unavailable
+from forecache.predictor.registry import GATE_INPUT_PREDICTORS, make_predictor, unavailable
 from forecache.trace.format import Request, TraceFile
 
 DEFAULT_WINDOWS = (1, 2, 4, 8)
@@ -126,7 +126,7 @@ def evaluate(trace: TraceFile, names: Sequence[str], windows: Sequence[int] = DE
     for name in runnable:
         hits = np.zeros((len(windows), L))
         count = np.zeros((len(windows), L))
-        needs_x = name in ("learned", "skip")
+        needs_x = name in GATE_INPUT_PREDICTORS
         for f in range(n_folds):
             train = [trace.request(u, gate_input=needs_x) for j, u in enumerate(units)
                      if j % n_folds != f]

@@ -9,7 +9,13 @@ from forecache.gguf.header import ModelFile
 from forecache.predictor.base import Predictor
 from forecache.trace.format import TraceInfo
 
+# every predictor the evaluation compares; promoe prefetches with those it can run (the rest are
+# baselines of the paper), and two are trained from a trace
 PREDICTORS = ("learned", "skip", "token", "eam", "history")
+RUNTIME_PREDICTORS = ("learned", "history", "eam")
+TRAINED_PREDICTORS = ("learned", "eam")
+# those that read a layer's router input, which a trace keeps only when asked to
+GATE_INPUT_PREDICTORS = ("learned", "skip")
 
 
 def parse_names(text: str) -> list[str]:
@@ -26,7 +32,7 @@ def parse_names(text: str) -> list[str]:
 
 def unavailable(name: str, info: TraceInfo, model: ModelFile | None) -> str | None:
     """Why ``name`` cannot run on this trace, or None."""
-    if name in ("learned", "skip") and not info.has_gate_input:
+    if name in GATE_INPUT_PREDICTORS and not info.has_gate_input:
         return f"the trace has no gate inputs (record it with {setting('gate_input', True)})"
     if name == "token" and "token_ids" not in info.arrays:
         return "the trace has no token ids"

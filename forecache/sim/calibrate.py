@@ -23,10 +23,10 @@ from forecache.llama import Llama
 from forecache.placement.build import attach_observer
 from forecache.placement.options import CacheConfig
 from forecache.predictor.history import HistoryPredictor
+from forecache.record import RouteRecorder, all_rows_computed
 from forecache.sim.shapes import ModelShape, model_shape
 from forecache.sim.simulate import SimConfig, Simulator
 from forecache.trace.format import Request
-from forecache.record import RouteRecorder, all_rows_computed
 
 # Profile fields fitted to the calibration runs: on a CPU build the "device" is the same CPU, so
 # device and host share their rates.

@@ -1,0 +1,87 @@
+"""The run's options: one copy of every default, one route from knobs to a configuration, and
+each placement fact written in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import click
+import pytest
+
+from forecache.cli.generate_cmd import cache_options
+from forecache.placement.options import SWITCHES, CacheConfig, Options
+
+PKG = Path(__file__).resolve().parents[1] / "forecache"
+
+
+def _cli_params() -> dict[str, click.Parameter]:
+    @click.command()
+    @cache_options
+    def cmd(**_: object) -> None:
+        pass
+
+    return {p.name: p for p in cmd.params if p.name is not None}
+
+
+def test_the_command_line_takes_its_defaults_from_options() -> None:
+    """Every cache option is a field of Options (or one of promoe's switches) and defaults to
+    the field's default: the command line holds no default of its own."""
+    params = _cli_params()
+    defaults = Options()
+    fields = {f.name for f in dataclasses.fields(Options)}
+    for name, param in params.items():
+        if name.startswith("no_") and name[3:] in SWITCHES:
+            assert param.default is False and getattr(defaults.features, name[3:]) is True
+            continue
+        assert name in fields, f"--{name.replace('_', '-')} is no field of Options"
+        assert param.default == getattr(defaults, name), name
+
+
+def test_the_command_line_and_keywords_resolve_alike() -> None:
+    """The CLI's options and Llama's keywords reach a CacheConfig by one route."""
+    cli = {name: p.default for name, p in _cli_params().items()}
+    cli.update(policy="lru", cache_fraction=0.25, mode="mobile", little_k=2, gamma=0.4,
+               no_prefetch=True)
+    kwargs = {"policy": "lru", "cache_fraction": 0.25, "mode": "mobile", "little_k": 2,
+              "gamma": 0.4, "n_ctx": 64}
+    from_kwargs = Options.take(kwargs)
+    assert kwargs == {"n_ctx": 64}  # llama.cpp's keywords stay
+    got_cli = Options.from_cli(**cli).cache_config()
+    got_kw = dataclasses.replace(from_kwargs, features=Options.from_cli(
+        **cli).features).cache_config()
+    assert got_cli == got_kw
+    assert isinstance(got_cli, CacheConfig)
+    assert (got_cli.policy, got_cli.little_k, got_cli.gamma) == ("lru", 2, 0.4)
+    assert not got_cli.features.prefetch
+
+
+def test_unnamed_policy_is_none_until_the_load_names_it() -> None:
+    cfg = Options(cache_fraction=0.5).cache_config()
+    assert cfg is not None and cfg.policy is None and cfg.spec.name == "promoe"
+    with pytest.raises(ValueError, match="mode"):
+        Options(mode="fast")
+    with pytest.raises(ValueError, match="choose one"):
+        Options(mode="mobile", draft="self-little")
+
+
+def _sources() -> dict[str, str]:
+    return {str(p.relative_to(PKG)): p.read_text() for p in sorted(PKG.rglob("*.py"))}
+
+
+def test_each_fact_is_written_once() -> None:
+    """The facts the runtime, the batch planner and the simulator share have one home each:
+    MoBiLE's gamma, the stage-slot rule, promoe's predictor names."""
+    src = _sources()
+    gamma = [f for f, text in src.items()
+             for line in text.splitlines() if "gamma" in line and re.search(r"\b0\.7\b", line)]
+    assert gamma == ["placement/options.py"], gamma
+    stage = [f for f, text in src.items() if re.search(r"MAX_STAGE_SLOTS\b|sum\(cached\) // 64",
+                                                       text)]
+    assert stage == ["cache/prefetcher.py"], stage
+    assert not [f for f, text in src.items() if "stage_slots_for" in text]
+    names = re.compile(r"""[\[(]\s*(?:"(?:auto|learned|history|eam|skip|token)",?\s*){2,}""")
+    lists = sorted({f for f, text in src.items() for m in names.finditer(text)
+                    if '"learned"' in m.group() or '"auto"' in m.group()})
+    assert lists == ["predictor/registry.py"], lists
