@@ -86,8 +86,12 @@ class Llama(llama_cpp.Llama):
     replays a trace's routing (a path, or a ``Routing`` already mapped onto this model) in every
     expert matmul instead of the router's (``trace.replay``;
     the tokens are then meaningless, and each batch is one ubatch). ``cache`` passes a ready
-    ``CacheConfig`` (or None for no cache). Every other keyword goes to ``llama_cpp.Llama``;
-    ``n_gpu_layers`` defaults to all layers when a cache is used.
+    ``CacheConfig`` (or None for no cache). The others above are the fields of ``Options``
+    (``placement.options``, which holds their defaults); ``options`` passes them ready, keywords
+    beside it replacing its fields. Every other keyword goes to ``llama_cpp.Llama``;
+    ``n_gpu_layers`` defaults to all layers when a cache is used. The load is planned before
+    llama.cpp loads the model (``load_plan``: ``placement.before.plan_load``) and finished after
+    it (``placement.after.finish``).
     """
 
     def __init__(self, model_path: str | os.PathLike[str], *, options: Options | None = None,

@@ -46,21 +46,22 @@ from forecache.trace.replay import Routing, load_routing
 
 def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int,
                    routing_hit: Callable[[int], tuple[float, int]] | None = None,
-                   ) -> Choice | None:
+                   memory: MemoryPlan | None = None) -> Choice | None:
     """For a configuration whose policy nobody named: promoe or ncmoe, whichever the cost model
     (with this model's measured routing and rates when a run kept them) expects to be faster at
     this budget, a prompt ubatch of ``n_ubatch`` rows and a decoded token both weighed
     (``choice.choose``); ``routing_hit`` (slots a layer -> LRU hit rate and lookups): the
     routing the run will replay, which then decides in place of the measured one. None where
     there is nothing to choose: a policy was named, the cache is sized by a fraction (ncmoe needs
-    a budget), or a CPU-only build with no ``machine`` (device and host are the same memory)."""
+    a budget), or a CPU-only build with no ``machine`` (device and host are the same memory).
+    ``memory``: the budget's split, where the caller has worked it out."""
     if cfg.policy is not None or cfg.gpu_budget is None or cfg.host_budget is not None:
         return None  # (stock's placements need every expert in memory)
     dev = cache_device()
     if dev.type == "cpu" and cfg.machine is None:
         return None
-    plan = plan_memory(model, cfg.gpu_budget, n_ctx=n_ctx, n_ubatch=n_ubatch,
-                       device_name=dev.name, device_total=dev.memory_total)
+    plan = memory or budget_split(model, cfg, n_ctx=n_ctx, n_ubatch=n_ubatch)
+    assert plan is not None
     layers = model.moe_layers()
     full = plan.slots_per_layer()
 
@@ -153,10 +154,22 @@ class Placement:
     disk: DiskPlan | None = None  # host slots of the disk tier (cfg.host_budget)
 
 
+def budget_split(model: ModelFile, cfg: CacheConfig, *, n_ctx: int,
+                 n_ubatch: int) -> MemoryPlan | None:
+    """Where ``cfg.gpu_budget`` goes on the cache's device (None without a single budget)."""
+    if cfg.gpu_budget is None:
+        return None
+    dev = cache_device()
+    return plan_memory(model, cfg.gpu_budget, n_ctx=n_ctx, n_ubatch=n_ubatch,
+                       device_name=dev.name, device_total=dev.memory_total)
+
+
 def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int,
-          layer_dev: Sequence[int] | None = None) -> Placement:
+          layer_dev: Sequence[int] | None = None, memory: MemoryPlan | None = None,
+          ) -> Placement:
     """Choose the device and split the budget for ``cfg``; ``layer_dev``: the device llama.cpp
-    will put each layer on, which ncmoe's budget per device (``cfg.device_budgets``) needs."""
+    will put each layer on, which ncmoe's budget per device (``cfg.device_budgets``) needs;
+    ``memory``: the budget's split, where the caller has worked it out."""
     dev = cache_device()
     if ncmoe_per_device(cfg):
         if layer_dev is None:
@@ -168,10 +181,7 @@ def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int,
         host = device_host_layers(model, cfg.device_budgets, layer_dev, names, n_ctx=n_ctx,
                                   n_ubatch=n_ubatch)
         return Placement(dev, None, [0] * model.n_layer, host)
-    plan = None
-    if cfg.gpu_budget is not None:
-        plan = plan_memory(model, cfg.gpu_budget, n_ctx=n_ctx, n_ubatch=n_ubatch,
-                           device_name=dev.name, device_total=dev.memory_total)
+    plan = memory or budget_split(model, cfg, n_ctx=n_ctx, n_ubatch=n_ubatch)
     layers = model.moe_layers()
     spec = cfg.spec
     if spec.placement == "layers":
@@ -289,9 +299,10 @@ def plan_load(model: ModelFile, options: Options, cache: CacheConfig | None | ob
             # the hottest experts of the routing replayed, not of the model's own
             cfg = replace(cfg, profile=routing.counts(model.moe_layers(), model.n_layer,
                                                       model.n_expert))
-    choice = None
-    if cfg is not None:
-        choice = default_choice(model, cfg, n_ctx=n_ctx, n_ubatch=n_ubatch,
+    choice, memory = None, None
+    if cfg is not None:  # the budget's split, worked out once for the choice and the placement
+        memory = budget_split(model, cfg, n_ctx=n_ctx, n_ubatch=n_ubatch)
+        choice = default_choice(model, cfg, n_ctx=n_ctx, n_ubatch=n_ubatch, memory=memory,
                                 routing_hit=routing.decode_hit_rate if routing else None)
     if cfg is not None and cfg.policy is None:  # named now: the choice, or the default's own
         cfg = replace(cfg, policy=choice.policy if choice is not None else DEFAULT_POLICY)
@@ -305,7 +316,8 @@ def plan_load(model: ModelFile, options: Options, cache: CacheConfig | None | ob
         if ncmoe_per_device(cfg):
             split = layer_split(model.n_layer, int(kwargs["n_gpu_layers"]),
                                 kwargs.get("tensor_split"))
-        placement = place(model, cfg, n_ctx=n_ctx, n_ubatch=n_ubatch, layer_dev=split)
+        placement = place(model, cfg, n_ctx=n_ctx, n_ubatch=n_ubatch, layer_dev=split,
+                          memory=memory)
         if placement.disk is not None:
             # the other weights read into memory, not faulted in from the file's pages
             kwargs.setdefault("use_mmap", False)
