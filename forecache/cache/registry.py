@@ -2,8 +2,10 @@
 
 A placement is either llama.cpp's own (``offload``, ``ncmoe`` and its mmap'd run: no expert
 cache) or an expert cache driven by a ``Policy`` class. The classes say what they need
-(``Policy.proactive``, ``needs_profile``, ``layer_slots``, ``create``); this module only names
-them, so no caller compares policy strings.
+(``Policy.proactive``, ``needs_profile``, ``layer_slots``, ``create``) and this module names them:
+callers ask a ``PolicySpec`` what a placement needs, and compare names only where the name is the
+point (the default's choice between promoe and ncmoe, a batch plan's ncmoe layers, reports and the
+simulator's runs by name).
 """
 
 from __future__ import annotations
