@@ -8,10 +8,11 @@ one-token gates in C (the decode gate); "promoe (hook)" is the same run with eve
 Measured: offload (no hook), lru, promoe and promoe without its prediction thread on the same
 prompts in one process, taking turns
 ``--rounds`` times (this machine's speed drifts); the C cache times each call of the Python hook
-(``hook_s``, ``n_hook_calls``) and of the decode gate (``fast_s``, ``fast_gates``). A decode-heavy
-workload (short prompts, long generations), so the gates' share of the run is their share of
-decode. Simulated: the Python hook and the decode gate over promoe's TPOT at Qwen2-57B-A14B q4_k,
-24 GiB (``benchmarks/target_sim.py``'s routing), with the rtx4090 profile's costs.
+(``hook_s``, ``hook_calls``) and of the decode gate (``decode_gate_s``, ``decode_gates``). A
+decode-heavy workload (short prompts, long generations), so the gates' share of the run is their
+share of decode. Simulated: the Python hook and the decode gate over promoe's TPOT at
+Qwen2-57B-A14B q4_k, 24 GiB (``benchmarks/target_sim.py``'s routing), with the rtx4090
+profile's costs.
 """
 
 from __future__ import annotations

@@ -419,9 +419,8 @@ class Llama(llama_cpp.Llama):
             return out
         s = cache.stats()
         out.update({k: s[k] for k in ("hits", "misses", "h2d_bytes", "stall_s", "host_layers",
-                                      "copy_s", "hook_s", "banked", "bank_bytes")})
-        out["hook_calls"] = s["n_hook_calls"]
-        out["decode_gate_s"], out["decode_gates"] = s["fast_s"], s["fast_gates"]
+                                      "copy_s", "hook_s", "hook_calls", "decode_gate_s",
+                                      "decode_gates", "banked", "bank_bytes")})
         out["hit_rate"] = hit_rate(s["hits"], s["misses"])
         out["cache_slots"] = cache.n_slots_total
         on = {info.device for info in cache.layers.values() if info.n_slots}

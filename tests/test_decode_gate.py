@@ -101,7 +101,7 @@ def test_decode_gate_decides_as_the_python_gate(policy: str,
                 assert _state(a, range(n_layer)) == _state(b, range(n_layer))
                 assert np.array_equal(a.layer_keys(il), b.layer_keys(il))
         sa, sb = a.stats(), b.stats()
-        assert sa["fast_gates"] > 0 and sb["fast_gates"] == 0
+        assert sa["decode_gates"] > 0 and sb["decode_gates"] == 0
         assert seen_host > 0 and seen_flight > 0  # the split and in-flight cases were met
         for key in ("hits", "misses", "host_entries", "dropped_chunks", "refused_loads"):
             assert sa[key] == sb[key], key
@@ -148,11 +148,11 @@ def test_decode_runs_in_c_and_predictions_come_from_c(policy: str, tmp_path: Pat
     # every gate of one token is decided in C: the decode's, and a prefill's last layer (it
     # routes only the row whose logits are wanted); the hook sees the other prefill gates
     one_row = len(prompts)
-    assert stats_c["fast_gates"] == decode_gates + one_row
-    assert stats_c["n_hook_calls"] == len(prompts) * n_moe - one_row
-    assert stats_py["fast_gates"] == 0
-    assert stats_py["n_hook_calls"] == stats_c["n_hook_calls"] + stats_c["fast_gates"]
-    assert sum(counts_c) == stats_c["fast_gates"] * mf.n_expert_used
+    assert stats_c["decode_gates"] == decode_gates + one_row
+    assert stats_c["hook_calls"] == len(prompts) * n_moe - one_row
+    assert stats_py["decode_gates"] == 0
+    assert stats_py["hook_calls"] == stats_c["hook_calls"] + stats_c["decode_gates"]
+    assert sum(counts_c) == stats_c["decode_gates"] * mf.n_expert_used
     assert stats_c["events_dropped"] == 0
     if policy == "promoe":  # infinity's empty EAM collection may match nothing yet
         assert forecasts_c > 0

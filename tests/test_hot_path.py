@@ -82,7 +82,7 @@ def test_every_expert_resident_runs_as_stock(tiny_model: Callable[[str], Path]) 
         assert {k: s[k] for k in HOST_WORK} == dict.fromkeys(HOST_WORK, 0), s
         assert s["quiet"] == layers * passes
         assert s["products"] == n_proj * layers * passes
-        assert s["n_hook_calls"] == 0 and s["misses"] == 0 and s["host_layers"] == 0
+        assert s["hook_calls"] == 0 and s["misses"] == 0 and s["host_layers"] == 0
         # a one-row routing's top-k are all hits: each decoded token's, and the last layer of
         # each prompt pass, which computes its output row only (a prompt's distinct experts are
         # not known)
@@ -114,7 +114,7 @@ def test_a_decode_pass_stops_once_a_layer(tiny_model: Callable[[str], Path]) -> 
                 assert d["stops"] == 1 and d["mini_graphs"] == 0, (il, d)
                 assert d["products"] == n_proj, (il, d)
                 # the routed ids; the router weights only for a gate the hook decides
-                assert d["readbacks"] == 1 + (d["n_hook_calls"] > 0), (il, d)
+                assert d["readbacks"] == 1 + (d["hook_calls"] > 0), (il, d)
                 assert d["uploads"] <= 1 and d["copy_waits"] <= n_proj, (il, d)
                 assert d["event_waits"] == 0, (il, d)
                 if d["misses"]:
@@ -162,8 +162,8 @@ def test_host_experts_are_computed_whole(preset: str, tiny_model: Callable[..., 
                 assert d["stops"] == 1 and d["n_groups"] == 0, (il, d)
                 # read back: the routed ids, the layer's input when its host experts are
                 # computed whole, the router weights only for a gate the hook decides
-                assert d["readbacks"] == 1 + d["whole"] + (d["n_hook_calls"] > 0), (il, d)
-                fast += d["fast_gates"]
+                assert d["readbacks"] == 1 + d["whole"] + (d["hook_calls"] > 0), (il, d)
+                fast += d["decode_gates"]
                 if d["host_layers"]:
                     seen["host"] += 1
                     assert d["whole"] == 1 and d["products"] == 0, (il, d)
@@ -260,7 +260,7 @@ def test_a_prompt_ubatch_reads_no_routing(tiny_model: Callable[[str], Path]) -> 
             assert all(b < 0 or a == b for a, b in zip(after[il], held[il], strict=True)), il
             assert all(a >= 0 for a in after[il]), (il, after[il])
             assert s["readbacks"] == 0 and s["mini_graphs"] == 0, (il, s)
-            assert s["n_hook_calls"] == 0 and s["host_layers"] == 0, (il, s)
+            assert s["hook_calls"] == 0 and s["host_layers"] == 0, (il, s)
             assert s["banked"] == passes and s["products"] == n_proj * passes, (il, s)
             assert s["stops"] == passes, (il, s)  # a CPU has no events: the fills' thread
             assert s["uploads"] <= n_proj * passes, (il, s)  # the tables, where they changed

@@ -240,8 +240,8 @@ int32_t fc_try_decode_gate(forecache_cache * c, int32_t il, int64_t n_tokens, in
     }
     const int32_t rc = fc_decode_gate(c, il);
     if (rc != 2) {
-        L.stats.fast_gates++;
-        L.stats.fast_s += fc_seconds(t0);
+        L.stats.decode_gates++;
+        L.stats.decode_gate_s += fc_seconds(t0);
     } else {
         fc_clear_schedule(c, il);
     }
@@ -413,7 +413,7 @@ bool fc_route(forecache_cache * c, int32_t il, ggml_tensor * t) {
             const auto t0 = fc_clock::now();
             rc = c->hook(c->hook_ud, il, (int32_t) n_tokens, (int32_t) n_used, c->ids.data(), weights, gate_input, n_embd);
             L.stats.hook_s += fc_seconds(t0);
-            L.stats.n_hook_calls++;
+            L.stats.hook_calls++;
             if (rc < 0) {
                 std::lock_guard<std::mutex> lock(c->mtx);
                 fc_clear_schedule(c, il);

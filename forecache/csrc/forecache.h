@@ -98,7 +98,7 @@ typedef int32_t (*forecache_gate_hook)(
     X(uint64_t, host_layers,    SUM) /* layer computations done from host memory */ \
     X(uint64_t, h2d_bytes,      SUM) /* bytes copied host -> slots */ \
     X(uint64_t, n_chunks,       SUM) /* chunk copies done */ \
-    X(uint64_t, n_hook_calls,   SUM) \
+    X(uint64_t, hook_calls,     SUM) /* gates handed to the gate hook (Python) */ \
     X(double,   copy_s,         SUM) /* time the copy worker spent copying */ \
     X(double,   stall_s,        SUM) /* time compute waited for copies */ \
     X(double,   hook_s,         SUM) /* time spent in the gate hook */ \
@@ -114,8 +114,8 @@ typedef int32_t (*forecache_gate_hook)(
     X(uint64_t, host_entries,   SUM) /* schedule entries computed from host memory beside the slots */ \
     X(double,   hi_block_s,     SUM) /* time high-priority copies waited for a lower-priority chunk in flight */ \
     X(double,   hi_block_max_s, MAX) /* longest such wait: bounded by one chunk copy */ \
-    X(uint64_t, fast_gates,     SUM) /* gates decided in C by the decode gate (forecache_cache_set_decode_gate) */ \
-    X(double,   fast_s,         SUM) /* time spent deciding them */ \
+    X(uint64_t, decode_gates,   SUM) /* gates decided in C by the decode gate (forecache_cache_set_decode_gate) */ \
+    X(double,   decode_gate_s,  SUM) /* time spent deciding them */ \
     X(double,   model_host_s,   SUM) /* modelled host time of the experts the decode gate sent to the host */ \
     X(uint64_t, decode_hits,    SUM) /* hits and misses of one-token ubatches */ \
     X(uint64_t, decode_misses,  SUM) \

@@ -117,7 +117,7 @@ def measure_stages(llm: Llama, *, decode_sizes: Sequence[int] = DECODE_SIZES,
         if cache is None:
             return 0, 0, 0.0
         s = cache.stats()
-        return s["hits"], s["misses"], s["hook_s"] + s["fast_s"]
+        return s["hits"], s["misses"], s["hook_s"] + s["decode_gate_s"]
 
     def timed(passes: Callable[[int], list[tuple[int, int, int, bool]]]) -> dict:
         """``repeats`` passes after one that warms the graph: their median times, hit share

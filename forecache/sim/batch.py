@@ -306,7 +306,7 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
     busy["GPU"] = max(job - sum(busy.values()), 0.0)
     extra = {k: v for k, v in eng.stats.items() if k != "h2d_bytes"}
     extra.update(layers_simulated=len(sim.layers), stage_slots=sim.n_stage,
-                 decode_gates_in_c=sim.fast_gates, n_batch=n_batch, n_ubatch=cfg.n_ubatch,
+                 decode_gates_in_c=sim.decode_gates, n_batch=n_batch, n_ubatch=cfg.n_ubatch,
                  kv_host=cfg.kv_host, policy=cfg.policy, split=cfg.split, moves=moves,
                  decode_steps=decode_steps, decode_step_ubatches=decode_step_ubatches)
     if isinstance(sim.policy, Prefetcher):

@@ -294,7 +294,7 @@ class Simulator:
         # (host experts, host attention), the bus (activations to a host KV cache; copy waits
         # are ``stall``) and the runtime's own steps (hooks, gates, passes, expert groups)
         self.cpu_s = self.bus_s = self.runtime_s = self.attn_s = 0.0
-        self.fast_gates = 0
+        self.decode_gates = 0
         self.quiet = 0  # layer passes without a stop (every expert resident)
         self.banked = 0  # layer passes computed from a prompt bank
         self.bank_bytes = 0.0  # bytes copied host -> banks
@@ -584,7 +584,7 @@ class Simulator:
             if self._in_c(il, experts, n):
                 self.t += self.profile.decode_gate_s
                 self.fast += self.profile.decode_gate_s
-                self.fast_gates += 1
+                self.decode_gates += 1
                 self.runtime_s += self.profile.decode_gate_s
             else:
                 self.t += self._hook_s
@@ -953,7 +953,7 @@ class Simulator:
         if self.n_devices > 1:
             extra.update(devices=self.n_devices, device_hops=self.hops)
         extra["decode_gate_s"] = self.fast
-        extra["decode_gates_in_c"] = self.fast_gates
+        extra["decode_gates_in_c"] = self.decode_gates
         extra["quiet_layers"] = self.quiet
         extra["banked_layers"] = self.banked
         extra["bank_bytes"] = int(self.bank_bytes)
