@@ -13,7 +13,7 @@ import pytest
 from split_costs import split_costs
 
 from forecache.cache.infinity import InfinityPolicy
-from forecache.cache.prefetcher import Features, Prefetcher
+from forecache.cache.prefetcher import Features, ProMoEPolicy
 from forecache.cache.runtime import ExpertCache
 from forecache.generate import SamplingParams, generate
 from forecache.gguf.header import read_model_file
@@ -58,7 +58,7 @@ def test_decode_gate_decides_as_the_python_gate(policy: str,
         a, b = a_llm.expert_cache, b_llm.expert_cache
         assert a is not None and b is not None
         shape = shape_of("tiny", "q8_0").expert
-        make = Prefetcher if policy == "promoe" else InfinityPolicy
+        make = ProMoEPolicy if policy == "promoe" else InfinityPolicy
         pol_a = make([n_slots] * n_layer, Features(), split_costs(shape))
         pol_b = make([n_slots] * n_layer, Features(), split_costs(shape))
         table = pol_a.decode_gate(k)

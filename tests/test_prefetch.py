@@ -302,10 +302,10 @@ def _engine(n_slots: int = 4) -> SimEngine:
 
 
 def test_gate_orders_cache_first_and_keeps_needed_experts() -> None:
-    from forecache.cache.prefetcher import SLOT_COPYING, SLOT_READY, Prefetcher
+    from forecache.cache.prefetcher import SLOT_COPYING, SLOT_READY, ProMoEPolicy
 
     eng = _engine()
-    pol = Prefetcher([4] * 8, Features(split=False))
+    pol = ProMoEPolicy([4] * 8, Features(split=False))
     for e, s in ((1, 0), (2, 1), (3, 2)):
         assert eng.load(0, e, s, LOW) == 0
     eng.paused = False
@@ -623,12 +623,12 @@ def test_layer_on_the_cpu_still_warms_the_cache() -> None:
     """A cold layer computed wholly on the CPU queues as many of its missing experts as copy
     while the CPU computes it, so later tokens find them in slots; no more than that."""
     from forecache.cache.cost import CostModel, ExpertShape
-    from forecache.cache.prefetcher import Prefetcher
+    from forecache.cache.prefetcher import ProMoEPolicy
 
     eng = _engine(8)
     proj = 2048 * 1024 // 256 * 144  # OLMoE-sized q4_k experts: the CPU beats copying
     cost = CostModel.from_profile(Profile.load("rtx4090"), ExpertShape(2048, 1024, (proj,) * 3))
-    pol = Prefetcher([8] * 8, Features(), cost)
+    pol = ProMoEPolicy([8] * 8, Features(), cost)
     routed = np.arange(1, 9)
     rows = [(e, 1, False) for e in routed.tolist()]
     assert cost.best_split(rows, 0)[0].whole_layer
@@ -644,7 +644,7 @@ def test_a_prompt_sized_ubatch_computes_every_expert_on_the_device() -> None:
     missing experts and computes them all on the device, as llama.cpp's op offload does, even
     where the cost model would send the layer to the CPU; ``prompt_split`` keeps the old rule."""
     from forecache.cache.cost import DEVICE_MIN_TOKENS, CostModel, ExpertShape
-    from forecache.cache.prefetcher import Prefetcher
+    from forecache.cache.prefetcher import ProMoEPolicy
 
     proj = 2048 * 1024 // 256 * 144  # OLMoE-sized q4_k experts: the CPU beats copying
     cost = CostModel.from_profile(Profile.load("rtx4090"), ExpertShape(2048, 1024, (proj,) * 3))
@@ -655,7 +655,7 @@ def test_a_prompt_sized_ubatch_computes_every_expert_on_the_device() -> None:
                                     (DEVICE_MIN_TOKENS, Features(), True),
                                     (DEVICE_MIN_TOKENS, Features(prompt_split=True), False)):
         eng = _engine(8)
-        pol = Prefetcher([8] * 8, feats, cost)
+        pol = ProMoEPolicy([8] * 8, feats, cost)
         assert pol.gate(0, routed, eng, counts, tokens) is on_slots, (tokens, feats)
         if on_slots:  # every routed expert has a slot in the schedule, none is the host's
             L = eng.layers[0]

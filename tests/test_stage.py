@@ -183,12 +183,12 @@ def test_stage_slots_arguments(tiny_model: Callable[[str], Path]) -> None:
 def test_gate_prefers_a_slot_over_a_stage_slot() -> None:
     """An expert staged and then loaded into a slot (a prediction) is computed from its slot; the
     layer's other misses still find slots, and the stage slot goes back."""
-    from forecache.cache.prefetcher import Prefetcher
+    from forecache.cache.prefetcher import ProMoEPolicy
 
     shape = shape_of("reference", "q8_0")
     n = 4
     eng = SimEngine(shape, [n] * shape.layers, Profile.load("rtx4090"), n_stage=2)
-    pol = Prefetcher([n] * shape.layers, Features(split=False, prefetch=False))
+    pol = ProMoEPolicy([n] * shape.layers, Features(split=False, prefetch=False))
     pol.attach(eng)
     for s in range(n):
         eng.load(1, s, s, LOW)

@@ -29,7 +29,7 @@ gate in C evicts as this policy would, and ``infinity`` decodes without Python b
 Prefetching follows the predictions as MoE-Infinity does: the best ``prefetch_n`` predicted experts
 of a coming layer are copied at low priority into free slots or over lower-priority ones. The copy
 mechanics (early preemption, cache-first order, streaming, chunks, the host split) are
-``Prefetcher``'s, so ``infinity`` and ``promoe`` differ only in what they keep and predict.
+``ProMoEPolicy``'s, so ``infinity`` and ``promoe`` differ only in what they keep and predict.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import numpy as np
 from forecache.cache.allocation import reallocate
 from forecache.cache.cost import CostModel
 from forecache.cache.policies import CopyEngine, Policy, PolicyInputs
-from forecache.cache.prefetcher import Features, Prefetcher
+from forecache.cache.prefetcher import Features, ProMoEPolicy
 
 if TYPE_CHECKING:
     from forecache.gguf.header import ModelFile
@@ -56,8 +56,8 @@ USES_MASK = (1 << RANK_SHIFT) - 1
 ROUTE_STEP = (1 << REQUEST_SHIFT) + 1
 
 
-class InfinityPolicy(Prefetcher):
-    """Activation-aware eviction and prefetch over ``Prefetcher``'s copy mechanics.
+class InfinityPolicy(ProMoEPolicy):
+    """Activation-aware eviction and prefetch over ``ProMoEPolicy``'s copy mechanics.
 
     The forecasts it is given (``prefetch``) are whole rankings, best first, of the experts a
     layer's EAM prediction activates (``Forecaster(..., n_predict=n_expert, min_score=0)``);

@@ -136,7 +136,7 @@ class PolicyInputs:
 class Policy:
     """What the expert cache asks of a policy: per-layer slot counts, copies before the first
     token, the decision at each layer's gate, and forecasts to act on. Reactive policies implement
-    ``on_gate`` only; a proactive one (``Prefetcher``) overrides ``gate`` and ``prefetch``.
+    ``on_gate`` only; a proactive one (``ProMoEPolicy``) overrides ``gate`` and ``prefetch``.
 
     The class says what the policy needs (``cache.registry`` names the classes): a forecaster
     and stage slots (``proactive``), whole forecast rankings (``ranks_experts``), a routing
@@ -200,7 +200,7 @@ class Policy:
 
     def decode_gate(self, n_used: int) -> tuple[list[int], list[float], bool] | None:
         """Tables with which the engine decides one-token gates without calling ``gate``
-        (``Prefetcher.decode_gate``); None: every gate calls it."""
+        (``ProMoEPolicy.decode_gate``); None: every gate calls it."""
         return None
 
     def layer_decode_gates(self, n_used: int) -> list[tuple[list[int], list[int], list[float]]]:

@@ -85,7 +85,7 @@ def stage_slots(n_expert: int, n_slots: Sequence[int], *, streams: bool,
     return max(0, min(n_expert - min(cached), MAX_STAGE_SLOTS, sum(cached) // 64))
 
 
-class Prefetcher(Policy):
+class ProMoEPolicy(Policy):
     """Slot assignment for ``promoe``. Slot contents and recency live in the copy engine (the C
     cache or the simulator's), read at every gate and prediction; one lock keeps the gate hook
     and the prediction worker from interleaving their decisions."""
@@ -168,8 +168,8 @@ class Prefetcher(Policy):
     def _engine_gates(self) -> bool:
         """The engine's decode gate decides as this policy's ``gate`` would (cache-first
         order, this class's gate and eviction order)."""
-        return self.features.reorder and type(self).gate is Prefetcher.gate and \
-            type(self).eviction_order is Prefetcher.eviction_order
+        return self.features.reorder and type(self).gate is ProMoEPolicy.gate and \
+            type(self).eviction_order is ProMoEPolicy.eviction_order
 
     def layer_decode_gates(self, n_used: int) -> list[tuple[list[int], list[int], list[float]]]:
         """The layers whose device has a cost model of its own, with that model's decode-gate

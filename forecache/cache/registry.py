@@ -15,7 +15,7 @@ from typing import Literal
 
 from forecache.cache.infinity import InfinityPolicy
 from forecache.cache.policies import LFUPolicy, LRUPolicy, Policy, PolicyInputs, StaticPolicy
-from forecache.cache.prefetcher import Prefetcher
+from forecache.cache.prefetcher import ProMoEPolicy
 
 __all__ = ["NCMOE_RUNS", "POLICIES", "SIM_POLICIES", "PolicyInputs", "PolicySpec",
            "build_policy", "policy_spec"]
@@ -67,7 +67,7 @@ _SPECS = (
     PolicySpec("lru", "slots", LRUPolicy),
     PolicySpec("lfu", "slots", LFUPolicy),
     PolicySpec("static", "slots", StaticPolicy),
-    PolicySpec("promoe", "slots", Prefetcher),
+    PolicySpec("promoe", "slots", ProMoEPolicy),
     PolicySpec("infinity", "slots", InfinityPolicy),
 )
 SPECS = {s.name: s for s in _SPECS}

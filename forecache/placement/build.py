@@ -8,7 +8,7 @@ from forecache.cache.cost import DEVICE_MIN_TOKENS, CostModel
 from forecache.cache.disk import DiskTier, readers_default
 from forecache.cache.forecast import Forecaster
 from forecache.cache.policies import HostOnlyPolicy, Policy, PolicyInputs
-from forecache.cache.prefetcher import Prefetcher
+from forecache.cache.prefetcher import ProMoEPolicy
 from forecache.cache.registry import build_policy
 from forecache.cache.runtime import ExpertCache, RouteCallback
 from forecache.diskprobe import DiskRate
@@ -136,7 +136,7 @@ def attach(ctx: int, placement: Placement, cfg: CacheConfig, policy: Policy,
     chunk = cfg.chunk_bytes
     reorder = False  # the reactive baselines wait for every copy of a layer, then compute it
     gather = 0
-    if isinstance(policy, Prefetcher):  # proactive
+    if isinstance(policy, ProMoEPolicy):  # proactive
         f = policy.features
         if f.prefetch:
             assert model is not None, "promoe needs the model file for its predictor"

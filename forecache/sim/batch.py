@@ -13,7 +13,7 @@ import numpy as np
 
 from forecache.cache.cost import Profile
 from forecache.cache.policies import hit_rate
-from forecache.cache.prefetcher import Prefetcher
+from forecache.cache.prefetcher import ProMoEPolicy
 from forecache.predictor.base import Predictor
 from forecache.sim.shapes import ModelShape
 from forecache.sim.simulate import SimConfig, Simulator
@@ -309,7 +309,7 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
                  decode_gates_in_c=sim.decode_gates, n_batch=n_batch, n_ubatch=cfg.n_ubatch,
                  kv_host=cfg.kv_host, policy=cfg.policy, split=cfg.split, moves=moves,
                  decode_steps=decode_steps, decode_step_ubatches=decode_step_ubatches)
-    if isinstance(sim.policy, Prefetcher):
+    if isinstance(sim.policy, ProMoEPolicy):
         extra.update(prefetch_loads=sim.policy.prefetch_loads,
                      stale_predictions=sim.policy.stale_predictions)
     return BatchResult(

@@ -26,7 +26,7 @@ from forecache.cache.policies import Policy, PolicyInputs, first_use, hit_rate
 from forecache.cache.prefetcher import (
     SLOT_READY,
     Features,
-    Prefetcher,
+    ProMoEPolicy,
     stage_slots,
 )
 from forecache.cache.registry import SIM_POLICIES, PolicySpec, policy_spec
@@ -340,7 +340,7 @@ class Simulator:
         predictors, clocks): what a warmed-up run measures from here."""
         self._init_counters()
         self.engine.stats = dict.fromkeys(self.engine.stats, 0)
-        if isinstance(self.policy, Prefetcher):
+        if isinstance(self.policy, ProMoEPolicy):
             self.policy.prefetch_loads = self.policy.stale_predictions = 0
         self.disk.reset_counters()
 
@@ -453,7 +453,7 @@ class Simulator:
                 self.spec_cutoffs.append(cutoff)
             for r in verify[:k]:
                 # the draft reaches each layer and names the verifier's experts there
-                if isinstance(self.policy, Prefetcher):
+                if isinstance(self.policy, ProMoEPolicy):
                     for il in self.layers[:cutoff]:
                         ids = req.experts[r, il]
                         ids = [int(e) for e in ids[ids >= 0]
@@ -500,7 +500,7 @@ class Simulator:
         sh, eng, n = self.shape, self.engine, len(rows)
         t0 = self.t
         eng.new_pass()
-        if self._oracle is not None and isinstance(self.policy, Prefetcher):
+        if self._oracle is not None and isinstance(self.policy, ProMoEPolicy):
             # the big pass prefetches what the little pass's router chose, every layer at once
             self.t += self._hook_s
             eng.advance_to(self.t)
@@ -889,7 +889,7 @@ class Simulator:
             self.t = ready
 
     def _forecast(self, il: int, ids: np.ndarray, req: Request, rows: np.ndarray) -> None:
-        assert self.forecaster is not None and isinstance(self.policy, Prefetcher)
+        assert self.forecaster is not None and isinstance(self.policy, ProMoEPolicy)
         hidden = None
         if self.forecaster.needs_hidden and req.gate_input is not None:
             hidden = np.asarray(req.gate_input[rows, il], dtype=np.float32)
@@ -909,7 +909,7 @@ class Simulator:
     def _account_prediction(self, il: int, routed: np.ndarray) -> None:
         """ACCURACY, FETCHRATE and GOODPRED (ProMoE §4.1) of the prediction made for ``il``."""
         got = self._pred.pop(il, None)
-        if got is None or not isinstance(self.policy, Prefetcher):
+        if got is None or not isinstance(self.policy, ProMoEPolicy):
             return
         _, predicted = got
         expert_of, state = self.engine.layer_state(il)
@@ -957,7 +957,7 @@ class Simulator:
         extra["quiet_layers"] = self.quiet
         extra["banked_layers"] = self.banked
         extra["bank_bytes"] = int(self.bank_bytes)
-        if isinstance(self.policy, Prefetcher):
+        if isinstance(self.policy, ProMoEPolicy):
             extra.update(prefetch_loads=self.policy.prefetch_loads,
                          stale_predictions=self.policy.stale_predictions)
         extra.update(self.disk.extra())
