@@ -18,7 +18,7 @@ from conftest import assert_same_greedy
 from disk_helpers import cached_pages, direct_io, drop_cached, quarter_budget
 from stock_runner import greedy
 
-from forecache.cache.disk import host_weight_bytes, plan_disk
+from forecache.cache.disk import host_weight_bytes, size_disk_tier
 from forecache.gguf.header import ModelFile, read_model_file
 from forecache.llama import Llama
 from forecache.placement.options import CacheConfig
@@ -100,8 +100,8 @@ def test_stock_placements_refuse_a_host_budget(tiny_model: Callable[..., Path]) 
 def test_a_budget_that_holds_every_expert_needs_no_disk(tiny_model: Callable[..., Path]) -> None:
     mf = read_model_file(tiny_model("q4_k"))
     roomy = host_weight_bytes(mf, on_gpu=False) + mf.total_expert_bytes()
-    assert plan_disk(mf, roomy, on_gpu=False) is None
-    plan = plan_disk(mf, roomy - 1, on_gpu=False)
+    assert size_disk_tier(mf, roomy, on_gpu=False) is None
+    plan = size_disk_tier(mf, roomy - 1, on_gpu=False)
     assert plan is not None and plan.disk_expert_bytes > 0
     assert plan.host_expert_bytes + plan.disk_expert_bytes == mf.total_expert_bytes()
 
@@ -110,7 +110,7 @@ def test_host_slots_grow_with_the_budget(tiny_model: Callable[..., Path]) -> Non
     mf = read_model_file(tiny_model("q4_k"))
     base = host_weight_bytes(mf, on_gpu=False)
     per = max(mf.layer_expert_bytes()) * len(mf.moe_layers())
-    counts = [plan_disk(mf, base + k * per, on_gpu=False).n_host[mf.moe_layers()[0]]
+    counts = [size_disk_tier(mf, base + k * per, on_gpu=False).n_host[mf.moe_layers()[0]]
               for k in (mf.n_expert_used, 8, 12)]
     assert counts == [mf.n_expert_used, 8, 12]
     assert np.all(np.diff(counts) > 0)

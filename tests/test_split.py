@@ -23,7 +23,7 @@ from conftest import assert_same_greedy
 from disk_helpers import cached_pages, direct_io, drop_cached, quarter_budget
 from stock_runner import greedy
 
-from forecache.cache.disk import plan_disk, probe_expert_reads, probe_ranges
+from forecache.cache.disk import probe_expert_reads, probe_ranges, size_disk_tier
 from forecache.gguf.base import GGUFError
 from forecache.gguf.header import read_model_file, require_moe
 from forecache.gguf.identity import fingerprint, identity
@@ -175,7 +175,7 @@ def test_the_disk_tier_reads_each_shard(pair: tuple[Path, Path], stock: StockRef
     split = _copy_split(first, tmp_path)
     a, mf = read_model_file(one), read_model_file(split)
     budget = quarter_budget(a, 0.25)
-    assert plan_disk(mf, budget, on_gpu=False) == plan_disk(a, budget, on_gpu=False)
+    assert size_disk_tier(mf, budget, on_gpu=False) == size_disk_tier(a, budget, on_gpu=False)
     cfg = CacheConfig("lru", cache_fraction=0.25, host_budget=budget)
     with Llama(str(split), cache=cfg, verbose=False, **PARAMS) as llm:
         assert llm.placement is not None and llm.placement.disk is not None

@@ -34,7 +34,7 @@ class DiskTier:
 
 
 @dataclass(frozen=True)
-class DiskPlan:
+class HostSlots:
     """Host slots per layer (0 for layers without experts) and what they hold."""
 
     n_host: list[int]
@@ -66,8 +66,8 @@ def host_weight_bytes(model: ModelFile, *, on_gpu: bool) -> int:
     return sum(t.nbytes for t in model.tensors if t.name in HOST_INPUT_TENSORS)
 
 
-def plan_disk(model: ModelFile, host_budget: int, *, on_gpu: bool,
-              slot_bytes: int = 0) -> DiskPlan | None:
+def size_disk_tier(model: ModelFile, host_budget: int, *, on_gpu: bool,
+                   slot_bytes: int = 0) -> HostSlots | None:
     """Host slots per MoE layer for ``host_budget`` bytes of host memory: the budget less the
     non-expert weights kept on the host (and ``slot_bytes`` of device slots, which are host
     memory on a CPU-only build), split evenly over the layers' experts. None when every expert
@@ -91,7 +91,7 @@ def plan_disk(model: ModelFile, host_budget: int, *, on_gpu: bool,
     for il in layers:
         n_host[il] = n
     held = n * per_expert * len(layers)
-    return DiskPlan(n_host, fixed, held, model.total_expert_bytes() - held, per_expert)
+    return HostSlots(n_host, fixed, held, model.total_expert_bytes() - held, per_expert)
 
 
 # what the start-up probe of a model file's experts reads: enough to reach the disk's rate, little

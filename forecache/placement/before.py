@@ -19,7 +19,7 @@ from forecache.cache.budget import (
 )
 from forecache.cache.choice import PRIOR, Choice, DecodeShape, Evidence, choose_among, locality
 from forecache.cache.cost import CostModel, ExpertShape, Profile
-from forecache.cache.disk import DiskPlan, plan_disk
+from forecache.cache.disk import HostSlots, size_disk_tier
 from forecache.cache.measured import load_evidence, measured_rates
 from forecache.cache.prefetcher import stage_slots
 from forecache.errors import setting
@@ -151,7 +151,7 @@ class Placement:
     host_layers: list[int]  # layers whose experts are in host memory
     stage_slots: int = 0  # promoe/infinity: stage slots beside the slots
     bank: bool = False  # prompt banks beside the slots (CacheConfig.prompt_bank)
-    disk: DiskPlan | None = None  # host slots of the disk tier (cfg.host_budget)
+    disk: HostSlots | None = None  # host slots of the disk tier (cfg.host_budget)
 
 
 def budget_split(model: ModelFile, cfg: CacheConfig, *, n_ctx: int,
@@ -211,7 +211,7 @@ def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int,
     if cfg.host_budget is not None:
         on_gpu = dev.type != "cpu"
         slot_bytes = 0 if on_gpu else (sum(slots) + stage) * max(model.layer_expert_bytes())
-        disk = plan_disk(model, cfg.host_budget, on_gpu=on_gpu, slot_bytes=slot_bytes)
+        disk = size_disk_tier(model, cfg.host_budget, on_gpu=on_gpu, slot_bytes=slot_bytes)
         if disk is not None:  # every layer computes from slots: its experts are not in memory
             slots = [max(n, 1) if il in layers else n for il, n in enumerate(slots)]
     return Placement(dev, plan, slots, layers, stage, bank > 0, disk)

@@ -29,7 +29,7 @@ def host_weight_bytes(name: str, qtype: str = "q4_k") -> int:
 
 def host_slots_for(shape: ModelShape, host_budget: int, host_weights: int = 0) -> int:
     """Host slots each MoE layer gets from ``host_budget`` bytes of host memory, of which the
-    model's host-resident weights take ``host_weights`` (``cache.disk.plan_disk``'s split):
+    model's host-resident weights take ``host_weights`` (``cache.disk.size_disk_tier``'s split):
     ``shape.experts`` when every expert fits (no disk tier)."""
     room = host_budget - host_weights
     return max(0, min(shape.experts, room // (shape.expert_bytes * shape.layers)))
@@ -68,7 +68,7 @@ def predict_disk_reads(requests: Sequence[Request], shape: ModelShape, host_slot
                        n_ubatch: int = 512, stage_slots: int | None = 0) -> DiskReads:
     """The disk reads a run of ``requests`` (their routing, prompt rows then decode rows, one
     request after the other in one context) makes with ``host_slots`` host slots a MoE layer
-    (``DiskPlan.n_host``) and ``n_slots`` device slots a layer, under ``policy``: the simulator's
+    (``HostSlots.n_host``) and ``n_slots`` device slots a layer, under ``policy``: the simulator's
     replay of the C cache's disk tier (empty host slots at the start; a copy queued or a host
     compute batch that lacks its expert reads it; the reads of the device slots' first fill,
     before the first token, are apart in ``initial_reads``). With a reactive policy the count

@@ -44,7 +44,7 @@ class DiskSide:
         self.decoding = False
         n_host = cfg.host_slots
         if n_host is None or n_host >= shape.experts:
-            return  # every expert fits in host memory: no disk tier (as ``plan_disk``)
+            return  # every expert fits in host memory: no disk tier (as ``size_disk_tier``)
         if n_host < 1:
             raise ValueError(f"{n_host} host slots a layer: the disk tier needs at least one")
         room = n_host * len(sim.layers)  # experts host memory holds
