@@ -27,14 +27,14 @@ import time
 from pathlib import Path
 
 from forecache.batch import decode_many
-from forecache.cache.plans import Plan, Workload, estimate, layout
-from forecache.cache.shape import model_shape
 from forecache.generate import SamplingParams
 from forecache.jobs.plan import calibrate, job_workload
 from forecache.jobs.requests import Request
 from forecache.llama import Llama
 from forecache.models.default import ensure_default_model
 from forecache.placement.options import Options
+from forecache.roofline.batch import Plan, Workload, estimate, layout
+from forecache.roofline.shape import model_shape
 
 PROMPTS = Path(__file__).resolve().parent.parent / "forecache" / "data" / "prompts" / \
     "default.jsonl"

@@ -18,7 +18,7 @@ no plan faster unless a profile gives a pageable rate above its pinned one.
 Each plan's device memory is the non-expert weights, the KV cache when on the device (every
 sequence's context), the compute buffers of its largest ubatch (``cache.budget``), then the
 experts: whole layers for ncmoe, slots a layer for promoe; plans that do not fit are left out.
-``cache.plans`` (the hierarchical roofline model, HRM) gives the split and the predicted
+``roofline.batch`` (the hierarchical roofline model, HRM) gives the split and the predicted
 tokens/s beside the simulated ones. Stock llama.cpp's plans stop at its 256 sequences a
 context; forecache's go to 1,024 (patch 0004).
 
@@ -305,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
           "answers included); hit % and bound of the job where replayed, else of the screen; "
           "bound: what the critical path spent most time on (GPU: the device's compute; CPU: "
           "experts and attention on the host; PCIe: waiting for copies; runtime: the "
-          "runtime's own steps); HRM: cache.plans's prediction for the whole job")
+          "runtime's own steps); HRM: roofline.batch's prediction for the whole job")
     wall = time.perf_counter() - t_start
     print(f"{len(screens)} plans screened, {len(jobs_)} replayed whole, in {wall:.0f} s")
     if args.json:

@@ -9,8 +9,6 @@ from pathlib import Path
 import pytest
 
 from forecache.cache.cost import Profile
-from forecache.cache.plans import Plan, estimate
-from forecache.cache.shape import model_shape
 from forecache.jobs.plan import (
     StageSample,
     calibrate,
@@ -26,6 +24,8 @@ from forecache.llama import Llama
 from forecache.models.default import REFERENCE_MODEL
 from forecache.placement.costs import DEFAULT_MACHINE
 from forecache.placement.options import CacheConfig
+from forecache.roofline.batch import Plan, estimate
+from forecache.roofline.shape import model_shape
 
 STOCK = Plan(8, 256, False, "ncmoe")  # llama.cpp's own placement: every expert in place
 BUDGET = 1 << 40

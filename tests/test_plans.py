@@ -1,4 +1,4 @@
-"""Batch plans and the roofline model that predicts them (forecache.cache.plans, forecache plan)."""
+"""Batch plans and the roofline model that predicts them (roofline.batch, forecache plan)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 
 from forecache.cache.choice import DecodeShape, ncmoe_decode_s, promoe_decode_s
 from forecache.cache.cost import CostModel, Profile
-from forecache.cache.plans import Plan, Workload, distinct_experts, estimate, search
-from forecache.cache.shape import shape_of
 from forecache.models.default import REFERENCE_MODEL
+from forecache.roofline.batch import Plan, Workload, distinct_experts, estimate, search
+from forecache.roofline.shape import shape_of
 from tests.cli_helpers import run_cli
 
 TARGET = shape_of("qwen2-57b-a14b")

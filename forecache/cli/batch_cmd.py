@@ -90,13 +90,13 @@ def batch(model: Path, input_path: Path, output_path: Path, plan_text: str | Non
         prompt_lengths,
         rewrite_in_input_order,
     )
-    from forecache.cache.plans import Plan
     from forecache.chat import mobile_summary, spec_summary
     from forecache.gguf.header import require_moe
     from forecache.interrupt import deferred_signals
     from forecache.jobs.plan import choose_plan, plan_cache
     from forecache.jobs.requests import read_requests
     from forecache.llama import Llama
+    from forecache.roofline.batch import Plan
     from forecache.speculative.speculator import SELF_DRAFTS
 
     spec = open_args(cache_opts)

@@ -43,10 +43,10 @@ def plan(model: Path | None, shape: str | None, qtype: str, gpu_budget: str, pro
     KV cache lives), with stock llama.cpp's best --n-cpu-moe plan beside them."""
     from forecache.cache.budget import format_size, parse_size
     from forecache.cache.cost import Profile
-    from forecache.cache.plans import Workload, search
-    from forecache.cache.shape import model_shape, shape_of
     from forecache.native.libs import MAX_SEQUENCES
     from forecache.placement.costs import DEFAULT_MACHINE
+    from forecache.roofline.batch import Workload, search
+    from forecache.roofline.shape import model_shape, shape_of
 
     if (model is None) == (shape is None):
         raise click.UsageError("give a model (-m FILE) or a models.yaml shape (--shape NAME)")

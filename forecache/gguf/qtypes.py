@@ -2,7 +2,7 @@
 of ``make-model --type``'s weight types, as llama.cpp's quantizer (llama-quant.cpp) chooses them.
 
 The one place that decides tensor types: ``specs.tensor_plan`` (and with it make-model and the size
-reports) and the timing models' shapes (``cache.shape``) all ask :func:`tensor_type`.
+reports) and the timing models' shapes (``roofline.shape``) all ask :func:`tensor_type`.
 """
 
 from __future__ import annotations

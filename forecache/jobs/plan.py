@@ -1,7 +1,7 @@
 """A batch job's plan on this machine: the roofline model's rates measured on the loaded model,
 and the plan it predicts fastest for the job's requests.
 
-``cache.plans`` predicts a plan from a machine profile. Here the profile's rates are fitted to
+``roofline.batch`` predicts a plan from a machine profile. Here the profile's rates are fitted to
 stage times measured on the model itself, as MoE-Lightning profiles peak rates rather than
 trusting a datasheet: decode steps of a few sequences and prompt ubatches of a few sizes, each
 timed around ``llama_decode`` with its rows' sampling. The fitted profile is kept per model and
@@ -21,16 +21,6 @@ import numpy as np
 
 from forecache.cache.budget import format_size
 from forecache.cache.cost import Profile
-from forecache.cache.plans import (
-    Estimate,
-    Layout,
-    Plan,
-    Workload,
-    layout,
-    search,
-    ubatch_stage,
-)
-from forecache.cache.shape import ModelShape, model_shape
 from forecache.errors import setting
 from forecache.gguf.header import ModelFile
 from forecache.gguf.identity import fingerprint
@@ -40,6 +30,16 @@ from forecache.native.libs import MAX_SEQUENCES
 from forecache.paths import cache_dir, write_atomic
 from forecache.placement.costs import DEFAULT_MACHINE
 from forecache.placement.options import DEFAULT_POLICY, CacheConfig
+from forecache.roofline.batch import (
+    Estimate,
+    Layout,
+    Plan,
+    Workload,
+    layout,
+    search,
+    ubatch_stage,
+)
+from forecache.roofline.shape import ModelShape, model_shape
 
 # what the fit moves: rates and the runtime's fixed costs (log-space)
 FITTED = ("launch_s", "mem_gbps", "gflops", "seq_s", "token_s", "sample_s", "hook_s",

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from forecache.cache.shape import ModelShape
+from forecache.roofline.shape import ModelShape
 
 
 def layer_devices(n_layers: int, split: Sequence[float]) -> list[int]:

@@ -1,12 +1,12 @@
-"""Model shapes for the simulator: the timing models' shapes (``cache.shape``), and the models
+"""Model shapes for the simulator: the timing models' shapes (``roofline.shape``), and the models
 that recorded the shared traces."""
 
 from __future__ import annotations
 
 import yaml
 
-from forecache.cache.shape import ModelShape, model_shape, shape_of
 from forecache.gguf.specs import models_yaml
+from forecache.roofline.shape import ModelShape, model_shape, shape_of
 
 __all__ = ["ModelShape", "model_shape", "shape_of", "trace_model_names"]
 

@@ -31,7 +31,7 @@ from forecache.cache.prefetcher import stage_slots
 from forecache.native.libs import STOCK_MAX_SEQUENCES
 
 if TYPE_CHECKING:
-    from forecache.cache.shape import ModelShape
+    from forecache.roofline.shape import ModelShape
 
 EXPERTS = ("cache", "ncmoe")
 # the resources a stage can be bound by

@@ -1,5 +1,5 @@
 """Model shapes at a quantization, as the timing models see them: the cost model's batch plans
-(``cache.plans``) and the simulator."""
+(``roofline.batch``) and the simulator."""
 
 from __future__ import annotations
 
