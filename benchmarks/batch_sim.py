@@ -60,10 +60,10 @@ from pathlib import Path
 
 import numpy as np
 
-from forecache.cache import plans as hrm
 from forecache.cache.budget import parse_size
 from forecache.cache.choice import locality
 from forecache.cache.cost import Profile
+from forecache.roofline import batch as hrm
 from forecache.sim.batch import SPLITS, simulate_batch
 from forecache.sim.run import SHAREGPT, speedup, window_requests
 from forecache.sim.shapes import ModelShape, shape_of

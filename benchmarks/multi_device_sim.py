@@ -38,8 +38,8 @@ from forecache.cache.cost import Profile
 from forecache.gguf.specs import get_spec
 from forecache.sim.devices import device_layers, device_slots, layer_devices, stock_split
 from forecache.sim.run import (
-    BUDGET_RESERVE,
     NCMOE_BEST,
+    buffer_bytes,
     fit_predictor,
     routed_like,
     run_one,
@@ -81,9 +81,9 @@ def run_shape(args: argparse.Namespace, profile: Profile, name: str, qtype: str)
     budgets = [parse_size(args.budget)] * n_dev
     info, fit, replay, meta = routing(args, name)
     _, pred = fit_predictor("auto", info, fit, 2)
-    stock = stock_split(shape, budgets, BUDGET_RESERVE)
+    stock = stock_split(shape, budgets, buffer_bytes(shape))
     even = layer_devices(shape.layers, [float(b) for b in budgets])
-    slots = device_slots(shape, even, budgets, BUDGET_RESERVE)
+    slots = device_slots(shape, even, budgets, buffer_bytes(shape))
     runs = {}
     for p in ("ncmoe", "ncmoe-mmap"):
         cfg = SimConfig(p, stock.n_slots(shape), window=2, seed=args.seed,

@@ -17,7 +17,7 @@ from forecache.sim.devices import (
     stock_split,
 )
 from forecache.sim.engine import SimEngine
-from forecache.sim.run import BUDGET_RESERVE
+from forecache.sim.run import buffer_bytes
 from forecache.sim.shapes import shape_of
 from forecache.sim.simulate import SimConfig, simulate
 from forecache.trace.format import Request
@@ -41,22 +41,24 @@ def test_layer_split_is_contiguous_and_proportional() -> None:
 def test_stock_split_fits_each_card() -> None:
     sh = shape_of("qwen2-57b-a14b", "q8_0")
     gib = 1 << 30
-    got = stock_split(sh, [24 * gib, 24 * gib], BUDGET_RESERVE)
+    reserve = buffer_bytes(sh)
+    got = stock_split(sh, [24 * gib, 24 * gib], reserve)
     assert got.n_cpu_moe > 0
     layers = device_layers(got.layer_device, 2)
     assert layers[0][0] == 0 and layers[1][-1] == sh.layers - 1
     for d, ls in enumerate(layers):
-        used = BUDGET_RESERVE + (sh.head_bytes if d == 1 else 0) + sum(
+        used = reserve + (sh.head_bytes if d == 1 else 0) + sum(
             sh.layer_bytes + (0 if il < got.n_cpu_moe else sh.experts * sh.expert_bytes)
             for il in ls)
         assert used <= 24 * gib
     # one host layer fewer fits no split: N is the fewest
     assert sum(got.n_slots(sh)) == (sh.layers - got.n_cpu_moe) * sh.experts
     # a model that fits takes llama.cpp's default (even) split and keeps no host layer
-    small = stock_split(shape_of("qwen2-57b-a14b", "q4_k"), [24 * gib] * 2, BUDGET_RESERVE)
+    q4 = shape_of("qwen2-57b-a14b", "q4_k")
+    small = stock_split(q4, [24 * gib] * 2, buffer_bytes(q4))
     assert small.n_cpu_moe == 0 and small.split == [24.0 * gib] * 2
     slots = device_slots(sh, layer_devices(sh.layers, [1.0, 1.0]), [24 * gib] * 2,
-                         BUDGET_RESERVE)
+                         reserve)
     assert min(slots) >= 1 and len(set(slots[:15])) == 1 and len(set(slots[15:])) == 1
 
 

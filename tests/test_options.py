@@ -85,3 +85,39 @@ def test_each_fact_is_written_once() -> None:
     lists = sorted({f for f, text in src.items() for m in names.finditer(text)
                     if '"learned"' in m.group() or '"auto"' in m.group()})
     assert lists == ["predictor/registry.py"], lists
+
+
+def test_one_budget_rule_for_the_runtime_the_planner_and_the_simulator(tiny_model) -> None:
+    """A budget becomes slots by one rule (``budget.MemoryPlan``: non-expert weights, KV cache
+    and compute buffers first): the runtime's split of a GGUF, the batch planner's and the
+    simulator's of its shape agree, and no flat reserve of their own is left."""
+    from forecache.cache.budget import plan_memory
+    from forecache.gguf.header import read_model_file
+    from forecache.roofline.batch import Plan, Workload, layout
+    from forecache.roofline.shape import model_shape, shape_of
+    from forecache.sim.run import SIM_CONTEXT, SIM_UBATCH, slots_for
+
+    target = shape_of("qwen2-57b-a14b", "q4_k")
+    budget = 24 << 30
+    rule = target.memory(budget, n_ctx=SIM_CONTEXT, n_ubatch=SIM_UBATCH)
+    assert rule.fixed_bytes == (target.dense_bytes + target.kv_cache_bytes(SIM_CONTEXT)
+                                + target.compute_bytes(SIM_UBATCH))
+    work = Workload(1, 64.0, 64.0, SIM_CONTEXT)
+    planned = layout(target, budget, work, Plan(1, SIM_UBATCH))
+    assert planned is not None
+    assert slots_for(target, target.layers, "24GiB", None) == planned.slots == \
+        min(rule.slots_per_layer())
+    # the runtime's split of a GGUF is the same rule over the file's own sizes
+    mf = read_model_file(tiny_model())
+    shape = model_shape(mf)
+    room = 272 << 20  # the compute buffers' reserve and a few slots a layer
+    got = plan_memory(mf, room, n_ctx=256, n_ubatch=64, device_name="test",
+                      device_total=1 << 40)
+    same = shape.memory(room, n_ctx=256, n_ubatch=64,
+                        non_expert_bytes=got.non_expert_bytes)
+    assert (same.kv_bytes, same.compute_bytes) == (got.kv_bytes, got.compute_bytes)
+    assert min(same.slots_per_layer()) == min(got.slots_per_layer()[il]
+                                              for il in mf.moe_layers())
+    src = _sources()
+    assert not [f for f, text in src.items() if "BUDGET_RESERVE =" in text and
+                "AUTO_BUDGET_RESERVE" not in text]

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from forecache.cache.budget import compute_buffer_bytes, format_size
+from forecache.cache.budget import format_size
 from forecache.cache.choice import distinct_experts, hit_at
 from forecache.cache.cost import CostModel, Profile, roofline_s
 from forecache.cache.prefetcher import stage_slots
@@ -215,20 +215,17 @@ def _memory(shape: ModelShape, budget: int, work: Workload, plan: Plan,
     """The device bytes of a plan, its slots a layer and ncmoe host layers; None when the
     fixed needs do not fit, or the host's (``host_bytes``: experts kept in host memory and a
     host KV cache) do not."""
-    dense = shape.dense_bytes if non_expert_bytes is None else non_expert_bytes
-    kv = plan.n_seq * work.ctx_per_seq * shape.layers * shape.kv_bytes
-    n_ff = shape.expert_ff
-    vocab = max(1, int(shape.head_bytes / max(shape.bytes_per_weight, 1e-9) / shape.d_model))
-    compute = compute_buffer_bytes(max(plan.n_ubatch, plan.n_seq), shape.top_k, n_ff,
-                                   shape.d_model, vocab)
-    left = budget - dense - (0 if plan.kv_host else kv) - compute
+    mem = shape.memory(budget, n_ctx=work.ctx_per_seq, n_ubatch=plan.n_ubatch, n_seq=plan.n_seq,
+                       kv_on_device=not plan.kv_host, non_expert_bytes=non_expert_bytes)
+    dense, compute = mem.non_expert_bytes, mem.compute_bytes
+    kv = shape.kv_cache_bytes(work.ctx_per_seq, plan.n_seq)
     per_layer = shape.expert_bytes
-    if left < per_layer * shape.layers:  # not even one slot a layer
+    if mem.expert_budget < per_layer * shape.layers:  # not even one slot a layer
         return None
-    slots = min(shape.experts, left // (per_layer * shape.layers))
+    slots = min(mem.slots_per_layer())
     if slots_given is not None:  # a cache sized by a share of the experts, not by the budget
         slots = min(shape.experts, slots_given)
-    host_layers = max(0, shape.layers - left // (per_layer * shape.experts))
+    host_layers = mem.ncmoe_cpu_layers()
     experts = (slots * shape.layers if plan.experts == "cache"
                else (shape.layers - host_layers) * shape.experts) * per_layer
     if host_bytes is not None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 from gguf import GGML_QUANT_SIZES
 
-from forecache.cache.budget import kv_cache_bytes
+from forecache.cache.budget import MemoryPlan, compute_buffer_bytes, kv_cache_bytes
 from forecache.cache.cost import ExpertShape
 from forecache.gguf.header import ModelFile, expert_proj_bytes, is_expert_tensor, tensor_nbytes
 from forecache.gguf.qtypes import parse_qtype, tensor_type
@@ -32,6 +32,7 @@ class ModelShape:
     qtype: str
     kv_bytes: int = 0  # f16 K and V of one token at one layer (llama.cpp's default cache type)
     lead_bytes: int = 0  # leading dense layers (deepseek2), run on the device for every row
+    n_vocab: int = 0  # tokens of the vocabulary (0: as the head's bytes imply)
 
     @property
     def expert(self) -> ExpertShape:
@@ -56,6 +57,37 @@ class ModelShape:
         """Weights read once a forward pass on the device: every layer's non-expert weights and
         the head."""
         return self.layers * self.layer_bytes + self.lead_bytes + self.head_bytes
+
+    @property
+    def vocab(self) -> int:
+        """The vocabulary (the logits' share of the compute buffers)."""
+        return self.n_vocab or max(
+            1, int(self.head_bytes / max(self.bytes_per_weight, 1e-9) / self.d_model))
+
+    def kv_cache_bytes(self, n_ctx: int, n_seq: int = 1) -> int:
+        """The KV cache of ``n_seq`` sequences of ``n_ctx`` tokens each."""
+        return n_seq * n_ctx * self.layers * self.kv_bytes
+
+    def compute_bytes(self, n_ubatch: int, n_seq: int = 1) -> int:
+        """``budget.compute_buffer_bytes`` for a ubatch of ``n_ubatch`` tokens, or of one token
+        of each of ``n_seq`` sequences where that is more."""
+        return compute_buffer_bytes(max(n_ubatch, n_seq), self.top_k, self.expert_ff,
+                                    self.d_model, self.vocab)
+
+    def memory(self, budget: int, *, n_ctx: int, n_ubatch: int, n_seq: int = 1,
+               kv_on_device: bool = True, non_expert_bytes: int | None = None,
+               layers: int | None = None) -> MemoryPlan:
+        """Where ``budget`` goes for this shape, by the runtime's rule (``budget.MemoryPlan``:
+        the non-expert weights, the KV cache when on the device and the compute buffers first,
+        the rest expert slots or ncmoe layers), over ``layers`` MoE layers (default all)."""
+        n = self.layers if layers is None else layers
+        return MemoryPlan(budget=budget,
+                          non_expert_bytes=self.dense_bytes if non_expert_bytes is None
+                          else non_expert_bytes,
+                          kv_bytes=self.kv_cache_bytes(n_ctx, n_seq) if kv_on_device else 0,
+                          compute_bytes=self.compute_bytes(n_ubatch, n_seq),
+                          layer_bytes=(self.expert_bytes,) * n, n_expert=self.experts,
+                          moe_layers=list(range(n)))
 
     @property
     def bytes_per_weight(self) -> float:
@@ -89,7 +121,7 @@ def shape_of(name: str, qtype: str = "q4_k") -> ModelShape:
     return ModelShape(name=name, layers=spec["layers"], experts=e, top_k=spec["top_k"],
                     d_model=d, expert_ff=ff, proj_bytes=proj, layer_bytes=layer,
                     head_bytes=_nbytes(d * spec["vocab"], d, "q8_0"), qtype=qtype.lower(),
-                    kv_bytes=4 * kv)
+                    kv_bytes=4 * kv, n_vocab=spec["vocab"])
 
 
 def _preset_shape(name: str, spec: ModelSpec, qtype: str) -> ModelShape:
@@ -116,7 +148,8 @@ def _preset_shape(name: str, spec: ModelSpec, qtype: str) -> ModelShape:
                     spec.moe_layers,
                     head_bytes=_nbytes(spec.d_model * spec.vocab, spec.d_model, "q8_0"),
                     qtype=qtype.lower(), kv_bytes=kv * n_attn // spec.moe_layers,
-                    lead_bytes=sum(t.nbytes for t in plans if 0 <= block(t) < spec.dense_layers))
+                    lead_bytes=sum(t.nbytes for t in plans if 0 <= block(t) < spec.dense_layers),
+                    n_vocab=spec.vocab)
 
 
 def model_shape(model: ModelFile) -> ModelShape:
@@ -134,4 +167,5 @@ def model_shape(model: ModelFile) -> ModelShape:
                     proj_bytes=ex.proj_bytes,
                     layer_bytes=sum(t.nbytes for t in blk if not is_expert_tensor(t.name)),
                     head_bytes=head, qtype=qtype,
-                    kv_bytes=kv_cache_bytes(model, 1) // max(model.n_layer, 1), lead_bytes=lead)
+                    kv_bytes=kv_cache_bytes(model, 1) // max(model.n_layer, 1), lead_bytes=lead,
+                    n_vocab=model.n_vocab)

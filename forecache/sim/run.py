@@ -29,8 +29,16 @@ from forecache.trace import synth
 from forecache.trace.format import Request, TraceFile, TraceInfo
 from forecache.trace.stats import lru_hit_curves
 
-# Device memory a budget keeps for the KV cache and compute buffers (4096 context, 512 ubatch).
-BUDGET_RESERVE = 1536 << 20
+# the run a simulated budget is split for: forecache's commands' default context and llama.cpp's
+# ubatch, one sequence (the KV cache and compute buffers the runtime keeps out of the slots)
+SIM_CONTEXT = 4096
+SIM_UBATCH = 512
+
+
+def buffer_bytes(shape: ModelShape) -> int:
+    """Device memory a simulated budget keeps beside the weights: the KV cache and compute
+    buffers of a run of ``SIM_CONTEXT`` tokens in ubatches of ``SIM_UBATCH``."""
+    return shape.kv_cache_bytes(SIM_CONTEXT) + shape.compute_bytes(SIM_UBATCH)
 
 
 def speedup(a: float, b: float) -> str:
@@ -126,13 +134,14 @@ def slots_for(shape: ModelShape, n_layers_cached: int, budget: str | None,
     if fraction is not None:
         return fraction_slots(shape.experts, fraction)
     assert budget is not None
-    fixed = shape.dense_bytes + shape.head_bytes + BUDGET_RESERVE
-    left = parse_size(budget) - fixed
+    mem = shape.memory(parse_size(budget), n_ctx=SIM_CONTEXT, n_ubatch=SIM_UBATCH,
+                       layers=n_layers_cached)
+    left = mem.expert_budget
     if left < shape.expert_bytes * n_layers_cached:
         raise ValueError(f"budget {budget} leaves {max(left, 0) / 2**30:.1f} GiB after the "
-                         f"non-expert weights and buffers ({fixed / 2**30:.1f} GiB): not one "
-                         f"expert per layer; raise {setting('budget')}")
-    return min(shape.experts, int(left // (shape.expert_bytes * n_layers_cached)))
+                         f"non-expert weights and buffers ({mem.fixed_bytes / 2**30:.1f} GiB): "
+                         f"not one expert per layer; raise {setting('budget')}")
+    return min(mem.slots_per_layer())
 
 
 def decode_shape(shape: ModelShape, n_slots: int) -> DecodeShape:
