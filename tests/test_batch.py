@@ -359,6 +359,43 @@ def test_a_finished_job_writes_its_output_in_input_order(tmp_path: Path, tiny_mo
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp file
 
 
+def test_a_job_runs_from_python_resumes_and_ends_in_input_order(tmp_path: Path,
+                                                                tiny_model) -> None:
+    """run_job, the library's whole job without the command line: a record already in the
+    output is skipped and kept as it was, the others are reported as they are written (longest
+    first), and the finished output is in the input's order; run again, nothing is left."""
+    from forecache.jobs.run import JobProgress, run_job
+    from forecache.roofline.batch import Plan
+
+    class Seen(JobProgress):
+        def __init__(self) -> None:
+            self.notes: list[str] = []
+            self.records: list[str] = []
+
+        def note(self, text: str) -> None:
+            self.notes.append(text)
+
+        def record(self, record: dict) -> None:
+            self.records.append(record["id"])
+
+    src = _write(tmp_path / "in.jsonl", [_line(f"r{i}", i, max_tokens=n)
+                                         for i, n in enumerate([2, 6, 4, 8])])
+    out = tmp_path / "out.jsonl"
+    before = b'{"id": "r2", "text": "from an earlier run"}\n'
+    out.write_bytes(before)
+    seen = Seen()
+    res = run_job(tiny_model("q8_0"), src, out, cache=None, plan=Plan(1, 64), ctx_per_seq=128,
+                  progress=seen)
+    assert (res.done, res.skipped, res.failed, res.total, res.interrupted) == (3, 1, 0, 4, None)
+    assert seen.records == ["r3", "r1", "r0"]  # one sequence: the longest first, r2 skipped
+    assert f"1 of 4 requests are already in {out}; skipping them" in seen.notes
+    assert res.summary().startswith("3 done, 1 skipped, 0 failed of 4; ")
+    assert [r["id"] for r in _records(out)] == ["r0", "r1", "r2", "r3"]
+    assert before in out.read_bytes().splitlines(keepends=True)
+    again = run_job(tiny_model("q8_0"), src, out, cache=None, plan=Plan(1, 64))
+    assert again.summary() == "nothing to do (4 requests, 4 done, 0 failed)"
+
+
 def test_rewrite_in_input_order_only_rewrites_a_complete_output(tmp_path: Path) -> None:
     from forecache.batch import rewrite_in_input_order
 

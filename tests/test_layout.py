@@ -52,6 +52,7 @@ ALLOWED = {
     "forecache.jobs": {"forecache.jobs", "forecache.batch", "forecache.roofline",
                        "forecache.placement", "forecache.llama", "forecache.cache",
                        "forecache.native", "forecache.gguf", "forecache.generate",
+                       "forecache.speculative", "forecache.models", "forecache.chat",
                        "forecache.doctor"},
     "forecache.batch": {"forecache.jobs", "forecache.llama", "forecache.generate",
                         "forecache.speculative", "forecache.placement", "forecache.cache",
