@@ -114,11 +114,7 @@ class Llama(llama_cpp.Llama):
         patch_version()  # refuses a stock llama-cpp-python before llama.cpp touches the file
         abort_in_one_line()
         plan = self.load_plan = plan_load(self.model_file, options, cache, routing_trace, kwargs)
-        self.cache_config: CacheConfig | None = plan.cache
-        self.policy_choice: Choice | None = plan.choice
-        self.placement: Placement | None = plan.placement
-        self.rpc: list[str] = plan.rpc
-        self.n_seq_max = options.n_seq_max
+        self.placement: Placement | None = plan.placement  # as planned; as loaded after finish
         self._load(plan)
         try:
             self._finish(plan)
@@ -171,6 +167,26 @@ class Llama(llama_cpp.Llama):
                 "recomputes tokens and needs that; run without it")
         if draft is not None:
             self._spec = Speculator(self, draft, plan.options.draft_k)
+
+    @property
+    def cache_config(self) -> CacheConfig | None:
+        """The configuration the model runs (None: llama.cpp's own placement)."""
+        return self.load_plan.cache
+
+    @property
+    def policy_choice(self) -> Choice | None:
+        """The default placement's choice and why, when it chose."""
+        return self.load_plan.choice
+
+    @property
+    def rpc(self) -> list[str]:
+        """The RPC servers the layers were split over."""
+        return self.load_plan.rpc
+
+    @property
+    def n_seq_max(self) -> int:
+        """Sequences the context decodes together."""
+        return self.load_plan.options.n_seq_max
 
     @property
     def is_recurrent(self) -> bool:

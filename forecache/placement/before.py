@@ -39,6 +39,7 @@ from forecache.placement.options import (
     DEFAULT_POLICY,
     CacheConfig,
     Options,
+    draft_with_mobile,
     spread_budget,
 )
 from forecache.trace.replay import Routing, load_routing
@@ -337,8 +338,7 @@ def _configure(options: Options, cache: CacheConfig | None | object) -> CacheCon
         return options.cache_config()
     assert cache is None or isinstance(cache, CacheConfig)
     if options.draft is not None and cache is not None and cache.little_k:
-        raise ValueError(f"{setting('draft')} and {setting('mode')} mobile: choose one "
-                         "(speculation is exact, mobile decoding is not)")
+        raise draft_with_mobile()
     if options.mode == "mobile":
         raise ValueError(f"{setting('mode')} goes with the policy keywords; with "
                          f"{setting('cache')} set CacheConfig(little_k=..., gamma=...)")

@@ -44,6 +44,12 @@ SWITCHES = {"prefetch": "predicted prefetch",
             "split": "computing missing experts on the CPU when cheaper than copying"}
 
 
+def draft_with_mobile() -> ValueError:
+    """The one line for speculation asked for beside MoBiLE's little pass."""
+    return ValueError(f"{setting('draft')} and {setting('mode')} mobile: choose one "
+                      "(speculation is exact, mobile decoding is not)")
+
+
 @dataclass(frozen=True)
 class Options:
     """What a run asks for, as the command line's options and ``Llama``'s keyword arguments both
@@ -73,8 +79,7 @@ class Options:
         if self.mode not in MODES:
             raise ValueError(f"{setting('mode')} {self.mode!r}: use 'exact' or 'mobile'")
         if self.draft is not None and self.mode == "mobile":
-            raise ValueError(f"{setting('draft')} and {setting('mode')} mobile: choose one "
-                             "(speculation is exact, mobile decoding is not)")
+            raise draft_with_mobile()
 
     @classmethod
     def take(cls, kwargs: dict[str, Any], base: Options | None = None) -> Options:
