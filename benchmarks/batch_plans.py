@@ -33,7 +33,7 @@ from forecache.jobs.requests import Request
 from forecache.llama import Llama
 from forecache.models.default import ensure_default_model
 from forecache.placement.options import Options
-from forecache.roofline.batch import Plan, Workload, estimate, layout
+from forecache.roofline.batch import BatchPlan, Workload, estimate, layout
 from forecache.roofline.shape import model_shape
 
 PROMPTS = Path(__file__).resolve().parent.parent / "forecache" / "data" / "prompts" / \
@@ -41,7 +41,7 @@ PROMPTS = Path(__file__).resolve().parent.parent / "forecache" / "data" / "promp
 STOCK_BUDGET = 1 << 40  # llama.cpp's own placement: every expert where the weights are
 
 
-def budget_for(shape: object, work: Workload, plan: Plan, share: float, ne: int) -> int:
+def budget_for(shape: object, work: Workload, plan: BatchPlan, share: float, ne: int) -> int:
     """The smallest budget whose layout of ``plan`` holds ``share`` of each layer's experts."""
     lo, hi = ne, ne + (64 << 30)
     want = max(1, round(share * shape.experts))  # type: ignore[attr-defined]
@@ -99,7 +99,7 @@ def main() -> int:
     shape = model_shape(llm.model_file)
     mf = llm.model_file
     ne = mf.non_expert_bytes()
-    big = Plan(max(seqs), max(ubatches))
+    big = BatchPlan(max(seqs), max(ubatches))
     placements = {"stock": (None, STOCK_BUDGET, "ncmoe"),
                   "cache": ("promoe", budget_for(shape, work, big, a.fraction, ne), "cache")}
     print(f"model {model.name}, {a.requests} requests, prompts {work.prompt_len:.0f} and "
@@ -110,10 +110,10 @@ def main() -> int:
         cfg = Options(policy=policy, gpu_budget=budget, predictor="history").cache_config() \
             if policy else None
         with open_plan(cfg, max(seqs), max(ubatches), ctx) as llm:
-            profile = calibrate(llm, Plan(max(seqs), max(ubatches), False, experts), budget,
+            profile = calibrate(llm, BatchPlan(max(seqs), max(ubatches), False, experts), budget,
                                 progress=print)
         for n_seq, u in grid:
-            plan = Plan(n_seq, u, False, experts)
+            plan = BatchPlan(n_seq, u, False, experts)
             est = estimate(shape, profile, budget, work, plan, non_expert_bytes=ne)
             if est is not None:
                 runs.append((name, cfg, plan, est, profile))

@@ -109,7 +109,7 @@ def place(shape: ModelShape, profile: Profile, budget: int, spec: Spec, work: hr
     if spec.policy == "ncmoe" and spec.n_seq > hrm.STOCK_MAX_SEQ:
         return None
     est = hrm.estimate(shape, profile, budget, work,
-                       hrm.Plan(spec.n_seq, spec.n_ubatch, spec.kv_host,
+                       hrm.BatchPlan(spec.n_seq, spec.n_ubatch, spec.kv_host,
                                 "ncmoe" if spec.policy == "ncmoe" else "cache"),
                        locality=loc)
     if est is None:

@@ -6,7 +6,7 @@
 Replays what the GPU check (``benchmarks/gpu_check.sh run``, 2026-11-26, NVIDIA H200 with a
 16-core Xeon host) measured, on the same routing and the same placement: Qwen2-57B-A14B in
 llama.cpp's Q4_K_M mix (28 MoE layers, 64 experts, top-8), slots and ``--n-cpu-moe`` layers as
-the runtime's memory plan splits each budget (``cache.budget.plan_memory`` over the model's
+the runtime's memory plan splits each budget (``cache.budget.split_budget`` over the model's
 tensor plan: 1173 slots and 18 stage slots at 24 GiB, 413 and 6 at 12 GiB, 10 and 22 ncmoe host
 layers), the routings ``benchmarks/replay_traces.py`` wrote there (seed 0, 512 prompt rows, 80
 decode rows) and the shared OLMoE-1B-7B trace mapped onto 28 layers (``trace.replay``). Each run
@@ -37,7 +37,7 @@ import numpy as np
 
 from forecache.cache.budget import (
     BANK_SHARE_MAX,
-    MemoryPlan,
+    BudgetSplit,
     compute_buffer_bytes,
     parse_size,
 )
@@ -203,9 +203,9 @@ class Placement:
         return out
 
 
-def memory_plan(budget: str) -> MemoryPlan:
+def memory_plan(budget: str) -> BudgetSplit:
     """The runtime's memory plan of ``budget`` for the model, from the tensors make-model writes
-    (``plan_memory`` reads the same numbers from the file)."""
+    (``split_budget`` reads the same numbers from the file)."""
     spec = get_spec(MODEL)
     plans = tensor_plan(spec, QTYPE)
     per: dict[int, int] = {}
@@ -218,7 +218,7 @@ def memory_plan(budget: str) -> MemoryPlan:
             other += t.nbytes
     layers = sorted(per)
     kv = spec.layers * N_CTX * spec.kv_dim * 2 * 2  # f16 K and V, every layer
-    plan = MemoryPlan(budget=parse_size(budget), non_expert_bytes=other, kv_bytes=kv,
+    plan = BudgetSplit(budget=parse_size(budget), non_expert_bytes=other, kv_bytes=kv,
                       compute_bytes=compute_buffer_bytes(N_UBATCH, spec.top_k, spec.expert_ff,
                                                          spec.d_model, spec.vocab),
                       layer_bytes=tuple(per[il] // spec.experts for il in layers),

@@ -365,7 +365,7 @@ def test_a_job_runs_from_python_resumes_and_ends_in_input_order(tmp_path: Path,
     output is skipped and kept as it was, the others are reported as they are written (longest
     first), and the finished output is in the input's order; run again, nothing is left."""
     from forecache.jobs.run import JobProgress, run_job
-    from forecache.roofline.batch import Plan
+    from forecache.roofline.batch import BatchPlan
 
     class Seen(JobProgress):
         def __init__(self) -> None:
@@ -384,7 +384,7 @@ def test_a_job_runs_from_python_resumes_and_ends_in_input_order(tmp_path: Path,
     before = b'{"id": "r2", "text": "from an earlier run"}\n'
     out.write_bytes(before)
     seen = Seen()
-    res = run_job(tiny_model("q8_0"), src, out, cache=None, plan=Plan(1, 64), ctx_per_seq=128,
+    res = run_job(tiny_model("q8_0"), src, out, cache=None, plan=BatchPlan(1, 64), ctx_per_seq=128,
                   progress=seen)
     assert (res.done, res.skipped, res.failed, res.total, res.interrupted) == (3, 1, 0, 4, None)
     assert seen.records == ["r3", "r1", "r0"]  # one sequence: the longest first, r2 skipped
@@ -392,7 +392,7 @@ def test_a_job_runs_from_python_resumes_and_ends_in_input_order(tmp_path: Path,
     assert res.summary().startswith("3 done, 1 skipped, 0 failed of 4; ")
     assert [r["id"] for r in _records(out)] == ["r0", "r1", "r2", "r3"]
     assert before in out.read_bytes().splitlines(keepends=True)
-    again = run_job(tiny_model("q8_0"), src, out, cache=None, plan=Plan(1, 64))
+    again = run_job(tiny_model("q8_0"), src, out, cache=None, plan=BatchPlan(1, 64))
     assert again.summary() == "nothing to do (4 requests, 4 done, 0 failed)"
 
 

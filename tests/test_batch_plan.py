@@ -24,10 +24,10 @@ from forecache.llama import Llama
 from forecache.models.default import REFERENCE_MODEL
 from forecache.placement.costs import DEFAULT_MACHINE
 from forecache.placement.options import CacheConfig
-from forecache.roofline.batch import Plan, estimate
+from forecache.roofline.batch import BatchPlan, estimate
 from forecache.roofline.shape import model_shape
 
-STOCK = Plan(8, 256, False, "ncmoe")  # llama.cpp's own placement: every expert in place
+STOCK = BatchPlan(8, 256, False, "ncmoe")  # llama.cpp's own placement: every expert in place
 BUDGET = 1 << 40
 
 
@@ -51,7 +51,7 @@ def test_stages_are_measured(llm: Llama) -> None:
     assert all(s.hit is None for s in got)  # no cache, no hit share
 
 
-def _as_predicted(llm: Llama, plan: Plan, prof: Profile,
+def _as_predicted(llm: Llama, plan: BatchPlan, prof: Profile,
                   samples: list[StageSample]) -> list[StageSample]:
     """``samples`` (their sizes, hit shares, rows' and passes' costs as measured) timed as
     ``prof`` predicts them: stage times without the machine's noise, which a fit must
@@ -70,7 +70,7 @@ def _as_predicted(llm: Llama, plan: Plan, prof: Profile,
 TRUTH = {"launch_s": 6e-5, "mem_gbps": 9.0, "gflops": 45.0, "seq_s": 7e-6, "group_s": 4e-4}
 
 
-def _assert_fit_reproduces(llm: Llama, plan: Plan, samples: list[StageSample]) -> Profile:
+def _assert_fit_reproduces(llm: Llama, plan: BatchPlan, samples: list[StageSample]) -> Profile:
     """The fit of stage times that known rates predict (``TRUTH``, with the rows', passes' and
     hooks' costs as measured) reproduces them: the fit finds a profile where one exists,
     whatever CPU measured the samples and however busy it was. Returns the profile fitted to
@@ -99,7 +99,7 @@ def test_cache_stages_carry_their_hit_share() -> None:
         pre = next(s for s in got if s.kind == "prefill")
         # a prompt ubatch routes nearly every expert: about the slots' share of them hits
         assert 0.3 < pre.hit < 0.8, pre  # type: ignore[operator]
-        prof = _assert_fit_reproduces(m, Plan(8, 256, False, "cache"), got)
+        prof = _assert_fit_reproduces(m, BatchPlan(8, 256, False, "cache"), got)
         base = Profile.load(DEFAULT_MACHINE)
         assert prof.group_s != base.group_s  # fitted, not the base profile's
         assert prof.hook_s == measured_hooks(got, model_shape(m.model_file).layers)["hook_s"]
@@ -114,7 +114,7 @@ def test_the_fit_reproduces_the_measured_stages(llm: Llama) -> None:
     assert prof.cpu_mem_gbps == prof.gpu_mem_gbps and prof.op_offload_min_batch == 0
     work = job_workload([30] * 16, [32] * 16, 128)
     assert work.prompt_len == 30 and work.gen_len == 32 and work.n_requests == 16
-    e1 = estimate(shape, prof, BUDGET, work, Plan(1, 256, False, "ncmoe"), non_expert_bytes=ne)
+    e1 = estimate(shape, prof, BUDGET, work, BatchPlan(1, 256, False, "ncmoe"), non_expert_bytes=ne)
     assert e1 is not None and e1.tokens_per_s > 0
 
 

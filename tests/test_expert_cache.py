@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 
-from forecache.cache.budget import BudgetError, device_slots, plan_memory
+from forecache.cache.budget import BudgetError, device_slots, split_budget
 from forecache.generate import SamplingParams, generate, last_logits, text_tokens
 from forecache.gguf.header import read_model_file
 from forecache.llama import Llama
@@ -54,7 +54,7 @@ def reference(tiny_model: Callable[[str], Path], stock: StockReference,
 
 def _ncmoe_budget(model: Path, host_layers: int) -> int:
     mf = read_model_file(model)
-    plan = plan_memory(mf, 1 << 40, n_ctx=512, n_ubatch=N_BATCH, device_name="x",
+    plan = split_budget(mf, 1 << 40, n_ctx=512, n_ubatch=N_BATCH, device_name="x",
                        device_total=1 << 50)
     return plan.ncmoe_budget(host_layers)
 
@@ -228,7 +228,7 @@ def test_compute_buffers_count_the_experts_width(tiny_model: Callable[..., Path]
     from forecache.gguf.specs import get_spec
 
     spec = get_spec(preset)
-    plan = plan_memory(read_model_file(tiny_model("q8_0", preset)), 1 << 40, n_ctx=512,
+    plan = split_budget(read_model_file(tiny_model("q8_0", preset)), 1 << 40, n_ctx=512,
                        n_ubatch=N_BATCH, device_name="x", device_total=1 << 50)
     assert plan.compute_bytes == compute_buffer_bytes(N_BATCH, spec.top_k, spec.expert_ff,
                                                       spec.d_model, spec.vocab)
@@ -299,10 +299,10 @@ def test_budgets_follow_each_layers_expert_size(tiny_model: Callable[..., Path])
     mf = read_model_file(tiny_model("q4_k_m"))
     sizes = mf.layer_expert_bytes()
     assert len(set(sizes)) == 2 and sizes[2] > sizes[0]  # layers 2 and 3: Q6_K ffn_down
-    full = plan_memory(mf, 1 << 40, n_ctx=512, n_ubatch=N_BATCH, device_name="x",
+    full = split_budget(mf, 1 << 40, n_ctx=512, n_ubatch=N_BATCH, device_name="x",
                        device_total=1 << 50)
     for extra in (sum(sizes) * 3 + sizes[0], sum(sizes) * 5 + sizes[0] + sizes[1] + 7):
-        plan = plan_memory(mf, full.fixed_bytes + extra, n_ctx=512, n_ubatch=N_BATCH,
+        plan = split_budget(mf, full.fixed_bytes + extra, n_ctx=512, n_ubatch=N_BATCH,
                            device_name="x", device_total=1 << 50)
         slots = plan.slots_per_layer()
         used = sum(slots[il] * b for il, b in zip(mf.moe_layers(), sizes, strict=True))
@@ -312,10 +312,10 @@ def test_budgets_follow_each_layers_expert_size(tiny_model: Callable[..., Path])
                    for il, b in zip(mf.moe_layers(), sizes, strict=True))
     for host in range(len(sizes) + 1):
         budget = full.ncmoe_budget(host)
-        plan = plan_memory(mf, budget, n_ctx=512, n_ubatch=N_BATCH, device_name="x",
+        plan = split_budget(mf, budget, n_ctx=512, n_ubatch=N_BATCH, device_name="x",
                            device_total=1 << 50)
         assert plan.ncmoe_cpu_layers() == host
         if host < len(sizes):  # a byte less moves one more layer to the host
-            less = plan_memory(mf, budget - 1, n_ctx=512, n_ubatch=N_BATCH, device_name="x",
+            less = split_budget(mf, budget - 1, n_ctx=512, n_ubatch=N_BATCH, device_name="x",
                                device_total=1 << 50)
             assert less.ncmoe_cpu_layers() == host + 1

@@ -297,7 +297,7 @@ def test_prompt_banks_placement(tiny_model: Callable[[str], Path]) -> None:
     """On a GPU the banks take the stage slots' place: two regions of what the layer with the
     fewest slots lacks, settled with the slots they leave; none where nothing misses, where
     something watches every routing, or (by default) past a quarter of the expert budget."""
-    from forecache.cache.budget import BANK_REGIONS, BudgetError, plan_memory
+    from forecache.cache.budget import BANK_REGIONS, BudgetError, split_budget
     from forecache.cache.prefetcher import stage_slots
     from forecache.placement.before import bank_experts, held_back
 
@@ -306,9 +306,9 @@ def test_prompt_banks_placement(tiny_model: Callable[[str], Path]) -> None:
     expert = max(mf.layer_expert_bytes())
 
     def plan(n_experts: float):  # type: ignore[no-untyped-def]
-        base = plan_memory(mf, 1 << 40, n_ctx=512, n_ubatch=128, device_name="gpu",
+        base = split_budget(mf, 1 << 40, n_ctx=512, n_ubatch=128, device_name="gpu",
                            device_total=1 << 50)
-        return plan_memory(mf, base.fixed_bytes + int(n_experts * expert), n_ctx=512,
+        return split_budget(mf, base.fixed_bytes + int(n_experts * expert), n_ctx=512,
                            n_ubatch=128, device_name="gpu", device_total=1 << 50)
 
     def held(p, policy: str = "promoe", **kw):  # type: ignore[no-untyped-def]

@@ -26,7 +26,7 @@ from cli_helpers import run_cli
 from conftest import ROUNDING, assert_same_greedy
 from stock_runner import greedy
 
-from forecache.cache.budget import plan_memory
+from forecache.cache.budget import split_budget
 from forecache.cache.prefetcher import Features
 from forecache.gguf.header import read_model_file
 from forecache.llama import Llama
@@ -52,7 +52,7 @@ def _prompts(llm: Llama) -> list[list[int]]:
 def _ncmoe(model: Path, host_layers: int, n_ubatch: int = PARAMS["n_ubatch"]) -> CacheConfig:
     """ncmoe with a budget that leaves ``host_layers`` MoE layers' experts on the host."""
     mf = read_model_file(model)
-    plan = plan_memory(mf, 1 << 40, n_ctx=PARAMS["n_ctx"], n_ubatch=n_ubatch,
+    plan = split_budget(mf, 1 << 40, n_ctx=PARAMS["n_ctx"], n_ubatch=n_ubatch,
                        device_name="x", device_total=1 << 50)
     return CacheConfig("ncmoe", gpu_budget=plan.ncmoe_budget(host_layers))
 

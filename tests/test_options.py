@@ -87,13 +87,27 @@ def test_each_fact_is_written_once() -> None:
     assert lists == ["predictor/registry.py"], lists
 
 
+def test_plan_names_one_of_two_things() -> None:
+    """A class or function named "plan" is a batch job's (``BatchPlan``: how many sequences, how
+    large a ubatch, where the KV cache and experts go) or the load's (``LoadPlan``); the
+    budget's split, a layer's host split and the disk tier's host slots have names of their
+    own."""
+    src = _sources()
+    named = sorted({m.group(1) for f, text in src.items() if not f.startswith("gguf/")
+                    for m in re.finditer(r"^\s*(?:class|def) (\w*[Pp]lan\w*)", text, re.M)})
+    assert named == ["BatchPlan", "LoadPlan", "choose_plan", "plan", "plan_cache", "plan_load"], \
+        named
+    assert not [f for f, text in src.items()
+                if re.search(r"\b(?:MemoryPlan|DiskPlan|plan_memory|plan_disk)\b", text)]
+
+
 def test_one_budget_rule_for_the_runtime_the_planner_and_the_simulator(tiny_model) -> None:
-    """A budget becomes slots by one rule (``budget.MemoryPlan``: non-expert weights, KV cache
+    """A budget becomes slots by one rule (``budget.BudgetSplit``: non-expert weights, KV cache
     and compute buffers first): the runtime's split of a GGUF, the batch planner's and the
     simulator's of its shape agree, and no flat reserve of their own is left."""
-    from forecache.cache.budget import plan_memory
+    from forecache.cache.budget import split_budget
     from forecache.gguf.header import read_model_file
-    from forecache.roofline.batch import Plan, Workload, layout
+    from forecache.roofline.batch import BatchPlan, Workload, layout
     from forecache.roofline.shape import model_shape, shape_of
     from forecache.sim.run import SIM_CONTEXT, SIM_UBATCH, slots_for
 
@@ -103,7 +117,7 @@ def test_one_budget_rule_for_the_runtime_the_planner_and_the_simulator(tiny_mode
     assert rule.fixed_bytes == (target.dense_bytes + target.kv_cache_bytes(SIM_CONTEXT)
                                 + target.compute_bytes(SIM_UBATCH))
     work = Workload(1, 64.0, 64.0, SIM_CONTEXT)
-    planned = layout(target, budget, work, Plan(1, SIM_UBATCH))
+    planned = layout(target, budget, work, BatchPlan(1, SIM_UBATCH))
     assert planned is not None
     assert slots_for(target, target.layers, "24GiB", None) == planned.slots == \
         min(rule.slots_per_layer())
@@ -111,7 +125,7 @@ def test_one_budget_rule_for_the_runtime_the_planner_and_the_simulator(tiny_mode
     mf = read_model_file(tiny_model())
     shape = model_shape(mf)
     room = 272 << 20  # the compute buffers' reserve and a few slots a layer
-    got = plan_memory(mf, room, n_ctx=256, n_ubatch=64, device_name="test",
+    got = split_budget(mf, room, n_ctx=256, n_ubatch=64, device_name="test",
                       device_total=1 << 40)
     same = shape.memory(room, n_ctx=256, n_ubatch=64,
                         non_expert_bytes=got.non_expert_bytes)

@@ -11,7 +11,7 @@ import pytest
 from forecache.cache.choice import DecodeShape, ncmoe_decode_s, promoe_decode_s
 from forecache.cache.cost import CostModel, Profile
 from forecache.models.default import REFERENCE_MODEL
-from forecache.roofline.batch import Plan, Workload, distinct_experts, estimate, search
+from forecache.roofline.batch import BatchPlan, Workload, distinct_experts, estimate, search
 from forecache.roofline.shape import shape_of
 from tests.cli_helpers import run_cli
 
@@ -22,14 +22,14 @@ SHAREGPT = Workload(1000, 220, 190, 410)
 
 
 def test_plan_text_round_trip_and_refusals() -> None:
-    p = Plan.parse("seq=16,ubatch=512,kv=host")
-    assert p == Plan(16, 512, True, "cache")
-    assert Plan.parse(p.label()) == p
-    assert Plan.parse("ubatch=64, seq=2, experts=ncmoe") == Plan(2, 64, False, "ncmoe")
+    p = BatchPlan.parse("seq=16,ubatch=512,kv=host")
+    assert p == BatchPlan(16, 512, True, "cache")
+    assert BatchPlan.parse(p.label()) == p
+    assert BatchPlan.parse("ubatch=64, seq=2, experts=ncmoe") == BatchPlan(2, 64, False, "ncmoe")
     for bad in ("seq=16", "seq=x,ubatch=2", "seq=1,ubatch=2,kv=gpu", "seq=1,ubatch=2,foo=3",
                 "seq=0,ubatch=2", "seq=1,ubatch=2,experts=lru", "seq=1,seq=2,ubatch=4"):
         with pytest.raises(ValueError, match="plan|seq|experts"):
-            Plan.parse(bad)
+            BatchPlan.parse(bad)
 
 
 def test_distinct_experts() -> None:
@@ -41,8 +41,8 @@ def test_distinct_experts() -> None:
 
 def test_memory_split_and_budgets_that_do_not_fit() -> None:
     work = Workload(1000, 220, 190, 2048)
-    dev = estimate(TARGET, PROFILE, 24 * GIB, work, Plan(64, 512))
-    host = estimate(TARGET, PROFILE, 24 * GIB, work, Plan(64, 512, kv_host=True))
+    dev = estimate(TARGET, PROFILE, 24 * GIB, work, BatchPlan(64, 512))
+    host = estimate(TARGET, PROFILE, 24 * GIB, work, BatchPlan(64, 512, kv_host=True))
     assert dev is not None and host is not None
     # the KV cache on the host leaves its bytes to expert slots
     assert host.slots > dev.slots
@@ -50,14 +50,15 @@ def test_memory_split_and_budgets_that_do_not_fit() -> None:
     used = sum(dev.device_bytes.values())
     assert used <= 24 * GIB
     # the weights alone do not fit 4 GiB; 256 sequences' KV does not fit on a 24 GiB device
-    assert estimate(TARGET, PROFILE, 4 * GIB, work, Plan(1, 512)) is None
-    assert estimate(TARGET, PROFILE, 24 * GIB, work, Plan(256, 512)) is None
-    assert estimate(TARGET, PROFILE, 24 * GIB, work, Plan(256, 512, kv_host=True)) is not None
+    assert estimate(TARGET, PROFILE, 4 * GIB, work, BatchPlan(1, 512)) is None
+    assert estimate(TARGET, PROFILE, 24 * GIB, work, BatchPlan(256, 512)) is None
+    assert estimate(TARGET, PROFILE, 24 * GIB, work, BatchPlan(256, 512, kv_host=True)) is not None
     # the host holds every expert the cache copies from, and a host KV cache
     experts = TARGET.layers * TARGET.experts * TARGET.expert_bytes
-    assert estimate(TARGET, PROFILE, 24 * GIB, work, Plan(1, 512), host_bytes=experts) is not None
-    assert estimate(TARGET, PROFILE, 24 * GIB, work, Plan(1, 512), host_bytes=experts - 1) is None
-    assert estimate(TARGET, PROFILE, 24 * GIB, work, Plan(256, 512, kv_host=True),
+    one = BatchPlan(1, 512)
+    assert estimate(TARGET, PROFILE, 24 * GIB, work, one, host_bytes=experts) is not None
+    assert estimate(TARGET, PROFILE, 24 * GIB, work, one, host_bytes=experts - 1) is None
+    assert estimate(TARGET, PROFILE, 24 * GIB, work, BatchPlan(256, 512, kv_host=True),
                     host_bytes=experts + 1) is None
 
 
@@ -67,7 +68,7 @@ def test_one_sequence_agrees_with_the_default_placements_estimates() -> None:
     work = Workload(1, 1, 64, 128)
     cost = CostModel.from_profile(PROFILE, TARGET.expert)
     for experts in ("ncmoe", "cache"):
-        e = estimate(TARGET, PROFILE, 24 * GIB, work, Plan(1, 512, experts=experts), cost=cost)
+        e = estimate(TARGET, PROFILE, 24 * GIB, work, BatchPlan(1, 512, experts=experts), cost=cost)
         assert e is not None
         shape = DecodeShape(n_moe=TARGET.layers, n_expert=TARGET.experts, top_k=TARGET.top_k,
                             n_slots=e.slots, ncmoe_host_layers=e.host_layers,
@@ -80,8 +81,8 @@ def test_one_sequence_agrees_with_the_default_placements_estimates() -> None:
 
 
 def test_bounds_follow_llama_cpps_rules() -> None:
-    one = estimate(TARGET, PROFILE, 24 * GIB, SHAREGPT, Plan(1, 512, experts="ncmoe"))
-    many = estimate(TARGET, PROFILE, 24 * GIB, SHAREGPT, Plan(64, 512, experts="ncmoe"))
+    one = estimate(TARGET, PROFILE, 24 * GIB, SHAREGPT, BatchPlan(1, 512, experts="ncmoe"))
+    many = estimate(TARGET, PROFILE, 24 * GIB, SHAREGPT, BatchPlan(64, 512, experts="ncmoe"))
     assert one is not None and many is not None
     # under 32 tokens llama.cpp computes host experts on the CPU; from 32 it copies them up
     assert "PCIe" not in one.decode.parts
@@ -89,14 +90,14 @@ def test_bounds_follow_llama_cpps_rules() -> None:
     assert many.decode.parts["PCIe"] > 0
     assert many.decode.bound == "PCIe"
     # CPU attention is charged to the host
-    host = estimate(TARGET, PROFILE, 24 * GIB, SHAREGPT, Plan(64, 512, kv_host=True))
-    dev = estimate(TARGET, PROFILE, 24 * GIB, SHAREGPT, Plan(64, 512))
+    host = estimate(TARGET, PROFILE, 24 * GIB, SHAREGPT, BatchPlan(64, 512, kv_host=True))
+    dev = estimate(TARGET, PROFILE, 24 * GIB, SHAREGPT, BatchPlan(64, 512))
     assert host is not None and dev is not None
     assert host.decode.parts.get("DRAM", 0) > dev.decode.parts.get("DRAM", 0)
 
 
 def test_bigger_batches_amortize_the_bus() -> None:
-    rates = [estimate(TARGET, PROFILE, 24 * GIB, SHAREGPT, Plan(n, 512, kv_host=True))
+    rates = [estimate(TARGET, PROFILE, 24 * GIB, SHAREGPT, BatchPlan(n, 512, kv_host=True))
              for n in (1, 16, 64, 256)]
     tps = [e.tokens_per_s for e in rates if e is not None]
     assert len(tps) == 4 and tps == sorted(tps)
@@ -162,7 +163,7 @@ def test_plan_command_refusals() -> None:
 
 
 def test_overlap_bounds_what_a_pipeline_could_reach() -> None:
-    e = estimate(TARGET, PROFILE, 24 * GIB, SHAREGPT, Plan(256, 1024, kv_host=True))
+    e = estimate(TARGET, PROFILE, 24 * GIB, SHAREGPT, BatchPlan(256, 1024, kv_host=True))
     assert e is not None
     for st in (e.prefill, e.decode):
         # the busiest resource alone, never more than the ops one after another

@@ -337,26 +337,27 @@ def test_split_plan_by_cost() -> None:
     prof = Profile.load("rtx4090")
     cost = CostModel.from_profile(prof, shape)
     # decode, every expert resident: the device computes them
-    assert cost.plan([(1, 1, True), (2, 1, True)], 0).host == []
-    assert not cost.plan([(1, 1, True), (2, 1, True)], 0).whole_layer
+    assert cost.choose_split([(1, 1, True), (2, 1, True)], 0).host == []
+    assert not cost.choose_split([(1, 1, True), (2, 1, True)], 0).whole_layer
     # decode, one small miss: copying it is quicker than the host's launches and the merge
-    assert cost.plan([(1, 1, True), (2, 1, False)], 0).host == []
+    assert cost.choose_split([(1, 1, True), (2, 1, False)], 0).host == []
     # decode, one Mixtral-sized miss: reading its weights on the host beats copying them
     proj = 4096 * 14336 // 256 * 144  # q4_k
     mixtral = CostModel.from_profile(prof, ExpertShape(4096, 14336, (proj, proj, proj)))
-    plan = mixtral.plan([(1, 1, True), (2, 1, False)], 0)
+    plan = mixtral.choose_split([(1, 1, True), (2, 1, False)], 0)
     assert plan.host == [2] and not plan.whole_layer
     # a 512-token ubatch over every expert: the CPU would need far longer than the copies
     rows = [(e, 48, e < 36) for e in range(64)]
-    big = cost.plan(rows, 0)
+    big = cost.choose_split(rows, 0)
     assert not big.whole_layer and len(big.host) < 28
     # the few-token misses are the ones that go to the host
     rows = [(e, 1 if e in (40, 41) else 60, e < 36) for e in range(64)]
-    assert {40, 41} <= set(cost.plan(rows, 0).host)
+    assert {40, 41} <= set(cost.choose_split(rows, 0).host)
     # a CPU far faster than the bus and the device takes the whole layer
     fast = replace(prof, cpu_gflops=1e9, cpu_mem_gbps=1e9, cpu_launch_s=0.0, h2d_gbps=0.01,
                    gpu_launch_s=1.0)
-    assert CostModel.from_profile(fast, shape).plan([(1, 4, False), (2, 4, True)], 0).whole_layer
+    fast_cost = CostModel.from_profile(fast, shape)
+    assert fast_cost.choose_split([(1, 4, False), (2, 4, True)], 0).whole_layer
     # measured rates correct the profile
     per_copy = shape.nbytes / 5e9 + 3 * prof.chunk_latency_s  # 5 GB/s plus three chunks
     cost.calibrate(h2d_bytes=shape.nbytes * 100, copy_s=100 * per_copy, host_s=0.0)
@@ -369,12 +370,12 @@ def test_split_plan_by_cost() -> None:
     assert cost.dev_scale == 1.0  # only a device that asks for it (calibrate_device)
     slow = replace(mixtral, calibrate_device=True)
     rows = [(e, 1, e != 7) for e in range(8)]
-    assert slow.plan(rows, 0).host == [7]
+    assert slow.choose_split(rows, 0).host == [7]
     slow.calibrate(0, 0.0, 0.0, group_s=100 * 50 * slow.dev_s(1, 1), group_entries=3 * 100,
                    group_rows=3 * 100)
     assert slow.dev_scale == pytest.approx(50.0) and cost.dev_s(1, 1) == one
     assert slow.dev_s(1, 1) == pytest.approx(50 * mixtral.dev_s(1, 1))
-    assert slow.plan(rows, 0).whole_layer or len(slow.plan(rows, 0).host) > 1
+    assert slow.choose_split(rows, 0).whole_layer or len(slow.choose_split(rows, 0).host) > 1
 
 
 def test_stock_policies_follow_llama_cpp_rules() -> None:

@@ -554,7 +554,7 @@ def test_default_guard_decides_from_the_replayed_routing(tiny_model: Callable[..
                                                          tmp_path: Path) -> None:
     """With no policy named, the default placement is estimated from the routing the run
     replays, not from what the model's own router did before."""
-    from forecache.cache.budget import plan_memory
+    from forecache.cache.budget import split_budget
     from forecache.gguf.header import read_model_file
     from forecache.llama import Llama
     from forecache.native.ggml_devices import cache_device
@@ -565,7 +565,7 @@ def test_default_guard_decides_from_the_replayed_routing(tiny_model: Callable[..
     budget = None
     for mib in range(200, 2048, 2):  # the smallest budget that holds some experts, not all
         try:
-            plan = plan_memory(mf, mib << 20, n_ctx=256, n_ubatch=512, device_name=dev.name,
+            plan = split_budget(mf, mib << 20, n_ctx=256, n_ubatch=512, device_name=dev.name,
                                device_total=dev.memory_total)
         except ValueError:
             continue
@@ -600,7 +600,7 @@ def test_the_default_takes_prompt_banks_where_they_pay(tiny_model: Callable[[str
     banks would prefill slower than --n-cpu-moe (streamed misses as groups) and with them does
     not, so the run loads with banks and computes its prompt from them. Told no banks, it
     keeps stock's placement, and says the prompt decided."""
-    from forecache.cache.budget import plan_memory
+    from forecache.cache.budget import split_budget
     from forecache.gguf.header import read_model_file
     from forecache.llama import Llama
     from forecache.native.ggml_devices import cache_device
@@ -622,7 +622,7 @@ def test_the_default_takes_prompt_banks_where_they_pay(tiny_model: Callable[[str
     budget = None
     for mib in range(200, 2048, 2):  # the smallest budget at which banks decide
         try:
-            plan = plan_memory(mf, mib << 20, n_ctx=256, n_ubatch=512, device_name=dev.name,
+            plan = split_budget(mf, mib << 20, n_ctx=256, n_ubatch=512, device_name=dev.name,
                                device_total=dev.memory_total)
         except ValueError:
             continue

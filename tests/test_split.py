@@ -135,9 +135,9 @@ def test_split_model_gives_the_unpatched_tokens(policy: str, pair: tuple[Path, P
     one file, and the placement forecache chooses for that file."""
     one, split = pair
     if policy == "ncmoe":
-        from forecache.cache.budget import plan_memory
+        from forecache.cache.budget import split_budget
 
-        plan = plan_memory(read_model_file(one), 1 << 40, n_ctx=PARAMS["n_ctx"],
+        plan = split_budget(read_model_file(one), 1 << 40, n_ctx=PARAMS["n_ctx"],
                            n_ubatch=PARAMS["n_ubatch"], device_name="x", device_total=1 << 50)
         cfg = CacheConfig("ncmoe", gpu_budget=plan.ncmoe_budget(2))
     elif policy == "offload":

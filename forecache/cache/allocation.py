@@ -1,6 +1,6 @@
 """Slots per MoE layer from measured reuse: the expert budget goes where a slot saves most misses.
 
-The even split (``MemoryPlan.slots_per_layer``) gives every layer the same number of slots, but
+The even split (``BudgetSplit.slots_per_layer``) gives every layer the same number of slots, but
 layers differ in how much their routing repeats: a layer whose requests keep to a few experts
 gains little from a tenth slot, one that spreads gains a lot. ``trace.stats.lru_hit_curves``
 measures, from a routing trace, the hits a per-layer LRU cache of every size would get;

@@ -64,7 +64,7 @@ def settle_bank(n_expert: int, slots_after: Callable[[int], Iterable[int]]) -> i
 
 
 @dataclass(frozen=True)
-class MemoryPlan:
+class BudgetSplit:
     """Where a budget goes: fixed needs, then expert slots (or whole expert layers for ncmoe)."""
 
     budget: int
@@ -148,15 +148,15 @@ def compute_buffer_bytes(n_ubatch: int, n_used: int, n_ff_exp: int, n_embd: int,
             + pairs * (max(n_embd, n_ff_exp) * 4 * 2 + 16))
 
 
-def plan_memory(model: ModelFile, budget: int, *, n_ctx: int, n_ubatch: int,
-                device_name: str, device_total: int) -> MemoryPlan:
+def split_budget(model: ModelFile, budget: int, *, n_ctx: int, n_ubatch: int,
+                device_name: str, device_total: int) -> BudgetSplit:
     """Split ``budget`` bytes of device memory; refuses budgets the device or model cannot meet."""
     if budget > device_total:
         raise BudgetError(f"budget {format_size(budget)} is larger than {device_name}'s "
                           f"{format_size(device_total)}; lower {setting('gpu_budget')}")
     layers = model.moe_layers()
     compute = model_compute_bytes(model, n_ubatch)
-    plan = MemoryPlan(budget=budget, non_expert_bytes=model.non_expert_bytes(),
+    plan = BudgetSplit(budget=budget, non_expert_bytes=model.non_expert_bytes(),
                       kv_bytes=kv_cache_bytes(model, n_ctx), compute_bytes=compute,
                       layer_bytes=tuple(model.layer_expert_bytes()), n_expert=model.n_expert,
                       moe_layers=layers)

@@ -7,11 +7,11 @@ arithmetic at the compute rate. The runtime plans by it and the simulator keeps 
 
 A missing expert either streams through a slot (its copy is on the critical path of the device
 side) or has its tokens computed by the CPU from host memory while the device computes the rest of
-the layer (schedule entries with slot -1). Per layer, `CostModel.plan` minimises the later of the
-two sides finishing; at run time the measured copy rate and host compute time correct the profile
-as they come in. With a disk tier, an expert missing from host memory is read from the model file
-first, whichever side computes it; computing a whole layer on the host also reads the experts the
-device holds and host memory does not.
+the layer (schedule entries with slot -1). Per layer, `CostModel.choose_split` minimises the later
+of the two sides finishing; at run time the measured copy rate and host compute time correct the
+profile as they come in. With a disk tier, an expert missing from host memory is read from the
+model file first, whichever side computes it; computing a whole layer on the host also reads the
+experts the device holds and host memory does not.
 """
 
 from __future__ import annotations
@@ -233,7 +233,7 @@ Row = tuple[int, int, bool] | tuple[int, int, bool, bool]
 
 @dataclass(frozen=True)
 class Split:
-    """A layer's plan: experts computed on the host beside the slots, or the whole layer there."""
+    """A layer's split: experts computed on the host beside the slots, or the whole layer there."""
 
     host: list[int]
     whole_layer: bool = False
@@ -341,7 +341,7 @@ class CostModel:
         computed on the device: ``DEVICE_MIN_TOKENS``)."""
         return tokens < DEVICE_MIN_TOKENS or self.prompt_split
 
-    def plan(self, rows: Sequence[Row], in_flight: int, tokens: int = 1) -> Split:
+    def choose_split(self, rows: Sequence[Row], in_flight: int, tokens: int = 1) -> Split:
         """The cheapest way to compute a layer whose experts are ``rows`` (expert, token rows,
         has a slot[, in host memory]) for a ubatch of ``tokens``; ``in_flight`` of those with a
         slot are still being copied.
@@ -359,8 +359,8 @@ class CostModel:
 
     def best_split(self, rows: Sequence[Row], in_flight: int, tokens: int = 1
                    ) -> tuple[Split, float]:
-        """``plan``'s choice and the seconds it expects the layer's experts to take, less the
-        reads every choice makes."""
+        """``choose_split``'s choice and the seconds it expects the layer's experts to take, less
+        the reads every choice makes."""
         missing = sorted(((r[0], r[1]) for r in rows if not r[2]), key=lambda m: (m[1], m[0]))
         n_all, pairs_all = len(rows), sum(r[1] for r in rows)
         c = self.copy_s()

@@ -240,18 +240,18 @@ class ProMoEPolicy(Policy):
                                    else (e, int(r), e in where or e in staged, e in in_host)
                                    for e, r in zip(need, counts.tolist(), strict=True)]
                 in_flight = sum(1 for e in need if e in where and state[where[e]] != SLOT_READY)
-                plan = cost.plan(rows, in_flight)
-                if plan.whole_layer:
+                split = cost.choose_split(rows, in_flight)
+                if split.whole_layer:
                     # all on the CPU: cheaper than any use of the slots now. As many missing
                     # experts as can be copied while the CPU computes the layer still enter the
                     # cache (a cold cache would stay cold); more would hold up the next layers.
-                    hidden = int(plan.host_s // cost.copy_s())
+                    hidden = int(split.host_s // cost.copy_s())
                     for e in [e for e in need if e not in where][:hidden]:
                         if not victims or engine.load(layer, e, victims[0], LOW) != 0:
                             break
                         victims.pop(0)
                     return False
-                host = plan.host
+                host = split.host
                 if host:
                     on_host = set(host)
                     order = [e for e in order if e not in on_host]

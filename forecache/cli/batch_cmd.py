@@ -103,7 +103,7 @@ def batch(model: Path, input_path: Path, output_path: Path, plan_text: str | Non
     """
     from forecache.jobs.plan import plan_cache
     from forecache.jobs.run import check_job, run_job
-    from forecache.roofline.batch import Plan
+    from forecache.roofline.batch import BatchPlan
 
     spec = open_args(cache_opts)
     if plan_text is not None and parallel is not None:
@@ -111,13 +111,13 @@ def batch(model: Path, input_path: Path, output_path: Path, plan_text: str | Non
     plan = None
     if plan_text is not None and plan_text != "auto":
         try:
-            plan = Plan.parse(plan_text)
+            plan = BatchPlan.parse(plan_text)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--plan") from None
     elif parallel is not None:
-        plan = Plan(parallel, 512)
+        plan = BatchPlan(parallel, 512)
     elif "rpc" in spec:  # the plans are predicted for one local device
-        plan = Plan(1, 512)
+        plan = BatchPlan(1, 512)
         click.echo("forecache: --rpc: one sequence at a time, ubatch 512 (--parallel N for "
                    "more)", err=True)
     try:

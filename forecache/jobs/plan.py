@@ -31,9 +31,9 @@ from forecache.paths import cache_dir, write_atomic
 from forecache.placement.costs import DEFAULT_MACHINE
 from forecache.placement.options import DEFAULT_POLICY, CacheConfig
 from forecache.roofline.batch import (
+    BatchPlan,
     Estimate,
     Layout,
-    Plan,
     Workload,
     layout,
     search,
@@ -166,7 +166,7 @@ def profile_with(base: Profile, x: dict[str, float], on_cpu: bool) -> Profile:
     return p
 
 
-def stage_layout(shape: ModelShape, plan: Plan, budget: int,
+def stage_layout(shape: ModelShape, plan: BatchPlan, budget: int,
                  non_expert_bytes: int | None = None) -> Layout:
     """The layout the measured stages ran under: ``plan`` at ``budget``."""
     lay = layout(shape, budget, Workload(1, CONTEXT, 1, CONTEXT + 64), plan, non_expert_bytes)
@@ -175,7 +175,7 @@ def stage_layout(shape: ModelShape, plan: Plan, budget: int,
     return lay
 
 
-def predict_stage(shape: ModelShape, profile: Profile, plan: Plan, budget: int,
+def predict_stage(shape: ModelShape, profile: Profile, plan: BatchPlan, budget: int,
                   sample_: StageSample, non_expert_bytes: int | None = None,
                   lay: Layout | None = None) -> float:
     """The model's seconds for a measured stage under ``plan``'s layout (``lay``, when known),
@@ -211,7 +211,7 @@ def measured_hooks(samples: Sequence[StageSample], layers: int) -> dict[str, flo
             "decode_gate_s": float(np.median(one)) if one else 0.0}
 
 
-def fit_profile(shape: ModelShape, base: Profile, plan: Plan, budget: int,
+def fit_profile(shape: ModelShape, base: Profile, plan: BatchPlan, budget: int,
                 samples: Sequence[StageSample], *, on_cpu: bool,
                 non_expert_bytes: int | None = None) -> Profile:
     """The profile whose predictions best match ``samples``: the rows' sampling, the pass's
@@ -284,7 +284,7 @@ def save_profile(model: ModelFile, device: str, profile: Profile) -> None:
     write_atomic(path, json.dumps(data, indent=1).encode())
 
 
-def calibrate(llm: Llama, plan: Plan, budget: int, *,
+def calibrate(llm: Llama, plan: BatchPlan, budget: int, *,
               samples: Sequence[StageSample] | None = None,
               progress: Callable[[str], None] = lambda s: None) -> Profile:
     """Measure ``llm`` (loaded as ``plan`` places it, at ``budget``) and fit the profile;
@@ -317,7 +317,7 @@ def job_workload(prompt_lens: Sequence[int], max_tokens: Sequence[int],
 class Chosen:
     """The plan a job runs, what the model predicts of it, and the placement it opens with."""
 
-    plan: Plan
+    plan: BatchPlan
     estimate: Estimate
     cache: CacheConfig | None  # None: llama.cpp's own placement (a CPU build given no size)
     cpu_only: bool = False  # no GPU: the device the plan was priced on is the CPU
@@ -329,7 +329,7 @@ class Chosen:
                                   cpu_only=self.cpu_only)
 
 
-def plan_cache(cfg: CacheConfig | None, plan: Plan) -> CacheConfig | None:
+def plan_cache(cfg: CacheConfig | None, plan: BatchPlan) -> CacheConfig | None:
     """The placement ``plan`` asks of ``cfg``: its experts in forecache's cache (the policy
     asked for, promoe by default) or stock llama.cpp's ncmoe layers."""
     if cfg is None:
@@ -379,7 +379,7 @@ def choose_plan(model_path: str | Path, cfg: CacheConfig | None, prompt_lens: Se
     key = f"{dev.name} ({dev.type})"
     profile = load_profile(mf, key)
     if profile is None:
-        first = Plan(min(16, max_seq, max(len(prompt_lens), 1)), 512, False, experts[0])
+        first = BatchPlan(min(16, max_seq, max(len(prompt_lens), 1)), 512, False, experts[0])
         with Llama.open(model_path, cache=plan_cache(cfg, first), n_ctx=ctx_per_seq,
                         n_seq_max=first.n_seq, n_threads=n_threads, n_batch=first.n_ubatch,
                         n_ubatch=first.n_ubatch) as llm:

@@ -30,7 +30,7 @@ from forecache.speculative.speculator import SELF_DRAFTS
 if TYPE_CHECKING:
     from forecache.llama import Llama
     from forecache.placement.options import CacheConfig
-    from forecache.roofline.batch import Plan
+    from forecache.roofline.batch import BatchPlan
 
 
 def rates_text(generated: int, wall_s: float, decode_rates: Sequence[float]) -> str:
@@ -82,7 +82,7 @@ class JobResult:
     wall_s: float = 0.0  # from the model loaded to the decoding's end
     decode_rates: list[float] = field(default_factory=list)  # the records' own tokens_per_s
     stats: dict | None = None  # the model's expert_stats(); None: nothing was left to decode
-    plan: Plan | None = None  # the plan that ran (None: nothing was left to decode)
+    plan: BatchPlan | None = None  # the plan that ran (None: nothing was left to decode)
     interrupted: int | None = None  # the signal that stopped it; rerun the job to resume
 
     def summary(self) -> str:
@@ -114,7 +114,7 @@ def check_job(input_path: Path, output_path: Path, draft: str | None = None) -> 
 
 
 def run_job(model: str | os.PathLike[str], input_path: Path, output_path: Path, *,
-            cache: CacheConfig | None, plan: Plan | None = None,
+            cache: CacheConfig | None, plan: BatchPlan | None = None,
             max_tokens: int = DEFAULT_MAX_TOKENS, ctx_per_seq: int = 2048,
             n_threads: int | None = None, verbose: bool = False,
             progress: JobProgress | None = None, **open_kwargs: Any) -> JobResult:

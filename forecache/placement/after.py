@@ -71,9 +71,9 @@ def fit(ctx: int, model: ModelFile, plan: LoadPlan) -> Placement | None:
     layer split predicted before the load (a load whose layers went elsewhere is refused), and
     a cached policy's slots with a budget per device are sized from where the layers are."""
     cfg, placement = plan.cache, plan.placement
-    if plan.split is not None:
+    if plan.layer_dev is not None:
         got = llama_layer_devices(ctx, model.n_layer)
-        if got != plan.split[:model.n_layer]:
+        if got != plan.layer_dev[:model.n_layer]:
             names = {d.index: d.name for d in devices()}
             where = [names.get(d, "CPU") for d in got or []] or ["devices it does not report"]
             raise ModelLoadError(f"llama.cpp put the layers on {', '.join(where)}, not where "

@@ -10,12 +10,12 @@ from typing import Any
 from forecache.cache.budget import (
     BANK_SHARE_MAX,
     BudgetError,
-    MemoryPlan,
+    BudgetSplit,
     bank_size,
     device_host_layers,
     format_size,
-    plan_memory,
     slots_for_fraction,
+    split_budget,
 )
 from forecache.cache.choice import PRIOR, Choice, DecodeShape, Evidence, choose_among, locality
 from forecache.cache.cost import CostModel, ExpertShape, Profile
@@ -47,7 +47,7 @@ from forecache.trace.replay import Routing, load_routing
 
 def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int,
                    routing_hit: Callable[[int], tuple[float, int]] | None = None,
-                   memory: MemoryPlan | None = None) -> Choice | None:
+                   memory: BudgetSplit | None = None) -> Choice | None:
     """For a configuration whose policy nobody named: promoe or ncmoe, whichever the cost model
     (with this model's measured routing and rates when a run kept them) expects to be faster at
     this budget, a prompt ubatch of ``n_ubatch`` rows and a decoded token both weighed
@@ -61,19 +61,19 @@ def default_choice(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: 
     dev = cache_device()
     if dev.type == "cpu" and cfg.machine is None:
         return None
-    plan = memory or budget_split(model, cfg, n_ctx=n_ctx, n_ubatch=n_ubatch)
-    assert plan is not None
+    split = memory or budget_split(model, cfg, n_ctx=n_ctx, n_ubatch=n_ubatch)
+    assert split is not None
     layers = model.moe_layers()
-    full = plan.slots_per_layer()
+    full = split.slots_per_layer()
 
     def promoe_shape(c: CacheConfig) -> DecodeShape:
         """promoe's placement under ``c``: the slots its stage slots or prompt banks leave."""
-        stage, bank = held_back(model, c, plan, full, dev.type, proactive=c.features.reorder)
-        slots = plan.slots_per_layer(held=stage + bank) if stage or bank else full
+        stage, bank = held_back(model, c, split, full, dev.type, proactive=c.features.reorder)
+        slots = split.slots_per_layer(held=stage + bank) if stage or bank else full
         return DecodeShape(n_moe=len(layers), n_expert=model.n_expert,
                            top_k=model.n_expert_used, n_slots=min(slots[il] for il in layers),
-                           ncmoe_host_layers=plan.ncmoe_cpu_layers(),
-                           dense_bytes=plan.non_expert_bytes, n_layer=model.n_layer,
+                           ncmoe_host_layers=split.ncmoe_cpu_layers(),
+                           dense_bytes=split.non_expert_bytes, n_layer=model.n_layer,
                            prompt_rows=n_ubatch, bank=bank > 0)
 
     # the placement promoe takes by default, then (where nobody said) the one with prompt banks
@@ -106,7 +106,7 @@ def bank_experts(model: ModelFile, slots: Sequence[int]) -> int:
     return bank_size(model.n_expert, [slots[il] for il in model.moe_layers() if il < len(slots)])
 
 
-def held_back(model: ModelFile, cfg: CacheConfig, plan: MemoryPlan | None,
+def held_back(model: ModelFile, cfg: CacheConfig, split: BudgetSplit | None,
               slots: Sequence[int], device_type: str, *, proactive: bool) -> tuple[int, int]:
     """What a cached placement holds back from its slots: (stage slots, experts' worth of prompt
     banks). Prompt banks (``cfg.prompt_bank``; by default on a GPU) where some layer would miss
@@ -117,23 +117,23 @@ def held_back(model: ModelFile, cfg: CacheConfig, plan: MemoryPlan | None,
     slots."""
     spec = cfg.spec
     layers = model.moe_layers()
-    full = plan.slots_per_layer() if plan is not None else list(slots)
+    full = split.slots_per_layer() if split is not None else list(slots)
     misses = any(full[il] < model.n_expert for il in layers if il < len(full))
     watched = cfg.on_route is not None or (spec.policy is not None and
                                            spec.policy.routes_every_layer)
     bank = cfg.prompt_bank if cfg.prompt_bank is not None else device_type != "cpu"
     bank = bank and spec.cached and misses and cfg.host_budget is None and not watched
-    if bank and plan is not None:
-        held = plan.bank_held()
-        fits = held * plan.largest_expert_bytes <= plan.expert_budget
-        if fits and (cfg.prompt_bank or held * plan.largest_expert_bytes <=
-                     plan.expert_budget * BANK_SHARE_MAX):
+    if bank and split is not None:
+        held = split.bank_held()
+        fits = held * split.largest_expert_bytes <= split.expert_budget
+        if fits and (cfg.prompt_bank or held * split.largest_expert_bytes <=
+                     split.expert_budget * BANK_SHARE_MAX):
             return 0, held
         if cfg.prompt_bank:
             off = "--no-prompt-bank" if setting("prompt_bank").startswith("--") else \
                 "prompt_bank=False"
             raise BudgetError(f"prompt banks of {held} experts leave no expert slots in "
-                              f"{format_size(plan.budget)}; raise {setting('gpu_budget')} or "
+                              f"{format_size(split.budget)}; raise {setting('gpu_budget')} or "
                               f"turn them off ({off})")
         bank = False
     if bank:
@@ -147,7 +147,7 @@ class Placement:
     """The decisions made before llama.cpp loads the model."""
 
     device: Device
-    plan: MemoryPlan | None
+    memory: BudgetSplit | None  # where the budget goes (None without a single budget)
     n_slots: list[int]
     host_layers: list[int]  # layers whose experts are in host memory
     stage_slots: int = 0  # promoe/infinity: stage slots beside the slots
@@ -156,17 +156,17 @@ class Placement:
 
 
 def budget_split(model: ModelFile, cfg: CacheConfig, *, n_ctx: int,
-                 n_ubatch: int) -> MemoryPlan | None:
+                 n_ubatch: int) -> BudgetSplit | None:
     """Where ``cfg.gpu_budget`` goes on the cache's device (None without a single budget)."""
     if cfg.gpu_budget is None:
         return None
     dev = cache_device()
-    return plan_memory(model, cfg.gpu_budget, n_ctx=n_ctx, n_ubatch=n_ubatch,
+    return split_budget(model, cfg.gpu_budget, n_ctx=n_ctx, n_ubatch=n_ubatch,
                        device_name=dev.name, device_total=dev.memory_total)
 
 
 def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int,
-          layer_dev: Sequence[int] | None = None, memory: MemoryPlan | None = None,
+          layer_dev: Sequence[int] | None = None, memory: BudgetSplit | None = None,
           ) -> Placement:
     """Choose the device and split the budget for ``cfg``; ``layer_dev``: the device llama.cpp
     will put each layer on, which ncmoe's budget per device (``cfg.device_budgets``) needs;
@@ -182,16 +182,16 @@ def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int,
         host = device_host_layers(model, cfg.device_budgets, layer_dev, names, n_ctx=n_ctx,
                                   n_ubatch=n_ubatch)
         return Placement(dev, None, [0] * model.n_layer, host)
-    plan = memory or budget_split(model, cfg, n_ctx=n_ctx, n_ubatch=n_ubatch)
+    split = memory or budget_split(model, cfg, n_ctx=n_ctx, n_ubatch=n_ubatch)
     layers = model.moe_layers()
     spec = cfg.spec
     if spec.placement == "layers":
-        assert plan is not None
-        return Placement(dev, plan, [0] * model.n_layer, layers[:plan.ncmoe_cpu_layers()])
+        assert split is not None
+        return Placement(dev, split, [0] * model.n_layer, layers[:split.ncmoe_cpu_layers()])
     if spec.policy is None:  # offload
-        return Placement(dev, plan, [0] * model.n_layer, layers)
-    if plan is not None:
-        slots = (plan.slots_per_layer() + [0] * model.n_layer)[:model.n_layer]
+        return Placement(dev, split, [0] * model.n_layer, layers)
+    if split is not None:
+        slots = (split.slots_per_layer() + [0] * model.n_layer)[:model.n_layer]
     elif cfg.cache_fraction is not None:
         slots = slots_for_fraction(model, cfg.cache_fraction)
     elif cfg.device_budgets is not None:  # sized once loaded: which device holds which layer
@@ -202,10 +202,10 @@ def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int,
                  for il in range(model.n_layer)]
     stage, bank = 0, 0
     if cfg.device_budgets is None:
-        stage, bank = held_back(model, cfg, plan, slots, dev.type,
+        stage, bank = held_back(model, cfg, split, slots, dev.type,
                                 proactive=spec.proactive and cfg.features.reorder)
-    if plan is not None and (stage or bank > 0):
-        slots = (plan.slots_per_layer(held=stage + bank)
+    if split is not None and (stage or bank > 0):
+        slots = (split.slots_per_layer(held=stage + bank)
                  + [0] * model.n_layer)[:model.n_layer]
     slots = spec.policy.layer_slots(model, slots)
     disk = None
@@ -215,7 +215,7 @@ def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int,
         disk = size_disk_tier(model, cfg.host_budget, on_gpu=on_gpu, slot_bytes=slot_bytes)
         if disk is not None:  # every layer computes from slots: its experts are not in memory
             slots = [max(n, 1) if il in layers else n for il, n in enumerate(slots)]
-    return Placement(dev, plan, slots, layers, stage, bank > 0, disk)
+    return Placement(dev, split, slots, layers, stage, bank > 0, disk)
 
 
 def ncmoe_per_device(cfg: CacheConfig) -> bool:
@@ -247,7 +247,7 @@ class LoadPlan:
     cache: CacheConfig | None  # None: llama.cpp's own placement, no expert cache
     choice: Choice | None  # the default placement's, when it chose
     placement: Placement | None
-    split: list[int] | None  # ncmoe per device: the device llama.cpp will put each layer on
+    layer_dev: list[int] | None  # ncmoe per device: the device llama.cpp will put each layer on
     rpc: list[str]  # RPC servers registered for the load
     routing: Routing | None  # replayed in place of the router's (benchmarks)
     n_ctx: int
@@ -311,13 +311,13 @@ def plan_load(model: ModelFile, options: Options, cache: CacheConfig | None | ob
         if choice.policy != "ncmoe" and cfg.prompt_bank is None:
             # the banks the choice weighed (perhaps over their default share)
             cfg = replace(cfg, prompt_bank=choice.shape.bank)
-    placement, split = None, None
+    placement, layer_dev = None, None
     if cfg is not None:
         kwargs.setdefault("n_gpu_layers", -1)
         if ncmoe_per_device(cfg):
-            split = layer_split(model.n_layer, int(kwargs["n_gpu_layers"]),
+            layer_dev = layer_split(model.n_layer, int(kwargs["n_gpu_layers"]),
                                 kwargs.get("tensor_split"))
-        placement = place(model, cfg, n_ctx=n_ctx, n_ubatch=n_ubatch, layer_dev=split,
+        placement = place(model, cfg, n_ctx=n_ctx, n_ubatch=n_ubatch, layer_dev=layer_dev,
                           memory=memory)
         if placement.disk is not None:
             # the other weights read into memory, not faulted in from the file's pages
@@ -327,7 +327,7 @@ def plan_load(model: ModelFile, options: Options, cache: CacheConfig | None | ob
         # a KV stream per sequence: each sees its cells where it would alone, which keeps its
         # attention sums in the same order as a single-sequence run
         kwargs.update(n_seq_max=options.n_seq_max, kv_unified=False)
-    return LoadPlan(options, cfg, choice, placement, split, rpc, routing, n_ctx, n_ubatch,
+    return LoadPlan(options, cfg, choice, placement, layer_dev, rpc, routing, n_ctx, n_ubatch,
                     kwargs)
 
 

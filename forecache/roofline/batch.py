@@ -50,7 +50,7 @@ N_UBATCHES = (64, 128, 256, 512, 1024, 2048)
 
 
 @dataclass(frozen=True)
-class Plan:
+class BatchPlan:
     """One way to run a batch job."""
 
     n_seq: int  # sequences decoded together
@@ -75,7 +75,7 @@ class Plan:
                 + ("" if self.experts == "cache" else f",experts={self.experts}"))
 
     @classmethod
-    def parse(cls, text: str) -> Plan:
+    def parse(cls, text: str) -> BatchPlan:
         """``seq=N,ubatch=U[,kv=device|host][,experts=cache|ncmoe]`` (seq and ubatch required)."""
         got: dict[str, str] = {}
         for part in text.split(","):
@@ -164,7 +164,7 @@ class _Clock:
 class Estimate:
     """What the model predicts of a plan."""
 
-    plan: Plan
+    plan: BatchPlan
     slots: int  # expert slots a MoE layer ("cache")
     host_layers: int  # MoE layers whose experts stay in host memory ("ncmoe")
     device_bytes: dict[str, int]  # weights, KV cache, compute buffers, experts
@@ -209,7 +209,7 @@ class Estimate:
                 f"{self.prefill.bound_as(names)}")
 
 
-def _memory(shape: ModelShape, budget: int, work: Workload, plan: Plan,
+def _memory(shape: ModelShape, budget: int, work: Workload, plan: BatchPlan,
             non_expert_bytes: int | None, host_bytes: int | None, slots_given: int | None = None
             ) -> tuple[dict[str, int], int, int] | None:
     """The device bytes of a plan, its slots a layer and ncmoe host layers; None when the
@@ -248,7 +248,7 @@ class Layout:
     share: float  # of a layer's experts resident (cache) on average
 
 
-def layout(shape: ModelShape, budget: int, work: Workload, plan: Plan,
+def layout(shape: ModelShape, budget: int, work: Workload, plan: BatchPlan,
            non_expert_bytes: int | None = None, host_bytes: int | None = None,
            slots: int | None = None) -> Layout | None:
     """The device memory of ``plan`` at ``budget``; None when its fixed needs do not fit
@@ -334,7 +334,7 @@ def _host_memory_bound(shape: ModelShape, p: Profile, pairs: float) -> bool:
         pairs * shape.proj_flops * len(shape.expert.proj_bytes) / (p.cpu_gflops * 1e9)
 
 
-def ubatch_stage(shape: ModelShape, p: Profile, cost: CostModel, plan: Plan, n_tokens: float,
+def ubatch_stage(shape: ModelShape, p: Profile, cost: CostModel, plan: BatchPlan, n_tokens: float,
             context: float, resident: float, host_layers: int, logits: float, slots: int = 0,
             stage: int = 0, n_seqs: float = 1.0) -> Stage:
     """One ubatch of ``n_tokens`` rows whose attention reads ``context`` tokens each, ``logits``
@@ -376,7 +376,7 @@ def ubatch_stage(shape: ModelShape, p: Profile, cost: CostModel, plan: Plan, n_t
     return clock.stage()
 
 
-def estimate(shape: ModelShape, profile: Profile, budget: int, work: Workload, plan: Plan, *,
+def estimate(shape: ModelShape, profile: Profile, budget: int, work: Workload, plan: BatchPlan, *,
              locality: float = 0.0, non_expert_bytes: int | None = None,
              cost: CostModel | None = None, host_bytes: int | None = None,
              slots: int | None = None) -> Estimate | None:
@@ -429,7 +429,7 @@ def search(shape: ModelShape, profile: Profile, budget: int, work: Workload, *,
         for host in kv:
             for s in seqs:
                 for u in n_ubatches or N_UBATCHES:
-                    e = estimate(shape, profile, budget, work, Plan(s, u, host, x),
+                    e = estimate(shape, profile, budget, work, BatchPlan(s, u, host, x),
                                  locality=locality, non_expert_bytes=non_expert_bytes,
                                  cost=cost, host_bytes=host_bytes, slots=slots)
                     if e is not None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 from gguf import GGML_QUANT_SIZES
 
-from forecache.cache.budget import MemoryPlan, compute_buffer_bytes, kv_cache_bytes
+from forecache.cache.budget import BudgetSplit, compute_buffer_bytes, kv_cache_bytes
 from forecache.cache.cost import ExpertShape
 from forecache.gguf.header import ModelFile, expert_proj_bytes, is_expert_tensor, tensor_nbytes
 from forecache.gguf.qtypes import parse_qtype, tensor_type
@@ -76,12 +76,12 @@ class ModelShape:
 
     def memory(self, budget: int, *, n_ctx: int, n_ubatch: int, n_seq: int = 1,
                kv_on_device: bool = True, non_expert_bytes: int | None = None,
-               layers: int | None = None) -> MemoryPlan:
-        """Where ``budget`` goes for this shape, by the runtime's rule (``budget.MemoryPlan``:
+               layers: int | None = None) -> BudgetSplit:
+        """Where ``budget`` goes for this shape, by the runtime's rule (``budget.BudgetSplit``:
         the non-expert weights, the KV cache when on the device and the compute buffers first,
         the rest expert slots or ncmoe layers), over ``layers`` MoE layers (default all)."""
         n = self.layers if layers is None else layers
-        return MemoryPlan(budget=budget,
+        return BudgetSplit(budget=budget,
                           non_expert_bytes=self.dense_bytes if non_expert_bytes is None
                           else non_expert_bytes,
                           kv_bytes=self.kv_cache_bytes(n_ctx, n_seq) if kv_on_device else 0,

@@ -169,11 +169,11 @@ class Validation:
 def _ncmoe_budget(model: ModelFile, fraction: float, n_ctx: int) -> tuple[int, int]:
     """A device budget whose ncmoe placement keeps ``fraction`` of the MoE layers' experts on
     the device (rounded to whole layers), and that number of layers."""
-    from forecache.cache.budget import plan_memory
+    from forecache.cache.budget import split_budget
     from forecache.native.ggml_devices import cache_device
 
     dev = cache_device()
-    plan = plan_memory(model, dev.memory_total, n_ctx=n_ctx, n_ubatch=512,
+    plan = split_budget(model, dev.memory_total, n_ctx=n_ctx, n_ubatch=512,
                        device_name=dev.name, device_total=dev.memory_total)
     on_gpu = round(fraction * len(plan.moe_layers))
     return plan.ncmoe_budget(len(plan.moe_layers) - on_gpu) + (1 << 20), on_gpu
