@@ -66,6 +66,12 @@ def host_weight_bytes(model: ModelFile, *, on_gpu: bool) -> int:
     return sum(t.nbytes for t in model.tensors if t.name in HOST_INPUT_TENSORS)
 
 
+def even_host_slots(n_expert: int, n_layers: int, expert_bytes: int, room: int) -> int:
+    """Host slots each of ``n_layers`` MoE layers gets from ``room`` bytes, split evenly (the
+    runtime's rule, which the simulator's disk tier follows)."""
+    return max(0, min(n_expert, room // max(expert_bytes * n_layers, 1)))
+
+
 def size_disk_tier(model: ModelFile, host_budget: int, *, on_gpu: bool,
                    slot_bytes: int = 0) -> HostSlots | None:
     """Host slots per MoE layer for ``host_budget`` bytes of host memory: the budget less the
@@ -86,7 +92,7 @@ def size_disk_tier(model: ModelFile, host_budget: int, *, on_gpu: bool,
             f"{len(layers)} layers; raise it to at least {format_size(need)}")
     if host_budget - fixed >= model.total_expert_bytes():
         return None
-    n = min(model.n_expert, (host_budget - fixed) // (per_expert * len(layers)))
+    n = even_host_slots(model.n_expert, len(layers), per_expert, host_budget - fixed)
     n_host = [0] * model.n_layer
     for il in layers:
         n_host[il] = n

@@ -339,7 +339,7 @@ def plan_cache(cfg: CacheConfig | None, plan: BatchPlan) -> CacheConfig | None:
             raise ValueError(f"plan {plan.label()}: ncmoe places whole layers and needs "
                              f"{setting('gpu_budget')}")
         return replace(cfg, policy="ncmoe")
-    if cfg.policy in ("ncmoe", "offload"):
+    if not cfg.spec.cached:
         raise ValueError(f"plan {plan.label()} caches experts, but {setting('policy')} is "
                          f"{cfg.policy}: add experts=ncmoe to the plan or name a cache policy")
     return replace(cfg, policy=cfg.policy or DEFAULT_POLICY)
@@ -367,12 +367,12 @@ def choose_plan(model_path: str | Path, cfg: CacheConfig | None, prompt_lens: Se
     if cfg is None:  # llama.cpp's own placement: every expert where the weights are
         experts: tuple[str, ...] = ("ncmoe",)
         budget = STOCK_BUDGET
-    elif cfg.policy == "offload":
+    elif cfg.spec.placement == "host":
         raise ValueError(f"{setting('policy')} offload has no plan to search: give "
                          f"{setting('n_parallel')} or a cache policy")
     else:
         experts = ("cache", "ncmoe") if cfg.policy is None and cfg.gpu_budget is not None else \
-            ("ncmoe",) if cfg.policy == "ncmoe" else ("cache",)
+            ("ncmoe",) if cfg.spec.placement == "layers" else ("cache",)
         budget = cfg.gpu_budget if cfg.gpu_budget is not None else STOCK_BUDGET
     slots = fraction_slots(mf.n_expert, cfg.cache_fraction) \
         if cfg is not None and cfg.cache_fraction is not None else None

@@ -16,6 +16,8 @@ RUNTIME_PREDICTORS = ("learned", "history", "eam")
 TRAINED_PREDICTORS = ("learned", "eam")
 # those that read a layer's router input, which a trace keeps only when asked to
 GATE_INPUT_PREDICTORS = ("learned", "skip")
+# what ``auto`` weighs, best first by top-k accuracy, where a trace has no gate inputs
+AUTO_FALLBACKS = ("eam", "token", "history")
 
 
 def parse_names(text: str) -> list[str]:

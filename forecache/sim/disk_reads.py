@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from forecache.cache.cost import Profile
-from forecache.cache.disk import HOST_INPUT_TENSORS
+from forecache.cache.disk import HOST_INPUT_TENSORS, even_host_slots
 from forecache.gguf.specs import get_spec, tensor_plan
 from forecache.predictor.base import Predictor
 from forecache.sim.shapes import ModelShape, shape_of
@@ -31,8 +31,8 @@ def host_slots_for(shape: ModelShape, host_budget: int, host_weights: int = 0) -
     """Host slots each MoE layer gets from ``host_budget`` bytes of host memory, of which the
     model's host-resident weights take ``host_weights`` (``cache.disk.size_disk_tier``'s split):
     ``shape.experts`` when every expert fits (no disk tier)."""
-    room = host_budget - host_weights
-    return max(0, min(shape.experts, room // (shape.expert_bytes * shape.layers)))
+    return even_host_slots(shape.experts, shape.layers, shape.expert_bytes,
+                           host_budget - host_weights)
 
 
 @dataclass(frozen=True)

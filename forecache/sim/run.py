@@ -22,7 +22,7 @@ from forecache.errors import setting
 from forecache.predictor.base import Predictor, source_layer
 from forecache.predictor.eam import EAMPredictor
 from forecache.predictor.metrics import topk_accuracy
-from forecache.predictor.registry import make_predictor, unavailable
+from forecache.predictor.registry import AUTO_FALLBACKS, make_predictor, unavailable
 from forecache.sim.shapes import ModelShape, shape_of, trace_model_names
 from forecache.sim.simulate import SimConfig, SimResult, simulate
 from forecache.trace import synth
@@ -180,7 +180,7 @@ def fit_predictor(name: str, info: TraceInfo, fit: Sequence[Request], window: in
         if unavailable("learned", info, None) is None:
             name = "learned"
         else:
-            names = [n for n in ("eam", "token", "history") if unavailable(n, info, None) is None]
+            names = [n for n in AUTO_FALLBACKS if unavailable(n, info, None) is None]
             name = _best(names, info, fit, pairs) if len(fit) > 2 else names[0]
     why = unavailable(name, info, None)
     if why:
