@@ -390,6 +390,10 @@ def test_a_job_runs_from_python_resumes_and_ends_in_input_order(tmp_path: Path,
     assert seen.records == ["r3", "r1", "r0"]  # one sequence: the longest first, r2 skipped
     assert f"1 of 4 requests are already in {out}; skipping them" in seen.notes
     assert res.summary().startswith("3 done, 1 skipped, 0 failed of 4; ")
+    from forecache.native.ggml_devices import cache_device
+
+    plan = BatchPlan(1, 64).label(cpu_only=cache_device().type == "cpu")
+    assert f"; plan {plan}; experts: none" in res.summary()
     assert [r["id"] for r in _records(out)] == ["r0", "r1", "r2", "r3"]
     assert before in out.read_bytes().splitlines(keepends=True)
     again = run_job(tiny_model("q8_0"), src, out, cache=None, plan=BatchPlan(1, 64))

@@ -83,6 +83,7 @@ class JobResult:
     decode_rates: list[float] = field(default_factory=list)  # the records' own tokens_per_s
     stats: dict | None = None  # the model's expert_stats(); None: nothing was left to decode
     plan: BatchPlan | None = None  # the plan that ran (None: nothing was left to decode)
+    cpu_only: bool = False  # no GPU: the plan is written in the CPU's words
     interrupted: int | None = None  # the signal that stopped it; rerun the job to resume
 
     def summary(self) -> str:
@@ -94,9 +95,10 @@ class JobResult:
 
         stats = self.stats
         rate = stats["hit_rate"]
+        plan = f"plan {self.plan.label(self.cpu_only)}; " if self.plan is not None else ""
         return (f"{self.done} done, {self.skipped} skipped, {self.failed} failed of "
                 f"{self.total}; {rates_text(self.generated, self.wall_s, self.decode_rates)}; "
-                f"experts: {stats['policy']}"
+                f"{plan}experts: {stats['policy']}"
                 + (f", hit rate {rate * 100:.0f}%" if rate is not None else "")
                 + (f"; {mobile_summary(stats)}" if stats["mode"] == "mobile" else "")
                 + (f"; {spec_summary(stats)}" if "draft" in stats else ""))
@@ -153,6 +155,7 @@ def run_job(model: str | os.PathLike[str], input_path: Path, output_path: Path, 
     from forecache.jobs.requests import read_requests
     from forecache.llama import Llama
     from forecache.models.names import resolve_model_arg
+    from forecache.native.ggml_devices import cache_device
 
     report = progress or JobProgress()
     model = resolve_model_arg(model)
@@ -202,7 +205,7 @@ def run_job(model: str | os.PathLike[str], input_path: Path, output_path: Path, 
                                  n_threads=n_threads, progress=report.note)
             plan, cache = chosen.plan, chosen.cache
             report.note(chosen.line())
-        res.plan = plan
+        res.plan, res.cpu_only = plan, cache_device().type == "cpu"
         t0 = 0.0  # decoding's start, once the model is loaded
 
         def on_token(n: int) -> None:
