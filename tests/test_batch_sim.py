@@ -174,6 +174,22 @@ def test_host_kv_cache_pays_cpu_attention() -> None:
     assert (host.hits, host.misses) == (dev.hits, dev.misses)
 
 
+def test_overlapped_job_is_its_busiest_resource_a_step() -> None:
+    """A pipeline of micro-batches runs a step's device, CPU and bus time side by side: the
+    job then takes between its busiest resource and the serial replay; with every expert and
+    the KV cache on the device nothing overlaps, and the figures agree."""
+    reqs = _requests(16, seed=2, decode=(60, 120))
+    host = simulate_batch(reqs, SHAPE, PROFILE,
+                          SimConfig("promoe", n_slots=6, n_ubatch=64, n_seq=8, kv_host=True))
+    busiest = max(host.busy[k] for k in ("GPU", "CPU", "PCIe")) + host.busy["runtime"]
+    assert busiest - 1e-12 <= host.overlapped_s < host.job_s
+    assert host.overlapped_tokens_per_s > host.tokens_per_s
+    resident = simulate_batch(reqs, SHAPE, PROFILE,
+                              SimConfig("promoe", n_slots=SHAPE.experts, n_ubatch=64, n_seq=8))
+    assert resident.busy["CPU"] == resident.busy["PCIe"] == 0
+    assert resident.overlapped_s == pytest.approx(resident.job_s, rel=1e-9)
+
+
 def test_ncmoe_copies_host_experts_for_ubatches_of_32() -> None:
     """Stock llama.cpp computes a host layer of a ubatch of 32 rows or more on the device after
     copying the experts it uses; a smaller ubatch computes it on the CPU."""
