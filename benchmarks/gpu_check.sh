@@ -14,9 +14,12 @@
 #                                         OLMoE-fitted routing at 24 GiB (all-gpu, ncmoe with
 #                                         --no-mmap and with mmap, promoe with and without
 #                                         prompt banks, infinity), the real OLMoE trace,
-#                                         promoe's timeline, 12 GiB, every expert resident
-#                                         against all-gpu and the replay's own cost, a
-#                                         4096-token prompt against stock at its best ubatch,
+#                                         promoe's timeline, 12 GiB, a batch job (stock's and
+#                                         forecache's fastest plans by the batch roofline, each
+#                                         request reading its own rows of the routing), every
+#                                         expert resident against all-gpu and the replay's own
+#                                         cost, a 4096-token prompt against stock at its best
+#                                         ubatch,
 #                                         promoe over the disk tier (a quarter of the experts in
 #                                         host memory), the other routings, then the lossless
 #                                         subset as time allows
@@ -29,7 +32,7 @@
 # OUT gets at most eight files: doctor.json, traces.json, bench_fit24.json, bench_fit12.json,
 # bench_fixed.json (every expert resident; the replay's own cost), bench_routings.json,
 # lossless.json and run.log. Steps are time-boxed
-# (FORECACHE_GPU_CHECK_BUDGET seconds in all, default 500) and run in order of importance, so a
+# (FORECACHE_GPU_CHECK_BUDGET seconds in all, default 560) and run in order of importance, so a
 # call that runs short still returns what it measured.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -129,7 +132,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 exec 2> >(tee -a "$OUT/run.log" >&2)
 T0=$SECONDS
-BUDGET=${FORECACHE_GPU_CHECK_BUDGET:-500}
+BUDGET=${FORECACHE_GPU_CHECK_BUDGET:-560}
 left() { echo $((BUDGET - (SECONDS - T0))); }
 
 if [ "$CPU" = 1 ]; then
@@ -140,6 +143,7 @@ if [ "$CPU" = 1 ]; then
     PRESET=tiny
     BIG=1GiB; SMALL=1GiB; FULL=1GiB; PROMPT=64; LONG=128; GEN=16; THREADS=(--threads 2)
     BANK_AB=promoe+bank
+    BATCH_REQUESTS=6; BATCH_SCALE=0.05
     LOSSLESS=(-k "(test_every_policy_equals_unpatched and tiny-q8_0) or split_model_gives")
 else
     # the machine's own Python (PyTorch's environment: numpy, onnxruntime, pytest, click); the
@@ -168,6 +172,7 @@ for p in sys.path:
     MODEL=$WORK/$PRESET-random-q4_k_m.gguf
     BIG=24GiB; SMALL=12GiB; FULL=64GiB; PROMPT=512; LONG=4096; GEN=64; THREADS=()
     BANK_AB=promoe+nobank
+    BATCH_REQUESTS=96; BATCH_SCALE=0.2
     # and a split model (its shards' experts in pinned host memory, the disk tier per shard), and
     # host experts computed whole beside the slots' products, with copies on their stream
     LOSSLESS=(-k "q8_0 or split_model_gives or disk_tier_reads_each_shard or computed_whole")
@@ -235,6 +240,20 @@ keep_in bench_timeline.json bench_fit24.json timeline_run
 # at 12 GiB half of each layer's experts miss: promoe without its copy stream beside it (a
 # decoded token's product waiting on the host for its copies; the same run on a CPU build)
 bench fit12 "$FIT" "$SMALL" ncmoe,ncmoe-mmap,promoe,promoe+nostream,default
+# a batch job: stock llama.cpp's and forecache's plans the batch roofline predicts fastest, the
+# same requests each reading its own rows of the fitted routing, kept in bench_fit24.json as
+# "batch"
+t=$(left)
+if [ "$t" -ge 60 ]; then
+    log "batch ($t s left)"
+    timeout $((t < 150 ? t : 150)) "$PY" benchmarks/batch_bench.py -m "$MODEL" \
+        --routing-trace "$FIT" --gpu-budget "$BIG" --requests "$BATCH_REQUESTS" \
+        --scale "$BATCH_SCALE" --per-kind 1 "${THREADS[@]}" --json "$OUT/bench_batch.json" >&2 \
+        || log "batch did not finish (exit $?)"
+    keep_in bench_batch.json bench_fit24.json batch
+else
+    log "skipped batch: $t s left"
+fi
 # the fixed cost when nothing misses: every expert in a slot against every layer on the GPU,
 # both replayed, and the replay's own cost (every layer on the GPU on the model's own routing)
 bench full "$FIT" "$FULL" all-gpu,promoe

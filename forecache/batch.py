@@ -181,6 +181,7 @@ class _Sequence:
     # some llama.cpp pass held another request's rows too: its logits were computed by kernels
     # for several rows (and its prompt split by theirs), which round them otherwise
     batched: bool = False
+    admitted: int = 0  # requests admitted before it (a replayed routing's rows for it)
 
 
 def sampler(sp: SamplingParams) -> Sampler:
@@ -315,6 +316,7 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
 
     mobile = llm.mobile if cache is not None else None
     spec = llm.speculator
+    replay = llm.replay  # each row reads its request's own rows of the routing
     if spec is not None and not isinstance(spec.draft, SelfDraft):
         raise ValueError(f"{setting('draft')} {spec.draft.kind}: a batch job drafts with the "
                          "model's own little pass only (self-little or self-cached)")
@@ -362,9 +364,20 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
                 s.batched = s.batched or s.seq in seqs
         if cache is not None:
             cache.begin_ubatch(np.asarray([tokens[r] for r in order], dtype=np.int32))
+        if replay is not None:
+            by_seq = {s.seq: s for s in active}
+            picks = []
+            for pos, seq, _ in entries:
+                s = by_seq[seq]
+                decoding = pos >= len(s.prompt)
+                picks.append(replay.pick(s.admitted, decoding,
+                                         pos - len(s.prompt) if decoding else pos))
+            replay.before_rows([e[1] for e in entries], [e[0] for e in entries], picks)
         rc = low.llama_decode(ctx, batch)
         if rc != 0:
             raise RuntimeError(decode_failure(rc, len(active)))
+        if replay is not None:
+            replay.check()
 
     def little_pass(rows: list[tuple[_Sequence, int]], sampled: list[tuple[_Sequence, int]]
                     ) -> list[tuple[_Sequence, int]]:
@@ -456,6 +469,7 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
         sampled.extend((s, t) for t in [*accepted, new])
         return len(accepted)
 
+    admitted = 0  # requests admitted so far
     try:
         while (pending or active) and not stop:
             while free and pending:  # admit the next requests
@@ -469,7 +483,9 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
                     continue
                 # the lowest free id: the decoding sequences' ids stay close together
                 seq = free.pop(free.index(min(free)))
-                active.append(_Sequence(req, seq, prompt, np.random.default_rng(req.seed)))
+                active.append(_Sequence(req, seq, prompt, np.random.default_rng(req.seed),
+                                        admitted=admitted))
+                admitted += 1
             if not active:
                 continue
             clear()

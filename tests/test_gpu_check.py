@@ -75,6 +75,12 @@ def test_cpu_dry_run_writes_every_result(tmp_path: Path) -> None:
         assert phase["passes"] > 0 and k["ids"]["n"] + k["quiet"]["n"] > 0
         assert k["gate"]["n"] == k["ids"]["n"]
         assert phase["host_overlap_s"] >= 0.0
+    # a batch job: stock's and forecache's plans, the same requests on the routing replayed
+    batch = fit["batch"]
+    assert batch["routing"].endswith("olmoe-fit.npz") and batch["requests"] == 6
+    assert sorted(r["experts"] for r in batch["rows"]) == ["cache", "ncmoe"]
+    assert all(r["failed"] == 0 and r["tokens"] > 0 for r in batch["rows"])
+    assert batch["ratio"] > 0
     small = json.loads((out / "bench_fit12.json").read_text())
     assert {r["policy"] for r in small["results"]} == {"ncmoe", "ncmoe-mmap", "promoe",
                                                        "promoe+nostream", "default"}

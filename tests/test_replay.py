@@ -451,6 +451,117 @@ def test_replay_makes_every_batch_one_ubatch(tiny_model: Callable[..., Path],
         np.testing.assert_array_equal(seen.rows(il), ex[rows, i], err_msg=f"layer {il}")
 
 
+def test_a_batch_of_sequences_replays_each_tokens_routing_where_it_lands(
+        tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    """With a KV stream per sequence llama.cpp splits a batch of several sequences into ubatches
+    of its own (equal rows of each sequence), in another order than the batch's: every token
+    still routes as set for its sequence and position, in whichever ubatch it lands."""
+    from llama_cpp import llama_cpp as low
+
+    from forecache.sim.batch import split_batch
+
+    model = tiny_model("q8_0")
+    trace = _prefill_decode_trace(tmp_path / "t.npz", 40, 8, seed=4)
+    with TraceFile(trace) as tf:
+        ex = np.asarray(tf.array("experts"))
+    seqs = [0] * 10 + [1] * 6  # two prompts of 10 and 6 tokens in one batch
+    pos = list(range(10)) + list(range(6))
+    picks = np.array([(7 * i + 3) % 40 for i in range(16)])  # a distinct row for each token
+    seen = _Seen()
+    with _open(model, trace, n_seq_max=2, n_batch=32, n_ubatch=8) as llm:
+        assert (llm.n_batch, llm.context_params.n_ubatch) == (32, 8)
+        layers = llm.model_file.moe_layers()
+        llm.expert_cache.on_route = seen
+        batch = low.llama_batch_init(32, 0, 1)
+        try:
+            for i, (q, p) in enumerate(zip(seqs, pos, strict=True)):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = 100 + i, p, 1
+                batch.seq_id[i][0] = q
+                batch.logits[i] = True  # the last layer too computes every row
+            batch.n_tokens = len(seqs)
+            llm.replay.before_rows(seqs, pos, picks.tolist())
+            assert low.llama_decode(llm.ctx, batch) == 0
+        finally:
+            low.llama_batch_free(batch)
+        assert llm.replay.check() > 0
+        with pytest.raises(ReplayError, match="same position twice"):
+            llm.replay.before_rows([0, 0], [3, 3], [1, 2])
+    parts = split_batch(seqs, 8, "equal")
+    assert [len(u) for u in parts] == [8, 4, 4]  # not the batch's order
+    for i, il in enumerate(layers):
+        assert [len(c) for c in seen.calls[il]] == [len(u) for u in parts], il
+        for got, u in zip(seen.calls[il], parts, strict=True):
+            np.testing.assert_array_equal(got, ex[picks[u], i], err_msg=f"layer {il}")
+
+
+def test_a_batch_job_reads_each_requests_own_rows(tiny_model: Callable[..., Path],
+                                                  tmp_path: Path) -> None:
+    """In a batch job each request reads the prompt rows, then the decode rows, of the routing in
+    order, from a start of its own (by the order it was admitted in), whichever requests share
+    its steps; the gate sees every row fed."""
+    from forecache.batch import decode_many
+    from forecache.jobs.requests import Request
+    from forecache.trace.replay import REQUEST_STRIDE
+
+    model = tiny_model("q8_0")
+    P, D = 30, 20
+    trace = _prefill_decode_trace(tmp_path / "t.npz", P, D, seed=5)
+    reqs = [Request(id=f"r{i}", line=i + 1, prompt=" ".join(["word"] * (3 + 4 * i)),
+                    max_tokens=6) for i in range(5)]
+
+    def run(n_parallel: int) -> tuple[list[list[int]], int, dict[str, dict]]:
+        """Each request's routing rows in position order (requests in the order admitted), the
+        rows the gate saw in the first MoE layer, and the records."""
+        out: dict[str, dict] = {}
+        fed: list[tuple[int, int, int]] = []
+        with _open(model, trace, n_seq_max=n_parallel, n_batch=32, n_ubatch=8) as llm:
+            seen = _Seen()
+            llm.expert_cache.on_route = seen
+            set_rows = llm.replay.before_rows
+
+            def spy(seqs: Sequence[int], pos: Sequence[int], picks: Sequence[int]) -> None:
+                fed.extend(zip(seqs, pos, picks, strict=True))
+                set_rows(seqs, pos, picks)
+
+            llm.replay.before_rows = spy
+            # (sequences kept where admitted, so that a sequence id names one request at a time)
+            decode_many(llm, reqs, n_parallel, lambda r: out.__setitem__(r["id"], r),
+                        compact=False)
+            n_seen = len(seen.rows(llm.model_file.moe_layers()[0]))
+        requests: list[dict[int, int]] = []  # position -> row, a request's from its position 0
+        current: dict[int, dict[int, int]] = {}
+        for q, p, pick in fed:
+            if p == 0:
+                current[q] = {}
+                requests.append(current[q])
+            current[q][p] = pick
+        return [[r[p] for p in sorted(r)] for r in requests], n_seen, out
+
+    got = {}
+    for n_parallel in (1, 3):
+        rows, n_seen, out = run(n_parallel)
+        assert sorted(out) == [r.id for r in reqs] and all("error" not in r for r in out.values())
+        assert len(rows) == len(reqs) and n_seen == sum(map(len, rows))
+        for k, picks in enumerate(rows):
+            n_p = sum(1 for x in picks if x < P)  # the trace's prompt rows come first
+            start = k * REQUEST_STRIDE
+            assert picks[:n_p] == ((start + np.arange(n_p)) % P).tolist()
+            assert picks[n_p:] == (P + (start + np.arange(len(picks) - n_p)) % D).tolist()
+        assert len({r[0] for r in rows}) == len(rows)  # each request from a start of its own
+        got[n_parallel] = rows
+    # decoded alone or beside others, a request reads the same rows (its answer may be cut short
+    # by another end of text: the shorter one's rows begin the longer one's)
+    for a, b in zip(got[1], got[3], strict=True):
+        n = min(len(a), len(b))
+        assert a[:n] == b[:n] and n >= len(a) - 6
+    # as forecache batch runs it: finished sequences' ids taken by the highest, their KV moved
+    out: dict[str, dict] = {}
+    with _open(model, trace, n_seq_max=3, n_batch=32, n_ubatch=8) as llm:
+        decode_many(llm, reqs, 3, lambda r: out.__setitem__(r["id"], r))
+        assert llm.replay.check() > 0
+    assert sorted(out) == [r.id for r in reqs] and all("error" not in r for r in out.values())
+
+
 # -- bad input -------------------------------------------------------------------------------------
 def test_missing_or_unreadable_trace_is_refused(tiny_model: Callable[..., Path],
                                                 tmp_path: Path) -> None:

@@ -4,6 +4,7 @@
 #include "forecache.h"
 #include "forecache-impl.h"
 
+#include "llama-batch.h"
 #include "llama-context.h"
 #include "llama-impl.h"
 #include "llama-model.h"
@@ -48,6 +49,12 @@ struct forecache_replay {
 
     std::vector<int32_t> staging; // the next ubatch's ids and weights (as bits), copied at once
 
+    // forecache_replay_set_rows: the batch's rows by (sequence, position), each row's ids then its
+    // weights (as bits), [n_layer][n_used] each; laid out per ubatch as llama.cpp splits the batch
+    bool by_rows = false;
+    std::unordered_map<uint64_t, int32_t> row_of;
+    std::vector<int32_t> rows;
+
     uint64_t rewritten = 0; // expert matmuls rewritten, over all graphs
     bool     failed    = false;
 };
@@ -76,8 +83,15 @@ ggml_tensor * fr_view(forecache_replay * r, bool is_weights, int32_t il, int32_t
     const size_t es = ggml_element_size(table);
     const size_t n_ids = (size_t) r->n_layer*n_tokens*r->n_used;
     const size_t offset = ((is_weights ? n_ids : 0) + ((size_t) il*n_tokens + row0)*r->n_used)*es;
+    if (row0 < 0 || offset + (size_t) ggml_nelements(like)*es > ggml_nbytes(r->ids)) {
+        LLAMA_LOG_ERROR("%s: layer %d: rows [%lld, %lld) of an ubatch of %d tokens lie outside the replay's tables (%d tokens)\n",
+                        __func__, il, (long long) row0, (long long) (row0 + rows), n_tokens, r->n_tokens_max);
+        return nullptr;
+    }
     ggml_tensor * v = nullptr;
-    if (ggml_n_dims(like) <= 2) {
+    // by the shape, not ggml_n_dims: a layer computed for no rows (an ubatch without outputs) has
+    // weights [1, n_used, 0], which a 2-d view would read past the tables
+    if (like->ne[2] == 1 && like->ne[3] == 1) {
         v = ggml_view_2d(vctx, table, like->ne[0], like->ne[1], like->ne[0]*es, offset);
     } else {
         v = ggml_view_3d(vctx, table, like->ne[0], like->ne[1], like->ne[2], like->ne[0]*es,
@@ -114,7 +128,15 @@ void fr_graph_hook(ggml_cgraph * graph, void * user_data) {
             n_graph = std::max(n_graph, node->src[2]->ne[1]);
         }
     }
-    const int32_t n_tokens = n_graph > r->n_tokens && n_graph <= r->n_tokens_max ? (int32_t) n_graph : r->n_tokens;
+    if (n_graph > r->n_tokens_max) {
+        // a graph llama.cpp only reserves memory with, its ubatch rounded up to whole sequences
+        // (n_ubatch tokens over n_seq_max streams): never computed, left as built
+        if (r->prev_graph != nullptr) {
+            r->prev_graph(graph, r->prev_ud);
+        }
+        return;
+    }
+    const int32_t n_tokens = n_graph > r->n_tokens ? (int32_t) n_graph : r->n_tokens;
     for (int i = 0; i < n_nodes && !r->failed; i++) {
         ggml_tensor * node = ggml_graph_node(graph, i);
         if (node->op == GGML_OP_MUL_MAT_ID) {
@@ -186,6 +208,53 @@ int fr_node_hook(ggml_tensor * t, bool ask, void * user_data) {
     return r->prev_node(t, ask, r->prev_ud);
 }
 
+uint64_t fr_key(llama_seq_id seq, llama_pos pos) {
+    return ((uint64_t) (uint32_t) seq << 32) | (uint32_t) pos;
+}
+
+// copies the staged ids and weights of an ubatch of n_tokens tokens to the tables, once the ubatch
+// before has stopped reading them (llama_decode returns before the device is done)
+void fr_upload(forecache_replay * r, int32_t n_tokens) {
+    ggml_backend_sched_synchronize(r->sched);
+    // the layout follows the ubatch's size: a graph built for another size reads other views
+    r->n_tokens = n_tokens;
+    const size_t n = (size_t) r->n_layer*n_tokens*r->n_used;
+    ggml_backend_tensor_set(r->ids, r->staging.data(), 0, 2*n*sizeof(int32_t));
+}
+
+// before each ubatch of a batch set by rows: its tokens' rows, in the order llama.cpp computes them
+void fr_ubatch_hook(const llama_ubatch & ubatch, void * user_data) {
+    auto * r = (forecache_replay *) user_data;
+    if (!r->by_rows || r->failed) {
+        return;
+    }
+    const int32_t n_tokens = (int32_t) ubatch.n_tokens;
+    if (n_tokens > r->n_tokens_max) {
+        LLAMA_LOG_ERROR("%s: an ubatch of %d tokens is more than the replay's %d\n", __func__, n_tokens, r->n_tokens_max);
+        r->failed = true;
+        return;
+    }
+    const size_t per = (size_t) r->n_layer*r->n_used;
+    const size_t n = per*n_tokens;
+    r->staging.resize(2*n);
+    for (int32_t i = 0; i < n_tokens; i++) {
+        const auto it = r->row_of.find(fr_key(ubatch.seq_id[i][0], ubatch.pos[i]));
+        if (it == r->row_of.end()) {
+            LLAMA_LOG_ERROR("%s: no routing was set for sequence %d at position %d\n", __func__,
+                            ubatch.seq_id[i][0], ubatch.pos[i]);
+            r->failed = true;
+            return;
+        }
+        const int32_t * row = r->rows.data() + 2*per*it->second;
+        for (int32_t il = 0; il < r->n_layer; il++) {
+            const size_t at = ((size_t) il*n_tokens + i)*r->n_used;
+            memcpy(r->staging.data() + at,     row + (size_t) il*r->n_used,       r->n_used*sizeof(int32_t));
+            memcpy(r->staging.data() + n + at, row + per + (size_t) il*r->n_used, r->n_used*sizeof(int32_t));
+        }
+    }
+    fr_upload(r, n_tokens);
+}
+
 } // namespace
 
 struct forecache_replay * forecache_replay_init(
@@ -232,6 +301,7 @@ struct forecache_replay * forecache_replay_init(
     }
     ggml_backend_sched_get_node_hooks(r->sched, &r->prev_graph, &r->prev_node, &r->prev_ud);
     ggml_backend_sched_set_node_hooks(r->sched, fr_graph_hook, r->prev_node ? fr_node_hook : nullptr, r);
+    ctx->set_ubatch_hook(fr_ubatch_hook, r);
     ctx->reset_graph_reuse();
     return r;
 }
@@ -240,15 +310,36 @@ int32_t forecache_replay_set(struct forecache_replay * replay, int32_t n_tokens,
     if (replay == nullptr || n_tokens < 1 || n_tokens > replay->n_tokens_max || ids == nullptr || weights == nullptr) {
         return -1;
     }
-    // an ubatch still computing reads the tables (llama_decode returns before the device is done)
-    ggml_backend_sched_synchronize(replay->sched);
-    // the layout follows the ubatch's size: a graph built for another size reads other views
-    replay->n_tokens = n_tokens;
+    replay->by_rows = false;
     const size_t n = (size_t) replay->n_layer*n_tokens*replay->n_used;
     replay->staging.resize(2*n);
     memcpy(replay->staging.data(), ids, n*sizeof(int32_t));
     memcpy(replay->staging.data() + n, weights, n*sizeof(float));
-    ggml_backend_tensor_set(replay->ids, replay->staging.data(), 0, 2*n*sizeof(int32_t));
+    fr_upload(replay, n_tokens);
+    return 0;
+}
+
+int32_t forecache_replay_set_rows(struct forecache_replay * replay, int32_t n, const int32_t * seq_ids, const int32_t * pos,
+                                  const int32_t * ids, const float * weights) {
+    if (replay == nullptr || n < 1 || seq_ids == nullptr || pos == nullptr || ids == nullptr || weights == nullptr) {
+        return -1;
+    }
+    const size_t per = (size_t) replay->n_layer*replay->n_used;
+    std::unordered_map<uint64_t, int32_t> row_of;
+    row_of.reserve(n);
+    for (int32_t i = 0; i < n; i++) {
+        if (!row_of.emplace(fr_key(seq_ids[i], pos[i]), i).second) {
+            return -1;
+        }
+    }
+    // the ubatches of the last batch have all run their hooks: llama_decode returned
+    replay->row_of = std::move(row_of);
+    replay->rows.resize(2*per*n);
+    for (int32_t i = 0; i < n; i++) {
+        memcpy(replay->rows.data() + 2*per*i,       ids     + per*i, per*sizeof(int32_t));
+        memcpy(replay->rows.data() + 2*per*i + per, weights + per*i, per*sizeof(float));
+    }
+    replay->by_rows = true;
     return 0;
 }
 
@@ -271,6 +362,7 @@ void forecache_replay_free(struct forecache_replay * replay) {
     if (ud == replay) {
         ggml_backend_sched_set_node_hooks(replay->sched, replay->prev_graph, replay->prev_node, replay->prev_ud);
     }
+    replay->lctx->set_ubatch_hook(nullptr, nullptr);
     replay->lctx->reset_graph_reuse();
     for (ggml_context * vctx : replay->view_ctxs) {
         ggml_free(vctx);

@@ -15,7 +15,7 @@ extern "C" {
 
 // Version of this API and of the patches it needs in llama.cpp; bumped whenever either changes.
 // The Python side reads it from this header and refuses a library that reports another.
-#define FORECACHE_PATCH_VERSION 20
+#define FORECACHE_PATCH_VERSION 21
 
 // Returns FORECACHE_PATCH_VERSION of the library the caller is linked against.
 LLAMA_API int32_t forecache_patch_version(void);
@@ -528,10 +528,20 @@ LLAMA_API struct forecache_replay * forecache_replay_init(
 // output is asked for) reads the ubatch's last rows. Returns 0, or -1 for bad arguments.
 LLAMA_API int32_t forecache_replay_set(struct forecache_replay * replay, int32_t n_tokens, const int32_t * ids, const float * weights);
 
+// Sets the routing of the n rows of the next llama_decode's batch, which llama.cpp may split into
+// several ubatches in an order of its own (a KV stream per sequence): row i is the token of sequence
+// seq_ids[i] at position pos[i], and routes to ids and weights [n][n_layer][n_used]. Before each
+// ubatch the replay finds each of its tokens' rows by (sequence, position); a token not among them
+// fails the replay (forecache_replay_rewritten). Returns 0, or -1 for bad arguments or a
+// (sequence, position) given twice.
+LLAMA_API int32_t forecache_replay_set_rows(struct forecache_replay * replay, int32_t n, const int32_t * seq_ids, const int32_t * pos,
+                                           const int32_t * ids, const float * weights);
+
 // Expert matmuls rewritten so far, or -1 once a graph could not be rewritten (a layer routes another
 // number of experts per token than the model's, or a view could not be made): its ubatch ran the
 // router's own routing, and the run must be discarded. Graphs larger than the routing set (those
-// llama.cpp reserves memory with, never computed) are rewritten for their own size.
+// llama.cpp reserves memory with, never computed) are rewritten for their own size, or left as
+// built past n_tokens_max.
 LLAMA_API int64_t forecache_replay_rewritten(const struct forecache_replay * replay);
 
 // Removes the replay from its context (the next ubatch builds a graph without it) and frees it.

@@ -87,8 +87,6 @@ def bytes_to_unicode() -> dict[int, str]:
     return {b: mapping[b] for b in printable + [b for b in range(256) if b not in printable]}
 
 
-
-
 @functools.cache
 def _unicode_to_bytes() -> dict[str, int]:
     return {c: b for b, c in bytes_to_unicode().items()}

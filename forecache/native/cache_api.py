@@ -402,6 +402,13 @@ class ForecacheAPI(CFunctions):
                    weights: Ptr[c_float]) -> int:
         """The next ubatch's ids and weights [n_layer][n_tokens][n_used]: 0, or -1."""
 
+    @c_function([c_void_p, c_int32, POINTER(c_int32), POINTER(c_int32), POINTER(c_int32),
+                 POINTER(c_float)], c_int32)
+    def replay_set_rows(replay: ReplayPtr, n: int, seq_ids: Ptr[c_int32], pos: Ptr[c_int32],
+                        ids: Ptr[c_int32], weights: Ptr[c_float]) -> int:
+        """The next batch's rows by (sequence, position), ids and weights [n][n_layer][n_used]
+        each, laid out per ubatch as llama.cpp splits the batch: 0, or -1."""
+
     @c_function([c_void_p], c_int64)
     def replay_rewritten(replay: ReplayPtr) -> int:
         """Expert matmuls rewritten so far, or -1 once a graph could not be rewritten."""

@@ -26,7 +26,6 @@ EXPECTED_PATCH_VERSION = _header_patch_version()
 MAX_THREADS = 512  # GGML_MAX_N_THREADS (ggml.h): more would overrun ggml's thread arrays
 
 
-
 def _patched_max_seq(patch_dir: Path = PATCH_DIR) -> tuple[int, int]:
     """LLAMA_MAX_SEQ (llama-cparams.h) of stock llama.cpp and as the patch series sets it: the
     lines the patch that raises it (0004) removes and adds."""

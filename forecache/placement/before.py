@@ -237,7 +237,6 @@ def expert_overrides(placement: Placement) -> dict[str, Any]:
             "use_extra_bufts": False}
 
 
-
 @dataclass
 class LoadPlan:
     """Everything decided before llama.cpp loads the model: the configuration resolved, the
@@ -291,8 +290,10 @@ def plan_load(model: ModelFile, options: Options, cache: CacheConfig | None | ob
             raise ValueError(f"{setting('routing_trace')} replays every expert of the trace's "
                              f"rows: it cannot go with {setting('draft')} or MoBiLE's little "
                              "pass, which choose experts or rows of their own")
-        # a replayed routing is set per ubatch: every llama_decode must be one
-        kwargs.update(n_batch=n_ubatch, n_ubatch=n_ubatch)
+        if options.n_seq_max <= 1:
+            # one sequence's routing is set a batch at a time: every llama_decode must be one
+            # ubatch (a batch job's is set by sequence and position, however llama.cpp splits it)
+            kwargs.update(n_batch=n_ubatch, n_ubatch=n_ubatch)
         routing = routing_trace if isinstance(routing_trace, Routing) else load_routing(
             routing_trace, n_layers=len(model.moe_layers()), n_expert=model.n_expert,
             top_k=model.n_expert_used)

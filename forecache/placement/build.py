@@ -167,7 +167,6 @@ def attach_observer(ctx: int, model: ModelFile, device: int, on_route: RouteCall
                        gate_input=gate_input)
 
 
-
 def build_cache(ctx: int, model: ModelFile, placement: Placement, cfg: CacheConfig,
                 layer_devices: Sequence[Device | None] | None = None,
                 disk_rate: DiskRate | None = None, say: Callable[[str], None] | None = None,

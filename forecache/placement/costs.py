@@ -32,8 +32,6 @@ def default_machine(device: Device | None) -> str:
     """The profile a split plans with on ``device`` when no machine is named."""
     return DEFAULT_GPU_MACHINE if device is not None and device.type == "gpu" else \
         DEFAULT_MACHINE
-# layers ahead the EAM predictor forecasts: its matches are request-level, so distance costs
-
 
 
 # the pinned copy that probes a GPU's host-to-device rate when a split starts without a measured

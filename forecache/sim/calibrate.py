@@ -137,8 +137,6 @@ def fit_profile(base: Profile, shape: ModelShape, runs: Sequence[Measured], warm
     return profile_of(minimise(loss, x0, iters=iters, tol=1e-3, restarts=2))
 
 
-
-
 @dataclass
 class Validation:
     """Calibration and validation runs with the fitted profile."""

@@ -12,12 +12,15 @@ experts than the model routes are completed, by the experts the same layer route
 earlier rows (then the lowest free ids), so a token never names an expert twice; such rows, and
 weights the trace lacks (0), weigh each expert ``1 / k``. Prompt tokens (a batch of more than one
 token) read the trace's prefill rows and generated tokens its decode rows, each in order and from
-the start again when used up; a trace with one phase serves both.
+the start again when used up; a trace with one phase serves both. In a batch job each request
+reads each phase's rows in order from a start of its own, found by (sequence, position) in
+whichever ubatch llama.cpp computes it.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -25,6 +28,10 @@ import numpy as np
 
 from forecache.trace.format import Request, TraceError, TraceFile
 from forecache.trace.stats import lru_hit_rate
+
+# rows between the starts of two requests of a batch job in a phase's rows (a prime: successive
+# requests start far apart, and wrap onto rows no earlier request started at)
+REQUEST_STRIDE = 7919
 
 
 class ReplayError(ValueError):
@@ -144,8 +151,9 @@ def load_routing(path: str | Path, *, n_layers: int, n_expert: int, top_k: int) 
 class RoutingReplay:
     """Feeds a :class:`Routing` to a llama.cpp context, one ubatch at a time.
 
-    ``attach`` installs it (after the expert cache, if any) and returns the function to call
-    with each batch's tokens before its llama_decode; every batch must be one ubatch."""
+    ``attach`` installs it (after the expert cache, if any). Before each llama_decode, either
+    ``before_batch`` (a batch that is one ubatch, read in order) or ``before_rows`` (a batch
+    job's rows by sequence and position, however llama.cpp splits them)."""
 
     routing: Routing
     moe_layers: list[int]  # llama.cpp block of each MoE layer
@@ -179,6 +187,39 @@ class RoutingReplay:
         ids[self.moe_layers] = self.routing.experts[pick].transpose(1, 0, 2)
         w[self.moe_layers] = self.routing.weights[pick].transpose(1, 0, 2)
         return ids, w
+
+    def pick(self, request: int, decode: bool, offset: int) -> int:
+        """The routing row that token ``offset`` of a phase of a batch job's request reads: the
+        ``request``-th request admitted reads the phase's rows in order from a start of its own
+        (``REQUEST_STRIDE`` rows after the previous request's), so each sequence keeps the
+        trace's token-to-token locality and the sequences of a step route like different
+        requests; a request's rows are the same whichever sequences it shares steps with."""
+        rows = self.routing.rows(decode)
+        return int(rows[(request * REQUEST_STRIDE + offset) % rows.size])
+
+    def before_rows(self, seqs: Sequence[int], pos: Sequence[int], picks: Sequence[int]) -> None:
+        """Set the routing of the rows of the batch about to be decoded, which llama.cpp may
+        split into several ubatches: row i, sequence ``seqs[i]`` at position ``pos[i]``, reads
+        routing row ``picks[i]`` (``pick``)."""
+        if self._lib is None or self._handle is None:
+            raise ReplayError("routing replay used before attach")
+        n = len(picks)
+        k = self.routing.experts.shape[2]
+        ids = np.zeros((n, self.n_layer, k), dtype=np.int32)
+        w = np.zeros((n, self.n_layer, k), dtype=np.float32)
+        at = np.asarray(picks, dtype=np.int64)
+        ids[:, self.moe_layers] = self.routing.experts[at]
+        w[:, self.moe_layers] = self.routing.weights[at]
+        q = np.ascontiguousarray(seqs, dtype=np.int32)
+        p = np.ascontiguousarray(pos, dtype=np.int32)
+        i32 = ctypes.POINTER(ctypes.c_int32)
+        rc = self._lib.forecache_replay_set_rows(
+            self._handle, n, q.ctypes.data_as(i32), p.ctypes.data_as(i32),
+            ids.ctypes.data_as(i32), w.ctypes.data_as(ctypes.POINTER(ctypes.c_float)))
+        if rc != 0:
+            raise ReplayError(f"routing replay: could not set a batch of {n} rows (a sequence "
+                              "at the same position twice)")
+        self.tokens += n
 
     def before_batch(self, n_tokens: int) -> None:
         """Set the routing of the batch about to be decoded."""
