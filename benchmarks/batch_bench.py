@@ -35,7 +35,7 @@ from forecache.llama import Llama
 from forecache.native.ggml_devices import cache_device
 from forecache.placement.costs import default_machine
 from forecache.placement.options import Options
-from forecache.roofline.batch import BatchPlan, search
+from forecache.roofline.batch import BatchPlan, batch_tokens, search
 from forecache.roofline.shape import model_shape
 from forecache.sim.run import SHAREGPT
 
@@ -75,7 +75,7 @@ def run_plan(model: Path, trace: Path | None, budget: str, plan: BatchPlan,
     n_seq = min(plan.n_seq, len(reqs))
     t0 = time.perf_counter()
     llm = Llama.open(model, cache=cfg, routing_trace=trace, n_ctx=ctx_per_seq, n_seq_max=n_seq,
-                     n_threads=threads, n_batch=max(plan.n_ubatch, n_seq),
+                     n_threads=threads, n_batch=batch_tokens(n_seq, plan.n_ubatch),
                      n_ubatch=plan.n_ubatch, offload_kqv=not plan.kv_host)
     load_s = time.perf_counter() - t0
     done: list[dict] = []

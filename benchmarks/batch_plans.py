@@ -33,7 +33,7 @@ from forecache.jobs.requests import Request
 from forecache.llama import Llama
 from forecache.models.default import ensure_default_model
 from forecache.placement.options import Options
-from forecache.roofline.batch import BatchPlan, Workload, estimate, layout
+from forecache.roofline.batch import BatchPlan, Workload, batch_tokens, estimate, layout
 from forecache.roofline.shape import model_shape
 
 PROMPTS = Path(__file__).resolve().parent.parent / "forecache" / "data" / "prompts" / \
@@ -80,7 +80,7 @@ def main() -> int:
 
     def open_plan(cfg: object, n_seq: int, u: int, ctx: int) -> Llama:
         return Llama.open(model, cache=cfg, n_ctx=ctx, n_seq_max=n_seq,  # type: ignore[arg-type]
-                          n_threads=threads, n_batch=max(u, n_seq), n_ubatch=u)
+                          n_threads=threads, n_batch=batch_tokens(n_seq, u), n_ubatch=u)
 
     def run(llm: Llama, n_seq: int) -> tuple[float, list[dict]]:
         done: list[dict] = []

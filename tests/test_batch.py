@@ -635,7 +635,9 @@ def test_the_plan_is_chosen_once_measured_and_runs(tmp_path: Path) -> None:
     by_plan = run("one.jsonl", "--plan", "seq=1,ubatch=16")
     by_parallel = run("par.jsonl", "--parallel", "1")
     assert by_plan.returncode == 0 and by_parallel.returncode == 0, by_plan.stderr
-    assert "plan seq=" not in by_plan.stderr
+    # a plan given is not chosen: no plan line, and the summary names it
+    assert not [x for x in by_plan.stderr.splitlines() if x.startswith("forecache: plan seq=")]
+    assert "; plan seq=1,ubatch=16; " in by_plan.stderr
     texts = [r["text"] for r in _records(tmp_path / "par.jsonl")]
     assert [r["text"] for r in _records(tmp_path / "one.jsonl")] == texts
     assert [r["id"] for r in _records(tmp_path / "auto.jsonl")] == [i for i, _ in GREEDY]

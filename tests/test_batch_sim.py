@@ -190,6 +190,21 @@ def test_overlapped_job_is_its_busiest_resource_a_step() -> None:
     assert resident.overlapped_s == pytest.approx(resident.job_s, rel=1e-9)
 
 
+def test_prompts_get_a_ubatch_beside_the_decoding_rows() -> None:
+    """With as many sequences as a ubatch has rows, a batch of max(n_ubatch, n_seq) tokens is
+    full with decoding rows and a new prompt gets only the rows idle sequences leave; the job's
+    batch (``batch_tokens``) holds a ubatch of prompt rows beside them: fewer steps, faster."""
+    from forecache.roofline.batch import batch_tokens
+
+    reqs = _requests(32, seed=6, decode=(20, 40))
+    cfg = SimConfig("promoe", n_slots=8, n_ubatch=8, n_seq=8, split="equal")
+    starved = simulate_batch(reqs, SHAPE, PROFILE, replace(cfg, n_batch=8))
+    fed = simulate_batch(reqs, SHAPE, PROFILE, cfg)
+    assert batch_tokens(8, 8) == 16 and batch_tokens(1, 512) == 512
+    assert fed.extra["n_batch"] == 16 and fed.generated == starved.generated
+    assert fed.n_steps < starved.n_steps and fed.tokens_per_s > starved.tokens_per_s
+
+
 def test_ncmoe_copies_host_experts_for_ubatches_of_32() -> None:
     """Stock llama.cpp computes a host layer of a ubatch of 32 rows or more on the device after
     copying the experts it uses; a smaller ubatch computes it on the CPU."""

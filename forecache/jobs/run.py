@@ -156,6 +156,7 @@ def run_job(model: str | os.PathLike[str], input_path: Path, output_path: Path, 
     from forecache.llama import Llama
     from forecache.models.names import resolve_model_arg
     from forecache.native.ggml_devices import cache_device
+    from forecache.roofline.batch import batch_tokens
 
     report = progress or JobProgress()
     model = resolve_model_arg(model)
@@ -225,7 +226,7 @@ def run_job(model: str | os.PathLike[str], input_path: Path, output_path: Path, 
         n_seq = min(plan.n_seq, len(todo))
         llm = Llama.open(model, cache=cache, **open_kwargs, n_ctx=ctx_per_seq, n_seq_max=n_seq,
                          n_threads=n_threads, verbose=verbose,
-                         n_batch=max(plan.n_ubatch, n_seq), n_ubatch=plan.n_ubatch,
+                         n_batch=batch_tokens(n_seq, plan.n_ubatch), n_ubatch=plan.n_ubatch,
                          offload_kqv=not plan.kv_host)
         try:
             try:

@@ -49,6 +49,15 @@ STOCK_MAX_SEQ = STOCK_MAX_SEQUENCES
 N_UBATCHES = (64, 128, 256, 512, 1024, 2048)
 
 
+def batch_tokens(n_seq: int, n_ubatch: int) -> int:
+    """The llama batch (``n_batch``) a job of ``n_seq`` sequences in ubatches of ``n_ubatch``
+    loads with: a token of each decoding sequence and a ubatch of prompt rows beside them. (A
+    batch of ``max(n_ubatch, n_seq)`` is full with decoding rows once ``n_ubatch`` is at most the
+    sequences, and a new prompt then gets only the rows its idle neighbours leave, about one a
+    step.) One sequence: a ubatch."""
+    return n_ubatch + (n_seq if n_seq > 1 else 0)
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """One way to run a batch job."""

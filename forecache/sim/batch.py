@@ -15,6 +15,7 @@ from forecache.cache.cost import Profile
 from forecache.cache.policies import hit_rate
 from forecache.cache.prefetcher import ProMoEPolicy
 from forecache.predictor.base import Predictor
+from forecache.roofline.batch import batch_tokens
 from forecache.sim.shapes import ModelShape
 from forecache.sim.simulate import SimConfig, Simulator
 from forecache.trace.format import Request, logged_layers
@@ -185,7 +186,7 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
         raise ValueError("no requests to simulate")
     if cfg.little_k or cfg.spec_draft:
         raise ValueError("a batch replay decodes exactly: no MoBiLE little passes or drafts")
-    n_batch = cfg.n_batch if cfg.n_batch is not None else max(cfg.n_ubatch, cfg.n_seq)
+    n_batch = cfg.n_batch if cfg.n_batch is not None else batch_tokens(cfg.n_seq, cfg.n_ubatch)
     if cfg.n_seq < 1 or n_batch < cfg.n_seq:
         raise ValueError(f"a batch of {n_batch} tokens cannot hold the next tokens of "
                          f"{cfg.n_seq} sequences")

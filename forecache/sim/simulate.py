@@ -92,8 +92,8 @@ class SimConfig:
     spec_cutoff: int | None = None
     draft_recall: float = 1.0
     # batch jobs (``simulate_batch``): sequences decoded together, tokens a llama batch holds
-    # (None: max(n_ubatch, n_seq)), and the KV cache in host memory (llama.cpp's offload_kqv
-    # off), where the CPU computes attention
+    # (None: roofline.batch.batch_tokens), and the KV cache in host memory (llama.cpp's
+    # offload_kqv off), where the CPU computes attention
     n_seq: int = 1
     n_batch: int | None = None
     kv_host: bool = False
