@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> None:
     requests: list[Request] = window_requests(pool, prompts, answers, rng)
     order = np.random.default_rng(args.seed + 2).permutation(n_req)
     _JOB.update(requests=requests, order=order, shape=shape, profile=profile, split=args.split)
-    work = hrm.Workload(n_req, float(prompts.mean()), float(answers.mean()), ctx)
+    work = hrm.Workload(n_req, float(prompts.mean()), float(answers.mean()), ctx,
+                        tuple(int(a) for a in answers))
     # the routing's decode locality, as a trace of it would record it (cache.choice), at the
     # slots a one-sequence plan gets: what the HRM's hit rate of one sequence rests on
     one = place(shape, profile, budget, Spec("promoe", 1, base_u, False), work, 0.0)

@@ -6,12 +6,20 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from forecache.cache.choice import DecodeShape, ncmoe_decode_s, promoe_decode_s
 from forecache.cache.cost import CostModel, Profile
 from forecache.models.default import REFERENCE_MODEL
-from forecache.roofline.batch import BatchPlan, Workload, distinct_experts, estimate, search
+from forecache.roofline.batch import (
+    BatchPlan,
+    Workload,
+    distinct_experts,
+    estimate,
+    running_steps,
+    search,
+)
 from forecache.roofline.shape import shape_of
 from tests.cli_helpers import run_cli
 
@@ -128,6 +136,37 @@ def test_search_breaks_ties_toward_the_larger_ubatch() -> None:
                  kv=(False,), n_seqs=(4,), n_ubatches=(64, 512))
     assert [e.plan.n_ubatch for e in got] == [512, 64]
     assert got[0].tokens_per_s == got[1].tokens_per_s
+
+
+def test_running_steps_follow_continuous_batching() -> None:
+    """Longest first into the sequences, a freed one taking the next request at once: every
+    answer token is one sequence's share of one step."""
+    assert running_steps([5, 3, 2], 1) == {1: 10}
+    assert running_steps([5, 3, 2], 2) == {2: 5}  # 5 and 3, then 2 where 3 ended
+    assert running_steps([2, 5, 3], 3) == {3: 2, 2: 1, 1: 2}
+    answers = list(range(1, 200, 7))
+    for n in (1, 4, 16, 64):
+        got = running_steps(answers, n)
+        assert sum(k * v for k, v in got.items()) == sum(answers) and max(got) <= n
+
+
+def test_a_jobs_tail_counts_where_answers_are_known() -> None:
+    """Where the requests' answer lengths are known, the job's tail (a few long answers, with
+    fewer sequences running each step) is counted step by step: a batch as large as the job
+    gains little from its size, since the longest answer sets its steps; a batch of a quarter
+    of it keeps full steps most of the job and is within a few percent of the mean model."""
+    rng = np.random.default_rng(0)
+    answers = tuple(int(a) for a in rng.lognormal(5.5, 0.85, 1000).clip(2, 1950))
+    mean = sum(answers) / len(answers)
+    plain = Workload(1000, 150, mean, 2048)
+    known = replace(plain, answers=answers)
+    whole, quarter = BatchPlan(1000, 512, True), BatchPlan(256, 1024, True)
+    a, b = (estimate(TARGET, PROFILE, 24 * GIB, w, whole) for w in (plain, known))
+    c, d = (estimate(TARGET, PROFILE, 24 * GIB, w, quarter) for w in (plain, known))
+    assert a is not None and b is not None and c is not None and d is not None
+    assert b.tokens_per_s < 0.8 * a.tokens_per_s
+    assert abs(d.tokens_per_s / c.tokens_per_s - 1) < 0.1
+    assert d.tokens_per_s > b.tokens_per_s  # the quarter batch ranks first once the tail counts
 
 
 def test_plan_command(tmp_path: Path) -> None:

@@ -310,7 +310,8 @@ def job_workload(prompt_lens: Sequence[int], max_tokens: Sequence[int],
                  ctx_per_seq: int) -> Workload:
     """A job's workload from its requests' prompt lengths and answer limits."""
     n = max(len(prompt_lens), 1)
-    return Workload(len(prompt_lens), sum(prompt_lens) / n, sum(max_tokens) / n, ctx_per_seq)
+    return Workload(len(prompt_lens), sum(prompt_lens) / n, sum(max_tokens) / n, ctx_per_seq,
+                    tuple(int(m) for m in max_tokens))
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,14 @@ the bus. A layer's routed experts are planned as the runtime plans them (``CostM
 misses copied through the slots or computed on the CPU beside the device). llama.cpp runs a
 ubatch's ops one after the other, so a stage's time is the sum of its ops; its bound is the
 resource whose ops take the most of it. A job is its prompts' ubatches plus its decode steps:
-every decode step computes one token of each of ``n_seq`` sequences at their mean context.
+every decode step computes one token of each of ``n_seq`` sequences at their mean context;
+where the requests' answer lengths are known, the job's tail is counted step by step, each step
+priced at the sequences still running.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -113,6 +116,29 @@ class Workload:
     prompt_len: float
     gen_len: float
     ctx_per_seq: int  # each sequence's context (the longest prompt + answer the job needs)
+    # each request's answer length where known (a job's answer limits): the job's tail, as its
+    # sequences finish and fewer run a step, is then counted step by step (``running_steps``)
+    answers: tuple[int, ...] = ()
+
+
+def running_steps(answers: Sequence[int], n_seq: int) -> dict[int, int]:
+    """Decode steps a job takes with ``k`` sequences running, for each ``k``: requests admitted
+    longest first into ``n_seq`` sequences, a freed sequence taking the next at once, each
+    running a step for each token of its answer (as ``batch.decode_many`` runs a job)."""
+    order = sorted((max(int(a), 1) for a in answers), reverse=True)
+    running: list[int] = []  # the steps at which the running sequences finish
+    out: dict[int, int] = {}
+    t = nxt = 0
+    while nxt < len(order) or running:
+        while nxt < len(order) and len(running) < n_seq:
+            heapq.heappush(running, t + order[nxt])
+            nxt += 1
+        end = running[0]
+        out[len(running)] = out.get(len(running), 0) + end - t
+        t = end
+        while running and running[0] == t:
+            heapq.heappop(running)
+    return out
 
 
 @dataclass(frozen=True)
@@ -414,9 +440,27 @@ def estimate(shape: ModelShape, profile: Profile, budget: int, work: Workload, p
     generated = work.gen_len * work.n_requests
     prefill_s = work.n_requests * math.ceil(work.prompt_len / u) * prefill.seconds \
         if prompt_tokens else 0.0
-    # every step decodes a token of each running sequence; fewer run at the job's tail
-    steps = generated / n_seq + (work.gen_len if work.n_requests > n_seq else 0) / 2
-    job = prefill_s + steps * decode.seconds
+    if work.answers:
+        # step by step: a step of k running sequences costs a k-row ubatch (worked out at the
+        # powers of two up to n_seq, in between by the line through the two around k)
+        at = {k: ubatch_stage(shape, profile, cost, plan, k, work.prompt_len + work.gen_len / 2,
+                              decode_hit, host_layers, k, slots, stage, k).seconds
+              for k in [1 << i for i in range(n_seq.bit_length())] if k < n_seq}
+        at[n_seq] = decode.seconds
+        points = sorted(at)
+
+        def step_s(k: int) -> float:
+            hi = next(x for x in points if x >= k)
+            lo = max(x for x in points if x <= k)
+            return at[lo] if hi == lo else at[lo] + (at[hi] - at[lo]) * (k - lo) / (hi - lo)
+
+        decode_s = sum(n * step_s(k) for k, n in running_steps(work.answers, n_seq).items())
+        generated = float(sum(work.answers))
+    else:
+        # every step decodes a token of each running sequence; fewer run at the job's tail
+        steps = generated / n_seq + (work.gen_len if work.n_requests > n_seq else 0) / 2
+        decode_s = steps * decode.seconds
+    job = prefill_s + decode_s
     return Estimate(plan, slots if plan.experts == "cache" else 0,
                     host_layers if plan.experts == "ncmoe" else 0, lay.device_bytes, prefill,
                     decode, prefill_s, job, generated / job if job > 0 else 0.0)
