@@ -167,7 +167,8 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
     """Replay ``requests`` as one batch job, as ``forecache batch`` decodes it
     (``batch.decode_many``): up to ``cfg.n_seq`` sequences; each step's llama batch holds
     every decoding sequence's next token, then prompt chunks of the sequences still prefilling
-    up to ``n_batch`` tokens, handed over in sequence-id order (a new request takes the lowest
+    up to whole ubatches (up to ``n_batch`` tokens where the decoding rows already take them),
+    handed over in sequence-id order (a new request takes the lowest
     free id), and runs as the ubatches llama.cpp splits it into
     (``split_batch`` by ``cfg.split``: ``n_ubatch`` consecutive rows by default); a finished
     sequence frees its slot for the next request, longest first (prompt + answer, ties in
@@ -187,6 +188,7 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
     if cfg.little_k or cfg.spec_draft:
         raise ValueError("a batch replay decodes exactly: no MoBiLE little passes or drafts")
     n_batch = cfg.n_batch if cfg.n_batch is not None else batch_tokens(cfg.n_seq, cfg.n_ubatch)
+    n_fill = n_batch - n_batch % cfg.n_ubatch if n_batch >= cfg.n_ubatch else n_batch
     if cfg.n_seq < 1 or n_batch < cfg.n_seq:
         raise ValueError(f"a batch of {n_batch} tokens cannot hold the next tokens of "
                          f"{cfg.n_seq} sequences")
@@ -236,9 +238,12 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
                 ctx.append(s.prompt + s.out)
                 seqs.append(s.seq)
         n_decode = len(rows)
-        for s in active:  # then prompt chunks, while the batch has room
-            if s.fed < s.prompt and len(rows) < n_batch:
-                take = min(s.prompt - s.fed, n_batch - len(rows))
+        # then prompt chunks, while the batch has room: up to whole ubatches, unless the
+        # decoding rows already take them (then up to n_batch), as decode_many fills a batch
+        room = n_fill if len(rows) < n_fill else n_batch
+        for s in active:
+            if s.fed < s.prompt and len(rows) < room:
+                take = min(s.prompt - s.fed, room - len(rows))
                 rows.extend(range(s.first_row + s.fed, s.first_row + s.fed + take))
                 ctx.extend(range(s.fed + 1, s.fed + take + 1))
                 seqs.extend([s.seq] * take)
