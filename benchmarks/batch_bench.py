@@ -52,12 +52,17 @@ def requests(n: int, scale: float, seed: int) -> list[Request]:
             for i, (p, a) in enumerate(zip(prompts, answers, strict=True))]
 
 
+def prompt_tokens(req: Request) -> int:
+    """The tokens of a prompt ``requests`` made (a word a token)."""
+    return len(req.prompt or "") // len(WORD)
+
+
 def auto_plans(model: Path, budget: int, reqs: list[Request], ctx_per_seq: int,
                per_kind: int = 2) -> list[BatchPlan]:
     """The ``per_kind`` plans the roofline predicts fastest for stock llama.cpp and for
     forecache's cache on this device's profile."""
     mf = require_moe(model)
-    work = job_workload([len(r.prompt or "") // len(WORD) for r in reqs],
+    work = job_workload([prompt_tokens(r) for r in reqs],
                         [r.max_tokens for r in reqs], ctx_per_seq)
     profile = Profile.load(default_machine(cache_device()))
     out: list[BatchPlan] = []
@@ -117,7 +122,7 @@ def main() -> int:
     a = ap.parse_args()
 
     reqs = requests(a.requests, a.scale, a.seed)
-    longest = max(len(r.prompt or "") // len(WORD) + r.max_tokens for r in reqs)
+    longest = max(prompt_tokens(r) + r.max_tokens for r in reqs)
     ctx = a.ctx_per_seq or -(-(longest + 16) // 256) * 256
     budget = parse_size(a.gpu_budget)
     plans = auto_plans(a.model, budget, reqs, ctx, a.per_kind) if a.plans == "auto" else \

@@ -434,8 +434,13 @@ def estimate(shape: ModelShape, profile: Profile, budget: int, work: Workload, p
     u = max(min(float(plan.n_ubatch), work.prompt_len), 1.0)
     prefill = ubatch_stage(shape, profile, cost, plan, u, work.prompt_len / 2, share,
                            host_layers, u / max(work.prompt_len, 1), slots, stage, 1.0)
-    decode = ubatch_stage(shape, profile, cost, plan, n_seq, work.prompt_len + work.gen_len / 2,
-                          decode_hit, host_layers, n_seq, slots, stage, n_seq)
+
+    def decode_at(k: int) -> Stage:
+        """A decode step of ``k`` running sequences, a row each, at their mean context."""
+        return ubatch_stage(shape, profile, cost, plan, k, work.prompt_len + work.gen_len / 2,
+                            decode_hit, host_layers, k, slots, stage, k)
+
+    decode = decode_at(n_seq)
     prompt_tokens = work.prompt_len * work.n_requests
     generated = work.gen_len * work.n_requests
     prefill_s = work.n_requests * math.ceil(work.prompt_len / u) * prefill.seconds \
@@ -443,8 +448,7 @@ def estimate(shape: ModelShape, profile: Profile, budget: int, work: Workload, p
     if work.answers:
         # step by step: a step of k running sequences costs a k-row ubatch (worked out at the
         # powers of two up to n_seq, in between by the line through the two around k)
-        at = {k: ubatch_stage(shape, profile, cost, plan, k, work.prompt_len + work.gen_len / 2,
-                              decode_hit, host_layers, k, slots, stage, k).seconds
+        at = {k: decode_at(k).seconds
               for k in [1 << i for i in range(n_seq.bit_length())] if k < n_seq}
         at[n_seq] = decode.seconds
         points = sorted(at)

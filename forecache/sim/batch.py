@@ -322,8 +322,8 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
         sim.forecaster.end_request()
     job = sim.t - t0
     eng = sim.engine
-    busy = {"CPU": sim.cpu_s, "PCIe": sim.stall + sim.bus_s, "runtime": sim.runtime_s}
-    busy["GPU"] = max(job - sum(busy.values()), 0.0)
+    busy = _busy(sim)
+    busy["GPU"] = max(busy["GPU"] - t0, 0.0)  # the job's, from its first admission
     extra = {k: v for k, v in eng.stats.items() if k != "h2d_bytes"}
     extra.update(layers_simulated=len(sim.layers), stage_slots=sim.n_stage,
                  decode_gates_in_c=sim.decode_gates, n_batch=n_batch, n_ubatch=cfg.n_ubatch,
