@@ -9,7 +9,8 @@ Every plan decodes the same requests (lengths drawn from ShareGPT-like lognormal
 request reading its own rows of the routing replayed (``trace.replay``), in one process:
 whole-job generated tokens a second, and each plan's ratio over the best stock plan measured.
 ``--plans auto`` measures, for stock llama.cpp (``experts=ncmoe``) and for forecache's cache,
-the two plans the batch roofline predicts fastest on this device's profile. A random-weight
+the two plans the batch roofline predicts fastest on this device's profile; each row sets the
+roofline's prediction (HRM) beside the measured figure. A random-weight
 model's tokens are meaningless under a replayed routing; both placements compute the same ones.
 """
 
@@ -35,7 +36,7 @@ from forecache.llama import Llama
 from forecache.native.ggml_devices import cache_device
 from forecache.placement.costs import default_machine
 from forecache.placement.options import Options
-from forecache.roofline.batch import BatchPlan, batch_tokens, search
+from forecache.roofline.batch import BatchPlan, batch_tokens, estimate, search
 from forecache.roofline.shape import model_shape
 from forecache.sim.run import SHAREGPT
 
@@ -57,20 +58,29 @@ def prompt_tokens(req: Request) -> int:
     return len(req.prompt or "") // len(WORD)
 
 
-def auto_plans(model: Path, budget: int, reqs: list[Request], ctx_per_seq: int,
-               per_kind: int = 2) -> list[BatchPlan]:
-    """The ``per_kind`` plans the roofline predicts fastest for stock llama.cpp and for
-    forecache's cache on this device's profile."""
+def predicted(model: Path, budget: int, reqs: list[Request], ctx_per_seq: int,
+              plans: list[BatchPlan] | None, per_kind: int = 2) -> list[tuple[BatchPlan, float]]:
+    """``plans`` with the roofline's tokens/s for each on this device's profile (prompt banks
+    on a GPU, as the runtime places them); None: the ``per_kind`` plans it predicts fastest
+    for stock llama.cpp and for forecache's cache."""
     mf = require_moe(model)
     work = job_workload([prompt_tokens(r) for r in reqs],
                         [r.max_tokens for r in reqs], ctx_per_seq)
-    profile = Profile.load(default_machine(cache_device()))
-    out: list[BatchPlan] = []
+    dev = cache_device()
+    profile = Profile.load(default_machine(dev))
+    shape, ne, bank = model_shape(mf), mf.non_expert_bytes(), dev.type != "cpu"
+    if plans is not None:
+        out = []
+        for plan in plans:
+            e = estimate(shape, profile, budget, work, plan, non_expert_bytes=ne, bank=bank)
+            out.append((plan, e.tokens_per_s if e is not None else 0.0))
+        return out
+    found: list[tuple[BatchPlan, float]] = []
     for kind in ("ncmoe", "cache"):
-        got = search(model_shape(mf), profile, budget, work, experts=(kind,),
-                     non_expert_bytes=mf.non_expert_bytes())
-        out += [e.plan for e in got[:per_kind]]
-    return out
+        got = search(shape, profile, budget, work, experts=(kind,), non_expert_bytes=ne,
+                     bank=bank)
+        found += [(e.plan, e.tokens_per_s) for e in got[:per_kind]]
+    return found
 
 
 def run_plan(model: Path, trace: Path | None, budget: str, plan: BatchPlan,
@@ -125,28 +135,32 @@ def main() -> int:
     longest = max(prompt_tokens(r) + r.max_tokens for r in reqs)
     ctx = a.ctx_per_seq or -(-(longest + 16) // 256) * 256
     budget = parse_size(a.gpu_budget)
-    plans = auto_plans(a.model, budget, reqs, ctx, a.per_kind) if a.plans == "auto" else \
+    given = None if a.plans == "auto" else \
         [BatchPlan.parse(p) for p in a.plans.split(";") if p.strip()]
+    plans = predicted(a.model, budget, reqs, ctx, given, a.per_kind)
     if not plans:
         raise SystemExit("no plan fits: raise --gpu-budget or give --plans")
     threads = a.threads or os.cpu_count() or 1
     rows = []
-    for plan in plans:
+    for plan, hrm in plans:
         print(f"plan {plan.label()} ...", flush=True)
-        rows.append(run_plan(a.model, a.routing_trace, a.gpu_budget, plan, reqs, ctx, threads))
+        rows.append(run_plan(a.model, a.routing_trace, a.gpu_budget, plan, reqs, ctx, threads)
+                    | {"hrm_tokens_per_s": hrm})
     stock = [r for r in rows if r["experts"] == "ncmoe"]
     base = max((r["tokens_per_s"] for r in stock), default=0.0)
     dev = cache_device()
     print(f"\nmodel {a.model.name}, {len(reqs)} requests (scale {a.scale}), context {ctx} a "
           f"sequence, budget {a.gpu_budget}, device {dev.name}, {threads} threads, routing "
           f"{a.routing_trace.name if a.routing_trace else 'the model own'}")
-    print("| plan | experts | tokens | wall s | tokens/s | over stock's best | hit % | H2D GB |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| plan | experts | tokens | wall s | tokens/s | HRM tokens/s | over stock's best "
+          "| hit % | H2D GB |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r['tokens_per_s'] / base:.2f}x" if base > 0 else "-"
         hit = f"{r['hit_rate'] * 100:.1f}" if r["hit_rate"] is not None else "-"
         print(f"| {r['plan']} | {r['policy']} | {r['tokens']} | {r['wall_s']:.2f} "
-              f"| {r['tokens_per_s']:.1f} | {ratio} | {hit} | {r['h2d_gb']:.2f} |")
+              f"| {r['tokens_per_s']:.1f} | {r['hrm_tokens_per_s']:.1f} | {ratio} | {hit} "
+              f"| {r['h2d_gb']:.2f} |")
     ours = max((r["tokens_per_s"] for r in rows if r["experts"] == "cache"), default=0.0)
     if base > 0 and ours > 0:
         print(f"forecache's best over stock llama.cpp's best: {ours / base:.2f}x")

@@ -42,10 +42,12 @@ Screens first: a plan replays a random ``--screen-fill`` x n_seq of the requests
 until none is left to admit and a sequence finishes, which gives its throughput while the batch
 is full (``simulate_batch``'s ``steady``); every n_seq,
 KV placement and policy at a ubatch of 512, then every ubatch size for the ``--widen`` best of
-each policy. Then the whole job, first admission to last token, for each policy's best
-screened plan at each of its ``--finalists`` best n_seq (a screen's full batch flatters the
-largest n_seq, whose whole job is mostly ramp and tail); the best whole job of each policy
-gives the ratio.
+each policy, and the plan the HRM predicts fastest for each policy over the whole grid (the
+one ``forecache batch --plan auto`` would run). Then the whole job, first admission to last
+token, for each policy's best screened plan at each of its ``--finalists`` best n_seq (a
+screen's full batch flatters the largest n_seq, whose whole job is mostly ramp and tail) and
+for the HRM's picks; the best whole job of each policy gives the ratio, and the HRM's pick is
+set beside it.
 """
 
 from __future__ import annotations
@@ -108,14 +110,16 @@ def place(shape: ModelShape, profile: Profile, budget: int, spec: Spec, work: hr
     does not fit or stock llama.cpp cannot run it (more than its 256 sequences a context)."""
     if spec.policy == "ncmoe" and spec.n_seq > hrm.STOCK_MAX_SEQ:
         return None
-    est = hrm.estimate(shape, profile, budget, work,
-                       hrm.BatchPlan(spec.n_seq, spec.n_ubatch, spec.kv_host,
-                                "ncmoe" if spec.policy == "ncmoe" else "cache"),
-                       locality=loc)
-    if est is None:
+    plan = hrm.BatchPlan(spec.n_seq, spec.n_ubatch, spec.kv_host,
+                         "ncmoe" if spec.policy == "ncmoe" else "cache")
+    est = hrm.estimate(shape, profile, budget, work, plan, locality=loc)
+    # the HRM's figure with the prompt banks the runtime places on a GPU; the replay is given
+    # the slots before them and holds them back itself, as the runtime does
+    banked = hrm.estimate(shape, profile, budget, work, plan, locality=loc, bank=True)
+    if est is None or banked is None:
         return None
     slots, host_layers = est.slots, est.host_layers
-    predicted, bound = est.tokens_per_s, est.decode.bound
+    predicted, bound = banked.tokens_per_s, banked.decode.bound
     if spec.policy == "ncmoe":
         on_gpu = shape.layers - host_layers
         return Placement([shape.experts] * on_gpu + [0] * host_layers,
@@ -218,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     order = np.random.default_rng(args.seed + 2).permutation(n_req)
     _JOB.update(requests=requests, order=order, shape=shape, profile=profile, split=args.split)
     work = hrm.Workload(n_req, float(prompts.mean()), float(answers.mean()), ctx,
-                        tuple(int(a) for a in answers))
+                        tuple(int(a) for a in answers), tuple(int(p) for p in prompts))
     # the routing's decode locality, as a trace of it would record it (cache.choice), at the
     # slots a one-sequence plan gets: what the HRM's hit rate of one sequence rests on
     one = place(shape, profile, budget, Spec("promoe", 1, base_u, False), work, 0.0)
@@ -261,9 +265,17 @@ def main(argv: list[str] | None = None) -> None:
     # 1. every n_seq and KV placement at the base ubatch
     replay([Spec(p, n, base_u, kv) for p in POLICIES for kv in (False, True) for n in seqs],
            False)
-    # 2. every ubatch size for the best of each policy
+    # 2. every ubatch size for the best of each policy, and the HRM's pick of each policy
+    # over the whole grid (what `forecache batch --plan auto` would run)
+    picks: dict[str, Spec] = {}
+    for p in POLICIES:
+        grid = [Spec(p, n, u, kv) for n in seqs for u in ubatches for kv in (False, True)]
+        fit = [(s, place(shape, profile, budget, s, work, loc)) for s in grid]
+        scored = [(s, pl.predicted) for s, pl in fit if pl is not None]
+        if scored:
+            picks[p] = max(scored, key=lambda x: (x[1], x[0].n_ubatch))[0]
     replay([Spec(p, s.n_seq, u, s.kv_host) for p in POLICIES for s in best(p, widen)
-            for u in ubatches], False)
+            for u in ubatches] + list(picks.values()), False)
     # 3. the whole job for each policy's best screened plan at each of its ``--finalists``
     # best n_seq: a screen's full batch flatters the largest n_seq, whose job is mostly
     # ramp and tail
@@ -273,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
         for s in best(p, len(screens)):
             per_seq.setdefault(s.n_seq, s)
         finals += list(per_seq.values())[:finalists]
+    finals += [s for s in picks.values() if s not in finals]
     replay(finals, True)
 
     rows = sorted(screens, key=lambda s: (POLICIES.index(s.policy), s not in jobs_,
@@ -307,6 +320,15 @@ def main(argv: list[str] | None = None) -> None:
         pipelined = pp / nc["tokens_per_s"] if nc["tokens_per_s"] > 0 else None
         print(f"forecache pipelined at its best ({piped.label()}): {pp:.1f} tokens/s, "
               f"{speedup(pp, nc['tokens_per_s'])} over stock llama.cpp's best")
+    for p, s in picks.items():
+        best_job = by.get(p)
+        if best_job is None or s not in jobs_:
+            continue
+        got, top = jobs_[s]["tokens_per_s"], jobs_[best_job]["tokens_per_s"]
+        print(f"the HRM's pick for {p}: {s.label()}, {placed[s].predicted:.1f} tokens/s "
+              f"predicted, {got:.1f} replayed ({(placed[s].predicted / got - 1) * 100:+.0f}%); "
+              f"the replay's best {best_job.label()}, {top:.1f}"
+              + (" (the same plan)" if s == best_job else f" ({got / top:.2f}x of it)"))
     print("screen: generated tokens a second while the batch is full, on a random share of "
           "the requests (how many in brackets), stopped once none is left to admit and a "
           "sequence finishes; "
@@ -331,7 +353,8 @@ def main(argv: list[str] | None = None) -> None:
                        "hrm_tokens_per_s": placed[s].predicted,
                        "hrm_bound": placed[s].hrm_bound, "screen": screens[s],
                        "job": jobs_.get(s)} for s in rows],
-            "best": {p: b.label() for p, b in by.items()}, "ratio": ratio,
+            "best": {p: b.label() for p, b in by.items()},
+            "hrm_pick": {p: b.label() for p, b in picks.items()}, "ratio": ratio,
             "pipelined_ratio": pipelined}
         args.json.write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")

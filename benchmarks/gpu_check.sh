@@ -8,7 +8,7 @@
 #                                         AVX2 host code: about 50 min on 2 cores the first time,
 #                                         minutes once ccache holds ggml's CUDA kernels) and stage
 #                                         them, one copy of each library, with the wheels the GPU
-#                                         machine lacks, into .gpu-bundle/ (tar + xz, about 40 MB)
+#                                         machine lacks, into .gpu-bundle/ (tar + xz, about 42 MB)
 #   benchmarks/gpu_check.sh run OUT       on the GPU machine, one call of about 8 min: install the
 #                                         bundle, doctor, write the 57B model (Q4_K_M mix), replay
 #                                         OLMoE-fitted routing at 24 GiB (all-gpu, ncmoe with
@@ -113,7 +113,13 @@ for p in sorted(Path(sys.argv[1]).rglob("*.so*")):
         seen[h] = p
 EOF
     rm -rf "$BUNDLE" && mkdir -p "$BUNDLE/wheels"
-    tar -C "$stage" -cf - patched reference | xz -T0 -6 > "$BUNDLE/site.tar.xz"
+    # each file beside its twin in the other build, and a dictionary (-9: 64 MiB) that spans
+    # them: the two libggml-cuda.so (60 MB each, alike) then cost about one (80 MB -> 42 MB)
+    (cd "$stage" && find patched reference \( -type f -o -type l \) \
+        | awk '{ r = $0; sub(/^[^\/]*\//, "", r); print r "\t" $0 }' | sort | cut -f2) \
+        > "$stage.list"
+    tar -C "$stage" --no-recursion -cf - -T "$stage.list" | xz -T0 -9 > "$BUNDLE/site.tar.xz"
+    rm -f "$stage.list"
     rm -rf "$stage"
     # what forecache needs that the GPU machine's Python 3.12 lacks (pure-Python wheels)
     "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \

@@ -28,6 +28,7 @@ from forecache.interrupt import StopFlag
 from forecache.jobs.requests import Request
 from forecache.llama import Llama, top_probability
 from forecache.paths import write_atomic
+from forecache.roofline.batch import prompt_take
 from forecache.speculative.speculator import Sampler, SelfDraft, verify
 
 
@@ -272,9 +273,9 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
         raise ValueError(f"{setting('n_parallel', n_parallel)} needs a model loaded with "
                          f"n_seq_max >= {n_parallel}")
     # llama.cpp computes a batch in ubatches of n_ubatch tokens, each pass copying the missing
-    # experts it routes: prompt chunks fill a batch to whole ubatches, not to a partial last one
+    # experts it routes; with a KV stream per sequence each prompt's rows make ubatches of
+    # their own, so a prompt is fed whole ubatches at a time, not a partial one (prompt_take)
     n_ubatch = max(min(int(low.llama_n_ubatch(ctx)), n_batch), 1)
-    n_fill = n_batch - n_batch % n_ubatch
     # every prompt up front: the admission order depends on their lengths
     prompts = [llm.tokenize((llm.format_chat(req.messages) if req.messages is not None
                              else req.prompt).encode("utf-8"), add_bos=True, special=True)
@@ -502,12 +503,10 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
                 checks = speculate(rows)
                 if checks:
                     rows = []
-            # then prompt chunks, while the batch has room: up to whole ubatches, unless the
-            # decoding rows already take them (then up to n_batch, so the prompts go on)
-            room = n_fill if len(tokens) < n_fill else n_batch
+            # then prompt chunks, while the batch has room
             for s in active:
-                if s.fed < len(s.prompt) and len(tokens) < room:
-                    take = min(len(s.prompt) - s.fed, room - len(tokens))
+                if s.fed < len(s.prompt) and len(tokens) < n_batch:
+                    take = prompt_take(len(s.prompt) - s.fed, n_batch - len(tokens), n_ubatch)
                     for j in range(s.fed, s.fed + take):
                         last = j == len(s.prompt) - 1
                         if last:

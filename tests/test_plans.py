@@ -17,6 +17,10 @@ from forecache.roofline.batch import (
     Workload,
     distinct_experts,
     estimate,
+    layout,
+    prompt_chunks,
+    prompt_room,
+    prompt_take,
     running_steps,
     search,
 )
@@ -209,3 +213,56 @@ def test_overlap_bounds_what_a_pipeline_could_reach() -> None:
         assert 0 < st.overlapped_s <= st.seconds
         assert st.overlapped_s >= max(st.parts.values())
     assert e.overlapped_tokens_per_s >= e.tokens_per_s
+
+
+def test_a_step_feeds_a_prompt_whole_ubatches() -> None:
+    """With a KV stream per sequence each prompt's rows make ubatches of their own, each a pass
+    over every layer: a step feeds a prompt's rest, else whole ubatches of it."""
+    assert prompt_take(40, 100, 16) == 40  # the whole rest
+    assert prompt_take(100, 40, 16) == 32  # whole ubatches of it
+    assert prompt_take(100, 10, 16) == 10  # room for less than one: what fits
+    assert prompt_take(5, 0, 16) == 0
+    # beside the other sequences' decoding rows, a batch of batch_tokens rows leaves a ubatch
+    for n_seq, n_ubatch in ((256, 256), (256, 512), (256, 1024), (1000, 1024), (1, 512)):
+        assert prompt_room(n_seq, n_ubatch) == n_ubatch
+
+
+def test_prompts_priced_as_the_ubatches_they_make() -> None:
+    """Given each request's prompt length, the model prices the ubatches llama.cpp cuts the
+    prompts into, not the mean prompt's: prompts of the same mean cost more passes where some
+    are longer than a ubatch."""
+    assert prompt_chunks([20, 180, 300], 128) == {(20, 0): 1, (128, 0): 2, (52, 128): 1,
+                                                  (128, 128): 1, (44, 256): 1}
+    plan = BatchPlan(1, 128)
+    even = Workload(64, 100, 32, 512, prompts=(100,) * 64)
+    mixed = Workload(64, 100, 32, 512, prompts=(20, 180) * 32)
+    got = [estimate(TARGET, PROFILE, 24 * GIB, w, plan) for w in (even, mixed)]
+    assert got[0] is not None and got[1] is not None
+    assert got[1].prefill_s > got[0].prefill_s * 1.2  # 96 passes against 64
+    # a ubatch that holds every prompt whole makes one pass a prompt
+    wide = estimate(TARGET, PROFILE, 24 * GIB, mixed, BatchPlan(1, 256))
+    assert wide is not None and wide.prefill_s < got[1].prefill_s / 1.2
+
+
+def test_prompt_banks_fill_a_layer_beside_the_layer_before() -> None:
+    """Where the runtime places prompt banks (on a GPU), a ubatch of DEVICE_MIN_TOKENS rows or
+    more computes each layer from its slots and its bank, filled with every expert the slots
+    lack while the layer before computes: the banks' two regions come out of the slots, and
+    the ubatch is bound below by the fills one after another."""
+    plan = BatchPlan(256, 1024, kv_host=True)
+    plain = layout(TARGET, 24 * GIB, SHAREGPT, plan)
+    banked = layout(TARGET, 24 * GIB, SHAREGPT, plan, bank=True)
+    assert plain is not None and banked is not None and plain.bank == 0
+    assert banked.bank == TARGET.experts - banked.slots > 0 and banked.stage == 0
+    assert banked.slots < plain.slots
+    assert sum(v for k, v in banked.device_bytes.items() if k != "kv") <= 24 * GIB  # KV: host
+    a = estimate(TARGET, PROFILE, 24 * GIB, SHAREGPT, plan)
+    b = estimate(TARGET, PROFILE, 24 * GIB, SHAREGPT, plan, bank=True)
+    assert a is not None and b is not None
+    assert b.prefill.seconds < a.prefill.seconds and b.decode.seconds < a.decode.seconds
+    cost = CostModel.from_profile(PROFILE, TARGET.expert)
+    fills = TARGET.layers * banked.bank * TARGET.expert_bytes / (cost.copy_gbps * 1e9)
+    assert b.prefill.seconds >= fills
+    # a budget that holds every expert leaves nothing to fill
+    whole = layout(TARGET, 80 * GIB, SHAREGPT, plan, bank=True)
+    assert whole is not None and whole.slots == TARGET.experts and whole.bank == 0

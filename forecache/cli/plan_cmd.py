@@ -73,8 +73,9 @@ def plan(model: Path | None, shape: str | None, qtype: str, gpu_budget: str, pro
             raise click.BadParameter(f"{shape}: {e}", param_hint="--shape") from None
     profile = Profile.load(machine or DEFAULT_MACHINE)
     work = Workload(requests, prompt_len, gen, ctx_per_seq or int(prompt_len + gen))
+    # the profiles are GPUs': the runtime places prompt banks there by default
     ours = search(sh, profile, budget, work, non_expert_bytes=non_expert, host_bytes=host,
-                  max_seq=MAX_SEQUENCES)
+                  max_seq=MAX_SEQUENCES, bank=True)
     stock = search(sh, profile, budget, work, experts=("ncmoe",), non_expert_bytes=non_expert,
                    host_bytes=host)
     if not ours:

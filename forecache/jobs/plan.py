@@ -311,7 +311,7 @@ def job_workload(prompt_lens: Sequence[int], max_tokens: Sequence[int],
     """A job's workload from its requests' prompt lengths and answer limits."""
     n = max(len(prompt_lens), 1)
     return Workload(len(prompt_lens), sum(prompt_lens) / n, sum(max_tokens) / n, ctx_per_seq,
-                    tuple(int(m) for m in max_tokens))
+                    tuple(int(m) for m in max_tokens), tuple(int(p) for p in prompt_lens))
 
 
 @dataclass(frozen=True)
@@ -386,9 +386,13 @@ def choose_plan(model_path: str | Path, cfg: CacheConfig | None, prompt_lens: Se
                         n_ubatch=first.n_ubatch) as llm:
             profile = calibrate(llm, first, budget, progress=progress)
         save_profile(mf, key, profile)
+    # prompt banks where the runtime places them (placement.before.held_back): asked for, or by
+    # default on a GPU, and not beside a disk tier
+    bank = cfg is not None and cfg.host_budget is None and \
+        (cfg.prompt_bank if cfg.prompt_bank is not None else not on_cpu)
     found = search(shape, profile, budget, work, experts=experts,
                    kv=(False,) if on_cpu else (False, True), non_expert_bytes=ne,
-                   max_seq=max_seq, slots=slots)
+                   max_seq=max_seq, slots=slots, bank=bank)
     if not found:
         raise ValueError(f"no batch plan fits {format_size(budget)} for {mf.path.name}: "
                          f"raise {setting('gpu_budget')} or lower {setting('ctx_per_seq')}")

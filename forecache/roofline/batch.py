@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from forecache.cache.budget import format_size
+from forecache.cache.budget import BANK_REGIONS, BANK_SHARE_MAX, format_size
 from forecache.cache.choice import distinct_experts, hit_at
-from forecache.cache.cost import CostModel, Profile, roofline_s
+from forecache.cache.cost import DEVICE_MIN_TOKENS, CostModel, Profile, roofline_s
 from forecache.cache.prefetcher import stage_slots
 from forecache.native.libs import STOCK_MAX_SEQUENCES
 
@@ -59,6 +59,33 @@ def batch_tokens(n_seq: int, n_ubatch: int) -> int:
     sequences, and a new prompt then gets only the rows its idle neighbours leave, about one a
     step.) One sequence: a ubatch."""
     return n_ubatch + (n_seq if n_seq > 1 else 0)
+
+
+def fill_rows(n_batch: int, n_ubatch: int) -> int:
+    """The rows a job's llama batch is filled to with prompt chunks while its decoding rows
+    leave room: whole ubatches (each ubatch is a pass over every layer, so a partial last one
+    would cost a pass for a few rows), or the batch where it is smaller than a ubatch."""
+    return n_batch - n_batch % n_ubatch if n_batch >= n_ubatch else n_batch
+
+
+def prompt_take(left: int, room: int, n_ubatch: int) -> int:
+    """The rows of a prompt with ``left`` rows to go that a step feeds where its batch has
+    ``room`` rows free, with a KV stream per sequence (llama.cpp gives each prompt's rows
+    ubatches of their own, each a pass over every layer): all of them, else whole ubatches of
+    them, else (room for less than one) what fits."""
+    take = min(left, room)
+    if take < left and take >= n_ubatch:
+        take -= take % n_ubatch
+    return max(take, 0)
+
+
+def prompt_room(n_seq: int, n_ubatch: int) -> int:
+    """The most rows of one prompt a step of a job of ``n_seq`` sequences feeds beside the
+    others' decoding rows (``batch_tokens``, ``prompt_take``); one sequence: a ubatch."""
+    if n_seq <= 1:
+        return n_ubatch
+    room = batch_tokens(n_seq, n_ubatch) - (n_seq - 1)
+    return max(room - room % n_ubatch if room >= n_ubatch else room, 1)
 
 
 @dataclass(frozen=True)
@@ -119,6 +146,21 @@ class Workload:
     # each request's answer length where known (a job's answer limits): the job's tail, as its
     # sequences finish and fewer run a step, is then counted step by step (``running_steps``)
     answers: tuple[int, ...] = ()
+    # each request's prompt length where known: its prompt is then priced as the ubatches
+    # llama.cpp cuts it into (``prompt_chunks``), not as the mean prompt's
+    prompts: tuple[int, ...] = ()
+
+
+def prompt_chunks(prompts: Sequence[int], n_ubatch: int) -> dict[tuple[int, int], int]:
+    """The prompt ubatches a job's ``prompts`` make, counted by (tokens, tokens before them):
+    with a KV stream per sequence llama.cpp cuts each prompt into ubatches of its own,
+    ``n_ubatch`` tokens each but the last (``n_ubatch``: the chunk a step takes of a prompt)."""
+    out: dict[tuple[int, int], int] = {}
+    for n in prompts:
+        for start in range(0, max(int(n), 1), n_ubatch):
+            key = (min(n_ubatch, max(int(n), 1) - start), start)
+            out[key] = out.get(key, 0) + 1
+    return out
 
 
 def running_steps(answers: Sequence[int], n_seq: int) -> dict[int, int]:
@@ -245,11 +287,13 @@ class Estimate:
 
 
 def _memory(shape: ModelShape, budget: int, work: Workload, plan: BatchPlan,
-            non_expert_bytes: int | None, host_bytes: int | None, slots_given: int | None = None
-            ) -> tuple[dict[str, int], int, int] | None:
-    """The device bytes of a plan, its slots a layer and ncmoe host layers; None when the
-    fixed needs do not fit, or the host's (``host_bytes``: experts kept in host memory and a
-    host KV cache) do not."""
+            non_expert_bytes: int | None, host_bytes: int | None, slots_given: int | None = None,
+            bank: bool = False) -> tuple[dict[str, int], int, int, int] | None:
+    """The device bytes of a plan, its slots a layer, ncmoe host layers and the experts a
+    prompt bank's region holds (0: no banks); None when the fixed needs do not fit, or the
+    host's (``host_bytes``: experts kept in host memory and a host KV cache) do not. ``bank``:
+    banks where the runtime places them (``placement.before.held_back``: some expert misses a
+    slot and they take at most ``BANK_SHARE_MAX`` of the experts' budget)."""
     mem = shape.memory(budget, n_ctx=work.ctx_per_seq, n_ubatch=plan.n_ubatch, n_seq=plan.n_seq,
                        kv_on_device=not plan.kv_host, non_expert_bytes=non_expert_bytes)
     dense, compute = mem.non_expert_bytes, mem.compute_bytes
@@ -258,10 +302,18 @@ def _memory(shape: ModelShape, budget: int, work: Workload, plan: BatchPlan,
     if mem.expert_budget < per_layer * shape.layers:  # not even one slot a layer
         return None
     slots = min(mem.slots_per_layer())
+    region = 0
     if slots_given is not None:  # a cache sized by a share of the experts, not by the budget
         slots = min(shape.experts, slots_given)
+        if bank and slots < shape.experts:  # the banks come beside the slots
+            region = shape.experts - slots
+    elif bank and plan.experts == "cache" and slots < shape.experts:
+        held = mem.bank_held()
+        if held * mem.largest_expert_bytes <= mem.expert_budget * BANK_SHARE_MAX:
+            slots = min(mem.slots_per_layer(held=held))
+            region = shape.experts - slots
     host_layers = mem.ncmoe_cpu_layers()
-    experts = (slots * shape.layers if plan.experts == "cache"
+    experts = (slots * shape.layers + BANK_REGIONS * region if plan.experts == "cache"
                else (shape.layers - host_layers) * shape.experts) * per_layer
     if host_bytes is not None:
         # the cache copies from every expert in host memory; ncmoe keeps its host layers there
@@ -269,7 +321,7 @@ def _memory(shape: ModelShape, budget: int, work: Workload, plan: BatchPlan,
         if held * shape.experts * per_layer + (kv if plan.kv_host else 0) > host_bytes:
             return None
     return ({"weights": dense, "kv": kv, "compute": compute, "experts": experts}, slots,
-            host_layers)
+            host_layers, region)
 
 
 @dataclass(frozen=True)
@@ -281,22 +333,25 @@ class Layout:
     host_layers: int  # ncmoe: MoE layers whose experts stay in host memory
     stage: int  # cache: stage slots, out of the slots
     share: float  # of a layer's experts resident (cache) on average
+    bank: int = 0  # cache: experts a prompt bank's region holds (0: no banks)
 
 
 def layout(shape: ModelShape, budget: int, work: Workload, plan: BatchPlan,
            non_expert_bytes: int | None = None, host_bytes: int | None = None,
-           slots: int | None = None) -> Layout | None:
+           slots: int | None = None, bank: bool = False) -> Layout | None:
     """The device memory of ``plan`` at ``budget``; None when its fixed needs do not fit
     (or its host memory exceeds ``host_bytes``). ``slots``: a layer's slots as given (a cache
-    sized by a share of the experts) instead of what the budget leaves."""
-    mem = _memory(shape, budget, work, plan, non_expert_bytes, host_bytes, slots)
+    sized by a share of the experts) instead of what the budget leaves. ``bank``: prompt banks
+    where the runtime places them (on a GPU, by default), in place of stage slots."""
+    mem = _memory(shape, budget, work, plan, non_expert_bytes, host_bytes, slots, bank)
     if mem is None:
         return None
-    device, slots, host_layers = mem
+    device, slots, host_layers, region = mem
     # the stage slots' memory comes out of the slots, as the runtime takes it
-    stage = stage_slots(shape.experts, [slots] * shape.layers, streams=plan.experts == "cache")
+    stage = 0 if region else stage_slots(shape.experts, [slots] * shape.layers,
+                                         streams=plan.experts == "cache")
     share = (slots * shape.layers - stage) / (shape.layers * shape.experts)
-    return Layout(device, slots, host_layers, stage, share)
+    return Layout(device, slots, host_layers, stage, share, region)
 
 
 def _layer_experts(clock: _Clock, shape: ModelShape, p: Profile, cost: CostModel, n_tokens: float,
@@ -371,13 +426,20 @@ def _host_memory_bound(shape: ModelShape, p: Profile, pairs: float) -> bool:
 
 def ubatch_stage(shape: ModelShape, p: Profile, cost: CostModel, plan: BatchPlan, n_tokens: float,
             context: float, resident: float, host_layers: int, logits: float, slots: int = 0,
-            stage: int = 0, n_seqs: float = 1.0) -> Stage:
+            stage: int = 0, n_seqs: float = 1.0, bank: int = 0) -> Stage:
     """One ubatch of ``n_tokens`` rows whose attention reads ``context`` tokens each, ``logits``
     of them sampled, from ``n_seqs`` sequences: ``resident`` of a layer's routed experts in
     slots (a cache plan, whose
     ``stage`` slots take the next layer's misses while a streaming layer computes), or the
-    first ``host_layers`` layers' experts in host memory (ncmoe)."""
+    first ``host_layers`` layers' experts in host memory (ncmoe). A cache plan with prompt
+    banks of ``bank`` experts a region computes a ubatch of ``DEVICE_MIN_TOKENS`` rows or more
+    from them (``choice.promoe_prompt_s``): each layer's bank is filled with every expert its
+    slots lack on a stream of its own, issued as the layer before computes its experts, and a
+    layer's experts start once their fill is done; nothing reads the routing."""
     clock = _Clock()
+    banked = bank > 0 and plan.experts == "cache" and n_tokens >= DEVICE_MIN_TOKENS
+    fill = cost.chunk_latency_s + bank * cost.expert.nbytes / (cost.copy_gbps * 1e9)
+    filled = fill  # the first layer's fill begins with the pass
     attn_bytes = n_tokens * context * shape.kv_bytes
     attn_flops = 4.0 * n_tokens * context * shape.d_model
     if shape.lead_bytes:  # leading dense layers (deepseek2)
@@ -397,6 +459,15 @@ def ubatch_stage(shape: ModelShape, p: Profile, cost: CostModel, plan: BatchPlan
         else:
             clock.roof(p.gpu_launch_s, attn_bytes, p.gpu_mem_gbps, attn_flops,
                        p.gpu_tflops * 1e12, "gpu")
+        if banked:
+            clock.op(max(filled - clock.seconds, 0.0), "PCIe")  # waiting for its fill
+            filled = max(clock.seconds, filled) + fill  # the next layer's, behind it
+            d = max(1, round(distinct_experts(n_tokens, shape.experts, shape.top_k)))
+            nproj = len(shape.expert.proj_bytes)
+            clock.roof(p.gpu_launch_s, d * shape.expert_bytes / nproj, p.gpu_mem_gbps,
+                       max(d, round(n_tokens * shape.top_k)) * shape.proj_flops,
+                       p.gpu_tflops * 1e12, "gpu", nproj)
+            continue
         host = None if plan.experts == "cache" else il < host_layers
         # half the stage slots take the next layer's misses (the other half serve this one)
         ahead = min((stage + 1) // 2 * cost.copy_s(), clock.seconds - before) if il else 0.0
@@ -414,13 +485,14 @@ def ubatch_stage(shape: ModelShape, p: Profile, cost: CostModel, plan: BatchPlan
 def estimate(shape: ModelShape, profile: Profile, budget: int, work: Workload, plan: BatchPlan, *,
              locality: float = 0.0, non_expert_bytes: int | None = None,
              cost: CostModel | None = None, host_bytes: int | None = None,
-             slots: int | None = None) -> Estimate | None:
+             slots: int | None = None, bank: bool = False) -> Estimate | None:
     """The predicted throughput of ``plan`` for ``work`` at ``budget`` bytes of device memory;
     None when the plan does not fit (the device, or ``host_bytes`` of host memory).
     ``locality`` is the model's measured decode locality (``cache.choice``), which raises a
     single sequence's hit rate above the slots' share; ``cost`` carries measured copy and CPU
-    rates; ``slots`` fixes a layer's slots (``layout``)."""
-    lay = layout(shape, budget, work, plan, non_expert_bytes, host_bytes, slots)
+    rates; ``slots`` fixes a layer's slots (``layout``); ``bank``: prompt banks where the
+    runtime places them (``layout``; on a GPU by default)."""
+    lay = layout(shape, budget, work, plan, non_expert_bytes, host_bytes, slots, bank)
     if lay is None:
         return None
     slots, host_layers, stage, share = lay.slots, lay.host_layers, lay.stage, lay.share
@@ -430,21 +502,29 @@ def estimate(shape: ModelShape, profile: Profile, budget: int, work: Workload, p
     n_seq = min(plan.n_seq, max(work.n_requests, 1))
     decode_hit = hit_at(share, locality if n_seq == 1 else 0.0)
     # llama.cpp keeps a KV stream per sequence and splits a batch into ubatches with as many
-    # tokens of each sequence: prompts are not packed together, a ubatch holds (a chunk of) one
-    u = max(min(float(plan.n_ubatch), work.prompt_len), 1.0)
+    # tokens of each sequence: prompts are not packed together, a ubatch holds (a chunk of) one,
+    # at most what a step leaves beside the decoding rows
+    chunk = min(plan.n_ubatch, prompt_room(n_seq, plan.n_ubatch))
+    u = max(min(float(chunk), work.prompt_len), 1.0)
+    region = lay.bank
     prefill = ubatch_stage(shape, profile, cost, plan, u, work.prompt_len / 2, share,
-                           host_layers, u / max(work.prompt_len, 1), slots, stage, 1.0)
+                           host_layers, u / max(work.prompt_len, 1), slots, stage, 1.0, region)
 
     def decode_at(k: int) -> Stage:
         """A decode step of ``k`` running sequences, a row each, at their mean context."""
         return ubatch_stage(shape, profile, cost, plan, k, work.prompt_len + work.gen_len / 2,
-                            decode_hit, host_layers, k, slots, stage, k)
+                            decode_hit, host_layers, k, slots, stage, k, region)
 
     decode = decode_at(n_seq)
     prompt_tokens = work.prompt_len * work.n_requests
     generated = work.gen_len * work.n_requests
-    prefill_s = work.n_requests * math.ceil(work.prompt_len / u) * prefill.seconds \
-        if prompt_tokens else 0.0
+    if work.prompts:
+        prefill_s = _prompts_s(work.prompts, chunk, lambda t, ctx: ubatch_stage(
+            shape, profile, cost, plan, t, ctx, share, host_layers, 1.0, slots, stage,
+            1.0, region).seconds)
+    else:
+        prefill_s = work.n_requests * math.ceil(work.prompt_len / u) * prefill.seconds \
+            if prompt_tokens else 0.0
     if work.answers:
         # step by step: a step of k running sequences costs a k-row ubatch (worked out at the
         # powers of two up to n_seq, in between by the line through the two around k)
@@ -470,15 +550,40 @@ def estimate(shape: ModelShape, profile: Profile, budget: int, work: Workload, p
                     decode, prefill_s, job, generated / job if job > 0 else 0.0)
 
 
+def _prompts_s(prompts: Sequence[int], n_ubatch: int,
+               stage_s: Callable[[float, float], float]) -> float:
+    """Seconds of a job's prompt ubatches (``prompt_chunks``), ``stage_s(tokens, context)``
+    pricing one: worked out at the powers of two up to ``n_ubatch`` tokens, in between by the
+    line through the two around; the attention's share, which grows with the tokens before a
+    ubatch, by the line through a ubatch at the start of its prompt and one a ubatch in."""
+    chunks = prompt_chunks(prompts, n_ubatch)
+    top = max(t for t, _ in chunks)
+    points = sorted({1 << i for i in range(top.bit_length())} | {top})
+    first = {t: stage_s(t, t / 2) for t in points}
+    later = {t: stage_s(t, n_ubatch + t / 2) for t in points}
+
+    def at(table: dict[int, float], t: int) -> float:
+        hi = next(x for x in points if x >= t)
+        lo = max(x for x in points if x <= t)
+        return table[lo] if hi == lo else table[lo] + (table[hi] - table[lo]) * (t - lo) / (hi - lo)
+
+    total = 0.0
+    for (t, start), n in chunks.items():
+        a = at(first, t)
+        total += n * (a + (at(later, t) - a) * start / n_ubatch)
+    return total
+
+
 def search(shape: ModelShape, profile: Profile, budget: int, work: Workload, *,
            experts: Sequence[str] = ("cache",), kv: Sequence[bool] = (False, True),
            n_seqs: Iterable[int] | None = None, n_ubatches: Iterable[int] | None = None,
            locality: float = 0.0, non_expert_bytes: int | None = None,
            cost: CostModel | None = None, host_bytes: int | None = None,
-           max_seq: int = STOCK_MAX_SEQ, slots: int | None = None) -> list[Estimate]:
+           max_seq: int = STOCK_MAX_SEQ, slots: int | None = None,
+           bank: bool = False) -> list[Estimate]:
     """Every plan of the grid that fits, best predicted throughput first (ties: the larger
     ubatch first): forecache's up to ``max_seq`` sequences, stock llama.cpp's (ncmoe) up to
-    its ``STOCK_MAX_SEQ``."""
+    its ``STOCK_MAX_SEQ``; ``bank``: forecache's with prompt banks (``estimate``)."""
     out = []
     for x in experts:
         cap = min(max_seq, STOCK_MAX_SEQ) if x == "ncmoe" else max_seq
@@ -488,7 +593,7 @@ def search(shape: ModelShape, profile: Profile, budget: int, work: Workload, *,
                 for u in n_ubatches or N_UBATCHES:
                     e = estimate(shape, profile, budget, work, BatchPlan(s, u, host, x),
                                  locality=locality, non_expert_bytes=non_expert_bytes,
-                                 cost=cost, host_bytes=host_bytes, slots=slots)
+                                 cost=cost, host_bytes=host_bytes, slots=slots, bank=bank)
                     if e is not None:
                         out.append(e)
     # plans predicted alike (a ubatch past the prompts changes nothing here) go larger ubatch

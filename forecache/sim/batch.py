@@ -15,7 +15,7 @@ from forecache.cache.cost import Profile
 from forecache.cache.policies import hit_rate
 from forecache.cache.prefetcher import ProMoEPolicy
 from forecache.predictor.base import Predictor
-from forecache.roofline.batch import batch_tokens
+from forecache.roofline.batch import batch_tokens, fill_rows, prompt_take
 from forecache.sim.shapes import ModelShape
 from forecache.sim.simulate import SimConfig, Simulator
 from forecache.trace.format import Request, logged_layers
@@ -167,9 +167,11 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
     """Replay ``requests`` as one batch job, as ``forecache batch`` decodes it
     (``batch.decode_many``): up to ``cfg.n_seq`` sequences; each step's llama batch holds
     every decoding sequence's next token, then prompt chunks of the sequences still prefilling
-    up to whole ubatches (up to ``n_batch`` tokens where the decoding rows already take them),
-    handed over in sequence-id order (a new request takes the lowest
-    free id), and runs as the ubatches llama.cpp splits it into
+    up to ``n_batch`` tokens, each whole ubatches of its prompt or the prompt's rest
+    (``roofline.batch.prompt_take``; with ``split="simple"`` the batch is filled to whole
+    ubatches instead, up to ``n_batch`` where the decoding rows already take them), handed
+    over in sequence-id order (a new request takes the lowest free id), and runs as the
+    ubatches llama.cpp splits it into
     (``split_batch`` by ``cfg.split``: ``n_ubatch`` consecutive rows by default); a finished
     sequence frees its slot for the next request, longest first (prompt + answer, ties in
     input order); with ``split="equal"``, once none is left to admit, the highest sequence
@@ -188,7 +190,7 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
     if cfg.little_k or cfg.spec_draft:
         raise ValueError("a batch replay decodes exactly: no MoBiLE little passes or drafts")
     n_batch = cfg.n_batch if cfg.n_batch is not None else batch_tokens(cfg.n_seq, cfg.n_ubatch)
-    n_fill = n_batch - n_batch % cfg.n_ubatch if n_batch >= cfg.n_ubatch else n_batch
+    n_fill = fill_rows(n_batch, cfg.n_ubatch)
     if cfg.n_seq < 1 or n_batch < cfg.n_seq:
         raise ValueError(f"a batch of {n_batch} tokens cannot hold the next tokens of "
                          f"{cfg.n_seq} sequences")
@@ -238,12 +240,16 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
                 ctx.append(s.prompt + s.out)
                 seqs.append(s.seq)
         n_decode = len(rows)
-        # then prompt chunks, while the batch has room: up to whole ubatches, unless the
-        # decoding rows already take them (then up to n_batch), as decode_many fills a batch
-        room = n_fill if len(rows) < n_fill else n_batch
+        # then prompt chunks, while the batch has room, as decode_many fills a batch: with a
+        # KV stream per sequence (``equal``) whole ubatches of each prompt (``prompt_take``);
+        # in one stream (``simple``) up to whole ubatches of the batch, unless the decoding
+        # rows already take them (then up to n_batch)
+        room = n_batch if cfg.split == "equal" or len(rows) >= n_fill else n_fill
         for s in active:
             if s.fed < s.prompt and len(rows) < room:
                 take = min(s.prompt - s.fed, room - len(rows))
+                if cfg.split == "equal":
+                    take = prompt_take(s.prompt - s.fed, room - len(rows), cfg.n_ubatch)
                 rows.extend(range(s.first_row + s.fed, s.first_row + s.fed + take))
                 ctx.extend(range(s.fed + 1, s.fed + take + 1))
                 seqs.extend([s.seq] * take)
