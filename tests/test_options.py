@@ -134,3 +134,37 @@ def test_one_budget_rule_for_the_runtime_the_planner_and_the_simulator(tiny_mode
     src = _sources()
     assert not [f for f, text in src.items() if "BUDGET_RESERVE =" in text and
                 "AUTO_BUDGET_RESERVE" not in text]
+
+
+def test_the_planner_holds_the_prompt_banks_the_runtime_holds(tiny_model) -> None:
+    """Where the runtime places prompt banks (a GPU, most experts in slots), the batch planner's
+    layout holds the same: the same slots left and regions of what they lack; where they would
+    take more than their share of the budget, neither holds any."""
+    from forecache.cache.budget import BANK_REGIONS, split_budget
+    from forecache.gguf.header import read_model_file
+    from forecache.placement.before import banks_asked, held_back
+    from forecache.placement.options import CacheConfig
+    from forecache.roofline.batch import BatchPlan, Workload, layout
+    from forecache.roofline.shape import model_shape
+
+    mf = read_model_file(tiny_model())
+    shape, layers = model_shape(mf), mf.moe_layers()
+    expert = max(mf.layer_expert_bytes())
+    base = split_budget(mf, 1 << 40, n_ctx=256, n_ubatch=64, device_name="gpu",
+                        device_total=1 << 50)
+    cfg = CacheConfig("promoe", cache_fraction=0.5)
+    assert banks_asked(cfg, "cuda") and not banks_asked(cfg, "cpu")
+    # infinity reads every routing, which a bank layer does not
+    assert not banks_asked(CacheConfig("infinity", cache_fraction=0.5), "cuda")
+    for share, placed in ((0.9, True), (0.3, False)):
+        budget = base.fixed_bytes + int(share * len(layers) * mf.n_expert * expert)
+        split = split_budget(mf, budget, n_ctx=256, n_ubatch=64, device_name="gpu",
+                             device_total=1 << 50)
+        _, held = held_back(mf, CacheConfig("promoe", gpu_budget=budget), split,
+                            split.slots_per_layer(), "cuda", proactive=True)
+        lay = layout(shape, budget, Workload(1, 64.0, 64.0, 256), BatchPlan(1, 64),
+                     non_expert_bytes=split.non_expert_bytes, bank=True)
+        assert lay is not None and (held > 0) == placed == (lay.bank > 0)
+        left = min(split.slots_per_layer(held=held)[il] for il in layers)
+        assert lay.slots == left
+        assert held == BANK_REGIONS * lay.bank

@@ -28,6 +28,7 @@ from forecache.jobs.fit import minimise
 from forecache.llama import Llama
 from forecache.native.libs import MAX_SEQUENCES
 from forecache.paths import cache_dir, write_atomic
+from forecache.placement.before import banks_asked
 from forecache.placement.costs import DEFAULT_MACHINE
 from forecache.placement.options import DEFAULT_POLICY, CacheConfig
 from forecache.roofline.batch import (
@@ -167,9 +168,11 @@ def profile_with(base: Profile, x: dict[str, float], on_cpu: bool) -> Profile:
 
 
 def stage_layout(shape: ModelShape, plan: BatchPlan, budget: int,
-                 non_expert_bytes: int | None = None) -> Layout:
-    """The layout the measured stages ran under: ``plan`` at ``budget``."""
-    lay = layout(shape, budget, Workload(1, CONTEXT, 1, CONTEXT + 64), plan, non_expert_bytes)
+                 non_expert_bytes: int | None = None, bank: bool = False) -> Layout:
+    """The layout the measured stages ran under: ``plan`` at ``budget`` (``bank``: with the
+    prompt banks the runtime placed)."""
+    lay = layout(shape, budget, Workload(1, CONTEXT, 1, CONTEXT + 64), plan, non_expert_bytes,
+                 bank=bank)
     if lay is None:
         raise ValueError(f"plan {plan.label()} does not fit {format_size(budget)}")
     return lay
@@ -187,7 +190,7 @@ def predict_stage(shape: ModelShape, profile: Profile, plan: BatchPlan, budget: 
     rows = sample_.n if sample_.kind == "decode" else 1  # with logits; and sequences
     resident = lay.share if sample_.hit is None else sample_.hit
     return ubatch_stage(shape, profile, cost, plan, sample_.n, sample_.context, resident,
-                        lay.host_layers, rows, lay.slots, lay.stage, rows).seconds
+                        lay.host_layers, rows, lay.slots, lay.stage, rows, lay.bank).seconds
 
 
 def measured_hooks(samples: Sequence[StageSample], layers: int) -> dict[str, float]:
@@ -213,13 +216,13 @@ def measured_hooks(samples: Sequence[StageSample], layers: int) -> dict[str, flo
 
 def fit_profile(shape: ModelShape, base: Profile, plan: BatchPlan, budget: int,
                 samples: Sequence[StageSample], *, on_cpu: bool,
-                non_expert_bytes: int | None = None) -> Profile:
+                non_expert_bytes: int | None = None, bank: bool = False) -> Profile:
     """The profile whose predictions best match ``samples``: the rows' sampling, the pass's
     Python and the cache's gate hooks are measured (``sample_s`` per row, ``token_s``,
     ``measured_hooks``), the passes' times are
     fitted (least squares of log ratios) by the device's launch cost, memory and compute rates
     and a sequence's KV stream, and, where the stages missed experts, an expert group's cost
-    (each stage at the hit share it measured)."""
+    (each stage at the hit share it measured). ``bank``: the stages ran with prompt banks."""
     rows = [(s.rows_s, s.n if s.kind == "decode" else 1) for s in samples if s.rows_s > 0]
     per_row = sum(t for t, _ in rows) / max(sum(n for _, n in rows), 1)
     per_pass = float(np.median([s.pass_s for s in samples])) if samples else 0.0
@@ -240,7 +243,7 @@ def fit_profile(shape: ModelShape, base: Profile, plan: BatchPlan, budget: int,
         return profile_with(base, {**start, **dict(zip(names, np.exp(v).tolist(),
                                                        strict=True))}, on_cpu)
 
-    lay = stage_layout(shape, plan, budget, non_expert_bytes)
+    lay = stage_layout(shape, plan, budget, non_expert_bytes, bank)
 
     def loss(v: np.ndarray) -> float:
         p = of(v)
@@ -303,7 +306,8 @@ def calibrate(llm: Llama, plan: BatchPlan, budget: int, *,
                        name="measured", device="this machine (CPU build)")
     mf = llm.model_file
     return fit_profile(shape, base, plan, budget, samples, on_cpu=on_cpu,
-                       non_expert_bytes=mf.non_expert_bytes())
+                       non_expert_bytes=mf.non_expert_bytes(),
+                       bank=llm.placement is not None and llm.placement.bank)
 
 
 def job_workload(prompt_lens: Sequence[int], max_tokens: Sequence[int],
@@ -386,10 +390,9 @@ def choose_plan(model_path: str | Path, cfg: CacheConfig | None, prompt_lens: Se
                         n_ubatch=first.n_ubatch) as llm:
             profile = calibrate(llm, first, budget, progress=progress)
         save_profile(mf, key, profile)
-    # prompt banks where the runtime places them (placement.before.held_back): asked for, or by
-    # default on a GPU, and not beside a disk tier
-    bank = cfg is not None and cfg.host_budget is None and \
-        (cfg.prompt_bank if cfg.prompt_bank is not None else not on_cpu)
+    # prompt banks where the runtime places them, for the cache plans (the others have none)
+    bank = cfg is not None and "cache" in experts and \
+        banks_asked(replace(cfg, policy=cfg.policy or DEFAULT_POLICY), dev.type)
     found = search(shape, profile, budget, work, experts=experts,
                    kv=(False,) if on_cpu else (False, True), non_expert_bytes=ne,
                    max_seq=max_seq, slots=slots, bank=bank)

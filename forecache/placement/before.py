@@ -106,6 +106,18 @@ def bank_experts(model: ModelFile, slots: Sequence[int]) -> int:
     return bank_size(model.n_expert, [slots[il] for il in model.moe_layers() if il < len(slots)])
 
 
+def banks_asked(cfg: CacheConfig, device_type: str) -> bool:
+    """Whether a placement under ``cfg`` on a ``device_type`` device holds prompt banks where
+    some layer would miss experts (``held_back``, before their size meets the budget): asked
+    for (``cfg.prompt_bank``; by default on a GPU), for a cache whose experts are in memory and
+    whose routing nothing must see (banks compute a prompt's layers without reading it)."""
+    spec = cfg.spec
+    watched = cfg.on_route is not None or (spec.policy is not None and
+                                           spec.policy.routes_every_layer)
+    bank = cfg.prompt_bank if cfg.prompt_bank is not None else device_type != "cpu"
+    return bank and spec.cached and cfg.host_budget is None and not watched
+
+
 def held_back(model: ModelFile, cfg: CacheConfig, split: BudgetSplit | None,
               slots: Sequence[int], device_type: str, *, proactive: bool) -> tuple[int, int]:
     """What a cached placement holds back from its slots: (stage slots, experts' worth of prompt
@@ -115,14 +127,10 @@ def held_back(model: ModelFile, cfg: CacheConfig, split: BudgetSplit | None,
     expert budget; they serve prompts in place of stage slots. Else a proactive policy's stage
     slots (on a GPU). Without a budget (a fraction of the experts) the banks come beside the
     slots."""
-    spec = cfg.spec
     layers = model.moe_layers()
     full = split.slots_per_layer() if split is not None else list(slots)
     misses = any(full[il] < model.n_expert for il in layers if il < len(full))
-    watched = cfg.on_route is not None or (spec.policy is not None and
-                                           spec.policy.routes_every_layer)
-    bank = cfg.prompt_bank if cfg.prompt_bank is not None else device_type != "cpu"
-    bank = bank and spec.cached and misses and cfg.host_budget is None and not watched
+    bank = banks_asked(cfg, device_type) and misses
     if bank and split is not None:
         held = split.bank_held()
         fits = held * split.largest_expert_bytes <= split.expert_budget
