@@ -184,6 +184,8 @@ def test_overlapped_job_is_its_busiest_resource_a_step() -> None:
     busiest = max(host.busy[k] for k in ("GPU", "CPU", "PCIe")) + host.busy["runtime"]
     assert busiest - 1e-12 <= host.overlapped_s < host.job_s
     assert host.overlapped_tokens_per_s > host.tokens_per_s
+    # the bus is busy for every byte it copies, also where the copies ran beside the ops
+    assert host.overlapped_s >= host.h2d_bytes / (PROFILE.h2d_gbps * 1e9) - 1e-12
     resident = simulate_batch(reqs, SHAPE, PROFILE,
                               SimConfig("promoe", n_slots=SHAPE.experts, n_ubatch=64, n_seq=8))
     assert resident.busy["CPU"] == resident.busy["PCIe"] == 0

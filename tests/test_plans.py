@@ -263,6 +263,8 @@ def test_prompt_banks_fill_a_layer_beside_the_layer_before() -> None:
     cost = CostModel.from_profile(PROFILE, TARGET.expert)
     fills = TARGET.layers * banked.bank * TARGET.expert_bytes / (cost.copy_gbps * 1e9)
     assert b.prefill.seconds >= fills
+    # a pipeline could not hide the fills: the bus is busy for all of them
+    assert b.decode.bus_s >= fills and b.decode.overlapped_s >= min(b.decode.seconds, fills)
     # a budget that holds every expert leaves nothing to fill
     whole = layout(TARGET, 80 * GIB, SHAREGPT, plan, bank=True)
     assert whole is not None and whole.slots == TARGET.experts and whole.bank == 0

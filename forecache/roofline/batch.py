@@ -189,6 +189,9 @@ class Stage:
 
     seconds: float
     parts: dict[str, float] = field(default_factory=dict)
+    # the bus's busy time, where copies overlap the ops (prompt banks' fills): more than its
+    # part of the ops one after another, which counts only the waits for them
+    bus_s: float = 0.0
 
     @property
     def bound(self) -> str:
@@ -208,10 +211,12 @@ class Stage:
     def overlapped_s(self) -> float:
         """The stage if the device, the bus and the CPU each ran their ops alongside the
         others (MoE-Lightning's CGOPipe across micro-batches), instead of llama.cpp's one op
-        after another: the busiest of the three."""
+        after another: the busiest of the three (the bus busy for every copy, also those that
+        already ran beside the ops), never more than the ops one after another."""
         p = self.parts
-        return max(p.get("GPU compute", 0.0) + p.get("GPU memory", 0.0), p.get("PCIe", 0.0),
-                   p.get("CPU compute", 0.0) + p.get("DRAM", 0.0))
+        return min(self.seconds, max(p.get("GPU compute", 0.0) + p.get("GPU memory", 0.0),
+                                     max(p.get("PCIe", 0.0), self.bus_s),
+                                     p.get("CPU compute", 0.0) + p.get("DRAM", 0.0)))
 
 
 class _Clock:
@@ -220,6 +225,7 @@ class _Clock:
     def __init__(self) -> None:
         self.parts = dict.fromkeys(RESOURCES, 0.0)
         self.seconds = 0.0
+        self.bus = 0.0  # copies beside the ops (prompt banks' fills)
 
     def op(self, seconds: float, resource: str) -> None:
         self.seconds += seconds
@@ -234,7 +240,8 @@ class _Clock:
                 ("DRAM" if mem else "CPU compute"))
 
     def stage(self) -> Stage:
-        return Stage(self.seconds, {k: v for k, v in self.parts.items() if v > 0})
+        return Stage(self.seconds, {k: v for k, v in self.parts.items() if v > 0},
+                     self.bus + self.parts["PCIe"])
 
 
 @dataclass(frozen=True)
@@ -460,7 +467,9 @@ def ubatch_stage(shape: ModelShape, p: Profile, cost: CostModel, plan: BatchPlan
             clock.roof(p.gpu_launch_s, attn_bytes, p.gpu_mem_gbps, attn_flops,
                        p.gpu_tflops * 1e12, "gpu")
         if banked:
-            clock.op(max(filled - clock.seconds, 0.0), "PCIe")  # waiting for its fill
+            wait = max(filled - clock.seconds, 0.0)
+            clock.op(wait, "PCIe")  # waiting for its fill
+            clock.bus += fill - wait  # the rest of its fill ran beside the ops
             filled = max(clock.seconds, filled) + fill  # the next layer's, behind it
             d = max(1, round(distinct_experts(n_tokens, shape.experts, shape.top_k)))
             nproj = len(shape.expert.proj_bytes)

@@ -51,8 +51,9 @@ class BatchResult:
     busy: dict[str, float]  # critical-path seconds by resource (RESOURCES)
     extra: dict
     # the job with each step's device, CPU and bus time side by side instead of one after
-    # another (the busiest of them, plus the runtime's own steps): what a pipeline of
-    # micro-batches over the same cache (MoE-Lightning's CGOPipe) could reach at this plan
+    # another (the busiest of them, the bus busy for every byte it copied, plus the runtime's
+    # own steps): what a pipeline of micro-batches over the same cache (MoE-Lightning's
+    # CGOPipe) could reach at this plan, copying the same bytes
     overlapped_s: float = 0.0
 
     @property
@@ -271,6 +272,7 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
             decode_steps += 1
             decode_step_ubatches += len(parts)
         before = _busy(sim)
+        bytes_before, bus_before = sim.engine.stats["h2d_bytes"], sim.bus_s
         if cfg.split == "simple":
             # a unified KV cache holds every sequence's cells in one stream, and each row
             # attends over all the cells in use, the others masked
@@ -294,7 +296,15 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
             else:
                 prefill_s += t
         step = {k: v - before[k] for k, v in _busy(sim).items()}
-        overlapped += max(step["GPU"], step["CPU"], step["PCIe"]) + step["runtime"]
+        # the bus is busy for every byte it copies, also where copies ran beside the ops
+        # (prompt banks' fills, prefetches) and the critical path never waited for them
+        bus = (sim.engine.stats["h2d_bytes"] - bytes_before) / \
+            (sim.profile.h2d_gbps * sim.n_devices * 1e9) \
+            + sim.bus_s - bus_before
+        # (the replay's fills and copies run on clocks of their own and may overrun a step: a
+        # pipeline is never slower than the ops one after another)
+        overlapped += min(sum(step.values()),
+                          max(step["GPU"], step["CPU"], step["PCIe"], bus) + step["runtime"])
         generated += len(done)
         ended = False
         for s in done:
@@ -332,6 +342,7 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
     busy["GPU"] = max(busy["GPU"] - t0, 0.0)  # the job's, from its first admission
     extra = {k: v for k, v in eng.stats.items() if k != "h2d_bytes"}
     extra.update(layers_simulated=len(sim.layers), stage_slots=sim.n_stage,
+                 bank_bytes=int(sim.bank_bytes), banked=sim.banked,
                  decode_gates_in_c=sim.decode_gates, n_batch=n_batch, n_ubatch=cfg.n_ubatch,
                  kv_host=cfg.kv_host, policy=cfg.policy, split=cfg.split, moves=moves,
                  decode_steps=decode_steps, decode_step_ubatches=decode_step_ubatches)
