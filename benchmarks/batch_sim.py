@@ -291,20 +291,21 @@ def main(argv: list[str] | None = None) -> None:
     rows = sorted(screens, key=lambda s: (POLICIES.index(s.policy), s not in jobs_,
                                           -jobs_.get(s, screens[s])["tokens_per_s"]))
     print("\n| plan | policy | experts | HRM tokens/s | screen tokens/s | job tokens/s "
-          "| pipelined job tokens/s | hit % | bound |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| pipelined job tokens/s | paged job tokens/s | hit % | bound |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for s in rows:
         sc, pl = screens[s], placed[s]
         r = jobs_.get(s, sc)
         job = f"**{r['tokens_per_s']:.1f}**" if s in jobs_ else "-"
         piped = f"{r['overlapped_tokens_per_s']:.1f}" if s in jobs_ else "-"
+        paged = f"{r['paged_tokens_per_s']:.1f}" if s in jobs_ and s.policy == "promoe" else "-"
         print(f"| {s.label()} | {s.policy} | {pl.experts} | {pl.predicted:.1f} "
               f"| {sc['tokens_per_s']:.1f} "
-              f"({sc['n_requests']}) | {job} | {piped} | {r['hit_rate'] * 100:.1f} "
+              f"({sc['n_requests']}) | {job} | {piped} | {paged} | {r['hit_rate'] * 100:.1f} "
               f"| {r['bound']} |")
     by = {p: max((b for b in finals if b.policy == p), key=lambda b: jobs_[b]["tokens_per_s"])
           for p in POLICIES if any(b.policy == p for b in finals)}
-    ratio = pipelined = None
+    ratio = pipelined = paged_ratio = None
     if len(by) == 2:
         nc, pm = jobs_[by["ncmoe"]], jobs_[by["promoe"]]
         ratio = pm["tokens_per_s"] / nc["tokens_per_s"] if nc["tokens_per_s"] > 0 else None
@@ -320,6 +321,12 @@ def main(argv: list[str] | None = None) -> None:
         pipelined = pp / nc["tokens_per_s"] if nc["tokens_per_s"] > 0 else None
         print(f"forecache pipelined at its best ({piped.label()}): {pp:.1f} tokens/s, "
               f"{speedup(pp, nc['tokens_per_s'])} over stock llama.cpp's best")
+        paged_at = max((b for b in finals if b.policy == "promoe"),
+                       key=lambda b: jobs_[b]["paged_tokens_per_s"])
+        pg = jobs_[paged_at]["paged_tokens_per_s"]
+        paged_ratio = pg / nc["tokens_per_s"] if nc["tokens_per_s"] > 0 else None
+        print(f"forecache pipelined with weights paging at its best ({paged_at.label()}): "
+              f"{pg:.1f} tokens/s, {speedup(pg, nc['tokens_per_s'])} over stock llama.cpp's best")
     for p, s in picks.items():
         best_job = by.get(p)
         if best_job is None or s not in jobs_:
@@ -338,7 +345,10 @@ def main(argv: list[str] | None = None) -> None:
           "experts and attention on the host; PCIe: waiting for copies; runtime: the "
           "runtime's own steps); HRM: roofline.batch's prediction for the whole job; "
           "pipelined: the same replay with each step's device, CPU and bus time side by side "
-          "(the busiest of them), what micro-batches pipelined over the same cache could reach")
+          "(the busiest of them, the bus busy for every byte it copied), what micro-batches "
+          "pipelined over the same cache could reach; paged: pipelined, and each step's "
+          "ubatches through each layer before the next, one fill of its prompt bank serving "
+          "them all (MoE-Lightning's weights paging)")
     wall = time.perf_counter() - t_start
     print(f"{len(screens)} plans screened, {len(jobs_)} replayed whole, in {wall:.0f} s")
     if args.json:
@@ -355,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
                        "job": jobs_.get(s)} for s in rows],
             "best": {p: b.label() for p, b in by.items()},
             "hrm_pick": {p: b.label() for p, b in picks.items()}, "ratio": ratio,
-            "pipelined_ratio": pipelined}
+            "pipelined_ratio": pipelined, "paged_ratio": paged_ratio}
         args.json.write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")
 

@@ -273,3 +273,27 @@ def test_batch_sim_benchmark_quick(tmp_path: Path, capsys: pytest.CaptureFixture
                 assert p["job"]["complete"] and p["job"]["n_requests"] == got["requests"]
         best[policy] = max(p["job"]["tokens_per_s"] for p in mine if p["job"] is not None)
     assert got["ratio"] == pytest.approx(best["promoe"] / best["ncmoe"])
+
+
+def test_weights_paging_shares_a_layers_fill_between_a_steps_ubatches() -> None:
+    """With prompt banks each ubatch of 32 rows or more fills every layer's bank; going through
+    each layer with all of a step's ubatches before the next (MoE-Lightning's weights paging)
+    one fill serves them all, which the paged figure counts: below the pipelined one where
+    steps hold several banked ubatches and the bus binds (a slow one stands in for the
+    target's large experts), equal to it where none is banked."""
+    slow = replace(PROFILE, h2d_gbps=0.5)
+    rng = np.random.default_rng(7)
+    prompts = rng.integers(40, 90, 24)
+    answers = rng.integers(4, 12, 24)
+    reqs = synthesize(OLMOE_FIT, n_layers=SHAPE.layers, n_expert=SHAPE.experts,
+                      top_k=SHAPE.top_k, tokens=(prompts + answers).tolist(),
+                      prefill=prompts.tolist(), seed=8)
+    cfg = SimConfig("promoe", n_slots=12, n_ubatch=32, n_seq=64, kv_host=True, split="equal",
+                    prompt_bank=True)
+    banked = simulate_batch(reqs, SHAPE, slow, cfg)
+    assert banked.extra["banked"] > 0 and banked.extra["bank_bytes"] > 0
+    assert banked.paged_s < banked.overlapped_s <= banked.job_s
+    assert banked.paged_tokens_per_s > banked.overlapped_tokens_per_s
+    plain = simulate_batch(reqs, SHAPE, slow, replace(cfg, prompt_bank=False))
+    assert plain.extra["banked"] == 0
+    assert plain.paged_s == pytest.approx(plain.overlapped_s, rel=1e-12)

@@ -55,11 +55,20 @@ class BatchResult:
     # own steps): what a pipeline of micro-batches over the same cache (MoE-Lightning's
     # CGOPipe) could reach at this plan, copying the same bytes
     overlapped_s: float = 0.0
+    # ... and with its ubatches going through each layer before the next (MoE-Lightning's
+    # weights paging: CGOPipe's micro-batches), so that one fill of a layer's prompt bank
+    # serves every ubatch of a step
+    paged_s: float = 0.0
 
     @property
     def overlapped_tokens_per_s(self) -> float:
         """Generated tokens a second over ``overlapped_s``."""
         return self.generated / self.overlapped_s if self.overlapped_s > 0 else 0.0
+
+    @property
+    def paged_tokens_per_s(self) -> float:
+        """Generated tokens a second over ``paged_s``."""
+        return self.generated / self.paged_s if self.paged_s > 0 else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -79,7 +88,8 @@ class BatchResult:
         out = {k: v for k, v in self.__dict__.items() if k != "extra"}
         out.update(self.extra)
         out.update(tokens_per_s=self.tokens_per_s,
-                   overlapped_tokens_per_s=self.overlapped_tokens_per_s, hit_rate=self.hit_rate,
+                   overlapped_tokens_per_s=self.overlapped_tokens_per_s,
+                   paged_tokens_per_s=self.paged_tokens_per_s, hit_rate=self.hit_rate,
                    decode_hit_rate=hit_rate(self.decode_hits, self.decode_misses) or 0.0,
                    bound=self.bound)
         return out
@@ -216,7 +226,7 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
     t0 = sim.t
     latency = 0.0
     generated = finished = prompt_fed = 0
-    prefill_s = decode_s = overlapped = 0.0
+    prefill_s = decode_s = overlapped = layer_major = 0.0
     n_steps = n_ubatches = moves = 0
     decode_steps = decode_step_ubatches = 0  # steps of decoding rows only, and their ubatches
     # each sequence's KV stream: its share of the context llama.cpp is loaded with
@@ -273,6 +283,7 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
             decode_step_ubatches += len(parts)
         before = _busy(sim)
         bytes_before, bus_before = sim.engine.stats["h2d_bytes"], sim.bus_s
+        bank_before, bank_most = sim.bank_bytes, 0.0  # the step's fills, its largest ubatch's
         if cfg.split == "simple":
             # a unified KV cache holds every sequence's cells in one stream, and each row
             # attends over all the cells in use, the others masked
@@ -286,8 +297,9 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
                 # context, the KV the ubatch reads for it
                 last = np.r_[q[1:] != q[:-1], True]
                 attention = (float(c[last].sum()) * kv, 4.0 * d * float(c.sum()))
-            hits, misses = sim.hits, sim.misses
+            hits, misses, banked = sim.hits, sim.misses, sim.bank_bytes
             t = sim._ubatch(merged, rows_a[u], attention, int(logit[u].sum()))
+            bank_most = max(bank_most, sim.bank_bytes - banked)
             n_ubatches += 1
             if decoding[u].all():
                 decode_s += t
@@ -305,6 +317,12 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
         # pipeline is never slower than the ops one after another)
         overlapped += min(sum(step.values()),
                           max(step["GPU"], step["CPU"], step["PCIe"], bus) + step["runtime"])
+        # MoE-Lightning's weights paging besides: the step's ubatches go through each layer
+        # before the next, so one fill of a layer's bank serves them all (the largest's)
+        paged = bus - (sim.bank_bytes - bank_before - bank_most) / \
+            (sim.profile.h2d_gbps * sim.n_devices * 1e9)
+        layer_major += min(sum(step.values()),
+                           max(step["GPU"], step["CPU"], paged) + step["runtime"])
         generated += len(done)
         ended = False
         for s in done:
@@ -332,6 +350,7 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
             sim.t += dt
             sim.runtime_s += dt
             overlapped += dt
+            layer_major += dt
             sim.engine.advance_to(sim.t)
             moves += 1
     if sim.forecaster is not None:
@@ -356,7 +375,8 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
         n_ubatches=n_ubatches, hits=sim.hits, misses=sim.misses, decode_hits=dec_hits,
         decode_misses=dec_misses, h2d_bytes=int(eng.stats["h2d_bytes"]), stall_s=sim.stall,
         host_layers=sim.host_layers, attention_s=sim.attn_s,
-        latency_s=latency / max(finished, 1), busy=busy, extra=extra, overlapped_s=overlapped)
+        latency_s=latency / max(finished, 1), busy=busy, extra=extra, overlapped_s=overlapped,
+        paged_s=layer_major)
 
 
 def _busy(sim: Simulator) -> dict[str, float]:
