@@ -312,7 +312,7 @@ def _memory(shape: ModelShape, budget: int, work: Workload, plan: BatchPlan,
     region = 0
     if slots_given is not None:  # a cache sized by a share of the experts, not by the budget
         slots = min(shape.experts, slots_given)
-        if bank and slots < shape.experts:  # the banks come beside the slots
+        if bank and plan.experts == "cache" and slots < shape.experts:  # beside the slots
             region = shape.experts - slots
     elif bank and plan.experts == "cache" and slots < shape.experts:
         held = mem.bank_held()

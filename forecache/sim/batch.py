@@ -226,7 +226,7 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
     t0 = sim.t
     latency = 0.0
     generated = finished = prompt_fed = 0
-    prefill_s = decode_s = overlapped = layer_major = 0.0
+    prefill_s = decode_s = overlapped = paged_total = 0.0
     n_steps = n_ubatches = moves = 0
     decode_steps = decode_step_ubatches = 0  # steps of decoding rows only, and their ubatches
     # each sequence's KV stream: its share of the context llama.cpp is loaded with
@@ -321,7 +321,7 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
         # before the next, so one fill of a layer's bank serves them all (the largest's)
         paged = bus - (sim.bank_bytes - bank_before - bank_most) / \
             (sim.profile.h2d_gbps * sim.n_devices * 1e9)
-        layer_major += min(sum(step.values()),
+        paged_total += min(sum(step.values()),
                            max(step["GPU"], step["CPU"], paged) + step["runtime"])
         generated += len(done)
         ended = False
@@ -350,7 +350,7 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
             sim.t += dt
             sim.runtime_s += dt
             overlapped += dt
-            layer_major += dt
+            paged_total += dt
             sim.engine.advance_to(sim.t)
             moves += 1
     if sim.forecaster is not None:
@@ -376,7 +376,7 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
         decode_misses=dec_misses, h2d_bytes=int(eng.stats["h2d_bytes"]), stall_s=sim.stall,
         host_layers=sim.host_layers, attention_s=sim.attn_s,
         latency_s=latency / max(finished, 1), busy=busy, extra=extra, overlapped_s=overlapped,
-        paged_s=layer_major)
+        paged_s=paged_total)
 
 
 def _busy(sim: Simulator) -> dict[str, float]:
