@@ -315,18 +315,17 @@ def main(argv: list[str] | None = None) -> None:
               f"{nc['tokens_per_s']:.1f} tokens/s; "
               f"{speedup(pm['tokens_per_s'], nc['tokens_per_s'])} over the whole job of "
               f"{n_req} requests")
-        piped = max((b for b in finals if b.policy == "promoe"),
-                    key=lambda b: jobs_[b]["overlapped_tokens_per_s"])
-        pp = jobs_[piped]["overlapped_tokens_per_s"]
-        pipelined = pp / nc["tokens_per_s"] if nc["tokens_per_s"] > 0 else None
-        print(f"forecache pipelined at its best ({piped.label()}): {pp:.1f} tokens/s, "
-              f"{speedup(pp, nc['tokens_per_s'])} over stock llama.cpp's best")
-        paged_at = max((b for b in finals if b.policy == "promoe"),
-                       key=lambda b: jobs_[b]["paged_tokens_per_s"])
-        pg = jobs_[paged_at]["paged_tokens_per_s"]
-        paged_ratio = pg / nc["tokens_per_s"] if nc["tokens_per_s"] > 0 else None
-        print(f"forecache pipelined with weights paging at its best ({paged_at.label()}): "
-              f"{pg:.1f} tokens/s, {speedup(pg, nc['tokens_per_s'])} over stock llama.cpp's best")
+
+        def best_of(key: str, what: str) -> float | None:
+            """forecache's best whole job by ``key``, printed as ``what``; its ratio."""
+            at = max((b for b in finals if b.policy == "promoe"), key=lambda b: jobs_[b][key])
+            got = jobs_[at][key]
+            print(f"forecache {what} at its best ({at.label()}): {got:.1f} tokens/s, "
+                  f"{speedup(got, nc['tokens_per_s'])} over stock llama.cpp's best")
+            return got / nc["tokens_per_s"] if nc["tokens_per_s"] > 0 else None
+
+        pipelined = best_of("overlapped_tokens_per_s", "pipelined")
+        paged_ratio = best_of("paged_tokens_per_s", "pipelined with weights paging")
     for p, s in picks.items():
         best_job = by.get(p)
         if best_job is None or s not in jobs_:
