@@ -185,10 +185,35 @@ def test_plan_command(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert data["plans"][0]["line"] == lines[1]
     assert all(p["plan"].endswith("experts=ncmoe") for p in data["stock"])
+    # the lengths spread as ShareGPT's around the means by default; --spread none: all alike
+    assert "spread as ShareGPT's" in lines[0]
+    alike = run_cli("plan", "--shape", "qwen2-57b-a14b", "--gpu-budget", "24GiB",
+                    "--prompt-len", "220", "--gen", "190", "--host-memory", "128GiB", "--top",
+                    "1", "--spread", "none", check=True)
+    assert "spread" not in alike.stdout.splitlines()[0] and "plan seq=" in alike.stdout
     # a GGUF file: its own sizes
     res = run_cli("plan", "-m", str(REFERENCE_MODEL), "--gpu-budget", "512MiB", "--prompt-len",
                   "64", "--gen", "64", "--requests", "32", check=True)
     assert "forecache-ref" in res.stdout and "seq=" in res.stdout
+
+
+def test_spread_lengths_keep_the_means_and_the_context() -> None:
+    """`forecache plan`'s job of lengths spread as ShareGPT's: the means given (within a few
+    percent, the context's cut made up for), every request within its context, and a tail
+    of long answers that a job of lengths all alike lacks."""
+    from forecache.cli.plan_cmd import spread_workload
+
+    work = spread_workload(1000, 220, 190, None)
+    assert work.prompt_len == pytest.approx(220, rel=0.05)
+    assert work.gen_len == pytest.approx(190, rel=0.05)
+    assert len(work.prompts) == len(work.answers) == 1000
+    assert max(p + a for p, a in zip(work.prompts, work.answers, strict=True)) \
+        == work.ctx_per_seq <= 2048
+    assert max(work.answers) > 4 * 190
+    tight = spread_workload(64, 220, 190, 512)
+    assert tight.ctx_per_seq == 512
+    assert all(p + a <= 512 for p, a in zip(tight.prompts, tight.answers, strict=True))
+    assert spread_workload(1000, 220, 190, None) == work  # drawn with a fixed seed
 
 
 def test_plan_command_refusals() -> None:
@@ -203,6 +228,9 @@ def test_plan_command_refusals() -> None:
     assert res.returncode != 0 and "cannot read size" in res.stderr
     res = run_cli("plan", "--gpu-budget", "24GiB", "--prompt-len", "1", "--gen", "1")
     assert res.returncode != 0 and "-m FILE" in res.stderr
+    res = run_cli("plan", "--shape", "qwen2-57b-a14b", "--gpu-budget", "24GiB", "--prompt-len",
+                  "400", "--gen", "200", "--ctx-per-seq", "512")
+    assert res.returncode != 0 and "hold less than the mean prompt and answer" in res.stderr
 
 
 def test_overlap_bounds_what_a_pipeline_could_reach() -> None:
