@@ -34,6 +34,7 @@ from forecache.jobs.plan import job_workload, plan_cache
 from forecache.jobs.requests import Request
 from forecache.llama import Llama
 from forecache.native.ggml_devices import cache_device
+from forecache.placement.before import banks_asked
 from forecache.placement.costs import default_machine
 from forecache.placement.options import Options
 from forecache.roofline.batch import BatchPlan, batch_tokens, estimate, search
@@ -68,7 +69,10 @@ def predicted(model: Path, budget: int, reqs: list[Request], ctx_per_seq: int,
                         [r.max_tokens for r in reqs], ctx_per_seq)
     dev = cache_device()
     profile = Profile.load(default_machine(dev))
-    shape, ne, bank = model_shape(mf), mf.non_expert_bytes(), dev.type != "cpu"
+    shape, ne = model_shape(mf), mf.non_expert_bytes()
+    # prompt banks by the runtime's own rule, for the cache plans run_plan opens
+    bank = banks_asked(plan_cache(Options(gpu_budget=budget).cache_config(), BatchPlan(1, 1)),
+                       dev.type)
     if plans is not None:
         out = []
         for plan in plans:

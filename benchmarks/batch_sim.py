@@ -112,13 +112,14 @@ def place(shape: ModelShape, profile: Profile, budget: int, spec: Spec, work: hr
         return None
     plan = hrm.BatchPlan(spec.n_seq, spec.n_ubatch, spec.kv_host,
                          "ncmoe" if spec.policy == "ncmoe" else "cache")
-    est = hrm.estimate(shape, profile, budget, work, plan, locality=loc)
     # the HRM's figure with the prompt banks the runtime places on a GPU; the replay is given
-    # the slots before them and holds them back itself, as the runtime does
+    # the slots before them (their layout without banks) and holds them back itself, as the
+    # runtime does
+    lay = hrm.layout(shape, budget, work, plan)
     banked = hrm.estimate(shape, profile, budget, work, plan, locality=loc, bank=True)
-    if est is None or banked is None:
+    if lay is None or banked is None:
         return None
-    slots, host_layers = est.slots, est.host_layers
+    slots, host_layers = lay.slots, lay.host_layers
     predicted, bound = banked.tokens_per_s, banked.decode.bound
     if spec.policy == "ncmoe":
         on_gpu = shape.layers - host_layers
@@ -269,11 +270,12 @@ def main(argv: list[str] | None = None) -> None:
     # over the whole grid (what `forecache batch --plan auto` would run)
     picks: dict[str, Spec] = {}
     for p in POLICIES:
-        grid = [Spec(p, n, u, kv) for n in seqs for u in ubatches for kv in (False, True)]
-        fit = [(s, place(shape, profile, budget, s, work, loc)) for s in grid]
-        scored = [(s, pl.predicted) for s, pl in fit if pl is not None]
+        for s in (Spec(p, n, u, kv) for n in seqs for u in ubatches for kv in (False, True)):
+            if s not in placed and (pl := place(shape, profile, budget, s, work, loc)):
+                placed[s] = pl
+        scored = [s for s in placed if s.policy == p]
         if scored:
-            picks[p] = max(scored, key=lambda x: (x[1], x[0].n_ubatch))[0]
+            picks[p] = max(scored, key=lambda s: (placed[s].predicted, s.n_ubatch))
     replay([Spec(p, s.n_seq, u, s.kv_host) for p in POLICIES for s in best(p, widen)
             for u in ubatches] + list(picks.values()), False)
     # 3. the whole job for each policy's best screened plan at each of its ``--finalists``

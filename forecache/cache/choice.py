@@ -198,7 +198,7 @@ def promoe_prompt_s(shape: DecodeShape, p: Profile, cost: CostModel) -> float:
         groups = len(e.proj_bytes) * (1 + missing) * (p.gpu_launch_s + p.group_s)
         layer = max(missing * cost.copy_s(), dev) + groups + (p.prefetch_hook_s or p.hook_s)
         return shape.n_moe * (dense + layer)
-    fill = cost.chunk_latency_s + lack * e.nbytes / (cost.copy_gbps * 1e9)
+    fill = cost.fill_s(lack)
     t, filled = 0.0, fill  # the first layer's fill begins with the pass
     for _ in range(shape.n_moe):
         start = max(t + dense, filled)

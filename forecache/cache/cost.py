@@ -288,6 +288,10 @@ class CostModel:
             return 0.0
         return self.disk_latency_s + n * self.expert.nbytes / (self.disk_gbps * 1e9)
 
+    def fill_s(self, n: float) -> float:
+        """A prompt bank's fill of ``n`` whole experts: one copy on a stream of its own."""
+        return self.chunk_latency_s + n * self.expert.nbytes / (self.copy_gbps * 1e9)
+
     def copy_s(self) -> float:
         """One whole expert, host to device."""
         n = len(self.expert.proj_bytes)

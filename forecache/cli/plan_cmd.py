@@ -6,11 +6,14 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from forecache.cli.model_arg import MODEL
-from forecache.roofline.batch import Workload
+
+if TYPE_CHECKING:
+    from forecache.roofline.batch import Workload
 
 
 def spread_workload(n: int, prompt_len: float, gen: float, ctx_per_seq: int | None) -> Workload:
@@ -21,6 +24,7 @@ def spread_workload(n: int, prompt_len: float, gen: float, ctx_per_seq: int | No
     context's cut lowers."""
     import numpy as np
 
+    from forecache.roofline.batch import Workload
     from forecache.sim.run import SHAREGPT, LengthModel
 
     ctx = ctx_per_seq or max(SHAREGPT.context, int(4 * (prompt_len + gen)))
@@ -78,7 +82,7 @@ def plan(model: Path | None, shape: str | None, qtype: str, gpu_budget: str, pro
     from forecache.cache.cost import Profile
     from forecache.native.libs import MAX_SEQUENCES
     from forecache.placement.costs import DEFAULT_MACHINE
-    from forecache.roofline.batch import search
+    from forecache.roofline.batch import Workload, search
     from forecache.roofline.shape import model_shape, shape_of
 
     if (model is None) == (shape is None):

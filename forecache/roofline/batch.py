@@ -445,7 +445,7 @@ def ubatch_stage(shape: ModelShape, p: Profile, cost: CostModel, plan: BatchPlan
     layer's experts start once their fill is done; nothing reads the routing."""
     clock = _Clock()
     banked = bank > 0 and plan.experts == "cache" and n_tokens >= DEVICE_MIN_TOKENS
-    fill = cost.chunk_latency_s + bank * cost.expert.nbytes / (cost.copy_gbps * 1e9)
+    fill = cost.fill_s(bank)
     filled = fill  # the first layer's fill begins with the pass
     attn_bytes = n_tokens * context * shape.kv_bytes
     attn_flops = 4.0 * n_tokens * context * shape.d_model
@@ -471,11 +471,8 @@ def ubatch_stage(shape: ModelShape, p: Profile, cost: CostModel, plan: BatchPlan
             clock.op(wait, "PCIe")  # waiting for its fill
             clock.bus += fill - wait  # the rest of its fill ran beside the ops
             filled = max(clock.seconds, filled) + fill  # the next layer's, behind it
-            d = max(1, round(distinct_experts(n_tokens, shape.experts, shape.top_k)))
-            nproj = len(shape.expert.proj_bytes)
-            clock.roof(p.gpu_launch_s, d * shape.expert_bytes / nproj, p.gpu_mem_gbps,
-                       max(d, round(n_tokens * shape.top_k)) * shape.proj_flops,
-                       p.gpu_tflops * 1e12, "gpu", nproj)
+            # then every routed expert on the device, as a layer whose experts all live there
+            _layer_experts(clock, shape, p, cost, n_tokens, 1.0, False)
             continue
         host = None if plan.experts == "cache" else il < host_layers
         # half the stage slots take the next layer's misses (the other half serve this one)
@@ -540,14 +537,7 @@ def estimate(shape: ModelShape, profile: Profile, budget: int, work: Workload, p
         at = {k: decode_at(k).seconds
               for k in [1 << i for i in range(n_seq.bit_length())] if k < n_seq}
         at[n_seq] = decode.seconds
-        points = sorted(at)
-
-        def step_s(k: int) -> float:
-            hi = next(x for x in points if x >= k)
-            lo = max(x for x in points if x <= k)
-            return at[lo] if hi == lo else at[lo] + (at[hi] - at[lo]) * (k - lo) / (hi - lo)
-
-        decode_s = sum(n * step_s(k) for k, n in running_steps(work.answers, n_seq).items())
+        decode_s = sum(n * _between(at, k) for k, n in running_steps(work.answers, n_seq).items())
         generated = float(sum(work.answers))
     else:
         # every step decodes a token of each running sequence; fewer run at the job's tail
@@ -559,6 +549,14 @@ def estimate(shape: ModelShape, profile: Profile, budget: int, work: Workload, p
                     decode, prefill_s, job, generated / job if job > 0 else 0.0)
 
 
+def _between(table: Mapping[int, float], x: float) -> float:
+    """``table``'s value at ``x``: on the line through its two keys around ``x``."""
+    keys = sorted(table)
+    hi = next(k for k in keys if k >= x)
+    lo = max(k for k in keys if k <= x)
+    return table[lo] if hi == lo else table[lo] + (table[hi] - table[lo]) * (x - lo) / (hi - lo)
+
+
 def _prompts_s(prompts: Sequence[int], n_ubatch: int,
                stage_s: Callable[[float, float], float]) -> float:
     """Seconds of a job's prompt ubatches (``prompt_chunks``), ``stage_s(tokens, context)``
@@ -567,19 +565,13 @@ def _prompts_s(prompts: Sequence[int], n_ubatch: int,
     ubatch, by the line through a ubatch at the start of its prompt and one a ubatch in."""
     chunks = prompt_chunks(prompts, n_ubatch)
     top = max(t for t, _ in chunks)
-    points = sorted({1 << i for i in range(top.bit_length())} | {top})
+    points = {1 << i for i in range(top.bit_length())} | {top}
     first = {t: stage_s(t, t / 2) for t in points}
     later = {t: stage_s(t, n_ubatch + t / 2) for t in points}
-
-    def at(table: dict[int, float], t: int) -> float:
-        hi = next(x for x in points if x >= t)
-        lo = max(x for x in points if x <= t)
-        return table[lo] if hi == lo else table[lo] + (table[hi] - table[lo]) * (t - lo) / (hi - lo)
-
     total = 0.0
     for (t, start), n in chunks.items():
-        a = at(first, t)
-        total += n * (a + (at(later, t) - a) * start / n_ubatch)
+        a = _between(first, t)
+        total += n * (a + (_between(later, t) - a) * start / n_ubatch)
     return total
 
 

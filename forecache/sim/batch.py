@@ -310,17 +310,15 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
         step = {k: v - before[k] for k, v in _busy(sim).items()}
         # the bus is busy for every byte it copies, also where copies ran beside the ops
         # (prompt banks' fills, prefetches) and the critical path never waited for them
-        bus = (sim.engine.stats["h2d_bytes"] - bytes_before) / \
-            (sim.profile.h2d_gbps * sim.n_devices * 1e9) \
-            + sim.bus_s - bus_before
+        rate = sim.profile.h2d_gbps * sim.n_devices * 1e9
+        bus = (sim.engine.stats["h2d_bytes"] - bytes_before) / rate + sim.bus_s - bus_before
         # (the replay's fills and copies run on clocks of their own and may overrun a step: a
         # pipeline is never slower than the ops one after another)
         overlapped += min(sum(step.values()),
                           max(step["GPU"], step["CPU"], step["PCIe"], bus) + step["runtime"])
         # MoE-Lightning's weights paging besides: the step's ubatches go through each layer
         # before the next, so one fill of a layer's bank serves them all (the largest's)
-        paged = bus - (sim.bank_bytes - bank_before - bank_most) / \
-            (sim.profile.h2d_gbps * sim.n_devices * 1e9)
+        paged = bus - (sim.bank_bytes - bank_before - bank_most) / rate
         paged_total += min(sum(step.values()),
                            max(step["GPU"], step["CPU"], paged) + step["runtime"])
         generated += len(done)

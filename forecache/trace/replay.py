@@ -181,11 +181,18 @@ class RoutingReplay:
         pick = rows[(start + np.arange(n_tokens)) % rows.size]
         self._next[decode] = (start + n_tokens) % rows.size
         self.tokens += n_tokens
+        ids, w = self._rows(pick)
+        return (np.ascontiguousarray(ids.transpose(1, 0, 2)),
+                np.ascontiguousarray(w.transpose(1, 0, 2)))
+
+    def _rows(self, pick: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Routing rows ``pick``'s ids and weights, [len(pick), n_layer, k] each (blocks
+        without experts left 0)."""
         k = self.routing.experts.shape[2]
-        ids = np.zeros((self.n_layer, n_tokens, k), dtype=np.int32)
-        w = np.zeros((self.n_layer, n_tokens, k), dtype=np.float32)
-        ids[self.moe_layers] = self.routing.experts[pick].transpose(1, 0, 2)
-        w[self.moe_layers] = self.routing.weights[pick].transpose(1, 0, 2)
+        ids = np.zeros((len(pick), self.n_layer, k), dtype=np.int32)
+        w = np.zeros((len(pick), self.n_layer, k), dtype=np.float32)
+        ids[:, self.moe_layers] = self.routing.experts[pick]
+        w[:, self.moe_layers] = self.routing.weights[pick]
         return ids, w
 
     def pick(self, request: int, decode: bool, offset: int) -> int:
@@ -204,12 +211,7 @@ class RoutingReplay:
         if self._lib is None or self._handle is None:
             raise ReplayError("routing replay used before attach")
         n = len(picks)
-        k = self.routing.experts.shape[2]
-        ids = np.zeros((n, self.n_layer, k), dtype=np.int32)
-        w = np.zeros((n, self.n_layer, k), dtype=np.float32)
-        at = np.asarray(picks, dtype=np.int64)
-        ids[:, self.moe_layers] = self.routing.experts[at]
-        w[:, self.moe_layers] = self.routing.weights[at]
+        ids, w = self._rows(np.asarray(picks, dtype=np.int64))
         q = np.ascontiguousarray(seqs, dtype=np.int32)
         p = np.ascontiguousarray(pos, dtype=np.int32)
         i32 = ctypes.POINTER(ctypes.c_int32)
