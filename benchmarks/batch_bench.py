@@ -21,6 +21,7 @@ import json
 import os
 import platform
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -98,9 +99,13 @@ def run_plan(model: Path, trace: Path | None, budget: str, plan: BatchPlan,
                      n_ubatch=plan.n_ubatch, offload_kqv=not plan.kv_host)
     load_s = time.perf_counter() - t0
     done: list[dict] = []
+    cache = llm.expert_cache
+    if plan.micro > 1 and (cache is None or cache.bank_tokens <= 0):
+        llm.close()  # (every expert fits: no bank to share, nothing for micro-batches to do)
+        return {"plan": plan.label(), "experts": plan.experts, "skipped": "no prompt banks"}
     try:
         t0 = time.perf_counter()
-        decode_many(llm, reqs, n_seq, done.append)
+        decode_many(llm, reqs, n_seq, done.append, micro=plan.micro)
         wall = time.perf_counter() - t0
         stats = llm.expert_stats()
     finally:
@@ -127,7 +132,10 @@ def main() -> int:
                     help="each sequence's context (default: the longest request's, rounded up)")
     ap.add_argument("--plans", default="auto",
                     help="auto, or plans separated by ';' "
-                         "(seq=N,ubatch=U[,kv=host][,experts=ncmoe])")
+                         "(seq=N,ubatch=U[,kv=host][,experts=ncmoe][,micro=2])")
+    ap.add_argument("--micro", action="store_true",
+                    help="also run each forecache plan with micro-batches (micro=2: the "
+                         "prompts in a context of their own)")
     ap.add_argument("--per-kind", type=int, default=2,
                     help="with --plans auto: the plans measured for stock and for forecache each")
     ap.add_argument("--threads", type=int, default=None)
@@ -142,14 +150,20 @@ def main() -> int:
     given = None if a.plans == "auto" else \
         [BatchPlan.parse(p) for p in a.plans.split(";") if p.strip()]
     plans = predicted(a.model, budget, reqs, ctx, given, a.per_kind)
+    if a.micro:  # the roofline prices one context: a micro plan is set beside its plan's figure
+        plans += [(replace(p, micro=2), hrm) for p, hrm in plans
+                  if p.experts == "cache" and p.micro == 1]
     if not plans:
         raise SystemExit("no plan fits: raise --gpu-budget or give --plans")
     threads = a.threads or os.cpu_count() or 1
     rows = []
     for plan, hrm in plans:
         print(f"plan {plan.label()} ...", flush=True)
-        rows.append(run_plan(a.model, a.routing_trace, a.gpu_budget, plan, reqs, ctx, threads)
-                    | {"hrm_tokens_per_s": hrm})
+        row = run_plan(a.model, a.routing_trace, a.gpu_budget, plan, reqs, ctx, threads)
+        if "skipped" in row:
+            print(f"  skipped: {row['skipped']}", flush=True)
+            continue
+        rows.append(row | {"hrm_tokens_per_s": hrm})
     stock = [r for r in rows if r["experts"] == "ncmoe"]
     base = max((r["tokens_per_s"] for r in stock), default=0.0)
     dev = cache_device()

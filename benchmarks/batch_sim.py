@@ -66,7 +66,8 @@ from forecache.cache.budget import parse_size
 from forecache.cache.choice import locality
 from forecache.cache.cost import Profile
 from forecache.roofline import batch as hrm
-from forecache.sim.batch import SPLITS, simulate_batch
+from forecache.roofline.batch import SPLITS
+from forecache.sim.batch import simulate_batch
 from forecache.sim.run import SHAREGPT, speedup, window_requests
 from forecache.sim.shapes import ModelShape, shape_of
 from forecache.sim.simulate import SimConfig
@@ -88,9 +89,20 @@ class Spec:
     n_seq: int
     n_ubatch: int
     kv_host: bool
+    micro: int = 1  # decode_many's micro-batches (micro=2: the prompts in a context of their own)
 
     def label(self) -> str:
-        return f"seq={self.n_seq},ubatch={self.n_ubatch},kv={'host' if self.kv_host else 'device'}"
+        return (f"seq={self.n_seq},ubatch={self.n_ubatch},kv={'host' if self.kv_host else 'device'}"
+                + (f",micro={self.micro}" if self.micro > 1 else ""))
+
+    @classmethod
+    def parse(cls, text: str) -> Spec:
+        """``POLICY:seq=N,ubatch=U[,kv=host|device][,micro=M]`` (``forecache batch``'s plan)."""
+        policy, _, plan = text.partition(":")
+        if policy not in POLICIES:
+            raise ValueError(f"plan {text!r}: start with one of {', '.join(POLICIES)} and a colon")
+        p = hrm.BatchPlan.parse(plan)
+        return cls(policy, p.n_seq, p.n_ubatch, p.kv_host, p.micro)
 
 
 @dataclass
@@ -112,6 +124,7 @@ def place(shape: ModelShape, profile: Profile, budget: int, spec: Spec, work: hr
         return None
     plan = hrm.BatchPlan(spec.n_seq, spec.n_ubatch, spec.kv_host,
                          "ncmoe" if spec.policy == "ncmoe" else "cache")
+    # (the HRM prices one context: micro-batches' plans are placed as the plan without them)
     # the HRM's figure with the prompt banks the runtime places on a GPU; the replay is given
     # the slots before them (their layout without banks) and holds them back itself, as the
     # runtime does
@@ -146,7 +159,7 @@ def _replay(task: Task) -> dict:
     t = time.perf_counter()
     # a screen that admits every request at once has no full batch to measure: it runs whole
     r = simulate_batch([reqs[i] for i in chosen], _JOB["shape"], _JOB["profile"], cfg,
-                       steady=not whole and n_requests > spec.n_seq)
+                       steady=not whole and n_requests > spec.n_seq, micro=spec.micro)
     out = r.to_json()
     out["wall_s"] = time.perf_counter() - t
     return out
@@ -194,6 +207,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="the KV cache llama.cpp runs with: equal (a KV stream per sequence, "
                          "as forecache batch loads the model) or simple (a unified cache, "
                          "n_ubatch rows a ubatch, each row attending over every cell in use)")
+    ap.add_argument("--micro", action="store_true",
+                    help="also replay forecache's finalists with micro-batches (micro=2)")
+    ap.add_argument("--plans", default=None,
+                    help="replay only these whole jobs, ';'-separated POLICY:PLAN (e.g. "
+                         "ncmoe:seq=256,ubatch=512,kv=host;promoe:seq=256,ubatch=512,kv=host,"
+                         "micro=2), no search")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--quick", action="store_true", help="a small grid and job, for tests")
     ap.add_argument("--json", type=Path, default=None)
@@ -263,6 +282,21 @@ def main(argv: list[str] | None = None) -> None:
         got = [s for s in screens if s.policy == policy]
         return sorted(got, key=lambda s: -screens[s]["tokens_per_s"])[:k]
 
+    if args.plans:
+        given = [Spec.parse(x.strip()) for x in args.plans.split(";") if x.strip()]
+        replay(given, True)
+        _report_given(given, jobs_, placed, n_req)
+        if args.json:
+            args.json.write_text(json.dumps({
+                "shape": shape.name, "budget": args.budget, "profile": profile.name,
+                "requests": n_req, "seed": args.seed, "split": args.split,
+                "plans": [{"policy": s.policy, "plan": s.label(),
+                           "experts": placed[s].experts if s in placed else None,
+                           "hrm_tokens_per_s": placed[s].predicted if s in placed else None,
+                           "job": jobs_.get(s)} for s in given],
+                "wall_s": time.perf_counter() - t_start}, indent=1))
+            print(f"wrote {args.json}")
+        return
     # 1. every n_seq and KV placement at the base ubatch
     replay([Spec(p, n, base_u, kv) for p in POLICIES for kv in (False, True) for n in seqs],
            False)
@@ -288,6 +322,14 @@ def main(argv: list[str] | None = None) -> None:
             per_seq.setdefault(s.n_seq, s)
         finals += list(per_seq.values())[:finalists]
     finals += [s for s in picks.values() if s not in finals]
+    if args.micro:  # forecache's finalists with micro-batches too
+        finals += [Spec(s.policy, s.n_seq, s.n_ubatch, s.kv_host, 2) for s in finals
+                   if s.policy == "promoe"]
+    for s in finals:
+        if s.micro > 1 and s not in screens:  # a micro plan's row takes its plan's screen
+            base = Spec(s.policy, s.n_seq, s.n_ubatch, s.kv_host)
+            if base in screens:
+                screens[s] = screens[base]
     replay(finals, True)
 
     rows = sorted(screens, key=lambda s: (POLICIES.index(s.policy), s not in jobs_,
@@ -305,8 +347,11 @@ def main(argv: list[str] | None = None) -> None:
               f"| {sc['tokens_per_s']:.1f} "
               f"({sc['n_requests']}) | {job} | {piped} | {paged} | {r['hit_rate'] * 100:.1f} "
               f"| {r['bound']} |")
-    by = {p: max((b for b in finals if b.policy == p), key=lambda b: jobs_[b]["tokens_per_s"])
+    by = {p: max((b for b in finals if b.policy == p and b.micro == 1),
+                 key=lambda b: jobs_[b]["tokens_per_s"])
           for p in POLICIES if any(b.policy == p for b in finals)}
+    micro_best = max((b for b in finals if b.micro > 1 and b in jobs_),
+                     key=lambda b: jobs_[b]["tokens_per_s"], default=None)
     ratio = pipelined = paged_ratio = None
     if len(by) == 2:
         nc, pm = jobs_[by["ncmoe"]], jobs_[by["promoe"]]
@@ -320,7 +365,8 @@ def main(argv: list[str] | None = None) -> None:
 
         def best_of(key: str, what: str) -> float | None:
             """forecache's best whole job by ``key``, printed as ``what``; its ratio."""
-            at = max((b for b in finals if b.policy == "promoe"), key=lambda b: jobs_[b][key])
+            at = max((b for b in finals if b.policy == "promoe" and b.micro == 1),
+                     key=lambda b: jobs_[b][key])
             got = jobs_[at][key]
             print(f"forecache {what} at its best ({at.label()}): {got:.1f} tokens/s, "
                   f"{speedup(got, nc['tokens_per_s'])} over stock llama.cpp's best")
@@ -328,6 +374,14 @@ def main(argv: list[str] | None = None) -> None:
 
         pipelined = best_of("overlapped_tokens_per_s", "pipelined")
         paged_ratio = best_of("paged_tokens_per_s", "pipelined with weights paging")
+        if micro_best is not None:
+            mb = jobs_[micro_best]
+            print(f"forecache with micro-batches at its best ({micro_best.label()}): "
+                  f"{mb['tokens_per_s']:.1f} tokens/s one pass after another, "
+                  f"{speedup(mb['tokens_per_s'], nc['tokens_per_s'])}; "
+                  f"{mb['overlapped_tokens_per_s']:.1f} with each round's passes side by side, "
+                  f"{speedup(mb['overlapped_tokens_per_s'], nc['tokens_per_s'])} over stock "
+                  "llama.cpp's best")
     for p, s in picks.items():
         best_job = by.get(p)
         if best_job is None or s not in jobs_:
@@ -369,6 +423,28 @@ def main(argv: list[str] | None = None) -> None:
             "pipelined_ratio": pipelined, "paged_ratio": paged_ratio}
         args.json.write_text(json.dumps(report, indent=1))
         print(f"wrote {args.json}")
+
+
+def _report_given(given: list[Spec], jobs_: dict[Spec, dict], placed: dict[Spec, Placement],
+                  n_req: int) -> None:
+    """The table of ``--plans``' whole jobs, each against the first ncmoe plan's."""
+    base = next((jobs_[s] for s in given if s.policy == "ncmoe" and s in jobs_), None)
+    print("\n| plan | policy | experts | job tokens/s | pipelined tokens/s | vs stock (job, "
+          "pipelined) | hit % | bound |")
+    print("|---|---|---|---|---|---|---|---|")
+    for s in given:
+        if s not in jobs_:
+            print(f"| {s.label()} | {s.policy} | does not fit | - | - | - | - | - |")
+            continue
+        r = jobs_[s]
+        vs = "-" if base is None else \
+            (f"{speedup(r['tokens_per_s'], base['tokens_per_s'])}, "
+             f"{speedup(r['overlapped_tokens_per_s'], base['tokens_per_s'])}")
+        print(f"| {s.label()} | {s.policy} | {placed[s].experts} | {r['tokens_per_s']:.1f} "
+              f"| {r['overlapped_tokens_per_s']:.1f} | {vs} | {r['hit_rate'] * 100:.1f} "
+              f"| {r['bound']} |")
+    print(f"whole jobs of {n_req} requests; pipelined: each step's (micro=2: each round's) "
+          "device, CPU and bus time side by side")
 
 
 if __name__ == "__main__":

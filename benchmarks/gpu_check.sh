@@ -252,9 +252,9 @@ bench fit12 "$FIT" "$SMALL" ncmoe,ncmoe-mmap,promoe,promoe+nostream,default
 t=$(left)
 if [ "$t" -ge 60 ]; then
     log "batch ($t s left)"
-    timeout $((t < 150 ? t : 150)) "$PY" benchmarks/batch_bench.py -m "$MODEL" \
+    timeout $((t < 210 ? t : 210)) "$PY" benchmarks/batch_bench.py -m "$MODEL" \
         --routing-trace "$FIT" --gpu-budget "$BIG" --requests "$BATCH_REQUESTS" \
-        --scale "$BATCH_SCALE" --per-kind 1 "${THREADS[@]}" --json "$OUT/bench_batch.json" >&2 \
+        --scale "$BATCH_SCALE" --per-kind 1 --micro "${THREADS[@]}" --json "$OUT/bench_batch.json" >&2 \
         || log "batch did not finish (exit $?)"
     keep_in bench_batch.json bench_fit24.json batch
 else

@@ -10,6 +10,7 @@ leaving out the error records of lines that have since been fixed.
 from __future__ import annotations
 
 import codecs
+import ctypes
 import json
 import os
 import re
@@ -19,6 +20,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -28,7 +30,7 @@ from forecache.interrupt import StopFlag
 from forecache.jobs.requests import Request
 from forecache.llama import Llama, top_probability
 from forecache.paths import write_atomic
-from forecache.roofline.batch import prompt_take
+from forecache.roofline.batch import PREFILL_SEQS, prefill_take, prompt_take, split_batch
 from forecache.speculative.speculator import Sampler, SelfDraft, verify
 
 
@@ -244,15 +246,55 @@ def admission_order(requests: Sequence[Request], prompts: Sequence[list[int]],
     return order
 
 
+@dataclass
+class _Lane:
+    """A llama.cpp context a batch job decodes in (the model's own, or a micro-batch's: a
+    ``forecache.micro.Sibling``), its free sequence ids and the batch being built for it."""
+
+    ctx: int
+    replay: Any  # its trace.replay.RoutingReplay, or None
+    free: list[int]
+    batch: object  # llama_batch of n_batch rows
+    tokens: list[int] = field(default_factory=list)
+    entries: list[tuple[int, int, bool]] = field(default_factory=list)  # position, seq, logits
+    where: list[int] = field(default_factory=list)  # each row's index in its llama batch
+    # a micro-batched step's rows decoded in passes of their own: each logits row read right away
+    kept: dict[int, np.ndarray] = field(default_factory=dict)
+
+    def add(self, tok: int, pos: int, seq: int, logits: bool) -> int:
+        """Add a row; returns its index."""
+        self.tokens.append(tok)
+        self.entries.append((pos, seq, logits))
+        return len(self.tokens) - 1
+
+    def clear(self) -> None:
+        self.tokens.clear()
+        self.entries.clear()
+        self.kept.clear()
+
+    def order(self) -> list[int]:
+        """The rows in the order they go to llama.cpp: by sequence id (with a KV stream per
+        sequence it splits a batch into ubatches of sequences whose ids follow each other in
+        the batch, split_equal, so rows in any other order would be computed a few at a time)."""
+        return sorted(range(len(self.tokens)), key=lambda r: self.entries[r][1])
+
+
 def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
                 on_done: Callable[[dict], None], stop: StopFlag | None = None,
                 on_token: Callable[[int], None] | None = None,
-                packing: str = "longest", compact: bool = True) -> None:
+                packing: str = "longest", compact: bool = True, micro: int = 1) -> None:
     """Decode ``requests`` with up to ``n_parallel`` sequences in each llama.cpp batch
     (continuous batching: a finished sequence's cells are freed and the next request takes its
     sequence id; new prompts are prefilled in the same batches as the others' next tokens, in
     chunks that fill the batch's ubatches). ``packing`` orders the admissions
     (``admission_order``: ``"longest"`` first, or ``"input"``).
+    ``micro=2`` splits each step into two micro-batches (MoE-Lightning's CGOPipe): the prompts
+    are fed in a context of their own (a ``forecache.micro.Sibling`` holding up to
+    ``PREFILL_SEQS`` of them), one ubatch of them a step (``prefill_take``), and a prompt's
+    sequence moves to the model's context (its KV cells copied) once its first token is
+    sampled. Each step's prompt ubatch and the decoding sequences' ubatch go through the model
+    together, on threads of their own, one fill of each layer's prompt bank serving both (the
+    cache's prompt banks, which it needs).
     In MoBiLE decoding (``llm.mobile``) the sequences' next tokens first run a little pass of
     their own; those it is unsure of are recomputed with the prompts, by the full model. With a
     self draft (``llm.speculator``) every decoding sequence drafts up to k tokens with little
@@ -265,35 +307,82 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
     next step."""
     from llama_cpp import llama_cpp as low
 
-    ctx = llm.ctx
+    from forecache.micro import Sibling, run_round
+
     n_batch = llm.n_batch
     n_vocab = llm.n_vocab()
     per_seq = llm.n_ctx() // max(llm.n_seq_max, 1)
+    cache = llm.expert_cache
+    mobile = llm.mobile if cache is not None else None
+    spec = llm.speculator
+    if micro not in (1, 2):
+        raise ValueError(f"micro={micro}: a step is one micro-batch, or two (the prompts' and "
+                         "the decoding sequences')")
+    if micro > 1 and (mobile is not None or spec is not None):
+        raise ValueError("micro-batches decode exactly: no MoBiLE little passes or drafts")
+    if micro > 1 and (cache is None or cache.bank_tokens <= 0):
+        raise ValueError("micro-batches share the expert cache's prompt banks, and this "
+                         "placement has none (every expert fits, or they are off): drop "
+                         "micro from the plan")
     if n_parallel > llm.n_seq_max:
         raise ValueError(f"{setting('n_parallel', n_parallel)} needs a model loaded with "
                          f"n_seq_max >= {n_parallel}")
     # llama.cpp computes a batch in ubatches of n_ubatch tokens, each pass copying the missing
     # experts it routes; with a KV stream per sequence each prompt's rows make ubatches of
     # their own, so a prompt is fed whole ubatches at a time, not a partial one (prompt_take)
-    n_ubatch = max(min(int(low.llama_n_ubatch(ctx)), n_batch), 1)
+    n_ubatch = max(min(int(low.llama_n_ubatch(llm.ctx)), n_batch), 1)
     # every prompt up front: the admission order depends on their lengths
     prompts = [llm.tokenize((llm.format_chat(req.messages) if req.messages is not None
                              else req.prompt).encode("utf-8"), add_bos=True, special=True)
                for req in requests]
     pending = deque((requests[i], prompts[i]) for i in admission_order(requests, prompts, packing))
-    mem = low.llama_get_memory(ctx)
-    batch = low.llama_batch_init(n_batch, 0, 1)
-    cache = llm.expert_cache
-    free = list(range(n_parallel))
-    active: list[_Sequence] = []
+    siblings: list[Sibling] = []
+    lanes: list[_Lane] = []
     worker = cache.worker if cache is not None else None
-    if worker is not None:
-        worker.begin_request()
+    try:
+        lanes.append(_Lane(llm.ctx, llm.replay, list(range(n_parallel)),
+                           low.llama_batch_init(n_batch, 0, 1)))
+        if micro == 2:
+            n_prefill = min(n_parallel, PREFILL_SEQS)
+            siblings.append(Sibling(llm, n_seq_max=n_prefill))
+            lanes.append(_Lane(siblings[0].ctx, siblings[0].replay, list(range(n_prefill)),
+                               low.llama_batch_init(n_batch, 0, 1)))
+        if worker is not None:
+            worker.begin_request()
+        _decode_lanes(llm, lanes, requests, pending, on_done, stop, on_token, compact,
+                      n_ubatch, n_vocab, per_seq, run_round)
+    finally:
+        for lane in lanes:
+            low.llama_batch_free(lane.batch)
+        for sib in siblings:
+            sib.close()
+        if worker is not None:
+            worker.end_request()
+
+
+def _decode_lanes(llm: Llama, lanes: list[_Lane], requests: list[Request],
+                  pending: deque[tuple[Request, list[int]]], on_done: Callable[[dict], None],
+                  stop: StopFlag | None, on_token: Callable[[int], None] | None, compact: bool,
+                  n_ubatch: int, n_vocab: int, per_seq: int, run_round: Callable) -> None:
+    """decode_many's loop over its lanes (one: the model's own context)."""
+    from llama_cpp import llama_cpp as low
+
+    n_batch = llm.n_batch
+    cache = llm.expert_cache
+    mobile = llm.mobile if cache is not None else None
+    spec = llm.speculator
+    main = lanes[0]
+    active: list[_Sequence] = []
+    lane_of: dict[int, _Lane] = {}  # id(_Sequence) -> its lane
+
+    def mem(lane: _Lane) -> int:
+        return low.llama_get_memory(lane.ctx)
 
     def finish(s: _Sequence, reason: str) -> None:
+        lane = lane_of.pop(id(s))
         active.remove(s)
-        low.llama_memory_seq_rm(mem, s.seq, -1, -1)
-        free.append(s.seq)
+        low.llama_memory_seq_rm(mem(lane), s.seq, -1, -1)
+        lane.free.append(s.seq)
         text = s.text + s.decoder.decode(b"", final=True)
         if reason == "stop" and s.req.stop:
             cut = [text.find(x) for x in s.req.stop if x in text]
@@ -307,78 +396,117 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
                              "tokens_per_s": round((len(s.out) - 1) / decode_s, 3)
                              if len(s.out) > 1 and decode_s > 0 else None}})
 
-    tokens: list[int] = []  # of the batch being built
-    entries: list[tuple[int, int, bool]] = []  # each row's position, sequence, logits
-    where: list[int] = []  # each row's index in the llama batch last decoded
-
-    def clear() -> None:
-        tokens.clear()
-        entries.clear()
-
-    mobile = llm.mobile if cache is not None else None
-    spec = llm.speculator
-    replay = llm.replay  # each row reads its request's own rows of the routing
+    replay_on = any(lane.replay is not None for lane in lanes)
     if spec is not None and not isinstance(spec.draft, SelfDraft):
         raise ValueError(f"{setting('draft')} {spec.draft.kind}: a batch job drafts with the "
                          "model's own little pass only (self-little or self-cached)")
 
-    def add(tok: int, pos: int, seq: int, logits: bool) -> None:
-        tokens.append(tok)
-        entries.append((pos, seq, logits))
-
-    def move_down() -> None:
-        """Move the highest sequences into the lowest free ids below them (exact: the KV
+    def move_down(lane: _Lane) -> None:
+        """Move the lane's highest sequences into its lowest free ids below them (exact: the KV
         stream's bytes are copied by llama.cpp before the next pass)."""
-        while free and active:
-            low_id = min(free)
-            top = max(active, key=lambda x: x.seq)
+        mine = [s for s in active if lane_of[id(s)] is lane]
+        while lane.free and mine:
+            low_id = min(lane.free)
+            top = max(mine, key=lambda x: x.seq)
             if low_id > top.seq:
                 return
-            low.llama_memory_seq_cp(mem, top.seq, low_id, -1, -1)
-            low.llama_memory_seq_rm(mem, top.seq, -1, -1)
-            free.remove(low_id)
-            free.append(top.seq)
+            low.llama_memory_seq_cp(mem(lane), top.seq, low_id, -1, -1)
+            low.llama_memory_seq_rm(mem(lane), top.seq, -1, -1)
+            lane.free.remove(low_id)
+            lane.free.append(top.seq)
             top.seq = low_id
 
-    def row_logits(row: int) -> np.ndarray:
-        return np.ctypeslib.as_array(low.llama_get_logits_ith(ctx, where[row]),
+    def decoding() -> list[_Sequence]:
+        return [s for s in active if lane_of[id(s)] is main]
+
+    def migrate(s: _Sequence) -> None:
+        """Move a sequence whose prompt is in from the prefill lane to the decoding lane: its KV
+        cells copied (exact), its id the decoding lane's lowest free one."""
+        from forecache.native import api
+
+        src = lane_of[id(s)]
+        seq = main.free.pop(main.free.index(min(main.free)))
+        err = ctypes.create_string_buffer(256)
+        if api().seq_move(src.ctx, s.seq, main.ctx, seq, err, len(err)) != 0:
+            raise RuntimeError(f"cannot move request {s.req.id}'s KV cells to the decoding "
+                               f"context: {err.value.decode()}; run the job without micro")
+        low.llama_memory_seq_rm(mem(src), s.seq, -1, -1)
+        src.free.append(s.seq)
+        s.seq = seq
+        lane_of[id(s)] = main
+
+    def row_logits(lane: _Lane, row: int) -> np.ndarray:
+        if row in lane.kept:
+            return lane.kept[row]
+        return np.ctypeslib.as_array(low.llama_get_logits_ith(lane.ctx, lane.where[row]),
                                      shape=(n_vocab,))
 
-    def decode() -> None:
-        # rows go to llama.cpp in sequence-id order: with a KV stream per sequence it splits a
-        # batch into ubatches of sequences whose ids follow each other in the batch
-        # (split_equal), so rows in any other order would be computed a few at a time
-        order = sorted(range(len(tokens)), key=lambda r: entries[r][1])
-        where[:] = [0] * len(order)
-        for i, r in enumerate(order):
-            pos, seq, logits = entries[r]
-            where[r] = i
-            batch.token[i] = tokens[r]
-            batch.pos[i] = pos
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = seq
-            batch.logits[i] = logits
-        batch.n_tokens = len(tokens)
-        seqs = {seq for _, seq, _ in entries}
-        if len(seqs) > 1:
-            for s in active:
-                s.batched = s.batched or s.seq in seqs
-        if cache is not None:
-            cache.begin_ubatch(np.asarray([tokens[r] for r in order], dtype=np.int32))
-        if replay is not None:
-            by_seq = {s.seq: s for s in active}
-            picks = []
-            for pos, seq, _ in entries:
+    def pass_of(lane: _Lane, rows: Sequence[int]) -> int:
+        """Decode ``rows`` of the lane's batch (in sequence-id order) as one llama batch."""
+        batch = lane.batch
+        for i, r in enumerate(rows):
+            pos, seq, logits = lane.entries[r]
+            lane.where[r] = i
+            batch.token[i] = lane.tokens[r]  # type: ignore[attr-defined]
+            batch.pos[i] = pos  # type: ignore[attr-defined]
+            batch.n_seq_id[i] = 1  # type: ignore[attr-defined]
+            batch.seq_id[i][0] = seq  # type: ignore[attr-defined]
+            batch.logits[i] = logits  # type: ignore[attr-defined]
+        batch.n_tokens = len(rows)  # type: ignore[attr-defined]
+        if cache is not None and lane is main:
+            cache.begin_ubatch(np.asarray([lane.tokens[r] for r in rows], dtype=np.int32))
+        if lane.replay is not None:
+            by_seq = {s.seq: s for s in active if lane_of[id(s)] is lane}
+            picks, seqs, poss = [], [], []
+            for r in rows:
+                pos, seq, _ = lane.entries[r]
                 s = by_seq[seq]
                 decoding = pos >= len(s.prompt)
-                picks.append(replay.pick(s.admitted, decoding,
-                                         pos - len(s.prompt) if decoding else pos))
-            replay.before_rows([e[1] for e in entries], [e[0] for e in entries], picks)
-        rc = low.llama_decode(ctx, batch)
-        if rc != 0:
-            raise RuntimeError(decode_failure(rc, len(active)))
-        if replay is not None:
-            replay.check()
+                picks.append(lane.replay.pick(s.admitted, decoding,
+                                              pos - len(s.prompt) if decoding else pos))
+                seqs.append(seq)
+                poss.append(pos)
+            lane.replay.before_rows(seqs, poss, picks)
+        return int(low.llama_decode(lane.ctx, batch))
+
+    def mark_batched(lane: _Lane) -> None:
+        seqs = {seq for _, seq, _ in lane.entries}
+        if len(seqs) > 1:
+            for s in active:
+                if lane_of[id(s)] is lane:
+                    s.batched = s.batched or s.seq in seqs
+
+    def decode() -> None:
+        """Decode the lanes' batches: one llama batch where one lane has rows; where both do,
+        their ubatches in rounds (the k-th of each lane together, each on a thread of its own),
+        each logits row read at once."""
+        busy = [lane for lane in lanes if lane.tokens]
+        for lane in busy:
+            mark_batched(lane)
+            lane.where[:] = [0] * len(lane.tokens)
+        if len(busy) == 1:  # one llama batch, which llama.cpp splits into ubatches itself
+            try:
+                rc = pass_of(busy[0], busy[0].order())
+            finally:
+                if len(lanes) > 1 and cache is not None:
+                    cache.end_pass(busy[0].ctx)  # the other lane's passes may go on
+            if rc != 0:
+                raise RuntimeError(decode_failure(rc, len(active)))
+        else:
+            parts = {id(lane): _ubatches(lane, n_ubatch) for lane in busy}
+            for k in range(max(len(p) for p in parts.values())):
+                jobs = []
+                for lane in busy:
+                    if k < len(parts[id(lane)]):
+                        rows = parts[id(lane)][k]
+                        jobs.append((lane.ctx, _keep_job(lane, rows, pass_of, row_logits)))
+                for rc in run_round(cache, jobs):
+                    if rc != 0:
+                        raise RuntimeError(decode_failure(rc, len(active)))
+        if replay_on:
+            for lane in busy:
+                if lane.replay is not None:
+                    lane.replay.check()
 
     def little_pass(rows: list[tuple[_Sequence, int]], sampled: list[tuple[_Sequence, int]]
                     ) -> list[tuple[_Sequence, int]]:
@@ -395,7 +523,7 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
             cache.set_little(0)
         unsure = []
         for s, row in rows:
-            logits = row_logits(row)
+            logits = row_logits(main, row)
             if top_probability(logits) >= gamma:
                 sampled.append((s, sample(logits, s.req.sampling, s.rng)))
             else:
@@ -404,13 +532,12 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
         llm.mobile_passes[1] += len(unsure)
         if unsure:
             llm.mobile_passes[2] += cache.prefetch_little(llm.model_file.n_expert_used)
-        clear()
+        main.clear()
         again = []
         for s, _ in unsure:
             pos = len(s.prompt) + len(s.out) - 1
-            low.llama_memory_seq_rm(mem, s.seq, pos, -1)  # the full model's KV replaces it
-            again.append((s, len(tokens)))
-            add(s.out[-1], pos, s.seq, True)
+            low.llama_memory_seq_rm(mem(main), s.seq, pos, -1)  # the full model's KV replaces it
+            again.append((s, main.add(s.out[-1], pos, s.seq, True)))
         return again
 
     def speculate(rows: list[tuple[_Sequence, int]]) -> list[tuple[_Sequence, int, list, list]]:
@@ -434,28 +561,29 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
         cache.set_little(draft.m, draft.resident)
         try:
             for r in range(most):
-                clear()
+                main.clear()
                 round_rows = []
                 for s, pos, n, drafts, qs in plan:
                     if n > r:
-                        round_rows.append((s, len(tokens), drafts, qs))
-                        add(drafts[-1] if drafts else s.out[-1], pos + r, s.seq, True)
+                        round_rows.append((s, main.add(drafts[-1] if drafts else s.out[-1],
+                                                       pos + r, s.seq, True), drafts, qs))
                 decode()
                 for s, row, drafts, qs in round_rows:
-                    t, q = sampler(s.req.sampling).pick(row_logits(row), s.rng, s.out + drafts)
+                    t, q = sampler(s.req.sampling).pick(row_logits(main, row), s.rng,
+                                                        s.out + drafts)
                     drafts.append(t)
                     qs.append(q)
         finally:
             cache.set_little(0)
         for s, pos, *_ in plan:
-            low.llama_memory_seq_rm(mem, s.seq, pos, -1)
+            low.llama_memory_seq_rm(mem(main), s.seq, pos, -1)
         cache.prefetch_little(llm.model_file.n_expert_used)
-        clear()
+        main.clear()
         checks = []
         for s, pos, _, drafts, qs in plan:
-            checks.append((s, len(tokens), drafts, qs))
+            checks.append((s, len(main.tokens), drafts, qs))
             for i, t in enumerate([s.out[-1], *drafts]):
-                add(t, pos + i, s.seq, True)
+                main.add(t, pos + i, s.seq, True)
         return checks
 
     def check(s: _Sequence, row: int, drafts: list[int], qs: list,
@@ -463,9 +591,9 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
         """Verify one sequence's drafts: its accepted tokens and the model's next one go to
         ``sampled``; the rejected drafts' KV cells are dropped. Returns the drafts accepted."""
         assert spec is not None
-        logits = np.stack([row_logits(row + i) for i in range(len(drafts) + 1)])
+        logits = np.stack([row_logits(main, row + i) for i in range(len(drafts) + 1)])
         accepted, new = verify(logits, drafts, qs, sampler(s.req.sampling), s.rng, s.out)
-        low.llama_memory_seq_rm(mem, s.seq, len(s.prompt) + len(s.out) + len(accepted), -1)
+        low.llama_memory_seq_rm(mem(main), s.seq, len(s.prompt) + len(s.out) + len(accepted), -1)
         spec.stats.add(len(drafts), len(accepted))
         sampled.extend((s, t) for t in [*accepted, new])
         return len(accepted)
@@ -473,7 +601,9 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
     admitted = 0  # requests admitted so far
     try:
         while (pending or active) and not stop:
-            while free and pending:  # admit the next requests
+            # admit the next requests: into the prefill lane when there is one, as many as
+            # the decoding lane can take once their prompts are in
+            while pending and len(active) < len(main.free) + len(decoding()) and lanes[-1].free:
                 req, prompt = pending.popleft()
                 if len(prompt) + req.max_tokens > per_seq:
                     on_done({"id": req.id, "line": req.line,
@@ -483,40 +613,52 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
                                       "max_tokens"})
                     continue
                 # the lowest free id: the decoding sequences' ids stay close together
-                seq = free.pop(free.index(min(free)))
-                active.append(_Sequence(req, seq, prompt, np.random.default_rng(req.seed),
-                                        admitted=admitted))
+                lane = lanes[-1]
+                seq = lane.free.pop(lane.free.index(min(lane.free)))
+                s = _Sequence(req, seq, prompt, np.random.default_rng(req.seed),
+                              admitted=admitted)
+                active.append(s)
+                lane_of[id(s)] = lane
                 admitted += 1
             if not active:
                 continue
-            clear()
-            rows: list[tuple[_Sequence, int]] = []  # sequences sampled from this batch's rows
+            for lane in lanes:
+                lane.clear()
+            rows: list[tuple[_Sequence, _Lane, int]] = []  # sampled from this batch's rows
             sampled: list[tuple[_Sequence, int]] = []  # and the tokens sampled for them
             for s in active:  # each decoding sequence's last sampled token first
                 if s.out:
-                    rows.append((s, len(tokens)))
-                    add(s.out[-1], len(s.prompt) + len(s.out) - 1, s.seq, True)
+                    lane = lane_of[id(s)]
+                    rows.append((s, lane, lane.add(s.out[-1], len(s.prompt) + len(s.out) - 1,
+                                                   s.seq, True)))
             checks: list[tuple[_Sequence, int, list, list]] = []
             if mobile is not None and rows:
-                rows = little_pass(rows, sampled)
+                rows = [(s, main, r) for s, r in little_pass([(s, r) for s, _, r in rows],
+                                                              sampled)]
             elif spec is not None and rows:
-                checks = speculate(rows)
+                checks = speculate([(s, r) for s, _, r in rows])
                 if checks:
                     rows = []
-            # then prompt chunks, while the batch has room
+            # then prompt chunks, while the batch has room; in a prefill lane one ubatch of
+            # them (prefill_take), the decoding lane's ubatch's partner
+            prefill = {s.seq: len(s.prompt) - s.fed for s in active
+                       if lane_of[id(s)] is not main}
+            takes = prefill_take(prefill, n_ubatch) if prefill else {}
             for s in active:
-                if s.fed < len(s.prompt) and len(tokens) < n_batch:
-                    take = prompt_take(len(s.prompt) - s.fed, n_batch - len(tokens), n_ubatch)
+                lane = lane_of[id(s)]
+                if s.fed < len(s.prompt) and len(lane.tokens) < n_batch:
+                    take = takes.get(s.seq, 0) if lane is not main else \
+                        prompt_take(len(s.prompt) - s.fed, n_batch - len(lane.tokens), n_ubatch)
                     for j in range(s.fed, s.fed + take):
                         last = j == len(s.prompt) - 1
+                        row = lane.add(s.prompt[j], j, s.seq, last)
                         if last:
-                            rows.append((s, len(tokens)))
-                        add(s.prompt[j], j, s.seq, last)
+                            rows.append((s, lane, row))
                     s.fed += take
-            if tokens:
+            if any(lane.tokens for lane in lanes):
                 decode()
-                for s, row in rows:
-                    sampled.append((s, sample(row_logits(row), s.req.sampling, s.rng)))
+                for s, lane, row in rows:
+                    sampled.append((s, sample(row_logits(lane, row), s.req.sampling, s.rng)))
                 taken = sum(check(s, row, drafts, qs, sampled) for s, row, drafts, qs in checks)
                 if checks and spec is not None:
                     spec.length.update(taken, sum(len(c[2]) for c in checks))
@@ -537,11 +679,35 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
                     finish(s, "stop")
                 elif len(s.out) >= s.req.max_tokens:
                     finish(s, "length")
+                elif lane_of[id(s)] is not main:
+                    migrate(s)
             if compact and not pending:
-                move_down()
+                for lane in lanes:
+                    move_down(lane)
     finally:
         for s in list(active):  # interrupted: free their cells; nothing is written for them
-            low.llama_memory_seq_rm(mem, s.seq, -1, -1)
-        low.llama_batch_free(batch)
-        if worker is not None:
-            worker.end_request()
+            low.llama_memory_seq_rm(mem(lane_of[id(s)]), s.seq, -1, -1)
+
+
+def _ubatches(lane: _Lane, n_ubatch: int) -> list[list[int]]:
+    """The ubatches llama.cpp makes of the lane's batch (``split_batch``, a KV stream per
+    sequence): row indices of the lane's batch, each one llama batch of its own."""
+    order = lane.order()
+    seqs = [lane.entries[r][1] for r in order]
+    return [[order[i] for i in part] for part in split_batch(seqs, n_ubatch, "equal")]
+
+
+def _keep_job(lane: _Lane, rows: list[int], pass_of: Callable[[_Lane, Sequence[int]], int],
+              row_logits: Callable[[_Lane, int], np.ndarray]) -> Callable[[], int]:
+    """A round's job: decode ``rows`` of the lane as one pass, then keep their logits rows (the
+    lane's next pass overwrites llama.cpp's)."""
+
+    def job() -> int:
+        rc = pass_of(lane, rows)
+        if rc == 0:
+            for r in rows:
+                if lane.entries[r][2]:
+                    lane.kept[r] = row_logits(lane, r).copy()
+        return rc
+
+    return job

@@ -14,7 +14,8 @@ import pytest
 
 from forecache.cache.cost import Profile
 from forecache.predictor.history import HistoryPredictor
-from forecache.sim.batch import simulate_batch, split_batch
+from forecache.roofline.batch import split_batch
+from forecache.sim.batch import simulate_batch
 from forecache.sim.run import SHAREGPT, window_requests
 from forecache.sim.shapes import shape_of
 from forecache.sim.simulate import SimConfig, Simulator, simulate
@@ -297,3 +298,51 @@ def test_weights_paging_shares_a_layers_fill_between_a_steps_ubatches() -> None:
     plain = simulate_batch(reqs, SHAPE, slow, replace(cfg, prompt_bank=False))
     assert plain.extra["banked"] == 0
     assert plain.paged_s == pytest.approx(plain.overlapped_s, rel=1e-12)
+
+
+def test_micro_batches_pair_a_prompt_with_the_decoding_rows() -> None:
+    """decode_many's micro=2 replayed: the prompts fed in a context of their own, each sequence
+    moved to the decoding context once its first token is sampled; a step's prompt ubatch and
+    decoding ubatch go through each layer together, the second reading the first's bank fills:
+    every token is generated, fewer bytes fill the banks, the serial clock pays the moves, and
+    each round's passes side by side are faster than the serial clock."""
+    slow = replace(PROFILE, h2d_gbps=0.5)
+    rng = np.random.default_rng(9)
+    prompts = rng.integers(40, 90, 48)
+    answers = rng.integers(40, 80, 48)
+    reqs = synthesize(OLMOE_FIT, n_layers=SHAPE.layers, n_expert=SHAPE.experts,
+                      top_k=SHAPE.top_k, tokens=(prompts + answers).tolist(),
+                      prefill=prompts.tolist(), seed=10)
+    # a prompt is one ubatch, and the decoding rows are enough for the banks beside it
+    cfg = SimConfig("promoe", n_slots=12, n_ubatch=128, n_seq=40, kv_host=True,
+                    split="equal", prompt_bank=True)
+    one = simulate_batch(reqs, SHAPE, slow, cfg)
+    two = simulate_batch(reqs, SHAPE, slow, cfg, micro=2)
+    assert two.generated == one.generated == int(answers.sum())
+    assert two.prompt_tokens == one.prompt_tokens == int(prompts.sum())
+    assert two.extra["micro"] == 2 and two.extra["migrated"] == len(reqs)
+    assert two.extra["bank_bytes"] < one.extra["bank_bytes"]
+    assert two.job_s < one.job_s and two.overlapped_s < two.job_s
+    with pytest.raises(ValueError, match="micro=3"):
+        simulate_batch(reqs, SHAPE, slow, cfg, micro=3)
+    with pytest.raises(ValueError, match="split='equal'"):
+        simulate_batch(reqs, SHAPE, slow, replace(cfg, split="simple"), micro=2)
+
+
+def test_prefill_take_makes_one_ubatch() -> None:
+    """A prefill context's step feeds the prompts whose ids follow each other from the lowest,
+    as many rows of each as all of them have within one ubatch: the rows llama.cpp puts into one
+    ubatch with a KV stream per sequence."""
+    from forecache.roofline.batch import prefill_take
+
+    assert prefill_take({}, 64) == {} and prefill_take({3: 0}, 64) == {}
+    assert prefill_take({0: 100}, 64) == {0: 64}
+    assert prefill_take({0: 30, 1: 50, 2: 9}, 64) == {0: 30, 1: 30}  # 60 rows, not 27
+    assert prefill_take({0: 20, 1: 50, 2: 19}, 64) == {0: 19, 1: 19, 2: 19}
+    assert prefill_take({0: 9, 1: 50, 3: 40}, 64) == {1: 50}  # 3 does not follow 1
+    assert prefill_take({2: 40, 4: 30, 5: 30}, 64) == {4: 30, 5: 30}
+    assert prefill_take({0: 1, 1: 1}, 64) == {0: 1, 1: 1}
+    assert prefill_take({q: 500 for q in range(8)}, 64) == {0: 64}  # lowest ids on a tie
+    parts = split_batch([q for q, n in prefill_take({0: 30, 1: 50, 2: 31}, 128).items()
+                         for _ in range(n)], 128, "equal")
+    assert len(parts) == 1

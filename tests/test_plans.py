@@ -38,9 +38,14 @@ def test_plan_text_round_trip_and_refusals() -> None:
     assert p == BatchPlan(16, 512, True, "cache")
     assert BatchPlan.parse(p.label()) == p
     assert BatchPlan.parse("ubatch=64, seq=2, experts=ncmoe") == BatchPlan(2, 64, False, "ncmoe")
+    micro = BatchPlan.parse("seq=16,ubatch=512,kv=host,micro=2")
+    assert micro.micro == 2 and micro.label() == "seq=16,ubatch=512,kv=host,micro=2"
+    assert BatchPlan.parse(micro.label()) == micro and p.micro == 1
     for bad in ("seq=16", "seq=x,ubatch=2", "seq=1,ubatch=2,kv=gpu", "seq=1,ubatch=2,foo=3",
-                "seq=0,ubatch=2", "seq=1,ubatch=2,experts=lru", "seq=1,seq=2,ubatch=4"):
-        with pytest.raises(ValueError, match="plan|seq|experts"):
+                "seq=0,ubatch=2", "seq=1,ubatch=2,experts=lru", "seq=1,seq=2,ubatch=4",
+                "seq=4,ubatch=2,micro=3", "seq=4,ubatch=2,micro=x",
+                "seq=4,ubatch=2,experts=ncmoe,micro=2"):
+        with pytest.raises(ValueError, match="plan|seq|experts|micro"):
             BatchPlan.parse(bad)
 
 

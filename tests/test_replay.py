@@ -458,7 +458,7 @@ def test_a_batch_of_sequences_replays_each_tokens_routing_where_it_lands(
     still routes as set for its sequence and position, in whichever ubatch it lands."""
     from llama_cpp import llama_cpp as low
 
-    from forecache.sim.batch import split_batch
+    from forecache.roofline.batch import split_batch
 
     model = tiny_model("q8_0")
     trace = _prefill_decode_trace(tmp_path / "t.npz", 40, 8, seed=4)

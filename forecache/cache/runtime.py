@@ -493,6 +493,31 @@ class ExpertCache:
                 d[k] += s[k]
         return out
 
+    def attach(self, ctx: int) -> None:
+        """Let another context of the model read the prompt banks: its ubatches of
+        ``bank_tokens`` rows or more compute their bank layers from them (a micro-batch of a
+        round, ``begin_round``); its other expert products stay stock llama.cpp's."""
+        err = ctypes.create_string_buffer(512)
+        if self._api.cache_attach(self._handle, ctx, err, len(err)) != 0:
+            raise CacheError(f"cannot attach a context to the expert cache: {err.value.decode()}")
+
+    def detach(self, ctx: int) -> None:
+        """Take the cache off a context ``attach`` added (its routing replay closed first)."""
+        if self._handle is not None and self._api.cache_detach(self._handle, ctx) == -2:
+            raise CacheError("close the context's routing replay before detaching it")
+
+    def begin_round(self, n_passes: int) -> None:
+        """The next ``n_passes`` passes, one from each context (this one and attached ones),
+        each decoded on a thread of its own, share every bank fill; ``end_pass`` after each
+        context's decode returns."""
+        if self._api.cache_begin_round(self._handle, n_passes) != 0:
+            raise CacheError("a round of micro-batches began before the last one ended")
+
+    def end_pass(self, ctx: int) -> None:
+        """``ctx``'s decode returned (or failed): it reads no bank any more."""
+        if self._handle is not None:
+            self._api.cache_end_pass(self._handle, ctx)
+
     def close(self) -> None:
         """Free the C side; the context's next ubatch builds a graph without the cache."""
         if self.worker is not None:

@@ -135,15 +135,37 @@ static void fc_bank_stream_free(fc_device & d) {
             ev = nullptr;
         }
     }
-    if (d.bank_freed != nullptr) {
-        ggml_backend_event_free(d.bank_freed);
-        d.bank_freed = nullptr;
-    }
     ggml_backend_free(d.bank_copy);
     d.bank_copy = nullptr;
 }
 
+bool fc_bank_gctx_events(forecache_cache * c, fc_gctx & g) {
+    g.freed.assign(c->devs.size(), nullptr);
+    for (size_t k = 0; k < c->devs.size(); k++) {
+        if (c->devs[k].bank_copy != nullptr) {
+            g.freed[k] = ggml_backend_event_new(c->devs[k].dev);
+            if (g.freed[k] == nullptr) {
+                return false;
+            }
+        }
+    }
+    return true;
+}
+
+void fc_bank_gctx_free(fc_gctx & g) {
+    for (ggml_backend_event_t & ev : g.freed) {
+        if (ev != nullptr) {
+            ggml_backend_event_free(ev);
+            ev = nullptr;
+        }
+    }
+}
+
 void fc_bank_free(forecache_cache * c) {
+    fc_bank_gctx_free(c->main);
+    for (auto & g : c->attached) {
+        fc_bank_gctx_free(*g);
+    }
     for (fc_device & d : c->devs) {
         if (d.filler) {
             d.filler->wait();
@@ -178,9 +200,8 @@ static bool fc_bank_events(fc_device & d) {
         return false;
     }
     d.bank_copy = ggml_backend_dev_init(d.dev, nullptr);
-    d.bank_freed = d.bank_copy != nullptr ? ggml_backend_event_new(d.dev) : nullptr;
     for (ggml_backend_event_t & ev : d.bank_filled) {
-        ev = d.bank_freed != nullptr ? ggml_backend_event_new(d.dev) : nullptr;
+        ev = d.bank_copy != nullptr ? ggml_backend_event_new(d.dev) : nullptr;
     }
     if (d.bank_filled[0] != nullptr && d.bank_filled[1] != nullptr) {
         return true;
@@ -281,6 +302,11 @@ int32_t forecache_cache_set_bank(struct forecache_cache * cache, int32_t min_tok
             d.filler = std::make_unique<fc_host_thread>();
         }
     }
+    if (!fc_bank_gctx_events(cache, cache->main)) {
+        forecache_set_err(err, err_size, "cannot create the prompt banks' events");
+        fc_bank_free(cache);
+        return -1;
+    }
     {
         std::lock_guard<std::mutex> lock(cache->mtx);
         cache->bank_tokens = min_tokens;
@@ -292,7 +318,7 @@ int32_t forecache_cache_set_bank(struct forecache_cache * cache, int32_t min_tok
 // copies layer il's planned experts from host memory: run [e0, e1) of experts side by side, each into
 // the bank region's place the plan gave it (side by side too), or each into its slot
 static void fc_bank_copy(forecache_cache * c, int32_t il, const std::vector<std::pair<int32_t, int32_t>> & runs,
-        const std::vector<std::pair<int32_t, int32_t>> & to_slots, ggml_backend_t copy) {
+        const std::vector<std::pair<int32_t, int32_t>> & to_slots, ggml_backend_t copy, int32_t rows) {
     fc_layer & L = c->layers[il];
     const auto t0 = fc_clock::now();
     uint64_t bytes = 0;
@@ -319,35 +345,81 @@ static void fc_bank_copy(forecache_cache * c, int32_t il, const std::vector<std:
         L.stats.bank_bytes += bytes;
     }
     if (c->tl_on.load(std::memory_order_relaxed)) {
-        fc_span_add(c, FORECACHE_SPAN_BANK, il, -1, -1, -1, c->bank_rows, bytes, t0, fc_clock::now());
+        fc_span_add(c, FORECACHE_SPAN_BANK, il, -1, -1, -1, rows, bytes, t0, fc_clock::now());
     }
 }
 
-// layer m's fill for this pass is issued (its region holds it, or is being filled with it; lock held)
-static bool fc_bank_issued(const forecache_cache * c, int32_t m) {
+// layer m's fill for g's pass is issued (its region holds it, or is being filled with it; lock held)
+static bool fc_bank_issued(const forecache_cache * c, const fc_gctx & g, int32_t m) {
     const fc_layer & M = c->layers[m];
     const fc_device & d = c->devs[M.dev];
-    return d.bank_layer[M.bank_region] == m && d.bank_epoch[M.bank_region] == c->epoch;
+    return d.bank_layer[M.bank_region] == m && d.bank_epoch[M.bank_region] == g.bank_id;
 }
 
 // whether layer m (-1: none) is to be filled ahead: not issued yet, and some expert of it is not
 // resident (lock held)
-static bool fc_bank_wants(const forecache_cache * c, int32_t m) {
-    return m >= 0 && !fc_bank_issued(c, m) && !fc_complete(c, m);
+static bool fc_bank_wants(const forecache_cache * c, const fc_gctx & g, int32_t m) {
+    return m >= 0 && !fc_bank_issued(c, g, m) && !fc_complete(c, m);
 }
 
-// plans where each expert of layer m is for this pass and issues the copies, after every node launched
-// so far: a resident expert is read from its slot; the others go into the region, side by side, and
-// those beyond its size into empty slots, the layer's queued loads dropped and its running ones
-// landed first where the two lack room (lock not held)
-static void fc_bank_fill(forecache_cache * c, int32_t m) {
+// whether g's pass may fill layer m's region now: no pass still reads what it holds (lock held). A
+// round's passes read each fill of the round, so a region of the round is filled anew once every
+// pass of it has begun and launched the nodes of the layer it holds; any other fill is done with
+// (the passes that read it have ended, as a pass that joins no round waits for)
+static bool fc_bank_may_fill(const forecache_cache * c, const fc_gctx & g, int32_t m) {
+    const fc_layer & M = c->layers[m];
+    const fc_device & d = c->devs[M.dev];
+    const int32_t r = M.bank_region;
+    if (!d.bank_ready[r]) {
+        return false; // a fill being issued into it
+    }
+    if (!g.member || d.bank_epoch[r] != g.bank_id) {
+        return true;
+    }
+    if (c->round_joined < c->round_n) {
+        return false; // a pass yet to begin reads every fill of its round
+    }
+    for (const fc_gctx * h : c->round_members) {
+        if (h->member && h->at <= d.bank_layer[r]) {
+            return false;
+        }
+    }
+    return true;
+}
+
+// fills layer m's region for g's pass: plans where each expert of the layer is (a resident expert is
+// read from its slot; the others go into the region, side by side, and those beyond its size into
+// empty slots, the layer's queued loads dropped and its running ones landed first where the two lack
+// room), writes the layer's tables and issues the copies after every node launched so far by the
+// passes that read the region. Returns 1 when this call issued it, 0 when it was issued already (by
+// g's pass or another of its round), -1 when it may not be filled yet and !block (lock not held).
+static int fc_bank_fill(forecache_cache * c, fc_gctx & g, int32_t m, bool block) {
     fc_layer & M = c->layers[m];
-    fc_device & d = c->devs[M.dev];
+    const int32_t k = M.dev;
+    fc_device & d = c->devs[k];
     const int32_t r = M.bank_region;
     std::vector<std::pair<int32_t, int32_t>> runs;
     std::vector<std::pair<int32_t, int32_t>> to_slots;
+    std::vector<const fc_gctx *> readers;
+    std::vector<int32_t> tables; // projections whose table changed
     {
         std::unique_lock<std::mutex> lock(c->mtx);
+        for (;;) {
+            if (fc_bank_issued(c, g, m) || c->stop) {
+                return 0;
+            }
+            if (fc_bank_may_fill(c, g, m)) {
+                break;
+            }
+            if (!block) {
+                return -1;
+            }
+            c->cv_round.wait(lock);
+        }
+        d.bank_layer[r] = m;
+        d.bank_epoch[r] = g.bank_id;
+        d.bank_ready[r] = false;
+        M.bank_filler   = &g;
         auto plan = [&]() {
             runs.clear();
             to_slots.clear();
@@ -412,88 +484,171 @@ static void fc_bank_fill(forecache_cache * c, int32_t m) {
                 return left == 0 || c->stop;
             });
             if (c->stop) {
-                return;
+                d.bank_ready[r] = true;
+                c->cv_round.notify_all();
+                return 0;
             }
         }
-        d.bank_layer[r] = m;
-        d.bank_epoch[r] = c->epoch;
+        // the tables the layer's products read its experts' places through
+        for (int32_t p = 0; p < M.n_proj; p++) {
+            std::vector<int32_t> & want = c->slots;
+            want.resize(M.n_expert);
+            for (int32_t e = 0; e < M.n_expert; e++) {
+                want[e] = M.plan_slot[e] >= 0 ? M.unit[p] + M.plan_slot[e] : std::max(M.plan_bank[e], 0);
+            }
+            if (want != M.bmap_dev[p]) {
+                M.bmap_dev[p] = want;
+                M.stats.uploads++;
+                tables.push_back(p);
+            }
+        }
+        M.plan_waits = M.plan_copies || !tables.empty();
+        if (M.plan_copies) {
+            M.stats.banked++;
+        }
+        // every context: a pass that ended may still run on its stream (a decode returns
+        // before its last nodes are done)
+        readers.push_back(&c->main);
+        for (const auto & a : c->attached) {
+            readers.push_back(a.get());
+        }
     }
+    std::lock_guard<std::mutex> issue(c->fill_mtx);
     if (d.bank_copy != nullptr) {
-        // the region is free once the compute stream has passed the nodes launched so far
-        ggml_backend_event_record(d.bank_freed, d.backend);
-        ggml_backend_event_wait(d.bank_copy, d.bank_freed);
-        fc_bank_copy(c, m, runs, to_slots, d.bank_copy);
+        // the region and the tables are free once each context's compute stream has passed the
+        // nodes it had launched when it last moved on or ended (this pass: now)
+        ggml_backend_event_record(g.freed[k], g.backend[k]);
+        for (const fc_gctx * h : readers) {
+            ggml_backend_event_wait(d.bank_copy, h->freed[k]);
+        }
+        for (int32_t p : tables) {
+            ggml_backend_tensor_set_async(d.bank_copy, M.bmap[p], M.bmap_dev[p].data(), 0, ggml_nbytes(M.bmap[p]));
+        }
+        fc_bank_copy(c, m, runs, to_slots, d.bank_copy, g.bank_rows);
         ggml_backend_event_record(d.bank_filled[r], d.bank_copy);
+        std::lock_guard<std::mutex> lock(c->mtx);
+        d.bank_ready[r] = true;
+        c->cv_round.notify_all();
     } else {
-        d.filler->wait();
-        d.filler->run([c, m, runs = std::move(runs), to_slots = std::move(to_slots)] {
-            fc_bank_copy(c, m, runs, to_slots, nullptr);
+        d.filler->wait(); // the thread's last fill (of the other region) is done: the tables are not read now
+        for (int32_t p : tables) {
+            ggml_backend_tensor_set(M.bmap[p], M.bmap_dev[p].data(), 0, ggml_nbytes(M.bmap[p]));
+        }
+        const int32_t rows = g.bank_rows;
+        d.filler->run([c, m, r, &d, rows, runs = std::move(runs), to_slots = std::move(to_slots)] {
+            fc_bank_copy(c, m, runs, to_slots, nullptr, rows);
+            std::lock_guard<std::mutex> lock(c->mtx);
+            d.bank_ready[r] = true;
+            c->cv_round.notify_all();
         });
     }
+    return 1;
 }
 
-// the tables the layer's products read its experts' places through, as its plan has them (lock held)
-static void fc_bank_tables(forecache_cache * c, int32_t il) {
-    fc_layer & L = c->layers[il];
-    for (int32_t p = 0; p < L.n_proj; p++) {
-        std::vector<int32_t> & want = c->slots;
-        want.resize(L.n_expert);
-        for (int32_t e = 0; e < L.n_expert; e++) {
-            want[e] = L.plan_slot[e] >= 0 ? L.unit[p] + L.plan_slot[e] : std::max(L.plan_bank[e], 0);
-        }
-        if (want != L.bmap_dev[p]) {
-            fc_device & d = c->devs[L.dev];
-            if (d.bank_copy != nullptr) {
-                // on the compute stream: after the products of passes before that read the table
-                ggml_backend_tensor_set_async(d.backend, L.bmap[p], want.data(), 0, ggml_nbytes(L.bmap[p]));
-            } else {
-                ggml_backend_tensor_set(L.bmap[p], want.data(), 0, ggml_nbytes(L.bmap[p]));
+void fc_bank_end_pass(forecache_cache * c, fc_gctx & g) {
+    if (g.member || g.solo) {
+        for (size_t k = 0; k < g.freed.size(); k++) {
+            if (g.freed[k] != nullptr) {
+                ggml_backend_event_record(g.freed[k], g.backend[k]); // everything it launched
             }
-            L.bmap_dev[p] = want;
-            L.stats.uploads++;
         }
     }
+    if (g.member) {
+        g.member = false;
+        g.at     = INT32_MAX;
+        c->round_active--;
+    }
+    if (g.solo) {
+        g.solo = false;
+        c->solo_busy = false;
+    }
+    if (g.main) {
+        c->exclusive = false;
+    }
+    c->cv_round.notify_all();
 }
 
-void fc_bank_begin(forecache_cache * c) {
-    for (fc_device & d : c->devs) {
-        if (d.filler) {
-            d.filler->wait(); // a fill of a pass that was cancelled
-        }
+// context g's next pass takes its place in the running round if it has not (lock held); false when
+// the round has no place for it
+static bool fc_round_take(forecache_cache * c, fc_gctx & g) {
+    if (c->round_joined >= c->round_n || g.round == c->round_id) {
+        return false;
     }
-    if (c->bank_first >= 0) {
-        bool wants = false;
-        {
-            std::lock_guard<std::mutex> lock(c->mtx);
-            c->bank_hold = true;
-            wants = fc_bank_wants(c, c->bank_first);
+    g.round = c->round_id;
+    c->round_joined++;
+    return true;
+}
+
+void fc_bank_begin(forecache_cache * c, fc_gctx & g) {
+    std::unique_lock<std::mutex> lock(c->mtx);
+    fc_bank_end_pass(c, g); // its pass before ended
+    if (g.bank_first >= 0) {
+        // a bank pass: a member of the running round, or alone once no other pass reads the banks
+        for (;;) {
+            if (!c->exclusive && !c->solo_busy && fc_round_take(c, g)) {
+                g.member  = true;
+                g.at      = -1;
+                g.bank_id = c->round_id;
+                c->round_active++;
+                c->round_members.push_back(&g);
+                break;
+            }
+            if (!c->exclusive && !c->solo_busy && c->round_active == 0) {
+                g.bank_id   = ++c->bank_ids;
+                g.solo      = true;
+                c->solo_busy = true;
+                break;
+            }
+            c->cv_round.wait(lock);
         }
+        c->bank_hold = true;
+        const bool wants = fc_bank_wants(c, g, g.bank_first);
+        lock.unlock();
         if (wants) {
-            fc_bank_fill(c, c->bank_first); // beside the nodes before the first bank layer
+            fc_bank_fill(c, g, g.bank_first, false); // beside the nodes before the first bank layer
         }
         return;
     }
+    fc_round_take(c, g); // a pass of the round that banks nothing
+    if (!g.main) {
+        return; // an attached context's other graphs are stock llama.cpp's: they read no slot
+    }
+    // the main context's other passes change the slots: the round's passes end first
+    c->cv_round.wait(lock, [&] {
+        return c->round_joined >= c->round_n && c->round_active == 0 && !c->solo_busy;
+    });
+    c->exclusive = true;
     if (c->bank_hold) {
         // copies into slots start again: the last bank pass's products and fills are done first
-        for (fc_device & d : c->devs) {
-            if (d.bank_copy != nullptr) {
-                ggml_backend_synchronize(d.bank_copy);
+        lock.unlock();
+        for (size_t k = 0; k < c->devs.size(); k++) {
+            if (c->devs[k].bank_copy != nullptr) {
+                ggml_backend_synchronize(c->devs[k].bank_copy);
             }
-            ggml_backend_synchronize(d.backend);
+            if (c->devs[k].filler) {
+                std::lock_guard<std::mutex> issue(c->fill_mtx);
+                c->devs[k].filler->wait();
+            }
+            ggml_backend_synchronize(c->devs[k].backend);
+            for (const auto & a : c->attached) { // their last passes read the slots too
+                ggml_backend_synchronize(a->backend[k]);
+            }
         }
-        std::lock_guard<std::mutex> lock(c->mtx);
+        lock.lock();
         c->bank_hold = false;
         c->bank_gen++; // the slots may change: tables are made anew
     }
 }
 
-int fc_bank_remap(forecache_cache * c, int32_t il, int32_t next, bool ask) {
+int fc_bank_remap(forecache_cache * c, fc_gctx & g, int32_t il, int32_t next, bool ask) {
     fc_layer & L = c->layers[il];
-    fc_device & d = c->devs[L.dev];
+    const int32_t k = L.dev;
+    fc_device & d = c->devs[k];
     const bool events = d.bank_copy != nullptr;
     if (ask) {
         std::lock_guard<std::mutex> lock(c->mtx);
-        if (!fc_bank_issued(c, il) && L.bank_gen == c->bank_gen && fc_complete(c, il) && !fc_bank_wants(c, next)) {
+        if (!g.member && !fc_bank_issued(c, g, il) && L.bank_gen == c->bank_gen && fc_complete(c, il) &&
+                !fc_bank_wants(c, g, next)) {
             L.stats.quiet++; // every expert resident and its tables pointing at their slots
             return 0;
         }
@@ -503,33 +658,37 @@ int fc_bank_remap(forecache_cache * c, int32_t il, int32_t next, bool ask) {
         }
         return 2;
     }
-    bool fill = false;
     {
         std::lock_guard<std::mutex> lock(c->mtx);
-        fill = !fc_bank_issued(c, il);
+        if (g.member) {
+            if (events) {
+                ggml_backend_event_record(g.freed[k], g.backend[k]);
+            }
+            g.at = il; // the layers before are launched: the round's fills of them may be replaced
+            c->cv_round.notify_all();
+        }
     }
-    if (fill) {
-        fc_bank_fill(c, il); // not filled ahead: the layer before was complete, or this is the first
-    }
-    if (!events) {
-        d.filler->wait(); // its region is filled
-    }
-    bool wants  = false;
-    bool copies = false;
+    fc_bank_fill(c, g, il, true); // not filled ahead: the layer before was complete, or this is the first
+    bool waits = false;
+    bool wants = false;
     {
-        std::lock_guard<std::mutex> lock(c->mtx);
-        fc_bank_tables(c, il);
-        copies = L.plan_copies;
+        std::unique_lock<std::mutex> lock(c->mtx);
+        c->cv_round.wait(lock, [&] { return d.bank_ready[L.bank_region] || c->stop; });
+        waits = L.plan_waits;
         // tables that point at slots only stay right while the slots stay (this hold)
-        L.bank_gen = copies ? 0 : c->bank_gen;
-        (copies ? L.stats.banked : L.stats.quiet)++;
-        wants = fc_bank_wants(c, next);
+        L.bank_gen = L.plan_copies ? 0 : c->bank_gen;
+        if (!L.plan_copies) {
+            L.stats.quiet++;
+        } else if (L.bank_filler != &g) {
+            L.stats.shared++; // its round's fill, made by another pass
+        }
+        wants = fc_bank_wants(c, g, next);
     }
     if (wants) {
-        fc_bank_fill(c, next); // while this layer computes
+        fc_bank_fill(c, g, next, false); // while this layer computes
     }
-    if (events && copies) {
-        ggml_backend_event_wait(d.backend, d.bank_filled[L.bank_region]);
+    if (events && waits) {
+        ggml_backend_event_wait(g.backend[k], d.bank_filled[L.bank_region]);
     }
     return 0;
 }

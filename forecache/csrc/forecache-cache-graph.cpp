@@ -64,9 +64,9 @@ static void fc_insert_remap(ggml_cgraph * graph, int i, ggml_tensor * r) {
 
 // the bank layers of a graph whose ubatch is long enough for them (forecache_cache_set_bank): each
 // product's remap node, and for each layer's first the next bank layer of its device
-static void fc_bank_graph(forecache_cache * c, ggml_cgraph * graph) {
-    c->bank_rm.clear();
-    c->bank_first = -1;
+void fc_bank_graph(forecache_cache * c, fc_gctx & g, ggml_cgraph * graph) {
+    g.bank_rm.clear();
+    g.bank_first = -1;
     if (c->bank_map.empty()) {
         return;
     }
@@ -82,10 +82,10 @@ static void fc_bank_graph(forecache_cache * c, ggml_cgraph * graph) {
             continue;
         }
         ggml_tensor * r = node->src[2]->src[0];
-        c->bank_rm[r] = {bt->second.first, -2};
+        g.bank_rm[r] = {bt->second.first, -2};
         if (seen.emplace(node->src[3], true).second) {
             order.emplace_back(r, bt->second.first);
-            c->bank_rows = (int32_t) node->src[3]->ne[1];
+            g.bank_rows = (int32_t) node->src[3]->ne[1];
         }
     }
     for (size_t k = 0; k < order.size(); k++) {
@@ -94,16 +94,80 @@ static void fc_bank_graph(forecache_cache * c, ggml_cgraph * graph) {
         for (size_t j = k + 1; j < order.size() && next < 0; j++) {
             next = c->layers[order[j].second].dev == dev ? order[j].second : -1;
         }
-        c->bank_rm[order[k].first] = {order[k].second, next};
+        g.bank_rm[order[k].first] = {order[k].second, next};
     }
-    c->bank_first = order.empty() ? -1 : order[0].second;
+    g.bank_first = order.empty() ? -1 : order[0].second;
 }
 
 // rewrites every MUL_MAT_ID that reads a cached expert tensor to read the layer's slot pool, through
 // slot ids that a node before the layer's first product remaps on the device (or, where the graph has
 // no room for it, that the hook writes)
+// a context of its own for the remap nodes of a graph of g, a few graphs' worth (the one computed
+// is always the last one split)
+static ggml_context * fc_remap_ctx(forecache_cache * c, fc_gctx & g) {
+    ggml_init_params params = {
+        /*.mem_size   =*/ (size_t) (3*FC_MAX_PROJ*c->layers.size() + 8)*ggml_tensor_overhead(),
+        /*.mem_buffer =*/ nullptr,
+        /*.no_alloc   =*/ true,
+    };
+    ggml_context * rctx = ggml_init(params);
+    g.remap_ctx.push_back(rctx);
+    while (g.remap_ctx.size() > 4) {
+        ggml_free(g.remap_ctx.front());
+        g.remap_ctx.pop_front();
+    }
+    return rctx;
+}
+
+// the product reads layer L's span through its table for projection p (a bank layer in a long ubatch;
+// false when the graph has no room for the remap)
+static bool fc_bank_rewrite(forecache_cache * c, fc_gctx & g, ggml_context *& rctx, ggml_cgraph * graph,
+        int & i, ggml_tensor * node, const fc_layer & L, int32_t p) {
+    ggml_tensor * ids = node->src[2];
+    if (ggml_graph_size(graph) - ggml_graph_n_nodes(graph) < 2 || L.span[p] == nullptr ||
+            c->bank_tokens <= 0 || ids->ne[1] < c->bank_tokens) {
+        return false;
+    }
+    if (rctx == nullptr) {
+        rctx = fc_remap_ctx(c, g);
+    }
+    // each projection through its own table (the span's places differ between projections)
+    ggml_tensor * places = fc_remap(rctx, L.bmap[p], ids);
+    if (places == nullptr) {
+        return false;
+    }
+    fc_insert_remap(graph, i, places);
+    i += 2;
+    node->src[3] = ids;
+    node->src[2] = places;
+    node->src[0] = L.span[p];
+    return true;
+}
+
+// the graph hook of an attached context: a long ubatch's bank layers read their spans; nothing else
+// changes (its other expert products read host memory, as stock llama.cpp's do)
+static void fc_attached_graph_hook(forecache_cache * c, fc_gctx & g, ggml_cgraph * graph) {
+    ggml_context * rctx = nullptr;
+    for (int i = 0; i < ggml_graph_n_nodes(graph); i++) {
+        ggml_tensor * node = ggml_graph_node(graph, i);
+        if (node->op != GGML_OP_MUL_MAT_ID || node->src[3] != nullptr) {
+            continue;
+        }
+        auto it = c->host_map.find(node->src[0]);
+        if (it != c->host_map.end()) {
+            fc_bank_rewrite(c, g, rctx, graph, i, node, c->layers[it->second.first], it->second.second);
+        }
+    }
+    fc_bank_graph(c, g, graph);
+}
+
 void fc_graph_hook(ggml_cgraph * graph, void * user_data) {
-    auto * c = (forecache_cache *) user_data;
+    auto & g = *(fc_gctx *) user_data;
+    forecache_cache * c = g.c;
+    if (!g.main) {
+        fc_attached_graph_hook(c, g, graph);
+        return;
+    }
     fc_whole_wait(c); // a cancelled compute's host job reads the nodes of the graph this one replaces
     std::unordered_map<const ggml_tensor *, int> first_use; // routed ids -> first node index
     std::unordered_map<const ggml_tensor *, ggml_tensor *> remap_of; // routed ids -> remapped ids
@@ -135,33 +199,12 @@ void fc_graph_hook(ggml_cgraph * graph, void * user_data) {
         ggml_tensor * ids = node->src[2];
         const int32_t p = it->second.second;
         const bool room = ggml_graph_size(graph) - ggml_graph_n_nodes(graph) >= 2;
-        if (room && rctx == nullptr) {
-            // a few graphs' worth: the one computed is always the last one split
-            ggml_init_params params = {
-                /*.mem_size   =*/ (size_t) (3*FC_MAX_PROJ*c->layers.size() + 8)*ggml_tensor_overhead(),
-                /*.mem_buffer =*/ nullptr,
-                /*.no_alloc   =*/ true,
-            };
-            rctx = ggml_init(params);
-            c->remap_ctx.push_back(rctx);
-            while (c->remap_ctx.size() > 4) {
-                ggml_free(c->remap_ctx.front());
-                c->remap_ctx.pop_front();
-            }
+        if (fc_bank_rewrite(c, g, rctx, graph, i, node, L, p)) {
+            c->layer_of_ids[ids] = it->second.first;
+            continue;
         }
-        if (room && L.span[p] != nullptr && c->bank_tokens > 0 && ids->ne[1] >= c->bank_tokens) {
-            // a bank layer in a long ubatch: the product reads its span, each projection through
-            // its own table (the span's places differ between projections)
-            ggml_tensor * places = fc_remap(rctx, L.bmap[p], ids);
-            if (places != nullptr) {
-                fc_insert_remap(graph, i, places);
-                i += 2;
-                node->src[3] = ids;
-                node->src[2] = places;
-                node->src[0] = L.span[p];
-                c->layer_of_ids[ids] = it->second.first;
-                continue;
-            }
+        if (room && rctx == nullptr) {
+            rctx = fc_remap_ctx(c, g);
         }
         ggml_tensor * slot_ids = nullptr;
         auto rit = remap_of.find(ids);
@@ -200,7 +243,7 @@ void fc_graph_hook(ggml_cgraph * graph, void * user_data) {
             first_use.emplace(node->src[3], i);
         }
     }
-    fc_bank_graph(c, graph);
+    fc_bank_graph(c, g, graph);
     fc_ffn_graph(c, graph);
 
     // the router weights of each routed layer (the F32 rows its ids select before its matmul),

@@ -51,6 +51,8 @@ inline double fc_seconds(fc_clock::time_point t0) {
     return std::chrono::duration<double>(fc_clock::now() - t0).count();
 }
 
+struct fc_gctx;
+
 constexpr int FC_MAX_PROJ     = 4;
 constexpr int FC_N_PRIORITIES = 4;
 
@@ -194,10 +196,10 @@ struct fc_device {
     ggml_context        * bmap_ctx   = nullptr;  // its bank layers' tables
     ggml_backend_buffer_t bank_buf   = nullptr;  // ... their memory
     int32_t               bank_layer[2] = {-1, -1}; // the layer a region holds or is being filled with
-    uint64_t              bank_epoch[2] = {0, 0};   // the pass it was filled for
+    uint64_t              bank_epoch[2] = {0, 0};   // the bank pass (or round) it was filled for
+    bool                  bank_ready[2] = {true, true}; // its fill is issued (events) or done (a thread)
     ggml_backend_t        bank_copy  = nullptr;  // a backend of its own (a second stream) for fills, where events work
     ggml_backend_event_t  bank_filled[2] = {};   // recorded on bank_copy after a region's fill
-    ggml_backend_event_t  bank_freed = nullptr;  // recorded on compute: the nodes launched before are done
     std::unique_ptr<fc_host_thread> filler;      // without events: fills run on this thread
 };
 
@@ -224,6 +226,8 @@ struct fc_layer {
     std::vector<int32_t> plan_slot;   // this pass: expert -> the slot it is read from, -1
     std::vector<int32_t> plan_bank;   // ... its place in the region, -1
     bool     plan_copies = false;     // the plan copies some expert
+    bool     plan_waits  = false;     // ... or writes its tables: its products wait for the fill
+    const fc_gctx * bank_filler = nullptr; // the context whose pass made the plan
     uint64_t bank_gen    = 0;         // tables pointing at slots only, made in this hold (forecache_cache::bank_gen)
 
     std::vector<int32_t> slot_of;     // expert -> slot, -1 if none
@@ -296,9 +300,36 @@ inline const ggml_tensor * fc_viewed(const ggml_tensor * t) {
     return t;
 }
 
+// a context whose graphs read the cache: the one forecache_cache_init was given (every path), or
+// one forecache_cache_attach added (its long ubatches' bank layers only; the rest of its graphs
+// stay stock). Its hooks' user data.
+struct fc_gctx {
+    forecache_cache    * c     = nullptr;
+    llama_context      * lctx  = nullptr;
+    ggml_backend_sched_t sched = nullptr;
+    bool                 main  = false;
+    std::vector<ggml_backend_t>       backend; // per device (forecache_cache::devs): the scheduler's backend of it
+    std::vector<ggml_backend_event_t> freed;   // per device with fill events: recorded on its backend, the nodes launched before done
+    std::deque<ggml_context *> remap_ctx;      // the remap nodes of its last graphs (a reused graph keeps reading them)
+    // the bank layers of the graph it computes: each bank product's remap node -> (layer, next bank layer
+    // of its device or -1; -2: not the layer's first product)
+    std::unordered_map<const ggml_tensor *, std::pair<int32_t, int32_t>> bank_rm;
+    int32_t  bank_first = -1;   // that graph's first bank layer (-1: not such a graph)
+    int32_t  bank_rows  = 0;    // ... and its ubatch's rows
+    // the pass it computes (lock held): whose bank fills it reads (its round's, or its own), and
+    // as a member of a round (forecache_cache_begin_round), how far it got
+    uint64_t bank_id = 0;
+    uint64_t round   = 0;       // the round it joined last (0: none)
+    bool     member  = false;   // its pass is a member of the running round, not ended
+    bool     solo    = false;   // its pass is a bank pass outside any round, not ended
+    int32_t  at      = -1;      // ... the layers before `at` are launched
+};
+
 struct forecache_cache {
     llama_context      * lctx  = nullptr;
     ggml_backend_sched_t sched = nullptr;
+    fc_gctx                               main;      // lctx's
+    std::vector<std::unique_ptr<fc_gctx>> attached;  // forecache_cache_attach's
 
     std::vector<fc_layer> layers;
     std::unordered_map<const ggml_tensor *, std::pair<int32_t, int32_t>> host_map; // expert tensor -> (layer, proj)
@@ -308,7 +339,6 @@ struct forecache_cache {
     std::unordered_map<const ggml_tensor *, ggml_tensor *>               little_before; // node -> router weights a little pass drops in before it
     std::unordered_map<const ggml_tensor *, int32_t>                     layer_of_ids; // routed ids -> layer
     std::unordered_map<const ggml_tensor *, ggml_tensor *>               remap_mm; // remap node (GET_ROWS of a layer's map) -> first MUL_MAT_ID reading it
-    std::deque<ggml_context *> remap_ctx; // the remap nodes of the last graphs (a reused graph keeps reading them)
     std::unordered_map<int32_t, fc_ffn> ffn;                  // the last graph's layers whose experts the CPU can compute whole
     std::unordered_map<const ggml_tensor *, int32_t> ffn_tail; // ... their tails -> layer
     bool whole_busy = false;              // a whole-expert job runs on the host thread (graph thread's)
@@ -322,11 +352,20 @@ struct forecache_cache {
     int32_t bank_tokens = 0;
     ggml_context * bank_ctx = nullptr;    // every bank layer's spans
     std::unordered_map<const ggml_tensor *, std::pair<int32_t, int32_t>> bank_map; // span -> (layer, proj)
-    std::unordered_map<const ggml_tensor *, std::pair<int32_t, int32_t>> bank_rm;  // a long ubatch's graph: remap node of a bank product -> (layer, next bank layer of its device or -1; -2: not the layer's first product)
-    int32_t  bank_first = -1;             // that graph's first bank layer (-1: not such a graph)
-    int32_t  bank_rows  = 0;              // ... and its ubatch's rows
     bool     bank_hold  = false;          // fills write bank layers' slots: no other copies into them
     uint64_t bank_gen   = 1;              // holds so far
+    uint64_t bank_ids   = 0;              // bank passes' identities handed out (fc_gctx::bank_id)
+    // the running round (forecache_cache_begin_round): passes of several contexts that go through
+    // each bank layer together, one fill serving them all (lock held)
+    uint64_t round_id     = 0;            // its bank identity (0: none yet)
+    int32_t  round_n      = 0;            // passes it was begun for
+    int32_t  round_joined = 0;            // ... that joined it (or were left out: forecache_cache_end_pass)
+    int32_t  round_active = 0;            // ... that joined and have not ended
+    std::vector<fc_gctx *> round_members; // the contexts that joined it
+    std::condition_variable cv_round;     // a member moved on or ended, a fill was issued
+    bool     exclusive    = false;        // the main context computes a pass that is not a bank pass
+    bool     solo_busy    = false;        // a bank pass outside any round runs
+    std::mutex fill_mtx;                  // issuing a fill (not lock: a thread's fill takes lock when done)
     std::atomic<int32_t> little{0};           // forecache_cache_set_little: experts a little pass keeps
     std::atomic<bool>    little_resident{false}; // ... of those already resident, and the top-1
 
@@ -496,6 +535,8 @@ bool fc_complete(const forecache_cache * c, int32_t il);
 void fc_go_quiet(forecache_cache * c, int32_t il, const ggml_tensor * ids);
 ggml_tensor * fc_view(fc_device & d, int64_t ne0, int64_t ne1);
 void fc_graph_hook(ggml_cgraph * graph, void * user_data);
+// the bank layers of graph (a long ubatch's), for context g
+void fc_bank_graph(forecache_cache * c, fc_gctx & g, ggml_cgraph * graph);
 
 // forecache-cache-compute.cpp: expert compute outside the scheduler
 // the layers of a graph whose host experts the CPU can compute whole (c->ffn, c->ffn_tail)
@@ -522,11 +563,17 @@ bool fc_slot_compute(forecache_cache * c, fc_layer & L, int32_t p, ggml_tensor *
 // forecache-cache-bank.cpp: slot placement and prompt banks
 // places device k's slots in its slot buffer (anew), behind two regions of n_bank experts (0: none)
 bool fc_place_pools(forecache_cache * c, int32_t k, int32_t n_bank, char * err, size_t err_size);
-// a new graph's computation begins (lock not held)
-void fc_bank_begin(forecache_cache * c);
+// a new graph's computation begins in context g (lock not held): its pass joins the running round
+// or waits for it to end
+void fc_bank_begin(forecache_cache * c, fc_gctx & g);
 // bank layer il's first remap node (ask: whether to stop; !ask: its experts placed, its tables
 // written, the next bank layer's fill issued, compute ordered after its own)
-int fc_bank_remap(forecache_cache * c, int32_t il, int32_t next, bool ask);
+int fc_bank_remap(forecache_cache * c, fc_gctx & g, int32_t il, int32_t next, bool ask);
+// context g's pass ended: it reads no bank region any more (lock held)
+void fc_bank_end_pass(forecache_cache * c, fc_gctx & g);
+// the per-device events of context g (fill events where its devices have them)
+bool fc_bank_gctx_events(forecache_cache * c, fc_gctx & g);
+void fc_bank_gctx_free(fc_gctx & g);
 void fc_bank_free(forecache_cache * c);
 
 // forecache-cache-disk.cpp: the disk tier (lock held unless said)

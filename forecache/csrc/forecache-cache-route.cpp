@@ -624,8 +624,49 @@ static void fc_wait_proj_event(forecache_cache * c, int32_t il, int32_t p, std::
     lock.lock();
 }
 
+// node t of g's graph when it is a bank product's remap node (a bank layer's product in a long
+// ubatch): the layer's first places its experts; false for any other node
+static bool fc_bank_node(forecache_cache * c, fc_gctx & g, ggml_tensor * t, bool ask, int & ret) {
+    if (t->op != GGML_OP_GET_ROWS || g.bank_rm.empty()) {
+        return false;
+    }
+    auto br = g.bank_rm.find(t);
+    if (br == g.bank_rm.end()) {
+        return false;
+    }
+    ret = br->second.second == -2 || ggml_nelements(t->src[1]) == 0 ? 0 :
+        fc_bank_remap(c, g, br->second.first, br->second.second, ask);
+    return true;
+}
+
+// the node hook of an attached context: its long ubatches' bank layers
+static int fc_attached_node_hook(forecache_cache * c, fc_gctx & g, ggml_tensor * t, bool ask) {
+    if (t == nullptr) {
+        if (c->bank_tokens > 0) {
+            fc_bank_begin(c, g);
+        }
+        return 0;
+    }
+    int ret = 0;
+    if (fc_bank_node(c, g, t, ask, ret)) {
+        return ret;
+    }
+    if (t->op == GGML_OP_MUL_MAT_ID && ask) {
+        auto bt = c->bank_map.find(t->src[0]);
+        if (bt != c->bank_map.end()) {
+            std::lock_guard<std::mutex> lock(c->mtx);
+            c->layers[bt->second.first].stats.products++; // one product over its span
+        }
+    }
+    return 0;
+}
+
 int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
-    auto * c = (forecache_cache *) user_data;
+    auto & g = *(fc_gctx *) user_data;
+    forecache_cache * c = g.c;
+    if (!g.main) {
+        return fc_attached_node_hook(c, g, t, ask);
+    }
     if (t == nullptr) {
         fc_whole_wait(c);
         {
@@ -633,17 +674,13 @@ int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
             c->epoch++;
         }
         if (c->bank_tokens > 0) {
-            fc_bank_begin(c);
+            fc_bank_begin(c, g);
         }
         return 0;
     }
-    if (t->op == GGML_OP_GET_ROWS && !c->bank_rm.empty()) {
-        auto br = c->bank_rm.find(t);
-        if (br != c->bank_rm.end()) {
-            // a bank layer's product in a long ubatch: its first places the layer's experts
-            return br->second.second == -2 || ggml_nelements(t->src[1]) == 0 ? 0 :
-                fc_bank_remap(c, br->second.first, br->second.second, ask);
-        }
+    int ret = 0;
+    if (fc_bank_node(c, g, t, ask, ret)) {
+        return ret;
     }
     if (t->op == GGML_OP_GET_ROWS && !c->remap_mm.empty()) {
         auto rm = c->remap_mm.find(t);
@@ -672,8 +709,9 @@ int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
     auto it = c->pool_map.find(t->src[0]);
     if (it == c->pool_map.end()) {
         auto bt = c->bank_map.find(t->src[0]);
-        if (bt != c->bank_map.end()) {
-            c->layers[bt->second.first].stats.products += ask; // one product over its span
+        if (bt != c->bank_map.end() && ask) {
+            std::lock_guard<std::mutex> lock(c->mtx); // an attached context's pass may count too
+            c->layers[bt->second.first].stats.products++; // one product over its span
         }
         return 0;
     }

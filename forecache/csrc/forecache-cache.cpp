@@ -78,6 +78,10 @@ struct forecache_cache * forecache_cache_init(
     auto * c = new forecache_cache();
     c->lctx        = ctx;
     c->sched       = sched;
+    c->main.c      = c;
+    c->main.lctx   = ctx;
+    c->main.sched  = sched;
+    c->main.main   = true;
     c->chunk_bytes = chunk_bytes;
     c->layers.resize(n_layer);
 
@@ -229,8 +233,9 @@ struct forecache_cache * forecache_cache_init(
 
     for (size_t k = 0; k < c->devs.size(); k++) {
         c->devs[k].worker = std::thread(fc_worker, c, (int32_t) k);
+        c->main.backend.push_back(fc_sched_backend(sched, c->devs[k].dev));
     }
-    ggml_backend_sched_set_node_hooks(sched, fc_graph_hook, fc_node_hook, c);
+    ggml_backend_sched_set_node_hooks(sched, fc_graph_hook, fc_node_hook, &c->main);
     ctx->reset_graph_reuse();
     return c;
 }
@@ -248,6 +253,9 @@ void forecache_cache_free(struct forecache_cache * cache) {
         if (d.worker.joinable()) {
             d.worker.join();
         }
+    }
+    while (!cache->attached.empty()) {
+        forecache_cache_detach(cache, cache->attached.back()->lctx);
     }
     fc_copy_streams_free(cache);
     fc_disk_stop(cache);
@@ -283,10 +291,123 @@ void forecache_cache_free(struct forecache_cache * cache) {
             ggml_free(d.pool_ctx);
         }
     }
-    for (ggml_context * ctx : cache->remap_ctx) {
+    for (ggml_context * ctx : cache->main.remap_ctx) {
         ggml_free(ctx);
     }
     delete cache;
+}
+
+int32_t forecache_cache_attach(struct forecache_cache * cache, struct llama_context * ctx, char * err, size_t err_size) {
+    if (&ctx->get_model() != &cache->lctx->get_model()) {
+        forecache_set_err(err, err_size, "the context is of another model than the cache's");
+        return -1;
+    }
+    if (ctx == cache->lctx || std::any_of(cache->attached.begin(), cache->attached.end(),
+            [&](const auto & g) { return g->lctx == ctx; })) {
+        forecache_set_err(err, err_size, "the context already reads this cache");
+        return -1;
+    }
+    if (cache->bank_ctx == nullptr) {
+        forecache_set_err(err, err_size, "an attached context reads the prompt banks only: set them first (forecache_cache_set_bank)");
+        return -1;
+    }
+    ggml_backend_sched_t sched = ctx->get_sched();
+    ggml_backend_sched_graph_hook graph_hook = nullptr;
+    ggml_backend_sched_node_hook  node_hook  = nullptr;
+    void * ud = nullptr;
+    ggml_backend_sched_get_node_hooks(sched, &graph_hook, &node_hook, &ud);
+    if (graph_hook != nullptr || node_hook != nullptr) {
+        forecache_set_err(err, err_size, "the context has hooks already (a routing replay, another cache): attach it first");
+        return -1;
+    }
+    auto g = std::make_unique<fc_gctx>();
+    g->c     = cache;
+    g->lctx  = ctx;
+    g->sched = sched;
+    for (const fc_device & d : cache->devs) {
+        g->backend.push_back(fc_sched_backend(sched, d.dev));
+        if (g->backend.back() == nullptr) {
+            forecache_set_err(err, err_size, "device %s is not used by the context", ggml_backend_dev_name(d.dev));
+            return -1;
+        }
+    }
+    if (!fc_bank_gctx_events(cache, *g)) {
+        fc_bank_gctx_free(*g);
+        forecache_set_err(err, err_size, "cannot create the context's events");
+        return -1;
+    }
+    ggml_backend_sched_set_node_hooks(sched, fc_graph_hook, fc_node_hook, g.get());
+    ctx->reset_graph_reuse();
+    std::lock_guard<std::mutex> lock(cache->mtx);
+    cache->attached.push_back(std::move(g));
+    fc_bank_end_pass(cache, cache->main); // its passes before have ended (nothing decodes now)
+    return 0;
+}
+
+int32_t forecache_cache_detach(struct forecache_cache * cache, struct llama_context * ctx) {
+    auto it = std::find_if(cache->attached.begin(), cache->attached.end(), [&](const auto & g) { return g->lctx == ctx; });
+    if (it == cache->attached.end()) {
+        return -1;
+    }
+    fc_gctx & g = **it;
+    ggml_backend_sched_graph_hook graph_hook = nullptr;
+    ggml_backend_sched_node_hook  node_hook  = nullptr;
+    void * ud = nullptr;
+    ggml_backend_sched_get_node_hooks(g.sched, &graph_hook, &node_hook, &ud);
+    if (ud != &g) {
+        return -2; // a routing replay sits on top of its hooks
+    }
+    ggml_backend_sched_synchronize(g.sched);
+    ggml_backend_sched_set_node_hooks(g.sched, nullptr, nullptr, nullptr);
+    ctx->reset_graph_reuse();
+    {
+        std::lock_guard<std::mutex> lock(cache->mtx);
+        fc_bank_end_pass(cache, g);
+        auto & m = cache->round_members;
+        m.erase(std::remove(m.begin(), m.end(), &g), m.end());
+    }
+    for (fc_device & d : cache->devs) {
+        if (d.bank_copy != nullptr) {
+            ggml_backend_synchronize(d.bank_copy); // no fill waits for its events any more
+        }
+    }
+    fc_bank_gctx_free(g);
+    for (ggml_context * rctx : g.remap_ctx) {
+        ggml_free(rctx);
+    }
+    std::lock_guard<std::mutex> lock(cache->mtx);
+    cache->attached.erase(it);
+    return 0;
+}
+
+int32_t forecache_cache_begin_round(struct forecache_cache * cache, int32_t n_passes) {
+    std::lock_guard<std::mutex> lock(cache->mtx);
+    if (n_passes < 1 || cache->round_joined < cache->round_n || cache->round_active > 0) {
+        return -1;
+    }
+    cache->round_id     = ++cache->bank_ids;
+    cache->round_n      = n_passes;
+    cache->round_joined = 0;
+    cache->round_active = 0;
+    cache->round_members.clear();
+    return 0;
+}
+
+int32_t forecache_cache_end_pass(struct forecache_cache * cache, struct llama_context * ctx) {
+    fc_gctx * g = ctx == cache->lctx ? &cache->main : nullptr;
+    for (auto & a : cache->attached) {
+        g = a->lctx == ctx ? a.get() : g;
+    }
+    if (g == nullptr) {
+        return -1;
+    }
+    std::lock_guard<std::mutex> lock(cache->mtx);
+    if (cache->round_joined < cache->round_n && g->round != cache->round_id) {
+        g->round = cache->round_id; // its place in the round: it computes nothing more in it
+        cache->round_joined++;
+    }
+    fc_bank_end_pass(cache, *g);
+    return 0;
 }
 
 void forecache_cache_set_hook(struct forecache_cache * cache, forecache_gate_hook hook, void * user_data, bool gate_input) {

@@ -15,7 +15,7 @@ extern "C" {
 
 // Version of this API and of the patches it needs in llama.cpp; bumped whenever either changes.
 // The Python side reads it from this header and refuses a library that reports another.
-#define FORECACHE_PATCH_VERSION 21
+#define FORECACHE_PATCH_VERSION 22
 
 // Returns FORECACHE_PATCH_VERSION of the library the caller is linked against.
 LLAMA_API int32_t forecache_patch_version(void);
@@ -53,6 +53,18 @@ LLAMA_API bool forecache_capture_eval(struct ggml_tensor * t, bool ask, void * u
 // Copies the last row captured for `layer` into `out` (n_embd floats). Returns how many times that layer
 // was captured so far (0: never, and `out` is untouched), -1 for a bad layer.
 LLAMA_API int64_t forecache_capture_get(const struct forecache_capture * capture, int32_t layer, float * out);
+
+// Moves sequence src_seq's KV cells from context src to sequence dst_seq of context dst (emptied
+// first), two contexts of one model whose numbers of sequences (KV streams) may differ: a batch job's
+// prompt fed in one context and decoded in another. The cells keep their positions and bytes. Returns
+// 0, or -1 with a message in err (a model whose memory is not one KV cache).
+LLAMA_API int32_t forecache_seq_move(
+        struct llama_context * src,
+        int32_t                src_seq,
+        struct llama_context * dst,
+        int32_t                dst_seq,
+        char                 * err,
+        size_t                 err_size);
 
 //
 // Expert cache
@@ -142,6 +154,7 @@ typedef int32_t (*forecache_gate_hook)(
     X(uint64_t, quiet,          SUM) /* passes through the layer without a stop or a copy (every expert resident: forecache_cache_set_quiet, or a bank layer) */ \
     X(uint64_t, banked,         SUM) /* passes through the layer that copied experts into its prompt bank (forecache_cache_set_bank) */ \
     X(uint64_t, bank_bytes,     SUM) /* bytes its prompt bank fills copied from host memory */ \
+    X(uint64_t, shared,         SUM) /* passes through the layer that read a prompt bank fill another pass of their round made (forecache_cache_begin_round) */ \
     X(uint64_t, whole,          SUM) /* passes through the layer whose host experts the CPU computed whole (every projection in one hand-off) beside one product a projection */ \
     X(uint64_t, event_waits,    SUM) /* products ordered after copies by an event on the device, the host waiting only until they were issued (forecache_cache_set_copy_stream) */
 
@@ -292,6 +305,32 @@ LLAMA_API void forecache_cache_set_gather(struct forecache_cache * cache, int32_
 // and the layer stops once. Must be called before any expert is loaded (the slots are placed anew
 // behind the regions). Returns 0, or -1 with a message in err.
 LLAMA_API int32_t forecache_cache_set_bank(struct forecache_cache * cache, int32_t min_tokens, char * err, size_t err_size);
+
+// Micro-batches over one cache (MoE-Lightning's CGOPipe): another context of the same model reads the
+// cache's prompt banks. Its ubatches of at least the banks' min_tokens compute every bank layer from
+// the banks, as the cache's own context does; its other expert products stay stock llama.cpp's
+// (host memory). Call after forecache_cache_set_bank and before anything else sets the context's
+// hooks (a routing replay goes on top). Returns 0, or -1 with a message in err.
+LLAMA_API int32_t forecache_cache_attach(struct forecache_cache * cache, struct llama_context * ctx, char * err, size_t err_size);
+
+// Takes the cache off an attached context (forecache_cache_free does it for every one). Returns 0, -1
+// when the context is not attached, -2 while a routing replay still sits on its hooks.
+LLAMA_API int32_t forecache_cache_detach(struct forecache_cache * cache, struct llama_context * ctx);
+
+// A round: the next n_passes passes, one from each of as many contexts (the cache's and attached
+// ones), each computed by a thread of its own, go through the bank layers together, so that one fill
+// of a layer's bank serves them all: a region is filled anew once every pass of the round has begun
+// and launched the layer it holds. A pass that is not a bank pass takes its place in the round too;
+// the cache's own context computes such a pass once the round's passes have ended, and a bank pass
+// outside the round waits for them too. After each llama_decode of a context in a round, call
+// forecache_cache_end_pass for it (also when the decode failed). Returns 0, or -1 while the last
+// round still runs or n_passes < 1.
+LLAMA_API int32_t forecache_cache_begin_round(struct forecache_cache * cache, int32_t n_passes);
+
+// The context's pass ended (its llama_decode returned): it reads no bank any more, and when it had not
+// taken its place in the running round, it takes it now, computing nothing in it. Returns 0, or -1
+// for a context that does not read the cache.
+LLAMA_API int32_t forecache_cache_end_pass(struct forecache_cache * cache, struct llama_context * ctx);
 
 // Copy streams: with `on`, each device whose backend has events copies its chunks asynchronously on
 // a stream of its own, at most two in flight, an event recorded after each; a one-token ubatch's

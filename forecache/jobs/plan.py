@@ -347,7 +347,9 @@ def plan_cache(cfg: CacheConfig | None, plan: BatchPlan) -> CacheConfig | None:
     if not cfg.spec.cached:
         raise ValueError(f"plan {plan.label()} caches experts, but {setting('policy')} is "
                          f"{cfg.policy}: add experts=ncmoe to the plan or name a cache policy")
-    return replace(cfg, policy=cfg.policy or DEFAULT_POLICY)
+    # micro-batches read the prompt banks
+    return replace(cfg, policy=cfg.policy or DEFAULT_POLICY,
+                   prompt_bank=True if plan.micro > 1 else cfg.prompt_bank)
 
 
 def choose_plan(model_path: str | Path, cfg: CacheConfig | None, prompt_lens: Sequence[int],

@@ -233,7 +233,7 @@ def run_job(model: str | os.PathLike[str], input_path: Path, output_path: Path, 
                 report.started(llm, len(todo))
                 t0 = time.perf_counter()
                 with deferred_signals() as stop:
-                    decode_many(llm, todo, n_seq, on_done, stop, on_token)
+                    decode_many(llm, todo, n_seq, on_done, stop, on_token, micro=plan.micro)
                 res.stats = llm.expert_stats()
             finally:
                 report.finished()

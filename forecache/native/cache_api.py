@@ -259,6 +259,31 @@ class ForecacheAPI(CFunctions):
                        err_size: int) -> int:
         """Prompt banks for ubatches of ``min_tokens`` or more: 0, or -1 (message in ``err``)."""
 
+    @c_function([c_void_p, c_void_p, c_char_p, c_size_t], c_int32)
+    def cache_attach(cache: CachePtr, ctx: ContextPtr, err: ctypes.Array[ctypes.c_char],
+                     err_size: int) -> int:
+        """Another context of the model reads the cache's prompt banks (its long ubatches' bank
+        layers): 0, or -1 (message in ``err``)."""
+
+    @c_function([c_void_p, c_int32, c_void_p, c_int32, c_char_p, c_size_t], c_int32)
+    def seq_move(src: ContextPtr, src_seq: int, dst: ContextPtr, dst_seq: int,
+                 err: ctypes.Array[ctypes.c_char], err_size: int) -> int:
+        """Move a sequence's KV cells to another context of the model: 0, or -1 (message in
+        ``err``)."""
+
+    @c_function([c_void_p, c_void_p], c_int32)
+    def cache_detach(cache: CachePtr, ctx: ContextPtr) -> int:
+        """Take the cache off an attached context: 0, -1 not attached, -2 a replay on top."""
+
+    @c_function([c_void_p, c_int32], c_int32)
+    def cache_begin_round(cache: CachePtr, n_passes: int) -> int:
+        """The next ``n_passes`` passes (one per context, each on its own thread) share each
+        bank fill: 0, or -1 while the last round runs."""
+
+    @c_function([c_void_p, c_void_p], c_int32)
+    def cache_end_pass(cache: CachePtr, ctx: ContextPtr) -> int:
+        """``ctx``'s llama_decode returned: 0, or -1 for a context that does not read the cache."""
+
     @c_function([c_void_p, c_bool], c_int32)
     def cache_set_copy_stream(cache: CachePtr, on: bool) -> int:
         """Chunks copied asynchronously on a stream of each device's own, ordered with compute by

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from forecache.cache.budget import BANK_REGIONS, BANK_SHARE_MAX, format_size
 from forecache.cache.choice import distinct_experts, hit_at
 from forecache.cache.cost import DEVICE_MIN_TOKENS, CostModel, Profile, roofline_s
@@ -79,6 +81,79 @@ def prompt_take(left: int, room: int, n_ubatch: int) -> int:
     return max(take, 0)
 
 
+# prompts a batch job's prefill context holds at once (micro-batches: decode_many's micro=2)
+PREFILL_SEQS = 8
+
+
+def prefill_take(left: Mapping[int, int], n_ubatch: int) -> dict[int, int]:
+    """The rows each prompt of a prefill context (micro=2) feeds in a step, ``left`` giving
+    each prompting sequence's id and rows to go: one ubatch of them, to go through the model
+    beside the decoding sequences' ubatch. With a KV stream per sequence llama.cpp puts into
+    one ubatch only sequences whose ids follow each other, as many rows of each: of every such
+    run of ids, the one whose rows make the largest ubatch (the lowest ids on a tie)."""
+    ids = sorted(q for q, n in left.items() if n > 0)
+    best: tuple[int, int, int] = (0, 0, 0)  # rows, first index, sequences
+    for i in range(len(ids)):
+        least = left[ids[i]]
+        for k in range(1, min(len(ids) - i, n_ubatch) + 1):
+            if k > 1 and ids[i + k - 1] != ids[i + k - 2] + 1:
+                break
+            least = min(least, left[ids[i + k - 1]])
+            rows = k * min(least, n_ubatch // k)
+            if rows > best[0]:
+                best = (rows, i, k)
+    rows, i, k = best
+    return dict.fromkeys(ids[i:i + k], rows // k) if rows else {}
+
+
+SPLITS = ("simple", "equal")
+
+
+def split_batch(seqs: Sequence[int], n_ubatch: int, split: str = "simple") -> list[np.ndarray]:
+    """The ubatches llama.cpp makes of a batch whose rows belong to sequences ``seqs``: row
+    indices, each ubatch's in the order it computes them. ``simple`` (a unified KV cache,
+    llama_batch_allocr::split_simple): ``n_ubatch`` consecutive rows at a time. ``equal`` (a
+    KV stream per sequence, as forecache batch loads the model; split_equal with sequential
+    ids): from the first unused row, the sequences whose ids follow each other (in batch
+    order), then as many rows of each as all of them have, within ``n_ubatch``, grouped by
+    sequence; rows of sequences whose ids do not follow go to later ubatches."""
+    n = len(seqs)
+    if split == "simple":
+        return [np.arange(a, min(a + n_ubatch, n)) for a in range(0, n, n_ubatch)]
+    if split != "equal":
+        raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
+    rows_of: dict[int, list[int]] = {}
+    for i, q in enumerate(seqs):
+        rows_of.setdefault(q, []).append(i)
+    taken = dict.fromkeys(rows_of, 0)  # a sequence's rows are taken in order
+    used = [False] * n
+    out = []
+    start = 0
+    while start < n:
+        chain: list[int] = []
+        for i in range(start, n):
+            q = seqs[i]
+            # a sequence already in the chain has q <= chain[-1]: only the next id joins
+            if used[i] or (chain and q != chain[-1] + 1):
+                continue
+            chain.append(q)
+            if len(chain) == n_ubatch:
+                break
+        per = min(len(rows_of[q]) - taken[q] for q in chain)
+        per = max(1, min(per, n_ubatch // len(chain)))
+        u = []
+        for q in chain:
+            got = rows_of[q][taken[q]:taken[q] + per]
+            taken[q] += per
+            u.extend(got)
+            for i in got:
+                used[i] = True
+        out.append(np.array(u))
+        while start < n and used[start]:
+            start += 1
+    return out
+
+
 def prompt_room(n_seq: int, n_ubatch: int) -> int:
     """The most rows of one prompt a step of a job of ``n_seq`` sequences feeds beside the
     others' decoding rows (``batch_tokens``, ``prompt_take``); one sequence: a ubatch."""
@@ -96,6 +171,10 @@ class BatchPlan:
     n_ubatch: int  # tokens a ubatch (llama.cpp's n_ubatch; the batch is at least this)
     kv_host: bool = False  # KV cache in host memory, attention on the CPU (offload_kqv off)
     experts: str = "cache"  # "cache": forecache's slots; "ncmoe": stock --n-cpu-moe layers
+    # micro-batches (MoE-Lightning's CGOPipe): 2 feeds the prompts in a context of their own,
+    # each step's prompt ubatch going through each layer with the decoding one, one prompt-bank
+    # fill serving both (batch.decode_many's micro)
+    micro: int = 1
 
     def __post_init__(self) -> None:
         if self.n_seq < 1 or self.n_ubatch < 1:
@@ -103,6 +182,12 @@ class BatchPlan:
                              f"seq={self.n_seq}, ubatch={self.n_ubatch}")
         if self.experts not in EXPERTS:
             raise ValueError(f"experts={self.experts}: use one of {', '.join(EXPERTS)}")
+        if self.micro not in (1, 2):
+            raise ValueError(f"micro={self.micro}: 1, or 2 (the prompts in a context of their "
+                             "own)")
+        if self.micro > 1 and self.experts != "cache":
+            raise ValueError("micro-batches share forecache's prompt banks: a plan with micro "
+                             "needs experts=cache")
 
     def label(self, cpu_only: bool = False) -> str:
         """The plan as ``--plan`` takes it; ``cpu_only`` (a machine without a GPU) leaves out
@@ -111,17 +196,19 @@ class BatchPlan:
         kv = "" if cpu_only and not self.kv_host else \
             f",kv={'host' if self.kv_host else 'device'}"
         return (f"seq={self.n_seq},ubatch={self.n_ubatch}{kv}"
-                + ("" if self.experts == "cache" else f",experts={self.experts}"))
+                + ("" if self.experts == "cache" else f",experts={self.experts}")
+                + ("" if self.micro == 1 else f",micro={self.micro}"))
 
     @classmethod
     def parse(cls, text: str) -> BatchPlan:
-        """``seq=N,ubatch=U[,kv=device|host][,experts=cache|ncmoe]`` (seq and ubatch required)."""
+        """``seq=N,ubatch=U[,kv=device|host][,experts=cache|ncmoe][,micro=M]`` (seq and ubatch
+        required)."""
         got: dict[str, str] = {}
         for part in text.split(","):
             key, eq, value = part.strip().partition("=")
-            if not eq or key not in ("seq", "ubatch", "kv", "experts") or key in got:
+            if not eq or key not in ("seq", "ubatch", "kv", "experts", "micro") or key in got:
                 raise ValueError(f"cannot read plan {text!r}: give seq=N,ubatch=U and optionally "
-                                 "kv=device|host and experts=cache|ncmoe, e.g. "
+                                 "kv=device|host, experts=cache|ncmoe and micro=M, e.g. "
                                  "seq=16,ubatch=512,kv=device")
             got[key] = value.strip()
         if "seq" not in got or "ubatch" not in got:
@@ -130,9 +217,10 @@ class BatchPlan:
             raise ValueError(f"plan {text!r}: kv is device or host, not {got['kv']!r}")
         try:
             n_seq, n_ubatch = int(got["seq"]), int(got["ubatch"])
+            micro = int(got.get("micro", "1"))
         except ValueError:
-            raise ValueError(f"plan {text!r}: seq and ubatch are whole numbers") from None
-        return cls(n_seq, n_ubatch, got.get("kv") == "host", got.get("experts", "cache"))
+            raise ValueError(f"plan {text!r}: seq, ubatch and micro are whole numbers") from None
+        return cls(n_seq, n_ubatch, got.get("kv") == "host", got.get("experts", "cache"), micro)
 
 
 @dataclass(frozen=True)

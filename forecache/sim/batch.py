@@ -15,7 +15,14 @@ from forecache.cache.cost import Profile
 from forecache.cache.policies import hit_rate
 from forecache.cache.prefetcher import ProMoEPolicy
 from forecache.predictor.base import Predictor
-from forecache.roofline.batch import batch_tokens, fill_rows, prompt_take
+from forecache.roofline.batch import (
+    PREFILL_SEQS,
+    batch_tokens,
+    fill_rows,
+    prefill_take,
+    prompt_take,
+    split_batch,
+)
 from forecache.sim.shapes import ModelShape
 from forecache.sim.simulate import SimConfig, Simulator
 from forecache.trace.format import Request, logged_layers
@@ -95,54 +102,6 @@ class BatchResult:
         return out
 
 
-SPLITS = ("simple", "equal")
-
-
-def split_batch(seqs: Sequence[int], n_ubatch: int, split: str = "simple") -> list[np.ndarray]:
-    """The ubatches llama.cpp makes of a batch whose rows belong to sequences ``seqs``: row
-    indices, each ubatch's in the order it computes them. ``simple`` (a unified KV cache,
-    llama_batch_allocr::split_simple): ``n_ubatch`` consecutive rows at a time. ``equal`` (a
-    KV stream per sequence, as forecache batch loads the model; split_equal with sequential
-    ids): from the first unused row, the sequences whose ids follow each other (in batch
-    order), then as many rows of each as all of them have, within ``n_ubatch``, grouped by
-    sequence; rows of sequences whose ids do not follow go to later ubatches."""
-    n = len(seqs)
-    if split == "simple":
-        return [np.arange(a, min(a + n_ubatch, n)) for a in range(0, n, n_ubatch)]
-    if split != "equal":
-        raise ValueError(f"unknown split {split!r}; use one of {', '.join(SPLITS)}")
-    rows_of: dict[int, list[int]] = {}
-    for i, q in enumerate(seqs):
-        rows_of.setdefault(q, []).append(i)
-    taken = dict.fromkeys(rows_of, 0)  # a sequence's rows are taken in order
-    used = [False] * n
-    out = []
-    start = 0
-    while start < n:
-        chain: list[int] = []
-        for i in range(start, n):
-            q = seqs[i]
-            # a sequence already in the chain has q <= chain[-1]: only the next id joins
-            if used[i] or (chain and q != chain[-1] + 1):
-                continue
-            chain.append(q)
-            if len(chain) == n_ubatch:
-                break
-        per = min(len(rows_of[q]) - taken[q] for q in chain)
-        per = max(1, min(per, n_ubatch // len(chain)))
-        u = []
-        for q in chain:
-            got = rows_of[q][taken[q]:taken[q] + per]
-            taken[q] += per
-            u.extend(got)
-            for i in got:
-                used[i] = True
-        out.append(np.array(u))
-        while start < n and used[start]:
-            start += 1
-    return out
-
-
 @dataclass
 class _Seq:
     """A request decoding in sequence ``seq`` of a batch job (``batch.decode_many``'s)."""
@@ -155,6 +114,7 @@ class _Seq:
     admitted: float
     fed: int = 0  # prompt rows already in a batch
     out: int = 0  # tokens sampled; the last one is fed in the next batch
+    lane: int = 0  # its context: 0 decoding, 1 the prompts' (micro=2)
 
 
 def merge_requests(requests: Sequence[Request]) -> tuple[Request, np.ndarray]:
@@ -174,7 +134,7 @@ def merge_requests(requests: Sequence[Request]) -> tuple[Request, np.ndarray]:
 
 def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Profile,
                    cfg: SimConfig, predictor: Predictor | None = None, *,
-                   steady: bool = False) -> BatchResult:
+                   steady: bool = False, micro: int = 1) -> BatchResult:
     """Replay ``requests`` as one batch job, as ``forecache batch`` decodes it
     (``batch.decode_many``): up to ``cfg.n_seq`` sequences; each step's llama batch holds
     every decoding sequence's next token, then prompt chunks of the sequences still prefilling
@@ -195,9 +155,20 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
     (``"simple"``) every row attends over all the cells in use, as llama.cpp masks the others.
     The policy and predictor see one job, as at run time.
     ``steady``: stop when no request is left to admit and a sequence finishes (the batch would
-    drain from there): the throughput of a full batch, without the job's tail."""
+    drain from there): the throughput of a full batch, without the job's tail.
+    ``micro=2`` (decode_many's micro-batches): the prompts are fed in a context of their own
+    (up to ``PREFILL_SEQS`` of them, one ubatch a step: ``prefill_take``) and each sequence
+    moves to the decoding context once its first token is sampled (its KV copied); a step's
+    ubatches go in rounds, the k-th of each
+    context together, the round's second pass reading the first's bank fills. The clock runs
+    the passes one after the other (as on a CPU, where both contexts' threads share its
+    cores); ``overlapped_s`` takes each round's passes side by side."""
     if not requests:
         raise ValueError("no requests to simulate")
+    if micro not in (1, 2):
+        raise ValueError(f"micro={micro}: one micro-batch a step, or two")
+    if micro == 2 and cfg.split != "equal":
+        raise ValueError("micro-batches run with a KV stream per sequence (split='equal')")
     if cfg.little_k or cfg.spec_draft:
         raise ValueError("a batch replay decodes exactly: no MoBiLE little passes or drafts")
     n_batch = cfg.n_batch if cfg.n_batch is not None else batch_tokens(cfg.n_seq, cfg.n_ubatch)
@@ -221,26 +192,38 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
     if sim.forecaster is not None:
         sim.forecaster.begin_request()
     pending = deque(sorted(range(len(requests)), key=lambda i: -requests[i].n_tokens))
-    free = list(range(cfg.n_seq))
+    # each context's free sequence ids: the decoding one's, then the prompts' (micro=2)
+    free = [list(range(cfg.n_seq))] + \
+        ([list(range(min(cfg.n_seq, PREFILL_SEQS)))] if micro == 2 else [])
     active: list[_Seq] = []
     t0 = sim.t
     latency = 0.0
     generated = finished = prompt_fed = 0
     prefill_s = decode_s = overlapped = paged_total = 0.0
-    n_steps = n_ubatches = moves = 0
+    n_steps = n_ubatches = moves = migrated = 0
     decode_steps = decode_step_ubatches = 0  # steps of decoding rows only, and their ubatches
     # each sequence's KV stream: its share of the context llama.cpp is loaded with
     ctx_per_seq = max(p + a for p, a in zip(prompt, answer, strict=True))
     dec_hits = dec_misses = 0
     kv, d = shape.kv_bytes, shape.d_model
+
+    def spend(dt: float) -> float:
+        """The runtime's own ``dt`` seconds between steps (a KV stream copied)."""
+        sim.t += dt
+        sim.runtime_s += dt
+        sim.engine.advance_to(sim.t)
+        return dt
     while pending or active:
-        while free and pending:
+        while pending and len(active) < cfg.n_seq and free[-1]:
             i = pending.popleft()
-            seq = free.pop(free.index(min(free)))  # the lowest free id, as decode_many
-            active.append(_Seq(i, seq, int(starts[i]), prompt[i], answer[i], sim.t))
+            lane = free[-1]
+            seq = lane.pop(lane.index(min(lane)))  # the lowest free id, as decode_many
+            active.append(_Seq(i, seq, int(starts[i]), prompt[i], answer[i], sim.t,
+                               lane=len(free) - 1))
         rows: list[int] = []
         ctx: list[int] = []  # each row's context: its sequence's tokens up to it
         seqs: list[int] = []
+        lanes: list[int] = []  # each row's context
         sampled: list[int] = []  # batch rows with logits
         done: list[_Seq] = []  # sequences sampled from this batch, in row order
         for s in active:  # each decoding sequence's last sampled token first
@@ -250,20 +233,27 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
                 rows.append(s.first_row + s.prompt + s.out - 1)
                 ctx.append(s.prompt + s.out)
                 seqs.append(s.seq)
+                lanes.append(s.lane)
         n_decode = len(rows)
         # then prompt chunks, while the batch has room, as decode_many fills a batch: with a
         # KV stream per sequence (``equal``) whole ubatches of each prompt (``prompt_take``);
         # in one stream (``simple``) up to whole ubatches of the batch, unless the decoding
         # rows already take them (then up to n_batch)
         room = n_batch if cfg.split == "equal" or len(rows) >= n_fill else n_fill
+        # (micro=2: the prompts' context feeds one ubatch of them, prefill_take)
+        takes = prefill_take({s.seq: s.prompt - s.fed for s in active if s.lane > 0},
+                             cfg.n_ubatch) if micro == 2 else {}
         for s in active:
             if s.fed < s.prompt and len(rows) < room:
                 take = min(s.prompt - s.fed, room - len(rows))
                 if cfg.split == "equal":
                     take = prompt_take(s.prompt - s.fed, room - len(rows), cfg.n_ubatch)
+                if s.lane > 0:
+                    take = takes.get(s.seq, 0)
                 rows.extend(range(s.first_row + s.fed, s.first_row + s.fed + take))
                 ctx.extend(range(s.fed + 1, s.fed + take + 1))
                 seqs.extend([s.seq] * take)
+                lanes.extend([s.lane] * take)
                 s.fed += take
                 prompt_fed += take
                 if s.fed == s.prompt:
@@ -273,11 +263,23 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
         logit = np.zeros(len(rows), bool)
         logit[sampled] = True
         decoding = np.arange(len(rows)) < n_decode
-        # the rows go to llama.cpp in sequence-id order, as decode_many hands them over
-        order = np.argsort(np.array(seqs), kind="stable")
+        # the rows go to llama.cpp in sequence-id order, as decode_many hands them over (each
+        # context's its own batch)
+        order = np.lexsort((np.array(seqs), np.array(lanes)))
         rows_a, ctx_a = np.array(rows)[order], np.array(ctx, np.float64)[order]
         seqs_a, logit, decoding = np.array(seqs)[order], logit[order], decoding[order]
-        parts = split_batch(seqs_a.tolist(), cfg.n_ubatch, cfg.split)
+        lanes_a = np.array(lanes)[order]
+        per_lane = []
+        for k in range(len(free)):
+            at = np.flatnonzero(lanes_a == k)
+            per_lane.append([at[u] for u in split_batch(seqs_a[at].tolist(), cfg.n_ubatch,
+                                                        cfg.split)] if at.size else [])
+        parts = [u for lane_parts in per_lane for u in lane_parts]
+        # rounds: where both contexts have rows, their k-th ubatches together
+        rounds = [[lp[k] for lp in per_lane if k < len(lp)]
+                  for k in range(max(len(lp) for lp in per_lane))]
+        if len([lp for lp in per_lane if lp]) == 1:
+            rounds = [[u] for u in parts]  # one context's batch: its ubatches one by one
         if decoding.all():
             decode_steps += 1
             decode_step_ubatches += len(parts)
@@ -288,25 +290,36 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
             # a unified KV cache holds every sequence's cells in one stream, and each row
             # attends over all the cells in use, the others masked
             cells = float(ctx_a[np.r_[seqs_a[1:] != seqs_a[:-1], True]].sum())
-        for u in parts:
-            c, q = ctx_a[u], seqs_a[u]
-            if cfg.split == "simple":
-                attention = (cells * kv, 4.0 * d * len(u) * cells)
-            else:
-                # a sequence's rows are contiguous: its last row in the ubatch has its longest
-                # context, the KV the ubatch reads for it
-                last = np.r_[q[1:] != q[:-1], True]
-                attention = (float(c[last].sum()) * kv, 4.0 * d * float(c.sum()))
-            hits, misses, banked = sim.hits, sim.misses, sim.bank_bytes
-            t = sim._ubatch(merged, rows_a[u], attention, int(logit[u].sum()))
-            bank_most = max(bank_most, sim.bank_bytes - banked)
-            n_ubatches += 1
-            if decoding[u].all():
-                decode_s += t
-                dec_hits += sim.hits - hits
-                dec_misses += sim.misses - misses
-            else:
-                prefill_s += t
+        micro_bound = 0.0  # micro=2: the step's rounds, each round's passes side by side
+        for members in rounds:
+            round_before = _busy(sim)
+            round_bytes, round_bus = sim.engine.stats["h2d_bytes"], sim.bus_s
+            for j, u in enumerate(members):
+                c, q = ctx_a[u], seqs_a[u]
+                if cfg.split == "simple":
+                    attention = (cells * kv, 4.0 * d * len(u) * cells)
+                else:
+                    # a sequence's rows are contiguous: its last row in the ubatch has its
+                    # longest context, the KV the ubatch reads for it
+                    last = np.r_[q[1:] != q[:-1], True]
+                    attention = (float(c[last].sum()) * kv, 4.0 * d * float(c.sum()))
+                hits, misses, banked = sim.hits, sim.misses, sim.bank_bytes
+                sim.keep_fills = j > 0  # the round's first pass's fills serve the others
+                t = sim._ubatch(merged, rows_a[u], attention, int(logit[u].sum()))
+                sim.keep_fills = False
+                bank_most = max(bank_most, sim.bank_bytes - banked)
+                n_ubatches += 1
+                if decoding[u].all():
+                    decode_s += t
+                    dec_hits += sim.hits - hits
+                    dec_misses += sim.misses - misses
+                else:
+                    prefill_s += t
+            spent = {k: v - round_before[k] for k, v in _busy(sim).items()}
+            bus = (sim.engine.stats["h2d_bytes"] - round_bytes) / \
+                (sim.profile.h2d_gbps * sim.n_devices * 1e9) + sim.bus_s - round_bus
+            micro_bound += min(sum(spent.values()), max(spent["GPU"], spent["CPU"],
+                                                        spent["PCIe"], bus) + spent["runtime"])
         step = {k: v - before[k] for k, v in _busy(sim).items()}
         # the bus is busy for every byte it copies, also where copies ran beside the ops
         # (prompt banks' fills, prefetches) and the critical path never waited for them
@@ -314,8 +327,9 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
         bus = (sim.engine.stats["h2d_bytes"] - bytes_before) / rate + sim.bus_s - bus_before
         # (the replay's fills and copies run on clocks of their own and may overrun a step: a
         # pipeline is never slower than the ops one after another)
-        overlapped += min(sum(step.values()),
-                          max(step["GPU"], step["CPU"], step["PCIe"], bus) + step["runtime"])
+        overlapped += micro_bound if micro == 2 else \
+            min(sum(step.values()),
+                max(step["GPU"], step["CPU"], step["PCIe"], bus) + step["runtime"])
         # MoE-Lightning's weights paging besides: the step's ubatches go through each layer
         # before the next, so one fill of a layer's bank serves them all (the largest's)
         paged = bus - (sim.bank_bytes - bank_before - bank_most) / rate
@@ -327,29 +341,39 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
             s.out += 1
             if s.out >= s.answer:
                 active.remove(s)
-                free.append(s.seq)
+                free[s.lane].append(s.seq)
                 latency += sim.t - s.admitted
                 finished += 1
                 ended = True
+            elif s.lane > 0:
+                # its prompt is in: to the decoding context, its KV read out and written in
+                # (forecache_seq_move: host memory, or the device's over the bus both ways)
+                free[s.lane].append(s.seq)
+                s.lane, s.seq = 0, free[0].pop(free[0].index(min(free[0])))
+                stream = s.prompt * shape.layers * kv
+                spent = spend(2.0 * stream / ((profile.cpu_mem_gbps if cfg.kv_host else
+                                               profile.h2d_gbps) * 1e9))
+                overlapped += spent
+                paged_total += spent
+                migrated += 1
         if steady and not pending and ended:
             break
-        while not pending and cfg.split == "equal" and free and active:
+        decoders = [x for x in active if x.lane == 0]
+        while not pending and cfg.split == "equal" and free[0] and decoders:
             # decode_many's move_down: the highest sequence takes the lowest free id below
             # it, its whole KV stream copied (read and written) where the cache lives
-            top = max(active, key=lambda x: x.seq)
-            low_id = min(free)
+            top = max(decoders, key=lambda x: x.seq)
+            low_id = min(free[0])
             if low_id > top.seq:
                 break
-            free.remove(low_id)
-            free.append(top.seq)
+            free[0].remove(low_id)
+            free[0].append(top.seq)
             top.seq = low_id
             stream = 2.0 * ctx_per_seq * shape.layers * kv
-            dt = stream / ((profile.cpu_mem_gbps if cfg.kv_host else profile.gpu_mem_gbps) * 1e9)
-            sim.t += dt
-            sim.runtime_s += dt
-            overlapped += dt
-            paged_total += dt
-            sim.engine.advance_to(sim.t)
+            spent = spend(stream / ((profile.cpu_mem_gbps if cfg.kv_host else
+                                     profile.gpu_mem_gbps) * 1e9))
+            overlapped += spent
+            paged_total += spent
             moves += 1
     if sim.forecaster is not None:
         sim.forecaster.end_request()
@@ -362,6 +386,7 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
                  bank_bytes=int(sim.bank_bytes), banked=sim.banked,
                  decode_gates_in_c=sim.decode_gates, n_batch=n_batch, n_ubatch=cfg.n_ubatch,
                  kv_host=cfg.kv_host, policy=cfg.policy, split=cfg.split, moves=moves,
+                 micro=micro, migrated=migrated,
                  decode_steps=decode_steps, decode_step_ubatches=decode_step_ubatches)
     if isinstance(sim.policy, ProMoEPolicy):
         extra.update(prefetch_loads=sim.policy.prefetch_loads,

@@ -285,6 +285,8 @@ class Simulator:
         self._oracle: np.ndarray | None = None  # the big pass's routing, prefetched at its start
         self._bank_end: dict[int, float] = {}  # layer -> when its bank's fill ends (this pass)
         self._bank_free = 0.0  # when the fills' stream is free
+        # the next pass reads the fills of the one before (a round of micro-batches' passes)
+        self.keep_fills = False
         self._init_counters()
 
     def _init_counters(self) -> None:
@@ -521,7 +523,8 @@ class Simulator:
             floor += lead
             compute += lead
         banks = self.bank and n >= DEVICE_MIN_TOKENS and not self._little
-        self._bank_end = {}
+        if not self.keep_fills:
+            self._bank_end = {}
         if banks:  # the first bank layer's fill begins with the pass (fc_bank_begin)
             self._bank_fill(self._next_bank(-1), self.t)
         for il in range(sh.layers):

@@ -163,6 +163,7 @@ class RoutingReplay:
     _handle: int | None = None
     _next: dict[bool, int] = field(default_factory=lambda: {False: 0, True: 0})
     tokens: int = 0  # rows fed so far
+    _dev: int = 0
 
     def attach(self, lib: ctypes.CDLL, ctx: int, dev_index: int) -> None:
         """Install the replay in llama.cpp context ``ctx`` (tables on device ``dev_index``)."""
@@ -170,7 +171,15 @@ class RoutingReplay:
         h = lib.forecache_replay_init(ctx, self.n_ubatch, dev_index, err, len(err))
         if not h:
             raise ReplayError(f"routing replay: {err.value.decode(errors='replace')}")
-        self._lib, self._handle = lib, h
+        self._lib, self._handle, self._dev = lib, h, dev_index
+
+    def sibling(self, ctx: int) -> RoutingReplay:
+        """The same routing replayed in another context of the model (a micro-batch's)."""
+        if self._lib is None:
+            raise ReplayError("routing replay used before attach")
+        other = RoutingReplay(self.routing, self.moe_layers, self.n_layer, self.n_ubatch)
+        other.attach(self._lib, ctx, self._dev)
+        return other
 
     def table(self, n_tokens: int) -> tuple[np.ndarray, np.ndarray]:
         """The next ``n_tokens`` tokens' ids and weights, [n_layer, n_tokens, k] each (blocks
