@@ -30,7 +30,7 @@ from forecache.interrupt import StopFlag
 from forecache.jobs.requests import Request
 from forecache.llama import Llama, top_probability
 from forecache.paths import write_atomic
-from forecache.roofline.batch import PREFILL_SEQS, prefill_take, prompt_take, split_batch
+from forecache.roofline.batch import PREFILL_SEQS, prompt_take, split_batch
 from forecache.speculative.speculator import Sampler, SelfDraft, verify
 
 
@@ -290,11 +290,11 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
     (``admission_order``: ``"longest"`` first, or ``"input"``).
     ``micro=2`` splits each step into two micro-batches (MoE-Lightning's CGOPipe): the prompts
     are fed in a context of their own (a ``forecache.micro.Sibling`` holding up to
-    ``PREFILL_SEQS`` of them), one ubatch of them a step (``prefill_take``), and a prompt's
-    sequence moves to the model's context (its KV cells copied) once its first token is
-    sampled. Each step's prompt ubatch and the decoding sequences' ubatch go through the model
-    together, on threads of their own, one fill of each layer's prompt bank serving both (the
-    cache's prompt banks, which it needs).
+    ``PREFILL_SEQS`` of them), and a prompt's sequence moves to the model's context (its KV
+    cells copied) once its first token is sampled. A step's first prompt ubatch and the
+    decoding sequences' ubatch go through the model together, on threads of their own, one
+    fill of each layer's prompt bank serving both (the cache's prompt banks, which it needs);
+    the step's other prompt ubatches follow.
     In MoBiLE decoding (``llm.mobile``) the sequences' next tokens first run a little pass of
     their own; those it is unsure of are recomputed with the prompts, by the full model. With a
     self draft (``llm.speculator``) every decoding sequence drafts up to k tokens with little
@@ -639,16 +639,13 @@ def _decode_lanes(llm: Llama, lanes: list[_Lane], requests: list[Request],
                 checks = speculate([(s, r) for s, _, r in rows])
                 if checks:
                     rows = []
-            # then prompt chunks, while the batch has room; in a prefill lane one ubatch of
-            # them (prefill_take), the decoding lane's ubatch's partner
-            prefill = {s.seq: len(s.prompt) - s.fed for s in active
-                       if lane_of[id(s)] is not main}
-            takes = prefill_take(prefill, n_ubatch) if prefill else {}
+            # then prompt chunks, while the batch (the prefill lane's, where there is one) has
+            # room
             for s in active:
                 lane = lane_of[id(s)]
                 if s.fed < len(s.prompt) and len(lane.tokens) < n_batch:
-                    take = takes.get(s.seq, 0) if lane is not main else \
-                        prompt_take(len(s.prompt) - s.fed, n_batch - len(lane.tokens), n_ubatch)
+                    take = prompt_take(len(s.prompt) - s.fed, n_batch - len(lane.tokens),
+                                       n_ubatch)
                     for j in range(s.fed, s.fed + take):
                         last = j == len(s.prompt) - 1
                         row = lane.add(s.prompt[j], j, s.seq, last)

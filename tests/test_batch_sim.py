@@ -328,21 +328,3 @@ def test_micro_batches_pair_a_prompt_with_the_decoding_rows() -> None:
     with pytest.raises(ValueError, match="split='equal'"):
         simulate_batch(reqs, SHAPE, slow, replace(cfg, split="simple"), micro=2)
 
-
-def test_prefill_take_makes_one_ubatch() -> None:
-    """A prefill context's step feeds the prompts whose ids follow each other from the lowest,
-    as many rows of each as all of them have within one ubatch: the rows llama.cpp puts into one
-    ubatch with a KV stream per sequence."""
-    from forecache.roofline.batch import prefill_take
-
-    assert prefill_take({}, 64) == {} and prefill_take({3: 0}, 64) == {}
-    assert prefill_take({0: 100}, 64) == {0: 64}
-    assert prefill_take({0: 30, 1: 50, 2: 9}, 64) == {0: 30, 1: 30}  # 60 rows, not 27
-    assert prefill_take({0: 20, 1: 50, 2: 19}, 64) == {0: 19, 1: 19, 2: 19}
-    assert prefill_take({0: 9, 1: 50, 3: 40}, 64) == {1: 50}  # 3 does not follow 1
-    assert prefill_take({2: 40, 4: 30, 5: 30}, 64) == {4: 30, 5: 30}
-    assert prefill_take({0: 1, 1: 1}, 64) == {0: 1, 1: 1}
-    assert prefill_take({q: 500 for q in range(8)}, 64) == {0: 64}  # lowest ids on a tie
-    parts = split_batch([q for q, n in prefill_take({0: 30, 1: 50, 2: 31}, 128).items()
-                         for _ in range(n)], 128, "equal")
-    assert len(parts) == 1

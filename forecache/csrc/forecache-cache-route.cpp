@@ -639,37 +639,12 @@ static bool fc_bank_node(forecache_cache * c, fc_gctx & g, ggml_tensor * t, bool
     return true;
 }
 
-// the node hook of an attached context: its long ubatches' bank layers
-static int fc_attached_node_hook(forecache_cache * c, fc_gctx & g, ggml_tensor * t, bool ask) {
-    if (t == nullptr) {
-        if (c->bank_tokens > 0) {
-            fc_bank_begin(c, g);
-        }
-        return 0;
-    }
-    int ret = 0;
-    if (fc_bank_node(c, g, t, ask, ret)) {
-        return ret;
-    }
-    if (t->op == GGML_OP_MUL_MAT_ID && ask) {
-        auto bt = c->bank_map.find(t->src[0]);
-        if (bt != c->bank_map.end()) {
-            std::lock_guard<std::mutex> lock(c->mtx);
-            c->layers[bt->second.first].stats.products++; // one product over its span
-        }
-    }
-    return 0;
-}
-
 int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
     auto & g = *(fc_gctx *) user_data;
     forecache_cache * c = g.c;
-    if (!g.main) {
-        return fc_attached_node_hook(c, g, t, ask);
-    }
     if (t == nullptr) {
-        fc_whole_wait(c);
-        {
+        if (g.main) {
+            fc_whole_wait(c);
             std::lock_guard<std::mutex> lock(c->mtx);
             c->epoch++;
         }
@@ -681,6 +656,14 @@ int fc_node_hook(ggml_tensor * t, bool ask, void * user_data) {
     int ret = 0;
     if (fc_bank_node(c, g, t, ask, ret)) {
         return ret;
+    }
+    if (!g.main) { // an attached context: its long ubatches' bank layers only
+        auto bt = t->op == GGML_OP_MUL_MAT_ID && ask ? c->bank_map.find(t->src[0]) : c->bank_map.end();
+        if (bt != c->bank_map.end()) {
+            std::lock_guard<std::mutex> lock(c->mtx);
+            c->layers[bt->second.first].stats.products++; // one product over its span
+        }
+        return 0;
     }
     if (t->op == GGML_OP_GET_ROWS && !c->remap_mm.empty()) {
         auto rm = c->remap_mm.find(t);

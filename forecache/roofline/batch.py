@@ -85,27 +85,6 @@ def prompt_take(left: int, room: int, n_ubatch: int) -> int:
 PREFILL_SEQS = 8
 
 
-def prefill_take(left: Mapping[int, int], n_ubatch: int) -> dict[int, int]:
-    """The rows each prompt of a prefill context (micro=2) feeds in a step, ``left`` giving
-    each prompting sequence's id and rows to go: one ubatch of them, to go through the model
-    beside the decoding sequences' ubatch. With a KV stream per sequence llama.cpp puts into
-    one ubatch only sequences whose ids follow each other, as many rows of each: of every such
-    run of ids, the one whose rows make the largest ubatch (the lowest ids on a tie)."""
-    ids = sorted(q for q, n in left.items() if n > 0)
-    best: tuple[int, int, int] = (0, 0, 0)  # rows, first index, sequences
-    for i in range(len(ids)):
-        least = left[ids[i]]
-        for k in range(1, min(len(ids) - i, n_ubatch) + 1):
-            if k > 1 and ids[i + k - 1] != ids[i + k - 2] + 1:
-                break
-            least = min(least, left[ids[i + k - 1]])
-            rows = k * min(least, n_ubatch // k)
-            if rows > best[0]:
-                best = (rows, i, k)
-    rows, i, k = best
-    return dict.fromkeys(ids[i:i + k], rows // k) if rows else {}
-
-
 SPLITS = ("simple", "equal")
 
 

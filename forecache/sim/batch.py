@@ -19,7 +19,6 @@ from forecache.roofline.batch import (
     PREFILL_SEQS,
     batch_tokens,
     fill_rows,
-    prefill_take,
     prompt_take,
     split_batch,
 )
@@ -157,9 +156,8 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
     ``steady``: stop when no request is left to admit and a sequence finishes (the batch would
     drain from there): the throughput of a full batch, without the job's tail.
     ``micro=2`` (decode_many's micro-batches): the prompts are fed in a context of their own
-    (up to ``PREFILL_SEQS`` of them, one ubatch a step: ``prefill_take``) and each sequence
-    moves to the decoding context once its first token is sampled (its KV copied); a step's
-    ubatches go in rounds, the k-th of each
+    (up to ``PREFILL_SEQS`` of them) and each sequence moves to the decoding context once its
+    first token is sampled (its KV copied); a step's ubatches go in rounds, the k-th of each
     context together, the round's second pass reading the first's bank fills. The clock runs
     the passes one after the other (as on a CPU, where both contexts' threads share its
     cores); ``overlapped_s`` takes each round's passes side by side."""
@@ -240,16 +238,13 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
         # in one stream (``simple``) up to whole ubatches of the batch, unless the decoding
         # rows already take them (then up to n_batch)
         room = n_batch if cfg.split == "equal" or len(rows) >= n_fill else n_fill
-        # (micro=2: the prompts' context feeds one ubatch of them, prefill_take)
-        takes = prefill_take({s.seq: s.prompt - s.fed for s in active if s.lane > 0},
-                             cfg.n_ubatch) if micro == 2 else {}
         for s in active:
-            if s.fed < s.prompt and len(rows) < room:
-                take = min(s.prompt - s.fed, room - len(rows))
+            # (micro=2: the prompts' context's rows counted apart, a batch of its own)
+            used = len(rows) if micro == 1 else sum(x == s.lane for x in lanes)
+            if s.fed < s.prompt and used < room:
+                take = min(s.prompt - s.fed, room - used)
                 if cfg.split == "equal":
-                    take = prompt_take(s.prompt - s.fed, room - len(rows), cfg.n_ubatch)
-                if s.lane > 0:
-                    take = takes.get(s.seq, 0)
+                    take = prompt_take(s.prompt - s.fed, room - used, cfg.n_ubatch)
                 rows.extend(range(s.first_row + s.fed, s.first_row + s.fed + take))
                 ctx.extend(range(s.fed + 1, s.fed + take + 1))
                 seqs.extend([s.seq] * take)
