@@ -132,10 +132,10 @@ def main() -> int:
                     help="each sequence's context (default: the longest request's, rounded up)")
     ap.add_argument("--plans", default="auto",
                     help="auto, or plans separated by ';' "
-                         "(seq=N,ubatch=U[,kv=host][,experts=ncmoe][,micro=2])")
-    ap.add_argument("--micro", action="store_true",
-                    help="also run each forecache plan with micro-batches (micro=2: the "
-                         "prompts in a context of their own)")
+                         "(seq=N,ubatch=U[,kv=host][,experts=ncmoe][,micro=M])")
+    ap.add_argument("--micro", type=int, default=1,
+                    help="also run each forecache plan with this many micro-batches a step "
+                         "(2 to 4: the prompts in micro - 1 contexts of their own)")
     ap.add_argument("--per-kind", type=int, default=2,
                     help="with --plans auto: the plans measured for stock and for forecache each")
     ap.add_argument("--threads", type=int, default=None)
@@ -150,8 +150,8 @@ def main() -> int:
     given = None if a.plans == "auto" else \
         [BatchPlan.parse(p) for p in a.plans.split(";") if p.strip()]
     plans = predicted(a.model, budget, reqs, ctx, given, a.per_kind)
-    if a.micro:  # the roofline prices one context: a micro plan is set beside its plan's figure
-        plans += [(replace(p, micro=2), hrm) for p, hrm in plans
+    if a.micro > 1:  # the roofline prices one context: a micro plan beside its plan's figure
+        plans += [(replace(p, micro=a.micro), hrm) for p, hrm in plans
                   if p.experts == "cache" and p.micro == 1]
     if not plans:
         raise SystemExit("no plan fits: raise --gpu-budget or give --plans")

@@ -89,7 +89,7 @@ class Spec:
     n_seq: int
     n_ubatch: int
     kv_host: bool
-    micro: int = 1  # decode_many's micro-batches (micro=2: the prompts in a context of their own)
+    micro: int = 1  # decode_many's micro-batches (the prompts in micro - 1 contexts of their own)
 
     def label(self) -> str:
         return (f"seq={self.n_seq},ubatch={self.n_ubatch},kv={'host' if self.kv_host else 'device'}"
@@ -207,8 +207,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="the KV cache llama.cpp runs with: equal (a KV stream per sequence, "
                          "as forecache batch loads the model) or simple (a unified cache, "
                          "n_ubatch rows a ubatch, each row attending over every cell in use)")
-    ap.add_argument("--micro", action="store_true",
-                    help="also replay forecache's finalists with micro-batches (micro=2)")
+    ap.add_argument("--micro", type=int, default=1,
+                    help="also replay forecache's finalists with this many micro-batches a "
+                         "step (2 to 4)")
     ap.add_argument("--plans", default=None,
                     help="replay only these whole jobs, ';'-separated POLICY:PLAN (e.g. "
                          "ncmoe:seq=256,ubatch=512,kv=host;promoe:seq=256,ubatch=512,kv=host,"
@@ -322,8 +323,8 @@ def main(argv: list[str] | None = None) -> None:
             per_seq.setdefault(s.n_seq, s)
         finals += list(per_seq.values())[:finalists]
     finals += [s for s in picks.values() if s not in finals]
-    if args.micro:  # forecache's finalists with micro-batches too
-        finals += [Spec(s.policy, s.n_seq, s.n_ubatch, s.kv_host, 2) for s in finals
+    if args.micro > 1:  # forecache's finalists with micro-batches too
+        finals += [Spec(s.policy, s.n_seq, s.n_ubatch, s.kv_host, args.micro) for s in finals
                    if s.policy == "promoe"]
     for s in finals:
         if s.micro > 1 and s not in screens:  # a micro plan's row takes its plan's screen
@@ -443,7 +444,7 @@ def _report_given(given: list[Spec], jobs_: dict[Spec, dict], placed: dict[Spec,
         print(f"| {s.label()} | {s.policy} | {placed[s].experts} | {r['tokens_per_s']:.1f} "
               f"| {r['overlapped_tokens_per_s']:.1f} | {vs} | {r['hit_rate'] * 100:.1f} "
               f"| {r['bound']} |")
-    print(f"whole jobs of {n_req} requests; pipelined: each step's (micro=2: each round's) "
+    print(f"whole jobs of {n_req} requests; pipelined: each step's (micro-batches: each round's) "
           "device, CPU and bus time side by side")
 
 

@@ -254,7 +254,7 @@ if [ "$t" -ge 60 ]; then
     log "batch ($t s left)"
     timeout $((t < 210 ? t : 210)) "$PY" benchmarks/batch_bench.py -m "$MODEL" \
         --routing-trace "$FIT" --gpu-budget "$BIG" --requests "$BATCH_REQUESTS" \
-        --scale "$BATCH_SCALE" --per-kind 1 --micro "${THREADS[@]}" --json "$OUT/bench_batch.json" >&2 \
+        --scale "$BATCH_SCALE" --per-kind 1 --micro 4 "${THREADS[@]}" --json "$OUT/bench_batch.json" >&2 \
         || log "batch did not finish (exit $?)"
     keep_in bench_batch.json bench_fit24.json batch
 else

@@ -30,7 +30,13 @@ from forecache.interrupt import StopFlag
 from forecache.jobs.requests import Request
 from forecache.llama import Llama, top_probability
 from forecache.paths import write_atomic
-from forecache.roofline.batch import PREFILL_SEQS, prompt_take, split_batch
+from forecache.roofline.batch import (
+    MICRO_MAX,
+    admit_lane,
+    prefill_seqs,
+    prompt_take,
+    split_batch,
+)
 from forecache.speculative.speculator import Sampler, SelfDraft, verify
 
 
@@ -288,13 +294,14 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
     sequence id; new prompts are prefilled in the same batches as the others' next tokens, in
     chunks that fill the batch's ubatches). ``packing`` orders the admissions
     (``admission_order``: ``"longest"`` first, or ``"input"``).
-    ``micro=2`` splits each step into two micro-batches (MoE-Lightning's CGOPipe): the prompts
-    are fed in a context of their own (a ``forecache.micro.Sibling`` holding up to
-    ``PREFILL_SEQS`` of them), and a prompt's sequence moves to the model's context (its KV
-    cells copied) once its first token is sampled. A step's first prompt ubatch and the
-    decoding sequences' ubatch go through the model together, on threads of their own, one
-    fill of each layer's prompt bank serving both (the cache's prompt banks, which it needs);
-    the step's other prompt ubatches follow.
+    ``micro`` > 1 splits each step into micro-batches (MoE-Lightning's CGOPipe): the prompts
+    are fed in ``micro - 1`` contexts of their own (``forecache.micro.Sibling``s holding
+    ``prefill_seqs`` of them each; with one, as many rows a step as the batch holds, with more,
+    a ubatch each), and a prompt's sequence moves to the model's context (its KV cells copied)
+    once its first token is sampled. A step's first ubatch of each context goes through the
+    model with the decoding sequences' ubatch, each on a thread of its own, one fill of each
+    layer's prompt bank serving them all (the cache's prompt banks, which it needs); further
+    ubatches follow the same way.
     In MoBiLE decoding (``llm.mobile``) the sequences' next tokens first run a little pass of
     their own; those it is unsure of are recomputed with the prompts, by the full model. With a
     self draft (``llm.speculator``) every decoding sequence drafts up to k tokens with little
@@ -315,9 +322,9 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
     cache = llm.expert_cache
     mobile = llm.mobile if cache is not None else None
     spec = llm.speculator
-    if micro not in (1, 2):
-        raise ValueError(f"micro={micro}: a step is one micro-batch, or two (the prompts' and "
-                         "the decoding sequences')")
+    if not 1 <= micro <= MICRO_MAX:
+        raise ValueError(f"micro={micro}: a step is one micro-batch, or up to {MICRO_MAX} "
+                         "(the decoding sequences' and the prompts')")
     if micro > 1 and (mobile is not None or spec is not None):
         raise ValueError("micro-batches decode exactly: no MoBiLE little passes or drafts")
     if micro > 1 and (cache is None or cache.bank_tokens <= 0):
@@ -342,10 +349,10 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
     try:
         lanes.append(_Lane(llm.ctx, llm.replay, list(range(n_parallel)),
                            low.llama_batch_init(n_batch, 0, 1)))
-        if micro == 2:
-            n_prefill = min(n_parallel, PREFILL_SEQS)
+        n_prefill = prefill_seqs(n_parallel, micro)
+        for _ in range(micro - 1):
             siblings.append(Sibling(llm, n_seq_max=n_prefill))
-            lanes.append(_Lane(siblings[0].ctx, siblings[0].replay, list(range(n_prefill)),
+            lanes.append(_Lane(siblings[-1].ctx, siblings[-1].replay, list(range(n_prefill)),
                                low.llama_batch_init(n_batch, 0, 1)))
         if worker is not None:
             worker.begin_request()
@@ -601,9 +608,11 @@ def _decode_lanes(llm: Llama, lanes: list[_Lane], requests: list[Request],
     admitted = 0  # requests admitted so far
     try:
         while (pending or active) and not stop:
-            # admit the next requests: into the prefill lane when there is one, as many as
+            # admit the next requests: into a prefill lane when there are some, as many as
             # the decoding lane can take once their prompts are in
-            while pending and len(active) < len(main.free) + len(decoding()) and lanes[-1].free:
+            prefills = lanes[1:] or lanes
+            while pending and len(active) < len(main.free) + len(decoding()) and \
+                    any(x.free for x in prefills):
                 req, prompt = pending.popleft()
                 if len(prompt) + req.max_tokens > per_seq:
                     on_done({"id": req.id, "line": req.line,
@@ -613,7 +622,7 @@ def _decode_lanes(llm: Llama, lanes: list[_Lane], requests: list[Request],
                                       "max_tokens"})
                     continue
                 # the lowest free id: the decoding sequences' ids stay close together
-                lane = lanes[-1]
+                lane = lanes[admit_lane([len(x.free) for x in lanes], len(lanes))]
                 seq = lane.free.pop(lane.free.index(min(lane.free)))
                 s = _Sequence(req, seq, prompt, np.random.default_rng(req.seed),
                               admitted=admitted)
@@ -639,12 +648,13 @@ def _decode_lanes(llm: Llama, lanes: list[_Lane], requests: list[Request],
                 checks = speculate([(s, r) for s, _, r in rows])
                 if checks:
                     rows = []
-            # then prompt chunks, while the batch (the prefill lane's, where there is one) has
-            # room
+            # then prompt chunks, while the batch (a prefill lane's, where there are some) has
+            # room: with several prefill lanes a ubatch each, one round's worth
+            room = n_batch if len(lanes) <= 2 else n_ubatch
             for s in active:
                 lane = lane_of[id(s)]
-                if s.fed < len(s.prompt) and len(lane.tokens) < n_batch:
-                    take = prompt_take(len(s.prompt) - s.fed, n_batch - len(lane.tokens),
+                if s.fed < len(s.prompt) and len(lane.tokens) < room:
+                    take = prompt_take(len(s.prompt) - s.fed, room - len(lane.tokens),
                                        n_ubatch)
                     for j in range(s.fed, s.fed + take):
                         last = j == len(s.prompt) - 1

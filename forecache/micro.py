@@ -3,7 +3,8 @@ loaded model, each with its own KV cache and threads, whose long ubatches read t
 banks. A round (``run_round``) decodes one batch in each context, each on a thread of its own, and
 the passes go through each bank layer together: one fill of a layer's bank serves them all, and one
 context's attention and host work run while another's experts compute. A batch job
-(``batch.decode_many``'s ``micro=2``) feeds its prompts in one context and decodes in another."""
+(``batch.decode_many``'s ``micro``) feeds its prompts in contexts of their own and decodes in
+the model's."""
 
 from __future__ import annotations
 

@@ -323,8 +323,12 @@ def test_micro_batches_pair_a_prompt_with_the_decoding_rows() -> None:
     assert two.extra["micro"] == 2 and two.extra["migrated"] == len(reqs)
     assert two.extra["bank_bytes"] < one.extra["bank_bytes"]
     assert two.job_s < one.job_s and two.overlapped_s < two.job_s
-    with pytest.raises(ValueError, match="micro=3"):
-        simulate_batch(reqs, SHAPE, slow, cfg, micro=3)
+    # more prompt contexts, a ubatch each a step in the decoding ubatch's round: fewer fills
+    three = simulate_batch(reqs, SHAPE, slow, cfg, micro=3)
+    assert three.generated == one.generated and three.extra["migrated"] == len(reqs)
+    assert three.extra["bank_bytes"] < two.extra["bank_bytes"]
+    with pytest.raises(ValueError, match="micro=5"):
+        simulate_batch(reqs, SHAPE, slow, cfg, micro=5)
     with pytest.raises(ValueError, match="split='equal'"):
         simulate_batch(reqs, SHAPE, slow, replace(cfg, split="simple"), micro=2)
 

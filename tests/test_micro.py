@@ -169,10 +169,10 @@ def test_attach_refuses_what_it_cannot_serve(tiny_model: Callable[[str], Path]) 
 
 
 def test_a_batch_job_in_micro_batches(tiny_model: Callable[[str], Path]) -> None:
-    """decode_many(micro=2) feeds the prompts in a context of their own and moves each sequence
-    to the decoding context once its prompt is in: a step's prompt ubatch and decoding ubatch go
-    through each layer together, one bank fill serving both, and every request's text is the
-    one the job decodes in one context."""
+    """decode_many(micro=M) feeds the prompts in M-1 contexts of their own and moves each
+    sequence to the decoding context once its prompt is in: a step's prompt ubatches and
+    decoding ubatch go through each layer together, one bank fill serving them, and every
+    request's text is the one the job decodes in one context."""
     from forecache.batch import decode_many
     from forecache.generate import SamplingParams
     from forecache.jobs.requests import Request
@@ -191,7 +191,7 @@ def test_a_batch_job_in_micro_batches(tiny_model: Callable[[str], Path]) -> None
                     n_threads=2, cache=cfg) as llm:
         cache = llm.expert_cache
         assert cache is not None
-        for micro in (1, 2):
+        for micro in (1, 2, 3):
             llm.reset_stats()
             done: list[dict] = []
             decode_many(llm, reqs, n_parallel, done.append, micro=micro)
@@ -199,10 +199,10 @@ def test_a_batch_job_in_micro_batches(tiny_model: Callable[[str], Path]) -> None
             assert all(r["finish_reason"] == "length" for r in done), done
             texts.append({r["id"]: r["text"] for r in done})
             shared = cache.stats()["shared"]
-            assert (shared > 0) == (micro == 2), shared
-        with pytest.raises(ValueError, match="micro=3"):
-            decode_many(llm, reqs, n_parallel, done.append, micro=3)
-    assert texts[0] == texts[1]
+            assert (shared > 0) == (micro > 1), shared
+        with pytest.raises(ValueError, match="micro=5"):
+            decode_many(llm, reqs, n_parallel, done.append, micro=5)
+    assert texts[0] == texts[1] == texts[2]
 
 
 def test_a_job_with_a_micro_plan(tiny_model: Callable[[str], Path], tmp_path: Path) -> None:

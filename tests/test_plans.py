@@ -43,7 +43,7 @@ def test_plan_text_round_trip_and_refusals() -> None:
     assert BatchPlan.parse(micro.label()) == micro and p.micro == 1
     for bad in ("seq=16", "seq=x,ubatch=2", "seq=1,ubatch=2,kv=gpu", "seq=1,ubatch=2,foo=3",
                 "seq=0,ubatch=2", "seq=1,ubatch=2,experts=lru", "seq=1,seq=2,ubatch=4",
-                "seq=4,ubatch=2,micro=3", "seq=4,ubatch=2,micro=x",
+                "seq=4,ubatch=2,micro=5", "seq=4,ubatch=2,micro=x",
                 "seq=4,ubatch=2,experts=ncmoe,micro=2"):
         with pytest.raises(ValueError, match="plan|seq|experts|micro"):
             BatchPlan.parse(bad)

@@ -75,10 +75,10 @@ class _Progress(JobProgress):
                    "and picks the sequences decoded together, the ubatch, where the KV cache "
                    "lives and, with no --policy, the expert placement that a roofline model "
                    "predicts fastest for these requests (`forecache plan` lists them); or a plan "
-                   "such as seq=16,ubatch=512,kv=host[,experts=cache|ncmoe][,micro=2] "
-                   "(micro=2: the prompts fed in a llama.cpp context of their own, each step's "
-                   "prompt ubatch going through each layer beside the decoding sequences' "
-                   "ubatch, one prompt-bank fill serving both).")
+                   "such as seq=16,ubatch=512,kv=host[,experts=cache|ncmoe][,micro=M] "
+                   "(micro=M, 2 to 4: the prompts fed in M-1 llama.cpp contexts of their own, "
+                   "each step's prompt ubatches going through each layer beside the decoding "
+                   "sequences' ubatch, one prompt-bank fill serving them all).")
 @click.option("--parallel", default=None, type=click.IntRange(1, MAX_SEQUENCES),
               help="Sequences decoded together in one llama.cpp batch, ubatch 512 (a "
                    "hand-picked plan, instead of --plan).")

@@ -81,8 +81,24 @@ def prompt_take(left: int, room: int, n_ubatch: int) -> int:
     return max(take, 0)
 
 
-# prompts a batch job's prefill context holds at once (micro-batches: decode_many's micro=2)
+# prompts a batch job's prefill contexts hold at once (micro-batches: decode_many's micro)
 PREFILL_SEQS = 8
+# contexts a batch job's step may take: the decoding one and up to MICRO_MAX - 1 for prompts
+MICRO_MAX = 4
+
+
+def prefill_seqs(n_seq: int, micro: int) -> int:
+    """Sequences each of a job's ``micro - 1`` prefill contexts holds."""
+    return max(1, min(n_seq, PREFILL_SEQS) // max(micro - 1, 1))
+
+
+def admit_lane(free: Sequence[int], micro: int) -> int:
+    """The context a new request is admitted into, ``free`` giving each context's free ids
+    (the decoding one's first): with micro-batches the prefill context with the most (the
+    first on a tie), else the one context."""
+    if micro == 1:
+        return 0
+    return max(range(1, len(free)), key=lambda k: (free[k], -k))
 
 
 SPLITS = ("simple", "equal")
@@ -161,9 +177,9 @@ class BatchPlan:
                              f"seq={self.n_seq}, ubatch={self.n_ubatch}")
         if self.experts not in EXPERTS:
             raise ValueError(f"experts={self.experts}: use one of {', '.join(EXPERTS)}")
-        if self.micro not in (1, 2):
-            raise ValueError(f"micro={self.micro}: 1, or 2 (the prompts in a context of their "
-                             "own)")
+        if not 1 <= self.micro <= MICRO_MAX:
+            raise ValueError(f"micro={self.micro}: 1, or up to {MICRO_MAX} (the prompts in "
+                             "contexts of their own)")
         if self.micro > 1 and self.experts != "cache":
             raise ValueError("micro-batches share forecache's prompt banks: a plan with micro "
                              "needs experts=cache")

@@ -16,9 +16,11 @@ from forecache.cache.policies import hit_rate
 from forecache.cache.prefetcher import ProMoEPolicy
 from forecache.predictor.base import Predictor
 from forecache.roofline.batch import (
-    PREFILL_SEQS,
+    MICRO_MAX,
+    admit_lane,
     batch_tokens,
     fill_rows,
+    prefill_seqs,
     prompt_take,
     split_batch,
 )
@@ -113,7 +115,7 @@ class _Seq:
     admitted: float
     fed: int = 0  # prompt rows already in a batch
     out: int = 0  # tokens sampled; the last one is fed in the next batch
-    lane: int = 0  # its context: 0 decoding, 1 the prompts' (micro=2)
+    lane: int = 0  # its context: 0 decoding, 1.. the prompts' (micro-batches)
 
 
 def merge_requests(requests: Sequence[Request]) -> tuple[Request, np.ndarray]:
@@ -155,17 +157,18 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
     The policy and predictor see one job, as at run time.
     ``steady``: stop when no request is left to admit and a sequence finishes (the batch would
     drain from there): the throughput of a full batch, without the job's tail.
-    ``micro=2`` (decode_many's micro-batches): the prompts are fed in a context of their own
-    (up to ``PREFILL_SEQS`` of them) and each sequence moves to the decoding context once its
-    first token is sampled (its KV copied); a step's ubatches go in rounds, the k-th of each
+    ``micro`` > 1 (decode_many's micro-batches): the prompts are fed in ``micro - 1``
+    contexts of their own (``prefill_seqs`` of them each; with several, a ubatch each a step)
+    and each sequence moves to the decoding context once its first token is sampled (its KV
+    copied); a step's ubatches go in rounds, the k-th of each
     context together, the round's second pass reading the first's bank fills. The clock runs
     the passes one after the other (as on a CPU, where both contexts' threads share its
     cores); ``overlapped_s`` takes each round's passes side by side."""
     if not requests:
         raise ValueError("no requests to simulate")
-    if micro not in (1, 2):
-        raise ValueError(f"micro={micro}: one micro-batch a step, or two")
-    if micro == 2 and cfg.split != "equal":
+    if not 1 <= micro <= MICRO_MAX:
+        raise ValueError(f"micro={micro}: one micro-batch a step, up to {MICRO_MAX}")
+    if micro > 1 and cfg.split != "equal":
         raise ValueError("micro-batches run with a KV stream per sequence (split='equal')")
     if cfg.little_k or cfg.spec_draft:
         raise ValueError("a batch replay decodes exactly: no MoBiLE little passes or drafts")
@@ -190,9 +193,9 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
     if sim.forecaster is not None:
         sim.forecaster.begin_request()
     pending = deque(sorted(range(len(requests)), key=lambda i: -requests[i].n_tokens))
-    # each context's free sequence ids: the decoding one's, then the prompts' (micro=2)
+    # each context's free sequence ids: the decoding one's, then the prompts' (micro > 1)
     free = [list(range(cfg.n_seq))] + \
-        ([list(range(min(cfg.n_seq, PREFILL_SEQS)))] if micro == 2 else [])
+        [list(range(prefill_seqs(cfg.n_seq, micro))) for _ in range(micro - 1)]
     active: list[_Seq] = []
     t0 = sim.t
     latency = 0.0
@@ -212,12 +215,11 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
         sim.engine.advance_to(sim.t)
         return dt
     while pending or active:
-        while pending and len(active) < cfg.n_seq and free[-1]:
+        while pending and len(active) < cfg.n_seq and any(free[-(micro > 1):]):
             i = pending.popleft()
-            lane = free[-1]
-            seq = lane.pop(lane.index(min(lane)))  # the lowest free id, as decode_many
-            active.append(_Seq(i, seq, int(starts[i]), prompt[i], answer[i], sim.t,
-                               lane=len(free) - 1))
+            k = admit_lane([len(f) for f in free], micro)
+            seq = free[k].pop(free[k].index(min(free[k])))  # the lowest free id
+            active.append(_Seq(i, seq, int(starts[i]), prompt[i], answer[i], sim.t, lane=k))
         rows: list[int] = []
         ctx: list[int] = []  # each row's context: its sequence's tokens up to it
         seqs: list[int] = []
@@ -239,12 +241,13 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
         # rows already take them (then up to n_batch)
         room = n_batch if cfg.split == "equal" or len(rows) >= n_fill else n_fill
         for s in active:
-            # (micro=2: the prompts' context's rows counted apart, a batch of its own)
+            # (micro-batches: a prompts' context's rows counted apart, a batch of its own)
             used = len(rows) if micro == 1 else sum(x == s.lane for x in lanes)
-            if s.fed < s.prompt and used < room:
-                take = min(s.prompt - s.fed, room - used)
+            lane_room = room if micro < 3 else cfg.n_ubatch
+            if s.fed < s.prompt and used < lane_room:
+                take = min(s.prompt - s.fed, lane_room - used)
                 if cfg.split == "equal":
-                    take = prompt_take(s.prompt - s.fed, room - used, cfg.n_ubatch)
+                    take = prompt_take(s.prompt - s.fed, lane_room - used, cfg.n_ubatch)
                 rows.extend(range(s.first_row + s.fed, s.first_row + s.fed + take))
                 ctx.extend(range(s.fed + 1, s.fed + take + 1))
                 seqs.extend([s.seq] * take)
@@ -285,7 +288,7 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
             # a unified KV cache holds every sequence's cells in one stream, and each row
             # attends over all the cells in use, the others masked
             cells = float(ctx_a[np.r_[seqs_a[1:] != seqs_a[:-1], True]].sum())
-        micro_bound = 0.0  # micro=2: the step's rounds, each round's passes side by side
+        micro_bound = 0.0  # micro-batches: the step's rounds, each round's passes side by side
         for members in rounds:
             round_before = _busy(sim)
             round_bytes, round_bus = sim.engine.stats["h2d_bytes"], sim.bus_s
@@ -322,7 +325,7 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
         bus = (sim.engine.stats["h2d_bytes"] - bytes_before) / rate + sim.bus_s - bus_before
         # (the replay's fills and copies run on clocks of their own and may overrun a step: a
         # pipeline is never slower than the ops one after another)
-        overlapped += micro_bound if micro == 2 else \
+        overlapped += micro_bound if micro > 1 else \
             min(sum(step.values()),
                 max(step["GPU"], step["CPU"], step["PCIe"], bus) + step["runtime"])
         # MoE-Lightning's weights paging besides: the step's ubatches go through each layer
