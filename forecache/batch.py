@@ -191,6 +191,7 @@ class _Sequence:
     # for several rows (and its prompt split by theirs), which round them otherwise
     batched: bool = False
     admitted: int = 0  # requests admitted before it (a replayed routing's rows for it)
+    lane: Any = None  # the decode_many lane (_Lane) whose context holds its KV cells
 
 
 def sampler(sp: SamplingParams) -> Sampler:
@@ -314,7 +315,7 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
     next step."""
     from llama_cpp import llama_cpp as low
 
-    from forecache.micro import Sibling, run_round
+    from forecache.micro import Sibling
 
     n_batch = llm.n_batch
     n_vocab = llm.n_vocab()
@@ -357,7 +358,7 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
         if worker is not None:
             worker.begin_request()
         _decode_lanes(llm, lanes, requests, pending, on_done, stop, on_token, compact,
-                      n_ubatch, n_vocab, per_seq, run_round)
+                      n_parallel, n_ubatch, n_vocab, per_seq)
     finally:
         for lane in lanes:
             low.llama_batch_free(lane.batch)
@@ -370,9 +371,11 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
 def _decode_lanes(llm: Llama, lanes: list[_Lane], requests: list[Request],
                   pending: deque[tuple[Request, list[int]]], on_done: Callable[[dict], None],
                   stop: StopFlag | None, on_token: Callable[[int], None] | None, compact: bool,
-                  n_ubatch: int, n_vocab: int, per_seq: int, run_round: Callable) -> None:
+                  n_parallel: int, n_ubatch: int, n_vocab: int, per_seq: int) -> None:
     """decode_many's loop over its lanes (one: the model's own context)."""
     from llama_cpp import llama_cpp as low
+
+    from forecache.micro import run_round
 
     n_batch = llm.n_batch
     cache = llm.expert_cache
@@ -380,13 +383,12 @@ def _decode_lanes(llm: Llama, lanes: list[_Lane], requests: list[Request],
     spec = llm.speculator
     main = lanes[0]
     active: list[_Sequence] = []
-    lane_of: dict[int, _Lane] = {}  # id(_Sequence) -> its lane
 
     def mem(lane: _Lane) -> int:
         return low.llama_get_memory(lane.ctx)
 
     def finish(s: _Sequence, reason: str) -> None:
-        lane = lane_of.pop(id(s))
+        lane = s.lane
         active.remove(s)
         low.llama_memory_seq_rm(mem(lane), s.seq, -1, -1)
         lane.free.append(s.seq)
@@ -403,7 +405,6 @@ def _decode_lanes(llm: Llama, lanes: list[_Lane], requests: list[Request],
                              "tokens_per_s": round((len(s.out) - 1) / decode_s, 3)
                              if len(s.out) > 1 and decode_s > 0 else None}})
 
-    replay_on = any(lane.replay is not None for lane in lanes)
     if spec is not None and not isinstance(spec.draft, SelfDraft):
         raise ValueError(f"{setting('draft')} {spec.draft.kind}: a batch job drafts with the "
                          "model's own little pass only (self-little or self-cached)")
@@ -411,7 +412,7 @@ def _decode_lanes(llm: Llama, lanes: list[_Lane], requests: list[Request],
     def move_down(lane: _Lane) -> None:
         """Move the lane's highest sequences into its lowest free ids below them (exact: the KV
         stream's bytes are copied by llama.cpp before the next pass)."""
-        mine = [s for s in active if lane_of[id(s)] is lane]
+        mine = [s for s in active if s.lane is lane]
         while lane.free and mine:
             low_id = min(lane.free)
             top = max(mine, key=lambda x: x.seq)
@@ -423,15 +424,12 @@ def _decode_lanes(llm: Llama, lanes: list[_Lane], requests: list[Request],
             lane.free.append(top.seq)
             top.seq = low_id
 
-    def decoding() -> list[_Sequence]:
-        return [s for s in active if lane_of[id(s)] is main]
-
     def migrate(s: _Sequence) -> None:
         """Move a sequence whose prompt is in from the prefill lane to the decoding lane: its KV
         cells copied (exact), its id the decoding lane's lowest free one."""
         from forecache.native import api
 
-        src = lane_of[id(s)]
+        src = s.lane
         seq = main.free.pop(main.free.index(min(main.free)))
         err = ctypes.create_string_buffer(256)
         if api().seq_move(src.ctx, s.seq, main.ctx, seq, err, len(err)) != 0:
@@ -440,7 +438,7 @@ def _decode_lanes(llm: Llama, lanes: list[_Lane], requests: list[Request],
         low.llama_memory_seq_rm(mem(src), s.seq, -1, -1)
         src.free.append(s.seq)
         s.seq = seq
-        lane_of[id(s)] = main
+        s.lane = main
 
     def row_logits(lane: _Lane, row: int) -> np.ndarray:
         if row in lane.kept:
@@ -463,7 +461,7 @@ def _decode_lanes(llm: Llama, lanes: list[_Lane], requests: list[Request],
         if cache is not None and lane is main:
             cache.begin_ubatch(np.asarray([lane.tokens[r] for r in rows], dtype=np.int32))
         if lane.replay is not None:
-            by_seq = {s.seq: s for s in active if lane_of[id(s)] is lane}
+            by_seq = {s.seq: s for s in active if s.lane is lane}
             picks, seqs, poss = [], [], []
             for r in rows:
                 pos, seq, _ = lane.entries[r]
@@ -480,7 +478,7 @@ def _decode_lanes(llm: Llama, lanes: list[_Lane], requests: list[Request],
         seqs = {seq for _, seq, _ in lane.entries}
         if len(seqs) > 1:
             for s in active:
-                if lane_of[id(s)] is lane:
+                if s.lane is lane:
                     s.batched = s.batched or s.seq in seqs
 
     def decode() -> None:
@@ -510,10 +508,9 @@ def _decode_lanes(llm: Llama, lanes: list[_Lane], requests: list[Request],
                 for rc in run_round(cache, jobs):
                     if rc != 0:
                         raise RuntimeError(decode_failure(rc, len(active)))
-        if replay_on:
-            for lane in busy:
-                if lane.replay is not None:
-                    lane.replay.check()
+        for lane in busy:
+            if lane.replay is not None:
+                lane.replay.check()
 
     def little_pass(rows: list[tuple[_Sequence, int]], sampled: list[tuple[_Sequence, int]]
                     ) -> list[tuple[_Sequence, int]]:
@@ -611,8 +608,7 @@ def _decode_lanes(llm: Llama, lanes: list[_Lane], requests: list[Request],
             # admit the next requests: into a prefill lane when there are some, as many as
             # the decoding lane can take once their prompts are in
             prefills = lanes[1:] or lanes
-            while pending and len(active) < len(main.free) + len(decoding()) and \
-                    any(x.free for x in prefills):
+            while pending and len(active) < n_parallel and any(x.free for x in prefills):
                 req, prompt = pending.popleft()
                 if len(prompt) + req.max_tokens > per_seq:
                     on_done({"id": req.id, "line": req.line,
@@ -624,10 +620,8 @@ def _decode_lanes(llm: Llama, lanes: list[_Lane], requests: list[Request],
                 # the lowest free id: the decoding sequences' ids stay close together
                 lane = lanes[admit_lane([len(x.free) for x in lanes], len(lanes))]
                 seq = lane.free.pop(lane.free.index(min(lane.free)))
-                s = _Sequence(req, seq, prompt, np.random.default_rng(req.seed),
-                              admitted=admitted)
-                active.append(s)
-                lane_of[id(s)] = lane
+                active.append(_Sequence(req, seq, prompt, np.random.default_rng(req.seed),
+                                        admitted=admitted, lane=lane))
                 admitted += 1
             if not active:
                 continue
@@ -637,7 +631,7 @@ def _decode_lanes(llm: Llama, lanes: list[_Lane], requests: list[Request],
             sampled: list[tuple[_Sequence, int]] = []  # and the tokens sampled for them
             for s in active:  # each decoding sequence's last sampled token first
                 if s.out:
-                    lane = lane_of[id(s)]
+                    lane = s.lane
                     rows.append((s, lane, lane.add(s.out[-1], len(s.prompt) + len(s.out) - 1,
                                                    s.seq, True)))
             checks: list[tuple[_Sequence, int, list, list]] = []
@@ -652,7 +646,7 @@ def _decode_lanes(llm: Llama, lanes: list[_Lane], requests: list[Request],
             # room: with several prefill lanes a ubatch each, one round's worth
             room = n_batch if len(lanes) <= 2 else n_ubatch
             for s in active:
-                lane = lane_of[id(s)]
+                lane = s.lane
                 if s.fed < len(s.prompt) and len(lane.tokens) < room:
                     take = prompt_take(len(s.prompt) - s.fed, room - len(lane.tokens),
                                        n_ubatch)
@@ -686,14 +680,14 @@ def _decode_lanes(llm: Llama, lanes: list[_Lane], requests: list[Request],
                     finish(s, "stop")
                 elif len(s.out) >= s.req.max_tokens:
                     finish(s, "length")
-                elif lane_of[id(s)] is not main:
+                elif s.lane is not main:
                     migrate(s)
             if compact and not pending:
                 for lane in lanes:
                     move_down(lane)
     finally:
         for s in list(active):  # interrupted: free their cells; nothing is written for them
-            low.llama_memory_seq_rm(mem(lane_of[id(s)]), s.seq, -1, -1)
+            low.llama_memory_seq_rm(mem(s.lane), s.seq, -1, -1)
 
 
 def _ubatches(lane: _Lane, n_ubatch: int) -> list[list[int]]:

@@ -35,6 +35,13 @@ def _requests(n: int = 24, seed: int = 0, decode: tuple[int, int] = (2, 40)) -> 
                       prefill=prompts.tolist(), seed=seed + 5)
 
 
+def _of_lengths(prompts: np.ndarray, answers: np.ndarray, seed: int) -> list[Request]:
+    """Requests of these prompt and answer lengths, routed as OLMoE's fit."""
+    return synthesize(OLMOE_FIT, n_layers=SHAPE.layers, n_expert=SHAPE.experts,
+                      top_k=SHAPE.top_k, tokens=(prompts + answers).tolist(),
+                      prefill=prompts.tolist(), seed=seed)
+
+
 def _answers(reqs: list[Request]) -> int:
     return sum(int((r.phase == 1).sum()) for r in reqs)
 
@@ -286,9 +293,7 @@ def test_weights_paging_shares_a_layers_fill_between_a_steps_ubatches() -> None:
     rng = np.random.default_rng(7)
     prompts = rng.integers(40, 90, 24)
     answers = rng.integers(4, 12, 24)
-    reqs = synthesize(OLMOE_FIT, n_layers=SHAPE.layers, n_expert=SHAPE.experts,
-                      top_k=SHAPE.top_k, tokens=(prompts + answers).tolist(),
-                      prefill=prompts.tolist(), seed=8)
+    reqs = _of_lengths(prompts, answers, seed=8)
     cfg = SimConfig("promoe", n_slots=12, n_ubatch=32, n_seq=64, kv_host=True, split="equal",
                     prompt_bank=True)
     banked = simulate_batch(reqs, SHAPE, slow, cfg)
@@ -310,9 +315,7 @@ def test_micro_batches_pair_a_prompt_with_the_decoding_rows() -> None:
     rng = np.random.default_rng(9)
     prompts = rng.integers(40, 90, 48)
     answers = rng.integers(40, 80, 48)
-    reqs = synthesize(OLMOE_FIT, n_layers=SHAPE.layers, n_expert=SHAPE.experts,
-                      top_k=SHAPE.top_k, tokens=(prompts + answers).tolist(),
-                      prefill=prompts.tolist(), seed=10)
+    reqs = _of_lengths(prompts, answers, seed=10)
     # a prompt is one ubatch, and the decoding rows are enough for the banks beside it
     cfg = SimConfig("promoe", n_slots=12, n_ubatch=128, n_seq=40, kv_host=True,
                     split="equal", prompt_bank=True)

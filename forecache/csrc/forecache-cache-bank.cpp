@@ -311,7 +311,7 @@ int32_t forecache_cache_set_bank(struct forecache_cache * cache, int32_t min_tok
         std::lock_guard<std::mutex> lock(cache->mtx);
         cache->bank_tokens = min_tokens;
     }
-    cache->lctx->reset_graph_reuse(); // the next graph is split anew, with its bank layers
+    cache->main.lctx->reset_graph_reuse(); // the next graph is split anew, with its bank layers
     return 0;
 }
 

@@ -326,9 +326,7 @@ struct fc_gctx {
 };
 
 struct forecache_cache {
-    llama_context      * lctx  = nullptr;
-    ggml_backend_sched_t sched = nullptr;
-    fc_gctx                               main;      // lctx's
+    fc_gctx                               main;      // the context forecache_cache_init was given
     std::vector<std::unique_ptr<fc_gctx>> attached;  // forecache_cache_attach's
 
     std::vector<fc_layer> layers;

@@ -76,8 +76,6 @@ struct forecache_cache * forecache_cache_init(
     }
 
     auto * c = new forecache_cache();
-    c->lctx        = ctx;
-    c->sched       = sched;
     c->main.c      = c;
     c->main.lctx   = ctx;
     c->main.sched  = sched;
@@ -260,10 +258,10 @@ void forecache_cache_free(struct forecache_cache * cache) {
     fc_copy_streams_free(cache);
     fc_disk_stop(cache);
     cache->host.finish();
-    if (cache->sched != nullptr) {
-        ggml_backend_sched_synchronize(cache->sched);
-        ggml_backend_sched_set_node_hooks(cache->sched, nullptr, nullptr, nullptr);
-        cache->lctx->reset_graph_reuse();
+    if (cache->main.sched != nullptr) {
+        ggml_backend_sched_synchronize(cache->main.sched);
+        ggml_backend_sched_set_node_hooks(cache->main.sched, nullptr, nullptr, nullptr);
+        cache->main.lctx->reset_graph_reuse();
     }
     fc_bank_free(cache);
     ggml_backend_free(cache->cpu);
@@ -298,11 +296,11 @@ void forecache_cache_free(struct forecache_cache * cache) {
 }
 
 int32_t forecache_cache_attach(struct forecache_cache * cache, struct llama_context * ctx, char * err, size_t err_size) {
-    if (&ctx->get_model() != &cache->lctx->get_model()) {
+    if (&ctx->get_model() != &cache->main.lctx->get_model()) {
         forecache_set_err(err, err_size, "the context is of another model than the cache's");
         return -1;
     }
-    if (ctx == cache->lctx || std::any_of(cache->attached.begin(), cache->attached.end(),
+    if (ctx == cache->main.lctx || std::any_of(cache->attached.begin(), cache->attached.end(),
             [&](const auto & g) { return g->lctx == ctx; })) {
         forecache_set_err(err, err_size, "the context already reads this cache");
         return -1;
@@ -394,7 +392,7 @@ int32_t forecache_cache_begin_round(struct forecache_cache * cache, int32_t n_pa
 }
 
 int32_t forecache_cache_end_pass(struct forecache_cache * cache, struct llama_context * ctx) {
-    fc_gctx * g = ctx == cache->lctx ? &cache->main : nullptr;
+    fc_gctx * g = ctx == cache->main.lctx ? &cache->main : nullptr;
     for (auto & a : cache->attached) {
         g = a->lctx == ctx ? a.get() : g;
     }

@@ -313,24 +313,16 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
                     dec_misses += sim.misses - misses
                 else:
                     prefill_s += t
-            spent = {k: v - round_before[k] for k, v in _busy(sim).items()}
-            bus = (sim.engine.stats["h2d_bytes"] - round_bytes) / \
-                (sim.profile.h2d_gbps * sim.n_devices * 1e9) + sim.bus_s - round_bus
-            micro_bound += min(sum(spent.values()), max(spent["GPU"], spent["CPU"],
-                                                        spent["PCIe"], bus) + spent["runtime"])
-        step = {k: v - before[k] for k, v in _busy(sim).items()}
-        # the bus is busy for every byte it copies, also where copies ran beside the ops
-        # (prompt banks' fills, prefetches) and the critical path never waited for them
-        rate = sim.profile.h2d_gbps * sim.n_devices * 1e9
-        bus = (sim.engine.stats["h2d_bytes"] - bytes_before) / rate + sim.bus_s - bus_before
-        # (the replay's fills and copies run on clocks of their own and may overrun a step: a
-        # pipeline is never slower than the ops one after another)
-        overlapped += micro_bound if micro > 1 else \
-            min(sum(step.values()),
-                max(step["GPU"], step["CPU"], step["PCIe"], bus) + step["runtime"])
+            if micro == 1:
+                continue  # (a round of one ubatch: the step's bound below stands)
+            micro_bound += _side_by_side(sim, round_before, round_bytes, round_bus)[0]
+        # the step's ops side by side (micro-batches: its rounds one after another)
+        side, step, bus = _side_by_side(sim, before, bytes_before, bus_before)
+        overlapped += micro_bound if micro > 1 else side
         # MoE-Lightning's weights paging besides: the step's ubatches go through each layer
         # before the next, so one fill of a layer's bank serves them all (the largest's)
-        paged = bus - (sim.bank_bytes - bank_before - bank_most) / rate
+        paged = bus - (sim.bank_bytes - bank_before - bank_most) / \
+            (sim.profile.h2d_gbps * sim.n_devices * 1e9)
         paged_total += min(sum(step.values()),
                            max(step["GPU"], step["CPU"], paged) + step["runtime"])
         generated += len(done)
@@ -398,6 +390,22 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
         host_layers=sim.host_layers, attention_s=sim.attn_s,
         latency_s=latency / max(finished, 1), busy=busy, extra=extra, overlapped_s=overlapped,
         paged_s=paged_total)
+
+
+def _side_by_side(sim: Simulator, before: dict[str, float], bytes_before: float,
+                  bus_before: float) -> tuple[float, dict[str, float], float]:
+    """The replay since ``before`` (``_busy``'s, with the copied bytes and bus time then) with
+    the device, CPU and bus time side by side, plus the runtime's own steps; also the time by
+    resource and the bus's. The bus is busy for every byte it copies, also where copies ran
+    beside the ops (prompt banks' fills, prefetches) and the critical path never waited for
+    them; the replay's fills and copies run on clocks of their own and may overrun the ops,
+    so the figure is never past the ops one after another."""
+    spent = {k: v - before[k] for k, v in _busy(sim).items()}
+    bus = (sim.engine.stats["h2d_bytes"] - bytes_before) / \
+        (sim.profile.h2d_gbps * sim.n_devices * 1e9) + sim.bus_s - bus_before
+    side = min(sum(spent.values()),
+               max(spent["GPU"], spent["CPU"], spent["PCIe"], bus) + spent["runtime"])
+    return side, spent, bus
 
 
 def _busy(sim: Simulator) -> dict[str, float]:
