@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from forecache.batch import decode_many
-from forecache.cache.budget import parse_size
+from forecache.cache.budget import BudgetError, parse_size
 from forecache.cache.cost import Profile
 from forecache.generate import SamplingParams
 from forecache.gguf.header import require_moe
@@ -94,9 +94,13 @@ def run_plan(model: Path, trace: Path | None, budget: str, plan: BatchPlan,
     cfg = plan_cache(Options(gpu_budget=budget).cache_config(), plan)
     n_seq = min(plan.n_seq, len(reqs))
     t0 = time.perf_counter()
-    llm = Llama.open(model, cache=cfg, routing_trace=trace, n_ctx=ctx_per_seq, n_seq_max=n_seq,
-                     n_threads=threads, n_batch=batch_tokens(n_seq, plan.n_ubatch),
-                     n_ubatch=plan.n_ubatch, offload_kqv=not plan.kv_host)
+    try:
+        llm = Llama.open(model, cache=cfg, routing_trace=trace, n_ctx=ctx_per_seq,
+                         n_seq_max=n_seq, n_threads=threads,
+                         n_batch=batch_tokens(n_seq, plan.n_ubatch), n_ubatch=plan.n_ubatch,
+                         offload_kqv=not plan.kv_host, micro=plan.micro)
+    except BudgetError as e:  # (a micro plan's contexts may not fit beside the experts)
+        return {"plan": plan.label(), "experts": plan.experts, "skipped": str(e)}
     load_s = time.perf_counter() - t0
     done: list[dict] = []
     cache = llm.expert_cache
@@ -150,9 +154,10 @@ def main() -> int:
     given = None if a.plans == "auto" else \
         [BatchPlan.parse(p) for p in a.plans.split(";") if p.strip()]
     plans = predicted(a.model, budget, reqs, ctx, given, a.per_kind)
-    if a.micro > 1:  # the roofline prices one context: a micro plan beside its plan's figure
-        plans += [(replace(p, micro=a.micro), hrm) for p, hrm in plans
-                  if p.experts == "cache" and p.micro == 1]
+    if a.micro > 1:  # each forecache plan again in micro-batches, priced as such
+        plans += predicted(a.model, budget, reqs, ctx,
+                           [replace(p, micro=a.micro) for p, _ in plans
+                            if p.experts == "cache" and p.micro == 1])
     if not plans:
         raise SystemExit("no plan fits: raise --gpu-budget or give --plans")
     threads = a.threads or os.cpu_count() or 1

@@ -123,8 +123,7 @@ def place(shape: ModelShape, profile: Profile, budget: int, spec: Spec, work: hr
     if spec.policy == "ncmoe" and spec.n_seq > hrm.STOCK_MAX_SEQ:
         return None
     plan = hrm.BatchPlan(spec.n_seq, spec.n_ubatch, spec.kv_host,
-                         "ncmoe" if spec.policy == "ncmoe" else "cache")
-    # (the HRM prices one context: micro-batches' plans are placed as the plan without them)
+                         "ncmoe" if spec.policy == "ncmoe" else "cache", spec.micro)
     # the HRM's figure with the prompt banks the runtime places on a GPU; the replay is given
     # the slots before them (their layout without banks) and holds them back itself, as the
     # runtime does
@@ -430,18 +429,20 @@ def _report_given(given: list[Spec], jobs_: dict[Spec, dict], placed: dict[Spec,
                   n_req: int) -> None:
     """The table of ``--plans``' whole jobs, each against the first ncmoe plan's."""
     base = next((jobs_[s] for s in given if s.policy == "ncmoe" and s in jobs_), None)
-    print("\n| plan | policy | experts | job tokens/s | pipelined tokens/s | vs stock (job, "
-          "pipelined) | hit % | bound |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| plan | policy | experts | HRM tokens/s | job tokens/s | HRM error | pipelined "
+          "tokens/s | vs stock (job, pipelined) | hit % | bound |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for s in given:
         if s not in jobs_:
-            print(f"| {s.label()} | {s.policy} | does not fit | - | - | - | - | - |")
+            print(f"| {s.label()} | {s.policy} | does not fit | - | - | - | - | - | - | - |")
             continue
         r = jobs_[s]
         vs = "-" if base is None else \
             (f"{speedup(r['tokens_per_s'], base['tokens_per_s'])}, "
              f"{speedup(r['overlapped_tokens_per_s'], base['tokens_per_s'])}")
-        print(f"| {s.label()} | {s.policy} | {placed[s].experts} | {r['tokens_per_s']:.1f} "
+        hrm_s = placed[s].predicted
+        print(f"| {s.label()} | {s.policy} | {placed[s].experts} | {hrm_s:.1f} "
+              f"| {r['tokens_per_s']:.1f} | {hrm_s / r['tokens_per_s'] - 1:+.0%} "
               f"| {r['overlapped_tokens_per_s']:.1f} | {vs} | {r['hit_rate'] * 100:.1f} "
               f"| {r['bound']} |")
     print(f"whole jobs of {n_req} requests; pipelined: each step's (micro-batches: each round's) "

@@ -307,9 +307,10 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
     their own; those it is unsure of are recomputed with the prompts, by the full model. With a
     self draft (``llm.speculator``) every decoding sequence drafts up to k tokens with little
     passes taken together, and one batch verifies them all, with the prompts.
-    Once no request waits, a sequence that finishes hands its id to the sequence with the
-    highest id (``compact``: its KV stream is copied down), so that the decoding sequences'
-    ids stay one run and a step stays one ubatch as the job drains.
+    Once no request waits (with micro-batches, always: in the decoding context), a sequence
+    that finishes hands its id to the sequence with the highest id (``compact``: its KV stream
+    is copied down), so that the decoding sequences' ids stay one run and a step stays one
+    ubatch as the job drains.
     ``on_done`` gets each record as it finishes (``batched``: a pass also held another request's
     rows, so its logits, though never its draws, depend on which); ``stop`` ends the loop at the
     next step."""
@@ -332,6 +333,10 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
         raise ValueError("micro-batches share the expert cache's prompt banks, and this "
                          "placement has none (every expert fits, or they are off): drop "
                          "micro from the plan")
+    if micro > llm.load_plan.options.micro:
+        raise ValueError(f"micro={micro} decodes in {micro} contexts, and the model was loaded "
+                         f"for {llm.load_plan.options.micro}: open it with micro={micro}, so "
+                         "that its budget pays for the prompts' contexts")
     if n_parallel > llm.n_seq_max:
         raise ValueError(f"{setting('n_parallel', n_parallel)} needs a model loaded with "
                          f"n_seq_max >= {n_parallel}")
@@ -685,6 +690,11 @@ def _decode_lanes(llm: Llama, lanes: list[_Lane], requests: list[Request],
             if compact and not pending:
                 for lane in lanes:
                     move_down(lane)
+            elif compact and len(lanes) > 1:
+                # micro-batches: a sequence that finished leaves a hole in the decoding ids
+                # until a prompt's sequence moves in, and a hole splits the step into ubatches,
+                # each a pass (and a bank fill); a KV stream copied costs far less
+                move_down(main)
     finally:
         for s in list(active):  # interrupted: free their cells; nothing is written for them
             low.llama_memory_seq_rm(mem(s.lane), s.seq, -1, -1)

@@ -188,7 +188,7 @@ def test_a_batch_job_in_micro_batches(tiny_model: Callable[[str], Path]) -> None
     cfg = CacheConfig("lru", slots_per_layer=mf.n_expert - 2, prompt_bank=True)
     texts = []
     with Llama.open(model, n_ctx=128, n_seq_max=n_parallel, n_batch=256, n_ubatch=128,
-                    n_threads=2, cache=cfg) as llm:
+                    n_threads=2, cache=cfg, micro=3) as llm:
         cache = llm.expert_cache
         assert cache is not None
         for micro in (1, 2, 3):
@@ -202,6 +202,9 @@ def test_a_batch_job_in_micro_batches(tiny_model: Callable[[str], Path]) -> None
             assert (shared > 0) == (micro > 1), shared
         with pytest.raises(ValueError, match="micro=5"):
             decode_many(llm, reqs, n_parallel, done.append, micro=5)
+        # a context the budget did not pay for
+        with pytest.raises(ValueError, match="open it with micro=4"):
+            decode_many(llm, reqs, n_parallel, done.append, micro=4)
     assert texts[0] == texts[1] == texts[2]
 
 
@@ -230,3 +233,35 @@ def test_a_job_with_a_micro_plan(tiny_model: Callable[[str], Path], tmp_path: Pa
         assert f"plan {plan.label(res.cpu_only)};" in res.summary()
         texts.append([json.loads(line)["text"] for line in out.read_text().splitlines()])
     assert texts[0] == texts[1]
+
+
+def test_the_budget_pays_for_the_prompts_contexts(tiny_model: Callable[[str], Path]) -> None:
+    """A model opened for micro-batches pays, out of its budget, each prompt context's compute
+    buffers and its KV cache where the KV cache lives (on the device unless offload_kqv is
+    off), as the roofline prices a micro plan: fewer slots than the same budget for one
+    context."""
+    from forecache.cache.budget import kv_cache_bytes, model_compute_bytes, split_budget
+    from forecache.roofline.batch import prefill_seqs
+
+    model = tiny_model("q8_0")
+    mf = read_model_file(model)
+    per_seq, n_seq = 64, 8
+    q = prefill_seqs(n_seq, 3)
+    fixed = split_budget(mf, 1 << 40, n_ctx=per_seq * n_seq, n_ubatch=64, device_name="x",
+                         device_total=1 << 50, contexts=[per_seq * q] * 2).fixed_bytes
+    budget = fixed + sum(mf.layer_expert_bytes()) * (mf.n_expert // 2)
+
+    def memory(micro: int, offload_kqv: bool = True) -> object:
+        cfg = CacheConfig("lru", gpu_budget=budget, prompt_bank=True)
+        with Llama.open(model, cache=cfg, n_ctx=per_seq, n_seq_max=n_seq, n_batch=64,
+                        n_ubatch=64, n_threads=2, micro=micro, offload_kqv=offload_kqv) as llm:
+            assert llm.placement is not None and llm.placement.memory is not None
+            return llm.placement.memory, sum(llm.placement.n_slots)
+
+    (one, slots1), (three, slots3) = memory(1), memory(3)
+    assert one.kv_bytes == kv_cache_bytes(mf, per_seq * n_seq)
+    assert three.kv_bytes == one.kv_bytes + 2 * kv_cache_bytes(mf, per_seq * q)
+    assert three.compute_bytes == 3 * one.compute_bytes == 3 * model_compute_bytes(mf, 64)
+    assert slots3 < slots1
+    host, _ = memory(3, offload_kqv=False)  # the KV caches in host memory
+    assert host.kv_bytes == 0 and host.compute_bytes == three.compute_bytes

@@ -301,3 +301,59 @@ def test_prompt_banks_fill_a_layer_beside_the_layer_before() -> None:
     # a budget that holds every expert leaves nothing to fill
     whole = layout(TARGET, 80 * GIB, SHAREGPT, plan, bank=True)
     assert whole is not None and whole.slots == TARGET.experts and whole.bank == 0
+
+
+def test_running_steps_with_prompts_admitted_a_few_a_step() -> None:
+    """Micro-batches feed prompts in contexts of their own, a few a step: sequences start
+    decoding at that rate, so a job takes more steps, with fewer running at its start; every
+    answer token is still one sequence's step."""
+    assert running_steps([5, 3, 2], 2, admit=1) == {1: 2, 2: 4}
+    answers = [40, 30, 30, 20, 10] * 8
+    free = running_steps(answers, 16)
+    slow = running_steps(answers, 16, admit=2)
+    for got in (free, slow):
+        assert sum(k * n for k, n in got.items()) == sum(answers)
+    assert sum(slow.values()) > sum(free.values())
+    assert max(slow) <= 16 and 0 not in slow
+
+
+def test_a_decode_step_past_the_ubatch_is_several_passes() -> None:
+    """llama.cpp splits a step of more sequences than a ubatch holds into ubatches, each a pass
+    over every layer (and, with prompt banks, a fill of each layer's bank)."""
+    one = estimate(TARGET, PROFILE, 24 * GIB, SHAREGPT, BatchPlan(512, 512, kv_host=True),
+                   bank=True)
+    two = estimate(TARGET, PROFILE, 24 * GIB, SHAREGPT, BatchPlan(512, 256, kv_host=True),
+                   bank=True)
+    assert one is not None and two is not None
+    cost = CostModel.from_profile(PROFILE, TARGET.expert)
+    fills = TARGET.layers * (TARGET.experts - two.slots) * TARGET.expert_bytes / \
+        (cost.copy_gbps * 1e9)
+    assert two.decode.bus_s >= 2 * fills * 0.99 and two.decode.seconds > one.decode.seconds
+
+
+def test_micro_plans_pay_their_contexts_and_share_fills() -> None:
+    """A plan of micro-batches pays, out of the budget, its prompt contexts' compute buffers
+    (and KV caches on the device): fewer slots. Its prompts' passes that share a round with the
+    decoding one read its fills, so its prompts cost less than the same plan's alone; its
+    moves and extra passes are priced. The search offers micro plans only with prompt banks."""
+    plain = BatchPlan(256, 512, kv_host=True)
+    micro = BatchPlan(256, 512, kv_host=True, micro=3)
+    work = replace(SHAREGPT, answers=tuple([190] * 1000), prompts=tuple([220] * 1000))
+    a = estimate(TARGET, PROFILE, 24 * GIB, work, plain, bank=True)
+    b = estimate(TARGET, PROFILE, 24 * GIB, work, micro, bank=True)
+    assert a is not None and b is not None
+    assert b.device_bytes["compute"] > 2 * a.device_bytes["compute"] and b.slots < a.slots
+    assert b.device_bytes["kv"] > a.device_bytes["kv"]  # (in host memory: kv=host)
+    assert b.prefill_s < a.prefill_s  # shared fills
+    assert 0 < b.tokens_per_s <= b.overlapped_tokens_per_s
+    on_device = layout(TARGET, 24 * GIB, work, BatchPlan(64, 512, micro=3), bank=True)
+    alone = layout(TARGET, 24 * GIB, work, BatchPlan(64, 512), bank=True)
+    assert on_device is not None and alone is not None
+    assert on_device.device_bytes["kv"] > alone.device_bytes["kv"]
+    grid = dict(n_seqs=(256,), n_ubatches=(512,), kv=(True,), micros=(1, 2, 3, 4))
+    got = {e.plan.micro for e in search(TARGET, PROFILE, 24 * GIB, work, bank=True, **grid)}
+    assert got == {1, 2, 3, 4}
+    assert {e.plan.micro for e in search(TARGET, PROFILE, 24 * GIB, work, **grid)} == {1}
+    # every expert in slots: no banks, nothing for micro-batches to share
+    assert {e.plan.micro for e in search(TARGET, PROFILE, 200 * GIB, work, bank=True,
+                                         **grid)} == {1}

@@ -149,15 +149,20 @@ def compute_buffer_bytes(n_ubatch: int, n_used: int, n_ff_exp: int, n_embd: int,
 
 
 def split_budget(model: ModelFile, budget: int, *, n_ctx: int, n_ubatch: int,
-                device_name: str, device_total: int) -> BudgetSplit:
-    """Split ``budget`` bytes of device memory; refuses budgets the device or model cannot meet."""
+                device_name: str, device_total: int, kv_on_device: bool = True,
+                contexts: Sequence[int] = ()) -> BudgetSplit:
+    """Split ``budget`` bytes of device memory; refuses budgets the device or model cannot meet.
+    ``kv_on_device``: the KV cache is on the device (llama.cpp's ``offload_kqv``), else in
+    host memory; ``contexts``: the context sizes of further contexts over the model (a batch
+    job's micro-batches), each with compute buffers and a KV cache of its own."""
     if budget > device_total:
         raise BudgetError(f"budget {format_size(budget)} is larger than {device_name}'s "
                           f"{format_size(device_total)}; lower {setting('gpu_budget')}")
     layers = model.moe_layers()
-    compute = model_compute_bytes(model, n_ubatch)
+    compute = model_compute_bytes(model, n_ubatch) * (1 + len(contexts))
+    kv = sum(kv_cache_bytes(model, c) for c in (n_ctx, *contexts)) if kv_on_device else 0
     plan = BudgetSplit(budget=budget, non_expert_bytes=model.non_expert_bytes(),
-                      kv_bytes=kv_cache_bytes(model, n_ctx), compute_bytes=compute,
+                      kv_bytes=kv, compute_bytes=compute,
                       layer_bytes=tuple(model.layer_expert_bytes()), n_expert=model.n_expert,
                       moe_layers=layers)
     if plan.expert_budget < 0:
@@ -166,7 +171,8 @@ def split_budget(model: ModelFile, budget: int, *, n_ctx: int, n_ubatch: int,
             f"{format_size(plan.non_expert_bytes)} + KV cache {format_size(plan.kv_bytes)} + "
             f"compute buffers {format_size(plan.compute_bytes)} need at least "
             f"{format_size(plan.fixed_bytes)}; raise {setting('gpu_budget')} or lower "
-            f"{setting('n_ctx')}")
+            f"{setting('n_ctx')}" + (f" or the micro-batches ({len(contexts) + 1})" if contexts
+                                     else ""))
     return plan
 
 

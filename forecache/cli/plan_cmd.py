@@ -82,7 +82,7 @@ def plan(model: Path | None, shape: str | None, qtype: str, gpu_budget: str, pro
     from forecache.cache.cost import Profile
     from forecache.native.libs import MAX_SEQUENCES
     from forecache.placement.costs import DEFAULT_MACHINE
-    from forecache.roofline.batch import Workload, search
+    from forecache.roofline.batch import MICRO_MAX, Workload, search
     from forecache.roofline.shape import model_shape, shape_of
 
     if (model is None) == (shape is None):
@@ -121,9 +121,10 @@ def plan(model: Path | None, shape: str | None, qtype: str, gpu_budget: str, pro
         work = spread_workload(requests, prompt_len, gen, ctx_per_seq)
         spread_text = (f" (spread as ShareGPT's: means {work.prompt_len:.0f} + "
                        f"{work.gen_len:.0f}, longest {work.ctx_per_seq})")
-    # the profiles are GPUs': the runtime places prompt banks there by default
+    # the profiles are GPUs': the runtime places prompt banks there by default, which
+    # micro-batches share
     ours = search(sh, profile, budget, work, non_expert_bytes=non_expert, host_bytes=host,
-                  max_seq=MAX_SEQUENCES, bank=True)
+                  max_seq=MAX_SEQUENCES, bank=True, micros=range(1, MICRO_MAX + 1))
     stock = search(sh, profile, budget, work, experts=("ncmoe",), non_expert_bytes=non_expert,
                    host_bytes=host)
     if not ours:

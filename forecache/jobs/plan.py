@@ -32,6 +32,7 @@ from forecache.placement.before import banks_asked
 from forecache.placement.costs import DEFAULT_MACHINE
 from forecache.placement.options import DEFAULT_POLICY, CacheConfig
 from forecache.roofline.batch import (
+    MICRO_MAX,
     BatchPlan,
     Estimate,
     Layout,
@@ -395,9 +396,10 @@ def choose_plan(model_path: str | Path, cfg: CacheConfig | None, prompt_lens: Se
     # prompt banks where the runtime places them, for the cache plans (the others have none)
     bank = cfg is not None and "cache" in experts and \
         banks_asked(replace(cfg, policy=cfg.policy or DEFAULT_POLICY), dev.type)
+    # with prompt banks, plans of micro-batches too (the banks are what they share)
     found = search(shape, profile, budget, work, experts=experts,
                    kv=(False,) if on_cpu else (False, True), non_expert_bytes=ne,
-                   max_seq=max_seq, slots=slots, bank=bank)
+                   max_seq=max_seq, slots=slots, bank=bank, micros=range(1, MICRO_MAX + 1))
     if not found:
         raise ValueError(f"no batch plan fits {format_size(budget)} for {mf.path.name}: "
                          f"raise {setting('gpu_budget')} or lower {setting('ctx_per_seq')}")

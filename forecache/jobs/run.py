@@ -227,7 +227,7 @@ def run_job(model: str | os.PathLike[str], input_path: Path, output_path: Path, 
         llm = Llama.open(model, cache=cache, **open_kwargs, n_ctx=ctx_per_seq, n_seq_max=n_seq,
                          n_threads=n_threads, verbose=verbose,
                          n_batch=batch_tokens(n_seq, plan.n_ubatch), n_ubatch=plan.n_ubatch,
-                         offload_kqv=not plan.kv_host)
+                         offload_kqv=not plan.kv_host, micro=plan.micro)
         try:
             try:
                 report.started(llm, len(todo))

@@ -163,14 +163,25 @@ class Placement:
     disk: HostSlots | None = None  # host slots of the disk tier (cfg.host_budget)
 
 
-def budget_split(model: ModelFile, cfg: CacheConfig, *, n_ctx: int,
-                 n_ubatch: int) -> BudgetSplit | None:
-    """Where ``cfg.gpu_budget`` goes on the cache's device (None without a single budget)."""
+def budget_split(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int,
+                 kv_on_device: bool = True, contexts: Sequence[int] = ()) -> BudgetSplit | None:
+    """Where ``cfg.gpu_budget`` goes on the cache's device (None without a single budget);
+    ``kv_on_device`` and ``contexts`` as ``budget.split_budget`` takes them."""
     if cfg.gpu_budget is None:
         return None
     dev = cache_device()
     return split_budget(model, cfg.gpu_budget, n_ctx=n_ctx, n_ubatch=n_ubatch,
-                       device_name=dev.name, device_total=dev.memory_total)
+                       device_name=dev.name, device_total=dev.memory_total,
+                       kv_on_device=kv_on_device, contexts=contexts)
+
+
+def micro_contexts(options: Options, n_ctx: int) -> list[int]:
+    """The context sizes of a batch job's prompt contexts (``options.micro`` - 1 of them,
+    ``roofline.batch.prefill_seqs`` sequences each, as ``micro.Sibling`` sizes them)."""
+    from forecache.roofline.batch import prefill_seqs
+
+    n_seq = max(options.n_seq_max, 1)
+    return [n_ctx // n_seq * prefill_seqs(n_seq, options.micro)] * (options.micro - 1)
 
 
 def place(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int,
@@ -311,7 +322,9 @@ def plan_load(model: ModelFile, options: Options, cache: CacheConfig | None | ob
                                                       model.n_expert))
     choice, memory = None, None
     if cfg is not None:  # the budget's split, worked out once for the choice and the placement
-        memory = budget_split(model, cfg, n_ctx=n_ctx, n_ubatch=n_ubatch)
+        memory = budget_split(model, cfg, n_ctx=n_ctx, n_ubatch=n_ubatch,
+                              kv_on_device=bool(kwargs.get("offload_kqv", True)),
+                              contexts=micro_contexts(options, n_ctx))
         choice = default_choice(model, cfg, n_ctx=n_ctx, n_ubatch=n_ubatch, memory=memory,
                                 routing_hit=routing.decode_hit_rate if routing else None)
     if cfg is not None and cfg.policy is None:  # named now: the choice, or the default's own

@@ -74,6 +74,9 @@ class Options:
     draft_k: int | None = None  # None: adaptive
     rpc: str | Sequence[str] | None = None
     n_seq_max: int = 1
+    # contexts over the model a batch job decodes in (its micro-batches: the prompts in
+    # micro - 1 contexts of their own); the budget pays each one's buffers and KV cache
+    micro: int = 1
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

@@ -24,8 +24,8 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
@@ -37,6 +37,8 @@ from forecache.native.libs import STOCK_MAX_SEQUENCES
 
 if TYPE_CHECKING:
     from forecache.roofline.shape import ModelShape
+
+_V = TypeVar("_V", float, "Stage")
 
 EXPERTS = ("cache", "ncmoe")
 # the resources a stage can be bound by
@@ -81,8 +83,12 @@ def prompt_take(left: int, room: int, n_ubatch: int) -> int:
     return max(take, 0)
 
 
-# prompts a batch job's prefill contexts hold at once (micro-batches: decode_many's micro)
-PREFILL_SEQS = 8
+# prompts a batch job's prefill contexts hold at once (micro-batches: decode_many's micro):
+# two with one prompt context, one each with more. Each prompt in a context is a ubatch of its
+# own (a KV stream each), and every ubatch past a context's first in a step leads a round of
+# its own, paying a bank fill; a job admits about a prompt a step as its sequences finish, so
+# more room only splits steps (the replay at the target, BENCHMARKS.md: 2 against 3 and 8)
+PREFILL_SEQS = 2
 # contexts a batch job's step may take: the decoding one and up to MICRO_MAX - 1 for prompts
 MICRO_MAX = 4
 
@@ -246,23 +252,39 @@ def prompt_chunks(prompts: Sequence[int], n_ubatch: int) -> dict[tuple[int, int]
     return out
 
 
-def running_steps(answers: Sequence[int], n_seq: int) -> dict[int, int]:
+def running_steps(answers: Sequence[int], n_seq: int,
+                  admit: float | None = None) -> dict[int, int]:
     """Decode steps a job takes with ``k`` sequences running, for each ``k``: requests admitted
     longest first into ``n_seq`` sequences, a freed sequence taking the next at once, each
-    running a step for each token of its answer (as ``batch.decode_many`` runs a job)."""
+    running a step for each token of its answer (as ``batch.decode_many`` runs a job).
+    ``admit``: the most sequences a step can start decoding (prompts fed in contexts of their
+    own, a few a step: micro-batches); a step with none running waits for the next."""
     order = sorted((max(int(a), 1) for a in answers), reverse=True)
     running: list[int] = []  # the steps at which the running sequences finish
     out: dict[int, int] = {}
     t = nxt = 0
+    credit, last = 0.0, -1  # admissions the steps so far have room for, as of step last
     while nxt < len(order) or running:
-        while nxt < len(order) and len(running) < n_seq:
-            heapq.heappush(running, t + order[nxt])
-            nxt += 1
-        end = running[0]
+        if admit is None:
+            while nxt < len(order) and len(running) < n_seq:
+                heapq.heappush(running, t + order[nxt])
+                nxt += 1
+            end = running[0]
+        else:  # a step at a time, each admitting what its prompts' passes finish
+            credit = min(credit + admit * (t - last), max(admit, 1.0))
+            last = t
+            while nxt < len(order) and len(running) < n_seq and credit >= 1.0:
+                heapq.heappush(running, t + order[nxt])
+                nxt += 1
+                credit -= 1.0
+            # (a full batch admits nothing until a sequence finishes)
+            waiting = nxt < len(order) and len(running) < n_seq
+            end = t + 1 if waiting or not running else running[0]
         out[len(running)] = out.get(len(running), 0) + end - t
         t = end
-        while running and running[0] == t:
+        while running and running[0] <= t:
             heapq.heappop(running)
+    out.pop(0, None)  # steps with nothing decoding: the prompts' passes, priced apart
     return out
 
 
@@ -300,6 +322,18 @@ class Stage:
         return min(self.seconds, max(p.get("GPU compute", 0.0) + p.get("GPU memory", 0.0),
                                      max(p.get("PCIe", 0.0), self.bus_s),
                                      p.get("CPU compute", 0.0) + p.get("DRAM", 0.0)))
+
+    def __add__(self, other: Stage) -> Stage:
+        """Both stages, one after the other (a round's passes, a step's ubatches)."""
+        parts = dict(self.parts)
+        for k, v in other.parts.items():
+            parts[k] = parts.get(k, 0.0) + v
+        return Stage(self.seconds + other.seconds, parts, self.bus_s + other.bus_s)
+
+    def times(self, n: float) -> Stage:
+        """``n`` of this stage (``n`` may be a fraction: a mean over stages)."""
+        return Stage(self.seconds * n, {k: v * n for k, v in self.parts.items()},
+                     self.bus_s * n)
 
 
 class _Clock:
@@ -340,12 +374,17 @@ class Estimate:
     prefill_s: float  # the job's prompts
     job_s: float
     tokens_per_s: float  # generated tokens a second over the job
+    # micro-batches: the job with each step's passes side by side (else worked out from the
+    # stages: ``overlapped_tokens_per_s``)
+    overlapped_s: float | None = None
 
     @property
     def overlapped_tokens_per_s(self) -> float:
         """The job's throughput with every stage overlapped (``Stage.overlapped_s``): what a
         pipeline across micro-batches could reach at this plan."""
         gen = self.tokens_per_s * self.job_s
+        if self.overlapped_s is not None:
+            return gen / self.overlapped_s if self.overlapped_s > 0 else 0.0
         pre = self.prefill_s * self.prefill.overlapped_s / max(self.prefill.seconds, 1e-12)
         dec = (self.job_s - self.prefill_s) * self.decode.overlapped_s / \
             max(self.decode.seconds, 1e-12)
@@ -386,8 +425,16 @@ def _memory(shape: ModelShape, budget: int, work: Workload, plan: BatchPlan,
     slot and they take at most ``BANK_SHARE_MAX`` of the experts' budget)."""
     mem = shape.memory(budget, n_ctx=work.ctx_per_seq, n_ubatch=plan.n_ubatch, n_seq=plan.n_seq,
                        kv_on_device=not plan.kv_host, non_expert_bytes=non_expert_bytes)
-    dense, compute = mem.non_expert_bytes, mem.compute_bytes
     kv = shape.kv_cache_bytes(work.ctx_per_seq, plan.n_seq)
+    if plan.micro > 1:
+        # the prompts' contexts: compute buffers and a KV cache each (``micro.Sibling``)
+        q = prefill_seqs(plan.n_seq, plan.micro)
+        more_kv = (plan.micro - 1) * shape.kv_cache_bytes(work.ctx_per_seq, q)
+        kv += more_kv
+        mem = replace(mem, kv_bytes=mem.kv_bytes + (0 if plan.kv_host else more_kv),
+                      compute_bytes=mem.compute_bytes + (plan.micro - 1) *
+                      shape.compute_bytes(plan.n_ubatch, q))
+    dense, compute = mem.non_expert_bytes, mem.compute_bytes
     per_layer = shape.expert_bytes
     if mem.expert_budget < per_layer * shape.layers:  # not even one slot a layer
         return None
@@ -446,12 +493,14 @@ def layout(shape: ModelShape, budget: int, work: Workload, plan: BatchPlan,
 
 def _layer_experts(clock: _Clock, shape: ModelShape, p: Profile, cost: CostModel, n_tokens: float,
                    resident: float, host_layer: bool | None, slots: int = 0,
-                   ahead_s: float = 0.0) -> None:
+                   ahead_s: float = 0.0, splits: dict | None = None) -> None:
     """One layer's routed experts for ``n_tokens`` rows: forecache's plan over ``resident`` of
     the distinct experts in slots (``host_layer`` None), or stock llama.cpp's layer, its
     experts in host memory (``host_layer`` True) or on the device. A layer that routes more
     experts than its ``slots`` streams them, and the layer before it has copied up to
-    ``ahead_s`` seconds of its misses into stage slots meanwhile (``Prefetcher._stage_next``)."""
+    ``ahead_s`` seconds of its misses into stage slots meanwhile (``Prefetcher._stage_next``).
+    ``splits``: the host/device splits chosen so far for layers alike (the same rows, the same
+    hits), reused."""
     k, e = shape.top_k, shape.experts
     d = max(1, round(distinct_experts(n_tokens, e, k)))
     pairs = max(d, round(n_tokens * k))
@@ -471,8 +520,12 @@ def _layer_experts(clock: _Clock, shape: ModelShape, p: Profile, cost: CostModel
         return
     hits = min(d, round(d * resident))
     per = pairs / d
-    rows = [(i, max(1, round(per)), i < hits) for i in range(d)]
-    split, t = cost.best_split(rows, 0, n_tokens)
+    splits = {} if splits is None else splits
+    key = (d, hits, max(1, round(per)), n_tokens)
+    if key not in splits:
+        rows = [(i, max(1, round(per)), i < hits) for i in range(d)]
+        splits[key] = cost.best_split(rows, 0, n_tokens)
+    split, t = splits[key]
     n_host = d if split.whole_layer else len(split.host)
     host_pairs = pairs if split.whole_layer else n_host * per
     dev = cost.dev_s(d - n_host, pairs - host_pairs) if not split.whole_layer else 0.0
@@ -516,7 +569,7 @@ def _host_memory_bound(shape: ModelShape, p: Profile, pairs: float) -> bool:
 
 def ubatch_stage(shape: ModelShape, p: Profile, cost: CostModel, plan: BatchPlan, n_tokens: float,
             context: float, resident: float, host_layers: int, logits: float, slots: int = 0,
-            stage: int = 0, n_seqs: float = 1.0, bank: int = 0) -> Stage:
+            stage: int = 0, n_seqs: float = 1.0, bank: int = 0, shared: bool = False) -> Stage:
     """One ubatch of ``n_tokens`` rows whose attention reads ``context`` tokens each, ``logits``
     of them sampled, from ``n_seqs`` sequences: ``resident`` of a layer's routed experts in
     slots (a cache plan, whose
@@ -525,8 +578,11 @@ def ubatch_stage(shape: ModelShape, p: Profile, cost: CostModel, plan: BatchPlan
     banks of ``bank`` experts a region computes a ubatch of ``DEVICE_MIN_TOKENS`` rows or more
     from them (``choice.promoe_prompt_s``): each layer's bank is filled with every expert its
     slots lack on a stream of its own, issued as the layer before computes its experts, and a
-    layer's experts start once their fill is done; nothing reads the routing."""
+    layer's experts start once their fill is done; nothing reads the routing. ``shared``: a
+    later pass of a round of micro-batches, reading the banks its first pass filled (no waits,
+    no copies)."""
     clock = _Clock()
+    splits: dict = {}  # every layer routes alike: one split for all of them
     banked = bank > 0 and plan.experts == "cache" and n_tokens >= DEVICE_MIN_TOKENS
     fill = cost.fill_s(bank)
     filled = fill  # the first layer's fill begins with the pass
@@ -549,6 +605,9 @@ def ubatch_stage(shape: ModelShape, p: Profile, cost: CostModel, plan: BatchPlan
         else:
             clock.roof(p.gpu_launch_s, attn_bytes, p.gpu_mem_gbps, attn_flops,
                        p.gpu_tflops * 1e12, "gpu")
+        if banked and shared:
+            _layer_experts(clock, shape, p, cost, n_tokens, 1.0, False)
+            continue
         if banked:
             wait = max(filled - clock.seconds, 0.0)
             clock.op(wait, "PCIe")  # waiting for its fill
@@ -560,7 +619,7 @@ def ubatch_stage(shape: ModelShape, p: Profile, cost: CostModel, plan: BatchPlan
         host = None if plan.experts == "cache" else il < host_layers
         # half the stage slots take the next layer's misses (the other half serve this one)
         ahead = min((stage + 1) // 2 * cost.copy_s(), clock.seconds - before) if il else 0.0
-        _layer_experts(clock, shape, p, cost, n_tokens, resident, host, slots, ahead)
+        _layer_experts(clock, shape, p, cost, n_tokens, resident, host, slots, ahead, splits)
     clock.roof(p.gpu_launch_s, shape.head_bytes, p.gpu_mem_gbps,
                2.0 * logits * shape.head_bytes / shape.bytes_per_weight, p.gpu_tflops * 1e12,
                "gpu")
@@ -600,17 +659,30 @@ def estimate(shape: ModelShape, profile: Profile, budget: int, work: Workload, p
                            host_layers, u / max(work.prompt_len, 1), slots, stage, 1.0, region)
 
     def decode_at(k: int) -> Stage:
-        """A decode step of ``k`` running sequences, a row each, at their mean context."""
-        return ubatch_stage(shape, profile, cost, plan, k, work.prompt_len + work.gen_len / 2,
-                            decode_hit, host_layers, k, slots, stage, k, region)
+        """A decode step of ``k`` running sequences, a row each, at their mean context: as many
+        ubatches as llama.cpp splits it into, each a pass over every layer."""
+        n_pass = max(1, math.ceil(k / plan.n_ubatch))
+        rows = k / n_pass
+        return ubatch_stage(shape, profile, cost, plan, rows, work.prompt_len + work.gen_len / 2,
+                            decode_hit, host_layers, rows, slots, stage, rows,
+                            region).times(n_pass)
 
     decode = decode_at(n_seq)
+    if plan.micro > 1:
+        def prompt_of(shared: bool) -> Callable[[float, float], Stage]:
+            return lambda t, ctx: ubatch_stage(shape, profile, cost, plan, t, ctx, share,
+                                               host_layers, 1.0, slots, stage, 1.0, region,
+                                               shared)
+        prefill_s, job, ovl, generated = _micro_job(shape, profile, plan, work, decode_at,
+                                                    prompt_of(False), prompt_of(True))
+        return Estimate(plan, slots, 0, lay.device_bytes, prefill, decode, prefill_s, job,
+                        generated / job if job > 0 else 0.0, ovl)
     prompt_tokens = work.prompt_len * work.n_requests
     generated = work.gen_len * work.n_requests
     if work.prompts:
-        prefill_s = _prompts_s(work.prompts, chunk, lambda t, ctx: ubatch_stage(
+        prefill_s = _prompts_stage(work.prompts, chunk, lambda t, ctx: ubatch_stage(
             shape, profile, cost, plan, t, ctx, share, host_layers, 1.0, slots, stage,
-            1.0, region).seconds)
+            1.0, region))[0].seconds
     else:
         prefill_s = work.n_requests * math.ceil(work.prompt_len / u) * prefill.seconds \
             if prompt_tokens else 0.0
@@ -632,30 +704,102 @@ def estimate(shape: ModelShape, profile: Profile, budget: int, work: Workload, p
                     decode, prefill_s, job, generated / job if job > 0 else 0.0)
 
 
-def _between(table: Mapping[int, float], x: float) -> float:
+def _micro_job(shape: ModelShape, profile: Profile, plan: BatchPlan, work: Workload,
+               decode_at: Callable[[int], Stage], alone: Callable[[float, float], Stage],
+               shared: Callable[[float, float], Stage]) -> tuple[float, float, float, float]:
+    """A job of ``plan``'s micro-batches (``batch.decode_many``'s micro), as the replay runs it:
+    its prompts' seconds, the job's, the job's with each step's passes side by side, and the
+    tokens it generates. The prompts are fed in ``micro - 1`` contexts of ``prefill_seqs``
+    sequences each, a ubatch of each prompt a step as the context's rows allow (with one
+    context, the batch's; with more, a ubatch's), so a step starts decoding a few of them
+    (``running_steps``' ``admit``) and the decoding context holds what they leave of the
+    sequences. A step's k-th ubatches of every context go through each layer in one round: its
+    first pass (the decoding one, where it has rows) fills each layer's bank, the others read
+    it (``shared``: priced without the fills). A sequence moves to the decoding context once
+    its prompt is in, its KV read out and written in."""
+    m = plan.micro
+    n_seq = min(plan.n_seq, max(work.n_requests, 1))
+    q = prefill_seqs(n_seq, m)
+    room = batch_tokens(n_seq, plan.n_ubatch) if m == 2 else plan.n_ubatch
+    prompts = work.prompts or (max(round(work.prompt_len), 1),) * max(work.n_requests, 1)
+    answers = work.answers or (max(round(work.gen_len), 1),) * max(work.n_requests, 1)
+    mean = max(sum(prompts) / len(prompts), 1.0)
+    # each prompt in a context is a ubatch of its own (a KV stream each), as its rows fit
+    per_ctx = max(1.0, min(q, room / min(mean, plan.n_ubatch)))
+    admit = (m - 1) * max(min(q, room / mean), 1.0 / math.ceil(mean / room))
+    # of a context's ubatches in a step, the first goes beside the decoding pass; the rest lead
+    # rounds of their own, whose first pass fills (a job admits about a prompt a step as its
+    # sequences finish: the other contexts seldom have a ubatch to share those rounds with)
+    beside = 1.0 / per_ctx
+    priced: dict[tuple[float, float], Stage] = {}
+
+    def once(t: float, ctx: float) -> Stage:
+        if (t, ctx) not in priced:
+            priced[t, ctx] = alone(t, ctx)
+        return priced[t, ctx]
+
+    first, n_ub = _prompts_stage(prompts, plan.n_ubatch, once)
+    # (a ubatch too short for the banks reads none: priced as alone)
+    rest, _ = _prompts_stage(prompts, plan.n_ubatch, lambda t, ctx: once(t, ctx)
+                             if t < DEVICE_MIN_TOKENS else shared(t, ctx))
+    prompt = first.times(1.0 - beside) + rest.times(beside)
+    n_dec = max(1, n_seq - (m - 1) * q)
+    steps = running_steps(answers, n_dec, admit)
+    at = {k: decode_at(k) for k in [1 << i for i in range(n_dec.bit_length())] if k < n_dec}
+    at[n_dec] = decode_at(n_dec)
+    n_steps = max(sum(steps.values()), 1)
+    mean_prompt = prompt.times(1.0 / max(n_ub, 1))
+    per_step = n_ub / n_steps  # prompt ubatches beside each step's decoding pass
+    with_step = min(per_step, m - 1.0)
+    decode_s = overlapped = 0.0
+    for k, n in steps.items():
+        d = _between(at, k)
+        decode_s += n * d.seconds
+        overlapped += n * (d + mean_prompt.times(with_step)).overlapped_s
+    # prompt ubatches past the context count: rounds of their own
+    overlapped += n_steps * (per_step - with_step) * mean_prompt.overlapped_s
+    # the moves: each prompt's KV read out of its context and written into the decoding one;
+    # and, as sequences finish, the decoding context's highest one copied down into the hole
+    # (its KV stream read and written where the KV cache lives)
+    rate = profile.cpu_mem_gbps if plan.kv_host else profile.h2d_gbps
+    moves = 2.0 * sum(prompts) * shape.layers * shape.kv_bytes / (rate * 1e9)
+    moves += len(answers) * 2.0 * work.ctx_per_seq * shape.layers * shape.kv_bytes / \
+        ((profile.cpu_mem_gbps if plan.kv_host else profile.gpu_mem_gbps) * 1e9)
+    job = decode_s + prompt.seconds + moves
+    return prompt.seconds, job, min(overlapped + moves, job), float(sum(answers))
+
+
+def _lerp(a: _V, b: _V, f: float) -> _V:
+    """The point ``f`` of the way from ``a`` to ``b`` (seconds, or stages part by part)."""
+    if isinstance(a, Stage) and isinstance(b, Stage):
+        return a.times(1.0 - f) + b.times(f)  # type: ignore[return-value]
+    return a + (b - a) * f  # type: ignore[operator,return-value]
+
+
+def _between(table: Mapping[int, _V], x: float) -> _V:
     """``table``'s value at ``x``: on the line through its two keys around ``x``."""
     keys = sorted(table)
     hi = next(k for k in keys if k >= x)
     lo = max(k for k in keys if k <= x)
-    return table[lo] if hi == lo else table[lo] + (table[hi] - table[lo]) * (x - lo) / (hi - lo)
+    return table[lo] if hi == lo else _lerp(table[lo], table[hi], (x - lo) / (hi - lo))
 
 
-def _prompts_s(prompts: Sequence[int], n_ubatch: int,
-               stage_s: Callable[[float, float], float]) -> float:
-    """Seconds of a job's prompt ubatches (``prompt_chunks``), ``stage_s(tokens, context)``
-    pricing one: worked out at the powers of two up to ``n_ubatch`` tokens, in between by the
-    line through the two around; the attention's share, which grows with the tokens before a
-    ubatch, by the line through a ubatch at the start of its prompt and one a ubatch in."""
+def _prompts_stage(prompts: Sequence[int], n_ubatch: int,
+                   stage_of: Callable[[float, float], Stage]) -> tuple[Stage, int]:
+    """A job's prompt ubatches (``prompt_chunks``), ``stage_of(tokens, context)`` pricing one,
+    added up, and how many they are: worked out at the powers of two up to ``n_ubatch``
+    tokens, in between by the line through the two around; the attention's share, which grows
+    with the tokens before a ubatch, by the line through a ubatch at the start of its prompt
+    and one a ubatch in."""
     chunks = prompt_chunks(prompts, n_ubatch)
     top = max(t for t, _ in chunks)
     points = {1 << i for i in range(top.bit_length())} | {top}
-    first = {t: stage_s(t, t / 2) for t in points}
-    later = {t: stage_s(t, n_ubatch + t / 2) for t in points}
-    total = 0.0
+    first = {t: stage_of(t, t / 2) for t in points}
+    later = {t: stage_of(t, n_ubatch + t / 2) for t in points}
+    total = Stage(0.0)
     for (t, start), n in chunks.items():
-        a = _between(first, t)
-        total += n * (a + (_between(later, t) - a) * start / n_ubatch)
-    return total
+        total = total + _lerp(_between(first, t), _between(later, t), start / n_ubatch).times(n)
+    return total, sum(chunks.values())
 
 
 def search(shape: ModelShape, profile: Profile, budget: int, work: Workload, *,
@@ -664,10 +808,12 @@ def search(shape: ModelShape, profile: Profile, budget: int, work: Workload, *,
            locality: float = 0.0, non_expert_bytes: int | None = None,
            cost: CostModel | None = None, host_bytes: int | None = None,
            max_seq: int = STOCK_MAX_SEQ, slots: int | None = None,
-           bank: bool = False) -> list[Estimate]:
+           bank: bool = False, micros: Iterable[int] = (1,)) -> list[Estimate]:
     """Every plan of the grid that fits, best predicted throughput first (ties: the larger
-    ubatch first): forecache's up to ``max_seq`` sequences, stock llama.cpp's (ncmoe) up to
-    its ``STOCK_MAX_SEQ``; ``bank``: forecache's with prompt banks (``estimate``)."""
+    ubatch first, then fewer micro-batches): forecache's up to ``max_seq`` sequences, stock
+    llama.cpp's (ncmoe) up to its ``STOCK_MAX_SEQ``; ``bank``: forecache's with prompt banks
+    (``estimate``), and then in each of ``micros`` micro-batches a step (those need the
+    banks)."""
     out = []
     for x in experts:
         cap = min(max_seq, STOCK_MAX_SEQ) if x == "ncmoe" else max_seq
@@ -675,12 +821,14 @@ def search(shape: ModelShape, profile: Profile, budget: int, work: Workload, *,
         for host in kv:
             for s in seqs:
                 for u in n_ubatches or N_UBATCHES:
-                    e = estimate(shape, profile, budget, work, BatchPlan(s, u, host, x),
-                                 locality=locality, non_expert_bytes=non_expert_bytes,
-                                 cost=cost, host_bytes=host_bytes, slots=slots, bank=bank)
-                    if e is not None:
-                        out.append(e)
+                    for m in micros if x == "cache" and bank else (1,):
+                        e = estimate(shape, profile, budget, work, BatchPlan(s, u, host, x, m),
+                                     locality=locality, non_expert_bytes=non_expert_bytes,
+                                     cost=cost, host_bytes=host_bytes, slots=slots, bank=bank)
+                        # (micro-batches share the banks: none where every expert fits)
+                        if e is not None and (m == 1 or e.slots < shape.experts):
+                            out.append(e)
     # plans predicted alike (a ubatch past the prompts changes nothing here) go larger ubatch
     # first: a llama batch of more tokens admits more prompts a step, which the model leaves out
-    out.sort(key=lambda e: (-e.tokens_per_s, -e.plan.n_ubatch))
+    out.sort(key=lambda e: (-e.tokens_per_s, -e.plan.n_ubatch, e.plan.micro))
     return out

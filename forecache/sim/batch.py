@@ -349,9 +349,10 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
         if steady and not pending and ended:
             break
         decoders = [x for x in active if x.lane == 0]
-        while not pending and cfg.split == "equal" and free[0] and decoders:
+        while (not pending or micro > 1) and cfg.split == "equal" and free[0] and decoders:
             # decode_many's move_down: the highest sequence takes the lowest free id below
-            # it, its whole KV stream copied (read and written) where the cache lives
+            # it, its whole KV stream copied (read and written) where the cache lives (with
+            # micro-batches at once: a hole in the decoding ids splits a step's ubatch)
             top = max(decoders, key=lambda x: x.seq)
             low_id = min(free[0])
             if low_id > top.seq:
