@@ -8,8 +8,9 @@ Every plan decodes the same requests (lengths drawn from ShareGPT-like lognormal
 ``sim.run.SHAREGPT``, times ``--scale``) as ``forecache batch`` does (``batch.decode_many``), each
 request reading its own rows of the routing replayed (``trace.replay``), in one process:
 whole-job generated tokens a second, and each plan's ratio over the best stock plan measured.
-``--plans auto`` measures, for stock llama.cpp (``experts=ncmoe``) and for forecache's cache,
-the two plans the batch roofline predicts fastest on this device's profile; each row sets the
+``--plans auto`` measures, for stock llama.cpp (``experts=ncmoe``), for forecache's cache and,
+where prompt banks are placed (on a GPU), for forecache's cache in micro-batches, the
+``--per-kind`` plans the batch roofline predicts fastest on this device's profile; each row sets the
 roofline's prediction (HRM) beside the measured figure. A random-weight
 model's tokens are meaningless under a replayed routing; both placements compute the same ones.
 """
@@ -38,7 +39,7 @@ from forecache.native.ggml_devices import cache_device
 from forecache.placement.before import banks_asked
 from forecache.placement.costs import default_machine
 from forecache.placement.options import Options
-from forecache.roofline.batch import BatchPlan, batch_tokens, estimate, search
+from forecache.roofline.batch import MICRO_MAX, BatchPlan, batch_tokens, estimate, search
 from forecache.roofline.shape import model_shape
 from forecache.sim.run import SHAREGPT
 
@@ -85,6 +86,10 @@ def predicted(model: Path, budget: int, reqs: list[Request], ctx_per_seq: int,
         got = search(shape, profile, budget, work, experts=(kind,), non_expert_bytes=ne,
                      bank=bank)
         found += [(e.plan, e.tokens_per_s) for e in got[:per_kind]]
+    if bank:  # and forecache's fastest in micro-batches, which share the banks
+        got = search(shape, profile, budget, work, non_expert_bytes=ne, bank=bank,
+                     micros=range(2, MICRO_MAX + 1))
+        found += [(e.plan, e.tokens_per_s) for e in got[:per_kind] if e.plan.micro > 1]
     return found
 
 

@@ -15,7 +15,8 @@
 #                                         --no-mmap and with mmap, promoe with and without
 #                                         prompt banks, infinity), the real OLMoE trace,
 #                                         promoe's timeline, 12 GiB, a batch job (stock's and
-#                                         forecache's fastest plans by the batch roofline, each
+#                                         forecache's fastest plans by the batch roofline, with
+#                                         and without micro-batches, each
 #                                         request reading its own rows of the routing), every
 #                                         expert resident against all-gpu and the replay's own
 #                                         cost, a 4096-token prompt against stock at its best
@@ -254,7 +255,7 @@ if [ "$t" -ge 60 ]; then
     log "batch ($t s left)"
     timeout $((t < 210 ? t : 210)) "$PY" benchmarks/batch_bench.py -m "$MODEL" \
         --routing-trace "$FIT" --gpu-budget "$BIG" --requests "$BATCH_REQUESTS" \
-        --scale "$BATCH_SCALE" --per-kind 1 --micro 4 "${THREADS[@]}" --json "$OUT/bench_batch.json" >&2 \
+        --scale "$BATCH_SCALE" --per-kind 1 "${THREADS[@]}" --json "$OUT/bench_batch.json" >&2 \
         || log "batch did not finish (exit $?)"
     keep_in bench_batch.json bench_fit24.json batch
 else

@@ -335,3 +335,35 @@ def test_micro_batches_pair_a_prompt_with_the_decoding_rows() -> None:
     with pytest.raises(ValueError, match="split='equal'"):
         simulate_batch(reqs, SHAPE, slow, replace(cfg, split="simple"), micro=2)
 
+
+
+def test_the_roofline_prices_micro_plans_as_the_replay_runs_them() -> None:
+    """The roofline (HRM) prices a plan of micro-batches as simulate_batch replays it: at the
+    target shape on a short job, each plan within 20% of the replay (virtual time: the same on
+    every CPU), and the plan it predicts fastest is the replay's fastest."""
+    from forecache.roofline import batch as hrm
+
+    shape = shape_of("qwen2-57b-a14b", "q4_k")
+    rng = np.random.default_rng(0)
+    prompts, answers = SHAREGPT.draw(120, rng)
+    prompts = np.maximum((prompts * 0.3).astype(int), 2)
+    answers = np.maximum((answers * 0.3).astype(int), 2)
+    ctx = int(prompts.max() + answers.max())
+    pool = synthesize(OLMOE_FIT, n_layers=shape.layers, n_expert=shape.experts,
+                      top_k=shape.top_k, tokens=[ctx] * 2, seed=1)
+    reqs = window_requests(pool, prompts, answers, rng)
+    work = hrm.Workload(len(reqs), float(prompts.mean()), float(answers.mean()), ctx,
+                        tuple(int(a) for a in answers), tuple(int(p) for p in prompts))
+    predicted, replayed = {}, {}
+    for n_seq, micro in ((32, 1), (32, 3), (64, 1), (64, 3)):
+        plan = hrm.BatchPlan(n_seq, 128, kv_host=True, micro=micro)
+        lay = hrm.layout(shape, 24 << 30, work, plan)  # the replay holds its banks back itself
+        e = hrm.estimate(shape, PROFILE, 24 << 30, work, plan, bank=True)
+        assert lay is not None and e is not None
+        cfg = SimConfig("promoe", lay.slots, n_ubatch=128, n_seq=n_seq, kv_host=True,
+                        split="equal")
+        r = simulate_batch(reqs, shape, PROFILE, cfg, micro=micro)
+        predicted[plan], replayed[plan] = e.tokens_per_s, r.tokens_per_s
+        assert abs(e.tokens_per_s / r.tokens_per_s - 1) < 0.2, (plan, e.tokens_per_s,
+                                                                 r.tokens_per_s)
+    assert max(predicted, key=predicted.__getitem__) == max(replayed, key=replayed.__getitem__)

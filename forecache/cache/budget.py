@@ -63,6 +63,21 @@ def settle_bank(n_expert: int, slots_after: Callable[[int], Iterable[int]]) -> i
     return held
 
 
+# prompts a batch job's prefill contexts hold at once (micro-batches: decode_many's micro):
+# two with one prompt context, one each with more. Each prompt in a context is a ubatch of its
+# own (a KV stream each), and every ubatch past a context's first in a step leads a round of
+# its own, paying a bank fill; a job admits about a prompt a step as its sequences finish, so
+# more room only splits steps (the replay at the target, BENCHMARKS.md: 2 against 3 and 8)
+PREFILL_SEQS = 2
+# contexts a batch job's step may take: the decoding one and up to MICRO_MAX - 1 for prompts
+MICRO_MAX = 4
+
+
+def prefill_seqs(n_seq: int, micro: int) -> int:
+    """Sequences each of a job's ``micro - 1`` prefill contexts holds."""
+    return max(1, min(n_seq, PREFILL_SEQS) // max(micro - 1, 1))
+
+
 @dataclass(frozen=True)
 class BudgetSplit:
     """Where a budget goes: fixed needs, then expert slots (or whole expert layers for ncmoe)."""

@@ -14,6 +14,7 @@ from forecache.cache.budget import (
     bank_size,
     device_host_layers,
     format_size,
+    prefill_seqs,
     slots_for_fraction,
     split_budget,
 )
@@ -178,8 +179,6 @@ def budget_split(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: in
 def micro_contexts(options: Options, n_ctx: int) -> list[int]:
     """The context sizes of a batch job's prompt contexts (``options.micro`` - 1 of them,
     ``roofline.batch.prefill_seqs`` sequences each, as ``micro.Sibling`` sizes them)."""
-    from forecache.roofline.batch import prefill_seqs
-
     n_seq = max(options.n_seq_max, 1)
     return [n_ctx // n_seq * prefill_seqs(n_seq, options.micro)] * (options.micro - 1)
 

@@ -29,7 +29,13 @@ from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
-from forecache.cache.budget import BANK_REGIONS, BANK_SHARE_MAX, format_size
+from forecache.cache.budget import (
+    BANK_REGIONS,
+    BANK_SHARE_MAX,
+    MICRO_MAX,
+    format_size,
+    prefill_seqs,
+)
 from forecache.cache.choice import distinct_experts, hit_at
 from forecache.cache.cost import DEVICE_MIN_TOKENS, CostModel, Profile, roofline_s
 from forecache.cache.prefetcher import stage_slots
@@ -81,21 +87,6 @@ def prompt_take(left: int, room: int, n_ubatch: int) -> int:
     if take < left and take >= n_ubatch:
         take -= take % n_ubatch
     return max(take, 0)
-
-
-# prompts a batch job's prefill contexts hold at once (micro-batches: decode_many's micro):
-# two with one prompt context, one each with more. Each prompt in a context is a ubatch of its
-# own (a KV stream each), and every ubatch past a context's first in a step leads a round of
-# its own, paying a bank fill; a job admits about a prompt a step as its sequences finish, so
-# more room only splits steps (the replay at the target, BENCHMARKS.md: 2 against 3 and 8)
-PREFILL_SEQS = 2
-# contexts a batch job's step may take: the decoding one and up to MICRO_MAX - 1 for prompts
-MICRO_MAX = 4
-
-
-def prefill_seqs(n_seq: int, micro: int) -> int:
-    """Sequences each of a job's ``micro - 1`` prefill contexts holds."""
-    return max(1, min(n_seq, PREFILL_SEQS) // max(micro - 1, 1))
 
 
 def admit_lane(free: Sequence[int], micro: int) -> int:
@@ -727,10 +718,19 @@ def _micro_job(shape: ModelShape, profile: Profile, plan: BatchPlan, work: Workl
     # each prompt in a context is a ubatch of its own (a KV stream each), as its rows fit
     per_ctx = max(1.0, min(q, room / min(mean, plan.n_ubatch)))
     admit = (m - 1) * max(min(q, room / mean), 1.0 / math.ceil(mean / room))
-    # of a context's ubatches in a step, the first goes beside the decoding pass; the rest lead
-    # rounds of their own, whose first pass fills (a job admits about a prompt a step as its
+    n_dec = max(1, n_seq - (m - 1) * q)
+    steps = running_steps(answers, n_dec, admit)
+    n_steps = max(sum(steps.values()), 1)
+    # of a context's ubatches in a step, the first goes beside the decoding pass, which fills
+    # the banks for them where it banks (its rows are enough: all but the first few prompts,
+    # admitted while few sequences decode), else the first of them fills; the rest lead rounds
+    # of their own, whose first pass fills (a job admits about a prompt a step as its
     # sequences finish: the other contexts seldom have a ubatch to share those rounds with)
-    beside = 1.0 / per_ctx
+    banked = 0.0 if n_dec < DEVICE_MIN_TOKENS else \
+        max(0.0, 1.0 - DEVICE_MIN_TOKENS / max(len(answers), 1))
+    n_ub = sum(prompt_chunks(prompts, plan.n_ubatch).values())
+    first_round = max(1.0, min(m - 1.0, n_ub / (n_steps * per_ctx)))
+    beside = (1.0 - (1.0 - banked) / first_round) / per_ctx
     priced: dict[tuple[float, float], Stage] = {}
 
     def once(t: float, ctx: float) -> Stage:
@@ -743,11 +743,8 @@ def _micro_job(shape: ModelShape, profile: Profile, plan: BatchPlan, work: Workl
     rest, _ = _prompts_stage(prompts, plan.n_ubatch, lambda t, ctx: once(t, ctx)
                              if t < DEVICE_MIN_TOKENS else shared(t, ctx))
     prompt = first.times(1.0 - beside) + rest.times(beside)
-    n_dec = max(1, n_seq - (m - 1) * q)
-    steps = running_steps(answers, n_dec, admit)
     at = {k: decode_at(k) for k in [1 << i for i in range(n_dec.bit_length())] if k < n_dec}
     at[n_dec] = decode_at(n_dec)
-    n_steps = max(sum(steps.values()), 1)
     mean_prompt = prompt.times(1.0 / max(n_ub, 1))
     per_step = n_ub / n_steps  # prompt ubatches beside each step's decoding pass
     with_step = min(per_step, m - 1.0)
