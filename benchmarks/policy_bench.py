@@ -10,7 +10,9 @@ with mmap'd host weights) can be named; ncmoe loads host weights as --no-mmap do
 
 A policy name may end in +little or +resident: that policy with MoBiLE's little pass (top half of
 the top-k, or the resident experts and the top-1) on every generated token, never the full
-model: lossy, the speed bound of --mode mobile.
+model: lossy, the speed bound of --mode mobile; or in +spec: speculative decoding with the
+model's little pass as the draft, whose acceptance --acceptance can replay (a random-weight
+model accepts almost nothing: a rate measured for a real pair of models gives its speed).
 
 Prints the device, its host-to-device bandwidth and the table; --json also writes the report.
 """
@@ -28,6 +30,7 @@ from forecache.bench import format_table, run_bench
 from forecache.cache.budget import parse_size
 from forecache.cache.registry import POLICIES
 from forecache.native.ggml_devices import CopyProbeError, cache_device, measure_copy
+from forecache.speculative.acceptance import AcceptanceReplay
 
 
 def main() -> int:
@@ -42,6 +45,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--routing-trace", type=Path, default=None,
                     help="replay this trace's routing in every run")
+    ap.add_argument("--acceptance", default=None, metavar="RATE|COUNTS",
+                    help="the runs with a draft (e.g. promoe+spec) accept each draft token with "
+                         "this probability (e.g. 0.7, as measured for a real pair of models), or "
+                         "each verification these counts in turn (e.g. 3,0,2), not as the "
+                         "model's logits say: their tokens are meaningless")
     ap.add_argument("--timeline", action="store_true",
                     help="record and report each cached run's per-layer timeline")
     ap.add_argument("--host-budget", default=None,
@@ -50,6 +58,10 @@ def main() -> int:
                          "memory)")
     ap.add_argument("--json", type=Path, default=None, help="write the report here")
     a = ap.parse_args()
+    try:
+        acceptance = AcceptanceReplay.parse(a.acceptance) if a.acceptance else None
+    except ValueError as e:
+        ap.error(str(e))
 
     dev = cache_device()
     try:
@@ -66,7 +78,7 @@ def main() -> int:
                        n_prompts=a.prompts, n_threads=a.threads,
                        routing_trace=a.routing_trace, timeline=a.timeline,
                        host_budget=parse_size(a.host_budget) if a.host_budget else None,
-                       progress=lambda s: print(s, file=sys.stderr))
+                       acceptance=acceptance, progress=lambda s: print(s, file=sys.stderr))
     report.update({"device": dev.name, "device_description": dev.description,
                    "h2d_gbps": h2d, "host": platform.node(), "command": " ".join(sys.argv),
                    "date": time.strftime("%Y-%m-%d"), "wall_s": time.time() - t0})

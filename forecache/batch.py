@@ -410,6 +410,9 @@ def _decode_lanes(llm: Llama, lanes: list[_Lane], requests: list[Request],
                              "tokens_per_s": round((len(s.out) - 1) / decode_s, 3)
                              if len(s.out) > 1 and decode_s > 0 else None}})
 
+    if spec is not None and spec.acceptance is not None:
+        raise ValueError("an acceptance replay is for single-request benchmarks (forecache "
+                         "bench): a batch job verifies its sequences' drafts itself")
     if spec is not None and not isinstance(spec.draft, SelfDraft):
         raise ValueError(f"{setting('draft')} {spec.draft.kind}: a batch job drafts with the "
                          "model's own little pass only (self-little or self-cached)")

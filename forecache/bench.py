@@ -21,6 +21,7 @@ from forecache.gguf.header import read_model_file, require_moe
 from forecache.llama import CALIBRATION_TEXT, Llama
 from forecache.placement.before import default_choice
 from forecache.placement.options import DEFAULT_POLICY, CacheConfig
+from forecache.speculative.acceptance import AcceptanceReplay
 from forecache.trace.replay import Routing, load_routing
 
 # stock llama.cpp's best (--n-cpu-moe, the faster of --no-mmap and mmap'd host weights) first:
@@ -161,14 +162,16 @@ def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n
                n_ctx: int, n_threads: int | None, decode_gate: bool = True,
                draft: str | None = None, use_mmap: bool = False,
                routing_trace: Path | Routing | None = None, timeline: bool = False,
-               n_ubatch: int | None = None) -> dict:
+               n_ubatch: int | None = None, acceptance: AcceptanceReplay | None = None
+               ) -> dict:
     """Load the model under ``cfg``, warm up, then generate ``n_gen`` tokens for every prompt
     (``decode_gate=False``: every gate calls the Python policy; ``draft``: speculative;
     ``use_mmap``: host weights mmap'd, else read into (pinned) buffers as --no-mmap does;
     ``routing_trace``: every expert matmul reads that trace's routing, not the router's;
     ``timeline``: the expert cache's timeline of the timed prompts, summarized per layer;
-    ``n_ubatch``: the ubatch (and batch) size, default llama.cpp's)."""
-    spec: dict = {} if draft is None else {"draft": draft}
+    ``n_ubatch``: the ubatch (and batch) size, default llama.cpp's; ``acceptance``: with a
+    draft, each verification accepts as many drafts as it replays)."""
+    spec: dict = {} if draft is None else {"draft": draft, "acceptance_replay": acceptance}
     if n_ubatch is not None:
         spec.update(n_batch=n_ubatch, n_ubatch=n_ubatch)
     if routing_trace is not None:
@@ -352,13 +355,18 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
               cache_fraction: float | None, prompt_len: int, n_gen: int, n_prompts: int = 3,
               n_ctx: int | None = None, n_threads: int | None = None,
               routing_trace: Path | None = None, timeline: bool = False,
-              host_budget: int | None = None,
+              host_budget: int | None = None, acceptance: AcceptanceReplay | None = None,
               progress: Callable[[str], None] = lambda s: None) -> dict:
     """Every policy (and stock run, ``STOCK_RUNS``) on the same prompts, each on the routing of
     ``routing_trace`` when given, all with ``n_threads`` (default: as llama.cpp picks them, one
     per physical core); returns results, ratios and whether tokens agreed (``timeline``: with
     each cached run's timeline summarized per layer, ``cache.timeline``; ``host_budget``: the
-    cached policies with the disk tier under it, stock's runs with every expert in memory)."""
+    cached policies with the disk tier under it, stock's runs with every expert in memory;
+    ``acceptance``: the runs with a draft accept as many drafts as it replays, their tokens
+    meaningless)."""
+    if acceptance is not None and not any(_variant(_ubatch(p)[0])[1].draft for p in policies):
+        raise ValueError("an acceptance replay replays a draft's acceptance: add a run with a "
+                         "draft (e.g. promoe+spec)")
     n_threads = n_threads or llama_cpp_threads()
     routing = None
     if routing_trace is not None:  # mapped once for every run; a bad trace stops them all here
@@ -401,7 +409,7 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
         try:
             raw[pol] = run_policy(model, cfg, prompts, n_gen, n_ctx=n_ctx, n_threads=n_threads,
                                   draft=draft, use_mmap=mmap, routing_trace=routing,
-                                  timeline=timeline, n_ubatch=n_ubatch)
+                                  timeline=timeline, n_ubatch=n_ubatch, acceptance=acceptance)
         except (ValueError, RuntimeError, OSError) as e:
             # one placement that cannot run (a budget too small, a failed load) leaves the others'
             # figures standing; the report names it
@@ -422,11 +430,14 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
                 }
         fields = {k: v for k, v in r.items() if k not in ("tokens", "stats", "per_prompt")}
         results.append(PolicyResult(policy=pol, ratios=ratios, **fields))
-    exact = [r["tokens"] for pol, r in raw.items() if not _lossy(_ubatch(pol)[0])]
+    # (a replayed acceptance makes a drafted run's tokens meaningless)
+    exact = [r["tokens"] for pol, r in raw.items() if not _lossy(_ubatch(pol)[0]) and
+             not (acceptance is not None and _variant(_ubatch(pol)[0])[1].draft)]
     return {
         "model": str(model), "prompt_len": prompt_len, "gen": n_gen, "n_prompts": n_prompts,
         "gpu_budget": gpu_budget, "cache_fraction": cache_fraction, "host_budget": host_budget,
         "routing_trace": str(routing_trace) if routing_trace else None, "threads": n_threads,
+        "acceptance_replay": acceptance.label() if acceptance is not None else None,
         # replayed routing computes meaningless tokens: they are not compared
         "same_tokens": None if routing_trace else all(t == exact[0] for t in exact),
         "results": [asdict(r) for r in results], "errors": errors,
@@ -471,6 +482,8 @@ def format_table(report: dict) -> str:
         if r.get("timeline"):
             lines.append(f"timeline of {r['policy']} (the cache's work, a pass):")
             lines.append(format_summary(r["timeline"]))
+    if report.get("acceptance_replay"):
+        lines.append(f"every run with a draft: {report['acceptance_replay']} (benchmarks only)")
     if report.get("routing_trace"):
         lines.append("ratios: prefill (TTFT) speedup / decode (TPOT) speedup; every run replays "
                      f"the routing of {Path(report['routing_trace']).name} (tokens meaningless, "

@@ -41,6 +41,7 @@ from forecache.placement.after import finish, priced_devices
 from forecache.placement.before import LoadPlan, Placement, plan_load
 from forecache.placement.build import attach_observer
 from forecache.placement.options import AUTO, CacheConfig, Options
+from forecache.speculative.acceptance import AcceptanceReplay
 from forecache.speculative.speculator import SpecStats, Speculator, sampler_for
 from forecache.trace.replay import Routing, RoutingReplay
 
@@ -82,7 +83,10 @@ class Llama(llama_cpp.Llama):
     n_ctx / n_seq_max of the context (``forecache batch``). ``host_budget`` (bytes or a size):
     host memory for the model's weights that stay on the host, its experts included; experts
     beyond it stay in the GGUF file and the disk tier reads them as they are needed (a model
-    larger than host memory). ``routing_trace`` (benchmarks only)
+    larger than host memory). ``acceptance_replay`` (benchmarks only, with a ``draft``:
+    ``speculative.acceptance``) makes each verification accept as many drafts as a rate
+    measured for a real pair of models says, its tokens then meaningless. ``routing_trace``
+    (benchmarks only)
     replays a trace's routing (a path, or a ``Routing`` already mapped onto this model) in every
     expert matmul instead of the router's (``trace.replay``;
     the tokens are then meaningless, and each batch is one ubatch). ``cache`` passes a ready
@@ -97,6 +101,7 @@ class Llama(llama_cpp.Llama):
     def __init__(self, model_path: str | os.PathLike[str], *, options: Options | None = None,
                  cache: CacheConfig | None = AUTO,
                  routing_trace: str | os.PathLike[str] | Routing | None = None,
+                 acceptance_replay: AcceptanceReplay | str | None = None,
                  **kwargs: Any) -> None:
         self.expert_cache: ExpertCache | None = None
         self.replay: RoutingReplay | None = None
@@ -110,6 +115,12 @@ class Llama(llama_cpp.Llama):
         self.split_devices: list[Device | None] | None = None
         self.disk_rate: DiskRate | None = None  # the disk tier's reads, measured at start
         options = Options.take(kwargs, options)  # forecache's keywords; llama.cpp's stay
+        if isinstance(acceptance_replay, str):
+            acceptance_replay = AcceptanceReplay.parse(acceptance_replay)
+        if acceptance_replay is not None and options.draft is None:
+            raise ValueError("an acceptance replay replays how many of a draft's tokens each "
+                             f"verification accepts: give {setting('draft')} too")
+        self._acceptance = acceptance_replay
         self.model_file: ModelFile = require_moe(resolve_model_arg(model_path))
         patch_version()  # refuses a stock llama-cpp-python before llama.cpp touches the file
         abort_in_one_line()
@@ -166,7 +177,7 @@ class Llama(llama_cpp.Llama):
                 f"{setting('draft') if draft is not None else setting('mode', 'mobile')} "
                 "recomputes tokens and needs that; run without it")
         if draft is not None:
-            self._spec = Speculator(self, draft, plan.options.draft_k)
+            self._spec = Speculator(self, draft, plan.options.draft_k, self._acceptance)
 
     @property
     def cache_config(self) -> CacheConfig | None:

@@ -339,3 +339,83 @@ def test_drafting_stops_while_it_does_not_pay() -> None:
     assert fast.backoffs == 0 and asked.count(0) == PLAIN_PROBE * (1 + steps // REPROBE)
     fixed = DraftLength(3)
     assert set(_drive(fixed, spec_s=0.020, plain_s=0.010, tokens=100)) == {3}
+
+
+def test_acceptance_replay_reads_and_draws() -> None:
+    """An acceptance replay (benchmarks only) takes a rate a token or accepted counts in turn;
+    a rate accepts each draft with that probability up to the first rejection, counts are
+    taken in turn and never exceed the step's drafts; bad ones are refused in one line."""
+    from forecache.speculative.acceptance import AcceptanceReplay
+
+    counts = AcceptanceReplay.parse("3,0,5").player()
+    assert [counts.accepted([1, 2, 3, 4]) for _ in range(4)] == [3, 0, 4, 3]
+    for rate in (0.0, 0.5, 0.7, 1.0):
+        play = AcceptanceReplay.parse(str(float(rate)), seed=3).player()
+        got = [play.accepted([0] * 4) for _ in range(4000)]
+        # the mean of a geometric run cut at 4: sum of rate^i, i = 1..4
+        assert np.mean(got) == pytest.approx(sum(rate ** i for i in range(1, 5)), abs=0.06)
+    assert "acceptance replayed (0.70 a token)" in AcceptanceReplay.parse("0.7").label()
+    for bad in ("1.5", "x", "2,-1", ""):
+        with pytest.raises(ValueError, match="acceptance|accepted|rate"):
+            AcceptanceReplay.parse(bad)
+
+
+def test_acceptance_replay_sets_how_many_drafts_stand(tiny_model: Callable[[str], Path]) -> None:
+    """Under an acceptance replay the verification pass still runs (its routers, its sampler),
+    and each step keeps exactly the replayed number of drafts, then the model's token: the
+    counters follow the replay; without a draft, or in a batch job, it is refused."""
+    from forecache.batch import decode_many
+    from forecache.jobs.requests import Request
+
+    model = tiny_model("q8_0")
+    cfg = CacheConfig("promoe", cache_fraction=0.5, predictor="history")
+    with Llama.open(model, cache=cfg, n_ctx=256, n_threads=2, draft="self-little", draft_k=4,
+                    acceptance_replay="3,0,4,1") as llm:
+        res = generate(llm, PROMPTS[0], 40, SamplingParams(greedy=True), ignore_eos=True)
+        spec = llm.speculator
+        assert spec is not None and len(res.tokens) == 40
+        s = spec.stats_json()
+        assert "acceptance replayed" in s["acceptance_replay"]
+        n = s["verify_passes"]
+        assert n > 4 and s["drafted"] == 4 * n
+        # the replayed counts in turn (the last step may be cut short by the token limit)
+        want = sum([3, 0, 4, 1][i % 4] for i in range(n))
+        assert want - 4 <= s["accepted"] <= want
+        with pytest.raises(ValueError, match="single-request benchmarks"):
+            decode_many(llm, [Request(id="a", line=1, prompt="hi", max_tokens=4,
+                                      sampling=SamplingParams(greedy=True))], 1,
+                        lambda r: None)
+    with pytest.raises(ValueError, match="give draft="):
+        Llama.open(model, cache=cfg, n_ctx=256, n_threads=2, acceptance_replay="0.7")
+
+
+def test_policy_bench_replays_acceptance(tiny_model: Callable[[str], Path],
+                                        tmp_path: Path) -> None:
+    """benchmarks/policy_bench.py --acceptance: the runs with a draft accept as the replay says,
+    and the report says so (its drafted tokens left out of the comparison); without a run with
+    a draft, or with a bad rate, it is refused in one line."""
+    import json
+    import subprocess
+    import sys
+
+    model = str(tiny_model("q8_0"))
+    out = tmp_path / "rep.json"
+
+    def bench(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "benchmarks/policy_bench.py", "-m", model,
+                               "--cache-fraction", "0.5", "--prompt-len", "8", "--gen", "12",
+                               "--prompts", "1", "--threads", "2", *args],
+                              capture_output=True, text=True, timeout=300,
+                              cwd=Path(__file__).resolve().parents[1])
+
+    res = bench("--acceptance", "0.8", "--policies", "promoe,promoe+spec", "--json", str(out))
+    assert res.returncode == 0, res.stderr
+    rep = json.loads(out.read_text())
+    assert "acceptance replayed (0.80 a token)" in rep["acceptance_replay"]
+    assert "acceptance replayed" in res.stdout and rep["same_tokens"] is True
+    spec = next(r for r in rep["results"] if r["policy"] == "promoe+spec")
+    assert spec["tokens_per_s"] > 0
+    res = bench("--acceptance", "0.8", "--policies", "promoe")
+    assert res.returncode != 0 and "add a run with a draft" in res.stderr
+    res = bench("--acceptance", "1.7", "--policies", "promoe+spec")
+    assert res.returncode != 0 and "from 0 to 1" in res.stderr

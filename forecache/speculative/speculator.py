@@ -35,6 +35,7 @@ import numpy as np
 from forecache.errors import setting
 from forecache.generate import SamplingParams
 from forecache.native import llama_cpp_module
+from forecache.speculative.acceptance import AcceptanceReplay
 from forecache.speculative.draft import (
     CrossModelPredictor,
     DraftContext,
@@ -476,16 +477,23 @@ class ModelDraft:
 class Speculator:
     """Speculative decoding for one forecache.Llama: the draft, its length and the counters."""
 
-    def __init__(self, llm: Llama, draft: str, draft_k: int | None) -> None:
+    def __init__(self, llm: Llama, draft: str, draft_k: int | None,
+                 acceptance: AcceptanceReplay | None = None) -> None:
         if draft_k is not None and not 1 <= draft_k <= MAX_K:
             raise ValueError(f"{setting('draft_k', draft_k)}: draft 1 to {MAX_K} tokens")
         self.draft: SelfDraft | ModelDraft = (SelfDraft(llm, draft) if draft in SELF_DRAFTS
                                               else ModelDraft(llm, draft))
         self.length = DraftLength(draft_k, llm.n_batch - 1)
         self.stats = SpecStats()
+        # benchmarks only: how many drafts each verification accepts, replayed
+        self.acceptance = acceptance
+        self._replayed = acceptance.player() if acceptance is not None else None
 
     def stats_json(self) -> dict:
-        return {**self.stats.to_json(self.draft.kind, self.length.k), **self.draft.stats()}
+        out = {**self.stats.to_json(self.draft.kind, self.length.k), **self.draft.stats()}
+        if self.acceptance is not None:
+            out["acceptance_replay"] = self.acceptance.label()
+        return out
 
     def generate(self, llm: Llama, tokens: Sequence[int], sampler: Sampler, reset: bool,
                  seed: int) -> Generator[int, Any, None]:
@@ -528,7 +536,13 @@ class Speculator:
                 finally:
                     if cache is not None:
                         cache.route_observer = None
-                accepted, new = verify(logits, drafts, qs, sampler, rng, generated)
+                if self._replayed is not None:
+                    # the replay decides how many drafts stand; the sampler still picks the
+                    # model's token after them
+                    accepted = list(drafts[:self._replayed.accepted(drafts)])
+                    new = sampler.pick(logits[len(accepted)], rng, [*generated, *accepted])[0]
+                else:
+                    accepted, new = verify(logits, drafts, qs, sampler, rng, generated)
                 keep_to = pos + 1 + len(accepted)
                 low.llama_memory_seq_rm(low.llama_get_memory(llm.ctx), -1, keep_to, -1)
                 llm.n_tokens = keep_to
