@@ -63,7 +63,8 @@ ALLOWED = {
                          "forecache.placement", "forecache.cache", "forecache.generate",
                          "forecache.gguf"},
     "forecache.bench": {"forecache.llama", "forecache.placement", "forecache.cache",
-                        "forecache.generate", "forecache.gguf", "forecache.trace.replay"},
+                        "forecache.generate", "forecache.gguf", "forecache.trace.replay",
+                        "forecache.speculative"},
     # the simulator models the runtime and calibrates against it: everything but the CLI
     "forecache.sim": {m for m in ("forecache.sim", "forecache.bench", "forecache.jobs",
                                   "forecache.record", "forecache.trace", "forecache.roofline",
