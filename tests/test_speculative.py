@@ -419,3 +419,20 @@ def test_policy_bench_replays_acceptance(tiny_model: Callable[[str], Path],
     assert res.returncode != 0 and "add a run with a draft" in res.stderr
     res = bench("--acceptance", "1.7", "--policies", "promoe+spec")
     assert res.returncode != 0 and "from 0 to 1" in res.stderr
+
+
+def test_a_model_draft_that_does_not_pay_stops_drafting(tiny_model: Callable[[str], Path],
+                                                         other_tiny: Path) -> None:
+    """Adaptive drafting holds for a model draft: a draft whose tokens are never accepted
+    (replayed: every verification keeps none) costs a draft pass and a verification of two rows
+    a token against a plain pass, on any machine, so the loop backs off to plain decoding."""
+    model = tiny_model("q8_0")
+    cfg = CacheConfig("promoe", cache_fraction=0.5, predictor="history")
+    with Llama.open(model, cache=cfg, n_ctx=256, n_threads=2, draft=str(other_tiny),
+                    acceptance_replay="0") as llm:
+        res = generate(llm, PROMPTS[0], 60, SamplingParams(greedy=True), ignore_eos=True)
+        spec = llm.speculator
+        assert spec is not None and len(res.tokens) == 60
+        s = spec.stats_json()
+        assert s["accepted"] == 0 and s["verify_passes"] >= MIN_SPEC_STEPS
+        assert spec.length.backoffs >= 1 and s["undrafted"] > PLAIN_PROBE
