@@ -191,7 +191,7 @@ class _Sequence:
     # for several rows (and its prompt split by theirs), which round them otherwise
     batched: bool = False
     admitted: int = 0  # requests admitted before it (a replayed routing's rows for it)
-    lane: Any = None  # the decode_many lane (_Lane) whose context holds its KV cells
+    lane: _Lane | None = None  # the decode_many lane whose context holds its KV cells
 
 
 def sampler(sp: SamplingParams) -> Sampler:
@@ -327,6 +327,9 @@ def decode_many(llm: Llama, requests: list[Request], n_parallel: int,
     if not 1 <= micro <= MICRO_MAX:
         raise ValueError(f"micro={micro}: a step is one micro-batch, or up to {MICRO_MAX} "
                          "(the decoding sequences' and the prompts')")
+    if spec is not None and spec.acceptance is not None:
+        raise ValueError("an acceptance replay is for single-request benchmarks (forecache "
+                         "bench): a batch job verifies its sequences' drafts itself")
     if micro > 1 and (mobile is not None or spec is not None):
         raise ValueError("micro-batches decode exactly: no MoBiLE little passes or drafts")
     if micro > 1 and (cache is None or cache.bank_tokens <= 0):
@@ -410,9 +413,6 @@ def _decode_lanes(llm: Llama, lanes: list[_Lane], requests: list[Request],
                              "tokens_per_s": round((len(s.out) - 1) / decode_s, 3)
                              if len(s.out) > 1 and decode_s > 0 else None}})
 
-    if spec is not None and spec.acceptance is not None:
-        raise ValueError("an acceptance replay is for single-request benchmarks (forecache "
-                         "bench): a batch job verifies its sequences' drafts itself")
     if spec is not None and not isinstance(spec.draft, SelfDraft):
         raise ValueError(f"{setting('draft')} {spec.draft.kind}: a batch job drafts with the "
                          "model's own little pass only (self-little or self-cached)")

@@ -728,9 +728,6 @@ def _micro_job(shape: ModelShape, profile: Profile, plan: BatchPlan, work: Workl
     # sequences finish: the other contexts seldom have a ubatch to share those rounds with)
     banked = 0.0 if n_dec < DEVICE_MIN_TOKENS else \
         max(0.0, 1.0 - DEVICE_MIN_TOKENS / max(len(answers), 1))
-    n_ub = sum(prompt_chunks(prompts, plan.n_ubatch).values())
-    first_round = max(1.0, min(m - 1.0, n_ub / (n_steps * per_ctx)))
-    beside = (1.0 - (1.0 - banked) / first_round) / per_ctx
     priced: dict[tuple[float, float], Stage] = {}
 
     def once(t: float, ctx: float) -> Stage:
@@ -742,6 +739,8 @@ def _micro_job(shape: ModelShape, profile: Profile, plan: BatchPlan, work: Workl
     # (a ubatch too short for the banks reads none: priced as alone)
     rest, _ = _prompts_stage(prompts, plan.n_ubatch, lambda t, ctx: once(t, ctx)
                              if t < DEVICE_MIN_TOKENS else shared(t, ctx))
+    first_round = max(1.0, min(m - 1.0, n_ub / (n_steps * per_ctx)))
+    beside = (1.0 - (1.0 - banked) / first_round) / per_ctx
     prompt = first.times(1.0 - beside) + rest.times(beside)
     at = {k: decode_at(k) for k in [1 << i for i in range(n_dec.bit_length())] if k < n_dec}
     at[n_dec] = decode_at(n_dec)

@@ -215,7 +215,7 @@ def simulate_batch(requests: Sequence[Request], shape: ModelShape, profile: Prof
         sim.engine.advance_to(sim.t)
         return dt
     while pending or active:
-        while pending and len(active) < cfg.n_seq and any(free[-(micro > 1):]):
+        while pending and len(active) < cfg.n_seq and any(free[1:] if micro > 1 else free):
             i = pending.popleft()
             k = admit_lane([len(f) for f in free], micro)
             seq = free[k].pop(free[k].index(min(free[k])))  # the lowest free id
