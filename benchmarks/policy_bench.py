@@ -11,8 +11,10 @@ with mmap'd host weights) can be named; ncmoe loads host weights as --no-mmap do
 A policy name may end in +little or +resident: that policy with MoBiLE's little pass (top half of
 the top-k, or the resident experts and the top-1) on every generated token, never the full
 model: lossy, the speed bound of --mode mobile; or in +spec: speculative decoding with the
-model's little pass as the draft, whose acceptance --acceptance can replay (a random-weight
-model accepts almost nothing: a rate measured for a real pair of models gives its speed).
+model's little pass as the draft; or in +draft: speculative decoding with the draft model
+--draft (ncmoe+draft: stock's best under the same loop). --acceptance replays the drafts'
+acceptance (a random-weight model accepts almost nothing: a rate measured for a real pair of
+models gives its speed; `benchmarks/spec_sim.py` cites the published ones).
 
 Prints the device, its host-to-device bandwidth and the table; --json also writes the report.
 """
@@ -50,6 +52,10 @@ def main() -> int:
                          "this probability (e.g. 0.7, as measured for a real pair of models), or "
                          "each verification these counts in turn (e.g. 3,0,2), not as the "
                          "model's logits say: their tokens are meaningless")
+    ap.add_argument("--draft", type=Path, default=None, metavar="GGUF",
+                    help="the draft model of the runs named with +draft (e.g. "
+                         "ncmoe+draft,promoe+draft: stock's best and forecache under the same "
+                         "speculative loop); a model draft keeps a replayed routing")
     ap.add_argument("--timeline", action="store_true",
                     help="record and report each cached run's per-layer timeline")
     ap.add_argument("--host-budget", default=None,
@@ -78,7 +84,8 @@ def main() -> int:
                        n_prompts=a.prompts, n_threads=a.threads,
                        routing_trace=a.routing_trace, timeline=a.timeline,
                        host_budget=parse_size(a.host_budget) if a.host_budget else None,
-                       acceptance=acceptance, progress=lambda s: print(s, file=sys.stderr))
+                       acceptance=acceptance, draft_model=a.draft,
+                       progress=lambda s: print(s, file=sys.stderr))
     report.update({"device": dev.name, "device_description": dev.description,
                    "h2d_gbps": h2d, "host": platform.node(), "command": " ".join(sys.argv),
                    "date": time.strftime("%Y-%m-%d"), "wall_s": time.time() - t0})

@@ -27,6 +27,9 @@ from forecache.trace.replay import Routing, load_routing
 # stock llama.cpp's best (--n-cpu-moe, the faster of --no-mmap and mmap'd host weights) first:
 # every speedup is stated over it before the others
 BASELINES = ("ncmoe", "offload", "lru")
+# stock's best with the benchmark's draft model under the same speculative loop: where a run
+# drafts, the gain of forecache's cache and prefetch apart from drafting's own
+DRAFT_BASELINE = "ncmoe+draft"
 # stock placements a benchmark may name besides the policies: every layer on the GPU (no budget,
 # no cache: the bound a cache approaches when every expert fits), and --n-cpu-moe with mmap'd
 # (pageable) host weights; "ncmoe" itself is --no-mmap's (pinned host weights copy at the bus rate)
@@ -47,6 +50,8 @@ class Variant:
     note: str = ""
 
 
+# a Variant's draft that stands for the benchmark's draft model
+MODEL_DRAFT = "model"
 # MoBiLE's little pass on every generated token (gamma 0, never the full model: lossy, the
 # mode's speed bound) over the top half of the top-k ("+little") or the experts in slots and the
 # top-1 ("+resident"); speculative decoding with the model's little pass as the draft ("+spec",
@@ -60,6 +65,10 @@ RUN_VARIANTS: dict[str, Variant] = {
     "+little": Variant({"little_k": -1, "gamma": 0.0}, lossy=True, note=_LITTLE),
     "+resident": Variant({"little_k": -1, "gamma": 0.0, "little_resident": True}, lossy=True,
                          note=_LITTLE),
+    # the draft model the benchmark is given (``run_bench``'s ``draft_model``): in a context of
+    # its own, it keeps a replayed routing
+    "+draft": Variant({}, MODEL_DRAFT, routes=False,
+                      note="+draft: speculative decoding with the draft model given (exact)"),
     "+spec": Variant({}, "self-little",
                      note="+spec: speculative decoding with the model's little pass as the "
                           "draft (exact)"),
@@ -123,6 +132,7 @@ class PolicyResult:
     disk: dict | None = None  # the disk tier's reads a decoded token (a host budget)
     hot_path: dict | None = None  # the cache's host work a pass (``hot_path``)
     chosen: dict | None = None  # the default run: the policy chosen and why
+    spec: dict | None = None  # a run with a draft: speculation's counters
 
 
 def bench_prompts(llm: Llama, n_prompts: int, prompt_len: int,
@@ -209,6 +219,7 @@ def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n
         spans = cache.timeline() if cache is not None and timeline else None
         if llm.replay is not None:
             llm.replay.check()
+        spec = llm.speculator.stats_json() if llm.speculator is not None else None
     n = len(runs)
     tpot = sum(r.tpot_s for r in runs) / n
     return {
@@ -227,6 +238,7 @@ def run_policy(model: Path, cfg: CacheConfig | None, prompts: list[list[int]], n
            if "disk_reads" in stats else {}),
         **({"timeline": summarize(*spans)} if spans is not None else {}),
         **({"hot_path": host_work} if host_work else {}),
+        **({"spec": spec} if spec is not None else {}),
     }
 
 
@@ -332,9 +344,14 @@ def llama_cpp_threads(cpuinfo: str | None = None) -> int:
 
 def _baseline(raw: dict[str, dict], base: str) -> dict[str, float] | None:
     """TTFT and TPOT of baseline ``base``; for ncmoe the faster of its runs (mmap'd or not, at
-    any ubatch size), metric by metric."""
+    any ubatch size), metric by metric, and for ncmoe+draft the same with the draft model."""
+    def stock(name: str, variant: str) -> bool:
+        pol, v = _variant(_ubatch(name)[0])
+        return pol in NCMOE_RUNS and v is RUN_VARIANTS.get(variant, PLAIN)
+
     runs = [r for n, r in raw.items()
-            if (_ubatch(n)[0] in NCMOE_RUNS if base == "ncmoe" else n == base)]
+            if (stock(n, "") if base == "ncmoe" else stock(n, "+draft")
+                if base == DRAFT_BASELINE else n == base)]
     if not runs:
         return None
     return {"ttft_s": min(r["ttft_s"] for r in runs), "tpot_s": min(r["tpot_s"] for r in runs)}
@@ -356,6 +373,7 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
               n_ctx: int | None = None, n_threads: int | None = None,
               routing_trace: Path | None = None, timeline: bool = False,
               host_budget: int | None = None, acceptance: AcceptanceReplay | None = None,
+              draft_model: Path | None = None,
               progress: Callable[[str], None] = lambda s: None) -> dict:
     """Every policy (and stock run, ``STOCK_RUNS``) on the same prompts, each on the routing of
     ``routing_trace`` when given, all with ``n_threads`` (default: as llama.cpp picks them, one
@@ -363,10 +381,17 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
     each cached run's timeline summarized per layer, ``cache.timeline``; ``host_budget``: the
     cached policies with the disk tier under it, stock's runs with every expert in memory;
     ``acceptance``: the runs with a draft accept as many drafts as it replays, their tokens
-    meaningless)."""
-    if acceptance is not None and not any(_variant(_ubatch(p)[0])[1].draft for p in policies):
+    meaningless; ``draft_model``: the draft of the runs named with +draft)."""
+    drafts = {_variant(_ubatch(p)[0])[1].draft for p in policies}
+    if acceptance is not None and not drafts - {None}:
         raise ValueError("an acceptance replay replays a draft's acceptance: add a run with a "
-                         "draft (e.g. promoe+spec)")
+                         "draft (e.g. promoe+spec, or promoe+draft with a draft model)")
+    if MODEL_DRAFT in drafts and draft_model is None:
+        raise ValueError("a run named with +draft drafts with a draft model: give one (--draft "
+                         "GGUF, with the model's vocabulary)")
+    if draft_model is not None and not Path(draft_model).is_file():
+        raise ValueError(f"draft model {draft_model} does not exist: give a GGUF with the "
+                         "model's vocabulary (`forecache make-model --preset qwen2-0.5b`)")
     n_threads = n_threads or llama_cpp_threads()
     routing = None
     if routing_trace is not None:  # mapped once for every run; a bad trace stops them all here
@@ -396,6 +421,8 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
             continue
         base, variant = _variant(name)
         extra, draft = variant.kw, variant.draft
+        if draft == MODEL_DRAFT:
+            draft = str(draft_model)
         if routing_trace is not None and variant.routes:
             progress(f"{pol} skipped: a replayed routing fixes every token's experts")
             continue
@@ -421,7 +448,7 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
     results = []
     for pol, r in raw.items():
         ratios = {}
-        for base in BASELINES:
+        for base in (*BASELINES, DRAFT_BASELINE):
             b = _baseline(raw, base)
             if b is not None and base != pol:
                 ratios[base] = {
@@ -438,6 +465,7 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
         "gpu_budget": gpu_budget, "cache_fraction": cache_fraction, "host_budget": host_budget,
         "routing_trace": str(routing_trace) if routing_trace else None, "threads": n_threads,
         "acceptance_replay": acceptance.label() if acceptance is not None else None,
+        "draft_model": str(draft_model) if draft_model is not None else None,
         # replayed routing computes meaningless tokens: they are not compared
         "same_tokens": None if routing_trace else all(t == exact[0] for t in exact),
         "results": [asdict(r) for r in results], "errors": errors,
@@ -446,8 +474,10 @@ def run_bench(model: Path, policies: list[str], *, gpu_budget: int | None,
 
 def format_table(report: dict) -> str:
     """The benchmark as a fixed-width text table."""
+    bases = [*BASELINES, *([DRAFT_BASELINE] if any(DRAFT_BASELINE in r["ratios"]
+                                                   for r in report["results"]) else [])]
     head = (f"{'policy':<16} {'TTFT ms':>9} {'TPOT ms':>9} {'tok/s':>8} {'hit %':>6} "
-            f"{'H2D GB':>8} {'stall %':>8}" + "".join(f"{'vs ' + b:>18}" for b in BASELINES))
+            f"{'H2D GB':>8} {'stall %':>8}" + "".join(f"{'vs ' + b:>18}" for b in bases))
     lines = [head, "-" * len(head)]
     for r in report["results"]:
         def ratio(base: str, r: dict = r) -> str:
@@ -456,7 +486,7 @@ def format_table(report: dict) -> str:
         lines.append(f"{r['policy']:<16} {r['ttft_s'] * 1e3:>9.1f} {r['tpot_s'] * 1e3:>9.2f} "
                      f"{r['tokens_per_s']:>8.1f} {r['hit_rate'] * 100:>6.1f} {r['h2d_gb']:>8.3f} "
                      f"{r['stall_share'] * 100:>8.1f}" + "".join(f"{ratio(b):>18}"
-                                                                  for b in BASELINES))
+                                                                  for b in bases))
     for pol, err in report.get("errors", {}).items():
         lines.append(f"{pol}: failed ({err})")
     for r in report["results"]:
@@ -482,6 +512,14 @@ def format_table(report: dict) -> str:
         if r.get("timeline"):
             lines.append(f"timeline of {r['policy']} (the cache's work, a pass):")
             lines.append(format_summary(r["timeline"]))
+    for r in report["results"]:
+        sp = r.get("spec")
+        if sp:
+            lines.append(f"{r['policy']}: draft {sp['draft']}, {sp['verify_passes']} "
+                         f"verifications, {sp['accepted']} of {sp['drafted']} drafts accepted, "
+                         f"{sp['undrafted']} tokens undrafted" +
+                         (f"; cross-model prefetch {sp['spec_prefetch']}"
+                          if "spec_prefetch" in sp else ""))
     if report.get("acceptance_replay"):
         lines.append(f"every run with a draft: {report['acceptance_replay']} (benchmarks only)")
     if report.get("routing_trace"):

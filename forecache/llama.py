@@ -42,7 +42,7 @@ from forecache.placement.before import LoadPlan, Placement, plan_load
 from forecache.placement.build import attach_observer
 from forecache.placement.options import AUTO, CacheConfig, Options
 from forecache.speculative.acceptance import AcceptanceReplay
-from forecache.speculative.speculator import SpecStats, Speculator, sampler_for
+from forecache.speculative.speculator import SELF_DRAFTS, SpecStats, Speculator, sampler_for
 from forecache.trace.replay import Routing, RoutingReplay
 
 llama_cpp = llama_cpp_package()  # after checking that the build fits this CPU
@@ -121,6 +121,11 @@ class Llama(llama_cpp.Llama):
             raise ValueError("an acceptance replay replays how many of a draft's tokens each "
                              f"verification accepts: give {setting('draft')} too")
         self._acceptance = acceptance_replay
+        if routing_trace is not None and options.draft in SELF_DRAFTS:
+            # a model draft runs in a context of its own; a little pass routes the model itself
+            raise ValueError(f"{setting('routing_trace')} replays every expert of the trace's "
+                             f"rows: it cannot go with {setting('draft', options.draft)}, whose "
+                             "little pass chooses experts of its own; give a draft model")
         self.model_file: ModelFile = require_moe(resolve_model_arg(model_path))
         patch_version()  # refuses a stock llama-cpp-python before llama.cpp touches the file
         abort_in_one_line()

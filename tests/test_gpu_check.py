@@ -75,6 +75,15 @@ def test_cpu_dry_run_writes_every_result(tmp_path: Path) -> None:
         assert phase["passes"] > 0 and k["ids"]["n"] + k["quiet"]["n"] > 0
         assert k["gate"]["n"] == k["ids"]["n"]
         assert phase["host_overlap_s"] >= 0.0
+    # speculation: stock's best and promoe with the same draft model, acceptance replayed; the
+    # drafted runs' ratios over stock's best with and without the draft
+    spec = fit["spec"]
+    assert "0.70 a token" in spec["acceptance_replay"] and not spec["errors"]
+    assert spec["draft_model"].endswith("tiny-draft-random-q4_k_m.gguf")
+    runs = {r["policy"]: r for r in spec["results"]}
+    assert set(runs) == {"ncmoe", "ncmoe+draft", "promoe+draft"}
+    assert runs["promoe+draft"]["spec"]["verify_passes"] > 0
+    assert {"ncmoe", "ncmoe+draft"} <= set(runs["promoe+draft"]["ratios"])
     # a batch job: stock's and forecache's plans, the same requests on the routing replayed
     batch = fit["batch"]
     assert batch["routing"].endswith("olmoe-fit.npz") and batch["requests"] == 6

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -367,5 +368,159 @@ def test_simulated_shapes_size_experts_as_the_written_file(qtype: str) -> None:
     from forecache.sim.shapes import shape_of
 
     for name in model_specs.model_names():
-        report = model_specs.size_report(model_specs.get_spec(name), qtype)
+        spec = model_specs.get_spec(name)
+        if spec.is_dense:  # a draft: no experts for the simulator
+            with pytest.raises(ValueError, match="dense draft"):
+                shape_of(name, qtype)
+            continue
+        report = model_specs.size_report(spec, qtype)
         assert shape_of(name, qtype).expert_bytes == report.expert_bytes, name
+
+
+# --- dense drafts --------------------------------------------------------------------------
+
+#: Dense presets and the MoE preset each drafts for.
+DRAFTS = {"tiny-draft": "tiny", "qwen2-0.5b": "qwen2-57b-a14b"}
+
+
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_a_draft_preset_has_its_targets_tokenizer(draft: str) -> None:
+    d, target = get_spec(draft), get_spec(DRAFTS[draft])
+    assert d.is_dense and d.writable and not target.is_dense
+    assert (d.moe_layers, d.experts, d.top_k) == (0, 0, 0)
+    # make-model writes make_vocab(vocab, text_tokens): the same keys are the same tokens,
+    # merges and special tokens
+    assert (d.vocab, d.text_tokens) == (target.vocab, target.text_tokens)
+    assert size_report(d, "q8_0").active_bytes_per_token == size_report(d, "q8_0").total_bytes
+
+
+def test_qwen2_0_5b_is_qwen2_0_5b() -> None:
+    spec = get_spec("qwen2-0.5b")
+    assert (spec.arch, spec.layers, spec.d_model, spec.heads, spec.kv_heads, spec.head_dim,
+            spec.ff) == ("qwen2", 24, 896, 14, 2, 64, 4864)
+    assert (spec.vocab, spec.rope_theta, spec.rms_eps, spec.tied_embeddings) == (
+        151936, 1e6, 1e-6, True)
+    f16 = size_report(spec, "f16")
+    assert f16.total_params == 494_032_768  # Qwen2-0.5B's count, its embeddings tied
+    assert f16.expert_params == f16.total_expert_bytes == f16.expert_bytes == 0
+    plan = {t.name: t.ggml_type for t in tensor_plan(spec, "q4_k_m")}
+    assert "output.weight" not in plan
+    # llama.cpp's Q4_K_M: the tied token_embd takes the output's Q6_K, Q8_0 where its rows (896)
+    # are no whole number of Q6_K blocks; so do attn_v's; Q4_K falls back to Q5_0 there
+    assert plan["token_embd.weight"] == Q.Q8_0
+    assert plan["blk.0.attn_v.weight"] == Q.Q8_0
+    assert plan["blk.4.attn_q.weight"] == plan["blk.4.ffn_up.weight"] == Q.Q5_0
+    assert plan["blk.0.ffn_down.weight"] == Q.Q6_K  # a layer use_more_bits picks
+    assert plan["blk.4.ffn_down.weight"] == Q.Q4_K
+    tiny = {t.name: t.ggml_type for t in tensor_plan(get_spec("tiny-draft"), "q4_k_m")}
+    assert tiny["token_embd.weight"] == Q.Q6_K
+
+
+def test_qwen2_0_5b_two_layers_header(tmp_path: Path) -> None:
+    info = make_model(tmp_path / "q05.gguf", "qwen2-0.5b", "q4_0", n_layers=2, workers=2)
+    assert info.dense and info.layers == 2
+    mf = read_model_file(info.path)
+    assert (mf.arch, mf.n_layer, mf.n_vocab, mf.is_moe) == ("qwen2", 2, 151936, False)
+    for key, value in {"embedding_length": 896, "feed_forward_length": 4864,
+                       "attention.head_count": 14, "attention.head_count_kv": 2,
+                       "context_length": 32768}.items():
+        assert mf.arch_kv(key) == value, key
+    assert mf.arch_kv("rope.freq_base") == pytest.approx(1e6)
+    assert mf.arch_kv("attention.layer_norm_rms_epsilon") == pytest.approx(1e-6)
+    assert mf.arch_kv("expert_count") is None
+    shapes = {t.name: t.shape for t in mf.tensors}
+    assert shapes["token_embd.weight"] == (896, 151936) and "output.weight" not in shapes
+    assert shapes["blk.1.attn_q.weight"] == (896, 896)
+    assert shapes["blk.1.attn_k.weight"] == (896, 128) and shapes["blk.1.attn_k.bias"] == (128,)
+    assert shapes["blk.1.ffn_down.weight"] == (4864, 896)
+    assert len(shapes) == 2 + 2 * 12
+    # llama.cpp reads the tokens make-model writes for qwen2-57b-a14b
+    target = get_spec("qwen2-57b-a14b")
+    vocab = make_vocab(target.vocab, target.text_tokens)
+    llm = llama_cpp.Llama(model_path=str(info.path), vocab_only=True, verbose=False)
+    try:
+        v = llama_cpp.llama_model_get_vocab(llm.model)
+        assert [llama_cpp.llama_vocab_get_text(v, i).decode() for i in range(llm.n_vocab())] \
+            == vocab.tokens
+        assert llm.token_eos() == vocab.eos_id
+    finally:
+        llm.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-draft in q8_0: a dense draft for the tiny model (seed 0)."""
+    path = tmp_path_factory.mktemp("draft") / "tiny-draft-q8_0.gguf"
+    make_model(path, "tiny-draft", "q8_0", workers=1)
+    return path
+
+
+@pytest.mark.parametrize("qtype", QTYPES)
+def test_tiny_draft_runs_in_llama_cpp(tmp_path: Path, qtype: str) -> None:
+    info = make_model(tmp_path / "d.gguf", "tiny-draft", qtype, workers=1)
+    names = {t.name for t in read_model_file(info.path).tensors}
+    assert "output.weight" not in names and "blk.3.ffn_down.weight" in names
+    llm = llama_cpp.Llama(model_path=str(info.path), n_ctx=128, logits_all=True, verbose=False)
+    try:
+        tokens = llm.tokenize(b"Hello world, 123!", add_bos=False)
+        llm.eval(tokens)
+        logits = np.asarray(llm.scores[: llm.n_tokens])
+        assert np.isfinite(logits).all() and logits.std() > 0.1
+        llm.reset()
+        assert llm("Hello world", max_tokens=8, temperature=0.0)["choices"][0]["text"]
+    finally:
+        llm.close()
+
+
+def test_tiny_draft_drafts_for_tiny_exactly(tiny_model: Callable[[str], Path],
+                                            tiny_draft: Path) -> None:
+    from forecache.generate import SamplingParams, generate, last_logits
+    from forecache.llama import Llama
+    from forecache.placement.options import CacheConfig
+    from forecache.speculative.draft import DraftContext, vocab_mismatch
+    from tests.conftest import assert_same_tokens
+
+    model, prompt, n_gen = tiny_model("q8_0"), [7, 99, 23, 5], 24
+    cfg = CacheConfig("promoe", cache_fraction=0.5, predictor="history")
+    with Llama(model, cache=cfg, n_ctx=256, n_threads=2, verbose=False) as llm:
+        ctx = DraftContext(tiny_draft, n_ctx=256, n_batch=64, n_threads=2, capture=True)
+        try:
+            assert vocab_mismatch(llm, ctx) is None
+            assert (ctx.n_layer, ctx.n_embd) == (4, 256)
+            ctx.sync(prompt)
+            assert np.isfinite(ctx.logits()).all()
+            assert ctx.state(3) is not None  # its FFN inputs, for the model's routers
+        finally:
+            ctx.close()
+        # the model alone, one row at a time: its greedy tokens and each step's logits
+        llm.eval(prompt)
+        ref, rows = [], []
+        for _ in range(n_gen):
+            rows.append(last_logits(llm))
+            ref.append(int(np.argmax(rows[-1])))
+            llm.eval([ref[-1]])
+    with Llama(model, cache=cfg, n_ctx=256, n_threads=2, verbose=False, draft=str(tiny_draft),
+               draft_k=3) as llm:
+        got = generate(llm, prompt, n_gen, SamplingParams(greedy=True), ignore_eos=True)
+        stats = llm.expert_stats()
+    # the verification's k+1 rows in one pass: the same tokens up to a near tie at most
+    assert_same_tokens(got.tokens, ref, np.array(rows), "tiny-draft")
+    assert stats["drafted"] > 0 and stats["spec_prefetch"] == "cross-model"
+
+
+def test_cli_says_a_dense_preset_is_a_draft(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from forecache.cli import cli
+
+    runner = CliRunner()
+    res = runner.invoke(cli, ["make-model", str(tmp_path / "d.gguf"), "--preset", "tiny-draft",
+                              "--type", "q4_k_m", "--layers", "1"])
+    assert res.exit_code == 0, res.output
+    assert "dense draft tiny-draft" in res.stdout and "--draft" in res.stdout
+    assert read_model_file(tmp_path / "d.gguf").n_layer == 1
+    res = runner.invoke(cli, ["models", "--json"])
+    assert res.exit_code == 0, res.output
+    kinds = {r["name"]: r["kind"] for r in json.loads(res.stdout)["models"]}
+    assert kinds["tiny-draft"] == kinds["qwen2-0.5b"] == "random-weight draft"
+    assert kinds["tiny"] == "random-weight shape"

@@ -623,6 +623,47 @@ def test_bench_replays_a_trace(tiny_model: Callable[..., Path], tmp_path: Path) 
     json.dumps(rep)  # plain JSON
 
 
+def test_policy_bench_drafts_under_replay_beside_stock_with_the_draft(
+        tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    """The GPU check's speculation step on the CPU build: stock's best and forecache, each with
+    and without the same draft model, on replayed routing and replayed acceptance; the drafted
+    runs report their counters and a ratio to stock's best with the draft; +draft without a
+    draft model is refused in one line."""
+    import subprocess
+    import sys
+
+    model = tiny_model("q8_0")
+    draft = tmp_path / "draft.gguf"
+    from forecache.gguf.maker import make_model
+    make_model(draft, "tiny", "q8_0", seed=3, workers=1)  # the same vocabulary, other weights
+    trace = _prefill_decode_trace(tmp_path / "t.npz", 16, 40, seed=6)
+    out = tmp_path / "rep.json"
+
+    def bench(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "benchmarks/policy_bench.py", "-m", str(model),
+                               "--gpu-budget", "1GiB", "--prompt-len", "8", "--gen", "16",
+                               "--prompts", "1", "--threads", "2", "--routing-trace", str(trace),
+                               *args], capture_output=True, text=True, timeout=300,
+                              cwd=Path(__file__).resolve().parents[1])
+
+    res = bench("--policies", "ncmoe,ncmoe+draft,lru,lru+draft", "--draft", str(draft),
+                "--acceptance", "0.7", "--json", str(out))
+    assert res.returncode == 0, res.stderr
+    rep = json.loads(out.read_text())
+    runs = {r["policy"]: r for r in rep["results"]}
+    assert set(runs) == {"ncmoe", "ncmoe+draft", "lru", "lru+draft"}
+    for name in ("ncmoe+draft", "lru+draft"):
+        sp = runs[name]["spec"]
+        assert sp["verify_passes"] > 0 and 0 < sp["accepted"] < sp["drafted"]
+        assert sp["draft"] == "draft.gguf"
+    assert runs["lru+draft"]["spec"]["spec_prefetch"] == "off: routing replayed"
+    assert "ncmoe+draft" in runs["lru+draft"]["ratios"] and "ncmoe" in runs["lru+draft"]["ratios"]
+    assert "ncmoe+draft" not in runs["ncmoe+draft"]["ratios"]
+    assert "vs ncmoe+draft" in res.stdout and "acceptance replayed (0.70 a token)" in res.stdout
+    res = bench("--policies", "lru+draft")
+    assert res.returncode != 0 and "give one (--draft" in res.stderr
+
+
 def test_replay_refuses_what_chooses_experts_or_rows(tiny_model: Callable[..., Path],
                                                     tmp_path: Path) -> None:
     """MoBiLE's little pass and speculative decoding pick experts or rows of their own: a replay
@@ -635,9 +676,76 @@ def test_replay_refuses_what_chooses_experts_or_rows(tiny_model: Callable[..., P
     little = CacheConfig(policy="lru", cache_fraction=0.5, little_k=1, gamma=0.0)
     with pytest.raises(ValueError, match="little pass"):
         Llama.open(model, cache=little, n_ctx=256, n_threads=1, routing_trace=trace)
-    with pytest.raises(ValueError, match="draft"):
+    with pytest.raises(ValueError, match="self-little"):
         Llama.open(model, cache=CacheConfig(policy="lru", cache_fraction=0.5), n_ctx=256,
                    n_threads=1, routing_trace=trace, draft="self-little")
+
+
+def _own_routing_trace(model: Path, path: Path, prompt: list[int], n_gen: int) -> Path:
+    """The model's own routing (ids and router weights) over a greedy run of ``prompt``."""
+    from forecache.record import all_rows_computed
+
+    seen: dict[int, list[np.ndarray]] = {}
+    weights: dict[int, list[np.ndarray]] = {}
+
+    def both(layer: int, ids: np.ndarray, w: np.ndarray | None, _x: object) -> None:
+        assert w is not None
+        seen.setdefault(layer, []).append(ids.copy())
+        weights.setdefault(layer, []).append(w.copy())
+
+    with _open(model, None, n_batch=8) as llm:
+        layers = llm.model_file.moe_layers()
+        llm.expert_cache.on_route = both
+        with all_rows_computed(llm):
+            _greedy(llm, prompt, n_gen)
+    ex = np.stack([np.concatenate(seen[il]) for il in layers], axis=1)
+    w = np.stack([np.concatenate(weights[il]) for il in layers], axis=1)
+    phase = (np.arange(len(ex)) >= len(prompt)).astype(np.int8)
+    np.savez(path, experts=ex.astype(np.int16), weights=w.astype(np.float32), phase=phase)
+    return path
+
+
+@pytest.mark.parametrize("policy", ["lru", "ncmoe"])
+def test_a_model_draft_under_replay_keeps_plain_decodings_routing(
+        tiny_model: Callable[..., Path], tmp_path: Path, policy: str) -> None:
+    """A verification's rows read the decode rows plain decoding gives the same positions (set
+    by position, as a batch job's are), so a model draft keeps a replayed run exact: on a
+    trace of other routing, where the unreplayed draft agrees with nothing, the same greedy
+    tokens as without it; on the model's own routing, where the model drafting for itself is
+    accepted, the model's own tokens. With an acceptance replay too (the GPU check's
+    speculation runs) the rows' cursor follows the tokens kept."""
+    from forecache.placement.options import CacheConfig
+
+    model = tiny_model("q8_0")
+    cfg = CacheConfig(policy="lru", cache_fraction=0.5) if policy == "lru" else \
+        CacheConfig(policy="ncmoe", gpu_budget=1 << 30)
+    prompt, n_gen = list(range(120, 132)), 24
+    other = _prefill_decode_trace(tmp_path / "t.npz", 12, 40, seed=4)
+    with _open(model, other, cache=cfg, n_batch=8) as llm:
+        plain = _greedy(llm, prompt, n_gen)
+    with _open(model, other, cache=cfg, n_batch=8, draft=str(model), draft_k=3) as llm:
+        drafted = _greedy(llm, prompt, n_gen)
+        s = llm.speculator.stats_json()
+        assert llm.replay.check() > 0 and s["verify_passes"] > 0
+        assert s["spec_prefetch"] in ("off: routing replayed", "off: no expert cache")
+    assert drafted == plain
+
+    own = _own_routing_trace(model, tmp_path / "own.npz", prompt, n_gen)
+    with _open(model, None, cache=cfg, n_batch=8) as llm:
+        ref = _greedy(llm, prompt, n_gen)
+    with _open(model, own, cache=cfg, n_batch=8, draft=str(model), draft_k=3) as llm:
+        tokens = _greedy(llm, prompt, n_gen)
+        s = llm.speculator.stats_json()
+        assert s["accepted"] > s["verify_passes"]  # more than one draft kept a step
+    assert tokens == ref
+
+    with _open(model, other, cache=cfg, n_batch=8, draft=str(model), draft_k=3,
+               acceptance_replay="2,0,3") as llm:
+        _greedy(llm, prompt, n_gen)
+        s = llm.speculator.stats_json()
+        assert s["accepted"] == sum((2, 0, 3)[i % 3] for i in range(s["verify_passes"]))
+        kept = s["verify_passes"] + s["accepted"] + s["undrafted"]
+        assert llm.replay._next[True] == kept
 
 
 def test_static_under_replay_pins_the_replayed_routings_experts(

@@ -89,10 +89,11 @@ class BudgetSplit:
     layer_bytes: tuple[int, ...]  # one expert of each MoE layer, all projections
     n_expert: int
     moe_layers: list[int]
+    draft_bytes: int = 0  # a draft model's context on the same device (``draft_device_bytes``)
 
     @property
     def fixed_bytes(self) -> int:
-        return self.non_expert_bytes + self.kv_bytes + self.compute_bytes
+        return self.non_expert_bytes + self.kv_bytes + self.compute_bytes + self.draft_bytes
 
     @property
     def expert_budget(self) -> int:
@@ -163,13 +164,25 @@ def compute_buffer_bytes(n_ubatch: int, n_used: int, n_ff_exp: int, n_embd: int,
             + pairs * (max(n_embd, n_ff_exp) * 4 * 2 + 16))
 
 
+def draft_device_bytes(draft: ModelFile, n_ctx: int, n_ubatch: int) -> int:
+    """What a draft model's context holds on the device: every weight (it runs all its layers
+    there), its KV cache of ``n_ctx`` cells and its compute buffers for a ubatch of
+    ``n_ubatch`` (a dense FFN's rows where a MoE layer has its experts')."""
+    n_embd = int(draft.arch_kv("embedding_length", 0))
+    n_ff = int(draft.arch_kv("feed_forward_length", 0) or 0)
+    compute = compute_buffer_bytes(n_ubatch, 1, n_ff, n_embd, draft.n_vocab) if not \
+        draft.is_moe else model_compute_bytes(draft, n_ubatch)
+    return draft.total_bytes() + kv_cache_bytes(draft, n_ctx) + compute
+
+
 def split_budget(model: ModelFile, budget: int, *, n_ctx: int, n_ubatch: int,
                 device_name: str, device_total: int, kv_on_device: bool = True,
-                contexts: Sequence[int] = ()) -> BudgetSplit:
+                contexts: Sequence[int] = (), draft_bytes: int = 0) -> BudgetSplit:
     """Split ``budget`` bytes of device memory; refuses budgets the device or model cannot meet.
     ``kv_on_device``: the KV cache is on the device (llama.cpp's ``offload_kqv``), else in
     host memory; ``contexts``: the context sizes of further contexts over the model (a batch
-    job's micro-batches), each with compute buffers and a KV cache of its own."""
+    job's micro-batches), each with compute buffers and a KV cache of its own;
+    ``draft_bytes``: a draft model's context beside it (``draft_device_bytes``)."""
     if budget > device_total:
         raise BudgetError(f"budget {format_size(budget)} is larger than {device_name}'s "
                           f"{format_size(device_total)}; lower {setting('gpu_budget')}")
@@ -179,12 +192,13 @@ def split_budget(model: ModelFile, budget: int, *, n_ctx: int, n_ubatch: int,
     plan = BudgetSplit(budget=budget, non_expert_bytes=model.non_expert_bytes(),
                       kv_bytes=kv, compute_bytes=compute,
                       layer_bytes=tuple(model.layer_expert_bytes()), n_expert=model.n_expert,
-                      moe_layers=layers)
+                      moe_layers=layers, draft_bytes=draft_bytes)
     if plan.expert_budget < 0:
+        draft = f" + the draft model {format_size(draft_bytes)}" if draft_bytes else ""
         raise BudgetError(
             f"budget {format_size(budget)} is too small for {model.path.name}: non-expert weights "
             f"{format_size(plan.non_expert_bytes)} + KV cache {format_size(plan.kv_bytes)} + "
-            f"compute buffers {format_size(plan.compute_bytes)} need at least "
+            f"compute buffers {format_size(plan.compute_bytes)}{draft} need at least "
             f"{format_size(plan.fixed_bytes)}; raise {setting('gpu_budget')} or lower "
             f"{setting('n_ctx')}" + (f" or the micro-batches ({len(contexts) + 1})" if contexts
                                      else ""))

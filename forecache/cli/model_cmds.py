@@ -1,4 +1,5 @@
-"""``forecache make-model``: GGUFs of real MoE architectures with random weights."""
+"""``forecache make-model``: GGUFs of real MoE architectures (and dense drafts for them) with
+random weights."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from forecache.gguf.qtypes import QTYPES
 @click.command("make-model")
 @click.argument("out", type=click.Path(path_type=Path))
 @click.option("--preset", required=True, help="Model shape from models.yaml (e.g. tiny, "
-              "qwen2-57b-a14b, qwen3-30b-a3b, mixtral-8x7b, deepseek-v2-lite, gpt-oss-20b; "
-              "`forecache models` lists them).")
+              "qwen2-57b-a14b, qwen3-30b-a3b, mixtral-8x7b, deepseek-v2-lite, gpt-oss-20b; the "
+              "dense drafts qwen2-0.5b and tiny-draft; `forecache models` lists them).")
 @click.option("--type", "qtype", type=click.Choice(list(QTYPES)),
               default="f16", show_default=True, help="Type of the weight matrices.")
 @click.option("--seed", default=0, show_default=True, help="Seed of the random weights.")
@@ -33,8 +34,9 @@ from forecache.gguf.qtypes import QTYPES
 def make_model_cmd(out: Path, preset: str, qtype: str, seed: int, n_layers: int | None,
                    workers: int | None, fuse_gate_up: bool, split_max_size: str | None,
                    split_max_tensors: int | None, force: bool) -> None:
-    """Write OUT.gguf: a MoE model of a real architecture with random weights (or its split
-    files, with --split-max-size or --split-max-tensors)."""
+    """Write OUT.gguf: a MoE model of a real architecture with random weights, or a dense draft
+    for one with its vocabulary (or its split files, with --split-max-size or
+    --split-max-tensors)."""
     from forecache.cache.budget import parse_size
     from forecache.gguf.maker import make_model
 
@@ -61,16 +63,20 @@ def make_model_cmd(out: Path, preset: str, qtype: str, seed: int, n_layers: int 
                       progress=progress, fuse_gate_up=fuse_gate_up, split_max_size=max_size,
                       split_max_tensors=split_max_tensors or 0)
     click.echo("", err=True)
+    # a dense draft is not a model for -m: it drafts for a MoE model with its vocabulary
+    what = f"the dense draft {info.preset} as " if info.dense else ""
+    use = "--draft, beside a MoE model with its vocabulary" if info.dense else "-m"
     if len(info.shards) > 1:
         # a model that was one file before is now its shards: the old file would be taken
         if out.exists() and out not in info.shards:
             out.unlink()
-        click.echo(f"wrote {len(info.shards)} split files ({info.file_bytes / 1e9:.2f} GB): "
-                   f"{info.shards[0]} ... {info.shards[-1].name} in {time.time() - t0:.1f} s; "
-                   f"pass the first to -m")
+        click.echo(f"wrote {what}{len(info.shards)} split files ({info.file_bytes / 1e9:.2f} "
+                   f"GB): {info.shards[0]} ... {info.shards[-1].name} in "
+                   f"{time.time() - t0:.1f} s; pass the first to {use}")
     else:
-        click.echo(f"wrote {info.path} ({info.file_bytes / 1e9:.2f} GB) in "
-                   f"{time.time() - t0:.1f} s")
+        tail = f"; pass it to {use}" if info.dense else ""
+        click.echo(f"wrote {what}{info.path} ({info.file_bytes / 1e9:.2f} GB) in "
+                   f"{time.time() - t0:.1f} s{tail}")
 
 
 COMMANDS = [make_model_cmd]

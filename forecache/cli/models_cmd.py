@@ -33,7 +33,9 @@ def models(as_json: bool) -> None:
                          "hf_repo": spec.partition(":")[0],
                          "description": "pulled from the Hugging Face hub"})
     for spec in load_specs().values():
-        kind = "random-weight shape" if spec.writable else "simulator shape"
+        # a dense preset is a draft for speculative decoding, not a MoE model to run
+        kind = ("random-weight draft" if spec.is_dense else
+                "random-weight shape" if spec.writable else "simulator shape")
         rows.append({"name": spec.name, "kind": kind, "found": None,
                      "path": None, "description": spec.description})
     if as_json:
@@ -55,6 +57,9 @@ def models(as_json: bool) -> None:
             where = r["path"]
         elif r["kind"] == "simulator shape":
             where = "shape for the simulator (make-model cannot write it)"
+        elif r["kind"] == "random-weight draft":
+            where = (f"dense draft for --draft: `forecache make-model --preset {r['name']}` "
+                     "writes it")
         else:
             where = "shape for `forecache make-model --preset " + r["name"] + "`"
         click.echo(f"  {r['name']:<26} {where}")

@@ -1,4 +1,5 @@
-"""Write a random-weight GGUF of a real MoE shape that llama.cpp loads and runs.
+"""Write a random-weight GGUF of a real MoE shape (or of a dense draft for one) that llama.cpp
+loads and runs.
 
 gguf.GGUFWriter writes the header, metadata and tensor infos; the tensor data is then
 generated in fixed chunks (one expert slab, or a band of rows) by worker processes that
@@ -71,6 +72,7 @@ class ModelInfo:
     seconds: float
     sizes: SizeReport
     shards: tuple[Path, ...] = ()  # every file, in order (the one file when not split)
+    dense: bool = False  # a dense draft (no experts), not a MoE model
 
 
 @dataclass(frozen=True)
@@ -280,8 +282,8 @@ def _add_metadata(writer: GGUFWriter, spec: ModelSpec, qtype: str, seed: int,
 
 def add_hparams(writer: GGUFWriter, spec: ModelSpec, qtype: str) -> None:
     """The architecture's hyperparameter keys and the file type, as the HF converter writes
-    them for Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, Granite-MoE, DeepSeek-V2/V3, gpt-oss and
-    LFM2-MoE."""
+    them for Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, Granite-MoE, DeepSeek-V2/V3, gpt-oss,
+    LFM2-MoE and (dense, without expert keys) Qwen2."""
     writer.add_block_count(spec.layers)
     writer.add_context_length(spec.context_length)
     writer.add_embedding_length(spec.d_model)
@@ -294,9 +296,10 @@ def add_hparams(writer: GGUFWriter, spec: ModelSpec, qtype: str) -> None:
         writer.add_head_count_kv(spec.kv_heads)
     writer.add_rope_freq_base(spec.rope_theta)
     writer.add_layer_norm_rms_eps(spec.rms_eps)
-    writer.add_expert_count(spec.experts)
-    writer.add_expert_used_count(spec.top_k)
-    if spec.arch not in FF_IS_EXPERT_FF or spec.arch == "gpt-oss":
+    if not spec.is_dense:
+        writer.add_expert_count(spec.experts)
+        writer.add_expert_used_count(spec.top_k)
+    if not spec.is_dense and (spec.arch not in FF_IS_EXPERT_FF or spec.arch == "gpt-oss"):
         writer.add_expert_feed_forward_length(spec.expert_ff)
     for value, add in ((spec.embedding_scale, writer.add_embedding_scale),
                        (spec.residual_scale, writer.add_residual_scale),
@@ -440,7 +443,9 @@ def make_model(
     split_max_size: int = 0,
     split_max_tensors: int = 0,
 ) -> ModelInfo:
-    """Write a random-weight GGUF of model `preset` (a models.yaml name) to `out_path`.
+    """Write a random-weight GGUF of model `preset` (a models.yaml name) to `out_path`: a MoE
+    model, or a dense draft (``ModelSpec.is_dense``) with the vocabulary of the MoE presets of
+    its vocab and text_tokens.
 
     qtype is one of f16, q8_0, q4_0, q4_1, q4_k; `seed` fixes the weights; `n_layers` overrides
     the preset's layer count; `workers` is the number of writer processes (default: all
@@ -509,4 +514,5 @@ def make_model(
         seconds=time.monotonic() - started,
         sizes=size_report(spec, qtype),
         shards=tuple(files),
+        dense=spec.is_dense,
     )

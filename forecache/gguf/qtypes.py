@@ -54,12 +54,14 @@ def _use_more_bits(i_layer: int, n_layer: int) -> bool:
         (i_layer - n_layer // 8) % 3 == 2
 
 
-def q4_k_m_type(name: str, n_layer: int, n_expert: int) -> GGMLQuantizationType:
+def q4_k_m_type(name: str, n_layer: int, n_expert: int,
+                tied_embeddings: bool = False) -> GGMLQuantizationType:
     """The type llama.cpp's quantizer gives a matrix in a Q4_K_M file (llama_tensor_get_type):
-    the output Q6_K; every ffn_down (the routed and shared experts' included) and attn_v Q6_K in
-    the layers use_more_bits picks (attn_v Q8_0 with 8 experts); the rest Q4_K."""
+    the output Q6_K (token_embd, where ``tied_embeddings`` makes it the output too); every
+    ffn_down (the routed and shared experts' included) and attn_v Q6_K in the layers
+    use_more_bits picks (attn_v Q8_0 with 8 experts); the rest Q4_K."""
     Q = GGMLQuantizationType
-    if name == "output.weight":
+    if name == "output.weight" or (tied_embeddings and name == "token_embd.weight"):
         return Q.Q6_K
     il = int(name.split(".")[1]) if name.startswith("blk.") else -1
     if ".ffn_down" in name and _use_more_bits(il, n_layer):
@@ -70,14 +72,15 @@ def q4_k_m_type(name: str, n_layer: int, n_expert: int) -> GGMLQuantizationType:
 
 
 def tensor_type(name: str, ne: tuple[int, ...], qtype: str, n_layer: int = 1,
-                n_expert: int = 0) -> GGMLQuantizationType:
+                n_expert: int = 0, tied_embeddings: bool = False) -> GGMLQuantizationType:
     """Choose the ggml type of one tensor when the model is written as `qtype`.
 
     1-D tensors (norms, biases), the experts' biases, the routers and the convolutions stay
     F32: llama.cpp's quantizer never quantizes them and routing is sensitive to their precision.
     Matrices get the requested type (mxfp4: the routed experts, the rest q8_0; q4_k_m: by layer,
     as ``q4_k_m_type``), or llama.cpp's fallback when the row length (ne[0]) does not fit its
-    block size. ``n_layer`` and ``n_expert`` are the model's, for the by-layer choices.
+    block size. ``n_layer`` and ``n_expert`` are the model's, for the by-layer choices;
+    ``tied_embeddings``: the model has no output.weight, its token_embd serves as the output.
     """
     if len(ne) == 1 or name.endswith((".bias", "ffn_gate_inp.weight",
                                       "ffn_gate_inp_shexp.weight", "shortconv.conv.weight",
@@ -87,7 +90,7 @@ def tensor_type(name: str, ne: tuple[int, ...], qtype: str, n_layer: int = 1,
     if want == GGMLQuantizationType.MXFP4 and not name.endswith(EXPERT_TENSOR_SUFFIX):
         want = GGMLQuantizationType.Q8_0
     if qtype.lower() == "q4_k_m":
-        want = q4_k_m_type(name, n_layer, n_expert)
+        want = q4_k_m_type(name, n_layer, n_expert, tied_embeddings)
     if ne[0] % GGML_QUANT_SIZES[want][0] == 0:
         return want
     fallback = _FALLBACK.get(want, want)

@@ -1,9 +1,10 @@
 """Model shapes from models.yaml, and the GGUF tensor layout and sizes they imply.
 
-A `ModelSpec` holds one model's hyperparameters. `tensor_plan` lists the tensors llama.cpp
-expects for it (names, shapes, and ggml types as ``qtypes`` chooses them) and `size_report` sums
-parameters and bytes per tensor class, which is what memory budgets need: routed-expert weights
-can live off the GPU, everything else is needed for every token.
+A `ModelSpec` holds one model's hyperparameters (a MoE model's, or a dense draft's).
+`tensor_plan` lists the tensors llama.cpp expects for it (names, shapes, and ggml types as
+``qtypes`` chooses them) and `size_report` sums parameters and bytes per tensor class, which is
+what memory budgets need: routed-expert weights can live off the GPU, everything else is needed
+for every token.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ class ArchSpec:
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Hyperparameters of one MoE model (one entry of models.yaml `models`)."""
+    """Hyperparameters of one model (one entry of models.yaml `models`): a MoE model, or a
+    dense one (``is_dense``: a draft for speculative decoding, its MoE fields 0)."""
 
     name: str
     arch: str
@@ -106,6 +108,14 @@ class ModelSpec:
     linear_k_heads: int | None = None
     linear_v_heads: int | None = None
     linear_head_dim: int | None = None
+    # no output.weight: the logits reuse token_embd (Qwen2-0.5B's tie_word_embeddings)
+    tied_embeddings: bool = False
+
+    @property
+    def is_dense(self) -> bool:
+        """A dense model (no routed experts): a draft for speculative decoding, not a MoE
+        model for the expert cache or the simulator."""
+        return self.arch in DENSE_ARCHES
 
     @property
     def writable(self) -> bool:
@@ -115,8 +125,8 @@ class ModelSpec:
 
     @property
     def moe_layers(self) -> int:
-        """Layers with routed experts (all but the leading dense ones)."""
-        return self.layers - self.dense_layers
+        """Layers with routed experts (all but the leading dense ones; none if dense)."""
+        return 0 if self.is_dense else self.layers - self.dense_layers
 
     @property
     def head_dim(self) -> int:
@@ -148,8 +158,18 @@ class ModelSpec:
             problems.append("d_model is not a multiple of heads (give key_length)")
         if self.heads % self.kv_heads:
             problems.append("heads is not a multiple of kv_heads")
-        if not 0 < self.top_k <= self.experts:
+        if self.is_dense:
+            if any((self.experts, self.top_k, self.shared_experts, self.expert_ff,
+                    self.shared_expert_ff, self.dense_layers)):
+                problems.append(f"{self.arch} is dense: no experts ({', '.join(MOE_KEYS)} "
+                                f"and dense_layers are 0 or left out)")
+            if self.key_length is not None:
+                problems.append(f"{self.arch}'s heads are d_model / heads wide: no key_length")
+        elif not 0 < self.top_k <= self.experts:
             problems.append("top_k must be in 1..experts")
+        if self.tied_embeddings and self.arch not in TIED_ARCHES:
+            problems.append(f"{self.arch}'s llama.cpp loader needs output.weight: "
+                            f"tied_embeddings is for {', '.join(TIED_ARCHES)}")
         if self.arch == "qwen2moe" and self.shared_experts != 1:
             problems.append("qwen2moe has exactly one shared expert")
         if self.arch in NO_SHARED_EXPERT and self.shared_experts:
@@ -184,7 +204,7 @@ class ModelSpec:
             if self.shared_expert_ff != self.expert_ff * self.shared_experts:
                 problems.append("deepseek2's shared experts are expert_ff wide each: "
                                 "shared_expert_ff = expert_ff * shared_experts")
-        if not 0 <= self.dense_layers < self.layers:
+        if not self.is_dense and not 0 <= self.dense_layers < self.layers:
             problems.append("dense_layers must leave at least one MoE layer")
         if self.gating not in GATING:
             problems.append(f"gating is one of {', '.join(GATING)}")
@@ -256,11 +276,23 @@ FF_IS_EXPERT_FF = ("llama", "olmoe", "granitemoe", "gpt-oss")
 #: Router score functions, as llama.cpp numbers them (LLAMA_EXPERT_GATING_FUNC_TYPE_*).
 GATING = {"softmax": 1, "sigmoid": 2}
 
+#: Dense architectures make-model writes: drafts for speculative decoding (qwen2: Qwen2-0.5B
+#: drafting for Qwen2-57B-A14B, with its vocabulary).
+DENSE_ARCHES = (MODEL_ARCH_NAMES[MODEL_ARCH.QWEN2],)
+
+#: Architectures whose llama.cpp loader takes the output matrix from token_embd when the file
+#: has no output.weight (qwen2.cpp: output is TENSOR_NOT_REQUIRED).
+TIED_ARCHES = DENSE_ARCHES
+
+#: The MoE fields, which a dense model's entry may leave out (they are 0).
+MOE_KEYS = ("experts", "top_k", "shared_experts", "expert_ff", "shared_expert_ff")
+
 #: The architectures make-model writes (general.architecture names).
 ARCHES = tuple(MODEL_ARCH_NAMES[a] for a in (MODEL_ARCH.QWEN2MOE, MODEL_ARCH.QWEN3MOE,
                                              MODEL_ARCH.LLAMA, MODEL_ARCH.OLMOE,
                                              MODEL_ARCH.GRANITE_MOE, MODEL_ARCH.DEEPSEEK2,
-                                             MODEL_ARCH.GPT_OSS, MODEL_ARCH.LFM2MOE))
+                                             MODEL_ARCH.GPT_OSS, MODEL_ARCH.LFM2MOE)) + \
+    DENSE_ARCHES
 
 #: Architectures whose tensors forecache lays out (sizes, the simulator's shapes) but make-model
 #: does not write: qwen35moe's Gated DeltaNet layers need header keys and tensors make-model
@@ -287,6 +319,8 @@ def tensor_plan(spec: ModelSpec, qtype: str, fuse_gate_up: bool = False) -> list
     layers, latent attention and shared experts; gpt-oss has biases everywhere, the experts'
     included, attention sinks and a router bias; lfm2moe has short convolutions in the layers
     without attention, dense leading layers and a selection bias, and no output matrix.
+    A dense model (qwen2) has one feed-forward per layer, q/k/v biases, and no output matrix
+    with ``tied_embeddings``.
     """
     if spec.arch not in LAYOUT_ARCHES:
         raise ValueError(f"cannot lay out architecture {spec.arch!r}; supported: "
@@ -301,7 +335,8 @@ def tensor_plan(spec: ModelSpec, qtype: str, fuse_gate_up: bool = False) -> list
             bid: int | None = None) -> None:
         name = TENSOR_NAMES[tensor].format(bid=bid) + ("." + suffix if suffix else "")
         out.append(TensorPlan(name, shape, tensor_type(name, shape, qtype, spec.layers,
-                                                       spec.experts), kind))
+                                                       spec.experts, spec.tied_embeddings),
+                              kind))
 
     T = MODEL_TENSOR
     d = spec.d_model
@@ -311,7 +346,7 @@ def tensor_plan(spec: ModelSpec, qtype: str, fuse_gate_up: bool = False) -> list
         _attention(spec, b, add)
         post = spec.arch in ("gpt-oss", "qwen35moe")  # named post_attention_norm
         add(T.ATTN_POST_NORM if post else T.FFN_NORM, "weight", (d,), "norm", b)
-        if b < spec.dense_layers:
+        if spec.is_dense or b < spec.dense_layers:
             add(T.FFN_GATE, "weight", (d, spec.ff), "dense_ffn", b)
             add(T.FFN_UP, "weight", (d, spec.ff), "dense_ffn", b)
             add(T.FFN_DOWN, "weight", (spec.ff, d), "dense_ffn", b)
@@ -322,7 +357,8 @@ def tensor_plan(spec: ModelSpec, qtype: str, fuse_gate_up: bool = False) -> list
         add(T.TOKEN_EMBD_NORM, "weight", (d,), "norm")
         return out
     add(T.OUTPUT_NORM, "weight", (d,), "norm")
-    add(T.OUTPUT, "weight", (d, spec.vocab), "embedding")
+    if not spec.tied_embeddings:
+        add(T.OUTPUT, "weight", (d, spec.vocab), "embedding")
     return out
 
 
@@ -346,7 +382,7 @@ def _attention(spec: ModelSpec, b: int, add: _Add) -> None:
     if spec.kv_lora_rank is not None:
         _latent_attention(spec, b, add)
         return
-    biases = arch in ("qwen2moe", "gpt-oss")
+    biases = arch in ("qwen2moe", "qwen2", "gpt-oss")
     for t, width in ((T.ATTN_Q, q), (T.ATTN_K, kv), (T.ATTN_V, kv)):
         add(t, "weight", (d, width), "attention", b)
         if biases:
@@ -443,7 +479,8 @@ def size_report(spec: ModelSpec, qtype: str) -> SizeReport:
 
     `expert_bytes` is one expert of one layer (its gate, up and down slabs, averaged over the
     MoE layers as :func:`~forecache.gguf.header.expert_proj_bytes` does for a file);
-    `active_bytes_per_token` is the dense part plus top_k experts in every layer.
+    `active_bytes_per_token` is the dense part plus top_k experts in every layer (a dense
+    model: all of it, and no expert bytes).
     """
     params = dict.fromkeys(TENSOR_KINDS, 0)
     nbytes = dict.fromkeys(TENSOR_KINDS, 0)
@@ -453,7 +490,7 @@ def size_report(spec: ModelSpec, qtype: str) -> SizeReport:
         nbytes[t.kind] += t.nbytes
     dense_params = sum(v for k, v in params.items() if k != "expert")
     dense_bytes = sum(v for k, v in nbytes.items() if k != "expert")
-    per_expert = sum(expert_proj_bytes(plan, spec.experts))
+    per_expert = 0 if spec.is_dense else sum(expert_proj_bytes(plan, spec.experts))
     return SizeReport(
         qtype=qtype.lower(),
         params=params,
@@ -475,6 +512,8 @@ def models_yaml(path: str | Path | None = None) -> Path:
 def _model_from_dict(name: str, raw: Mapping[str, Any]) -> ModelSpec:
     fields = {f.name for f in dataclasses.fields(ModelSpec)} - {"name"}
     unknown = set(raw) - fields
+    if raw.get("arch") in DENSE_ARCHES:  # a dense model's MoE fields are 0
+        raw = {**dict.fromkeys(MOE_KEYS, 0), **raw}
     missing = {f.name for f in dataclasses.fields(ModelSpec)
                if f.default is dataclasses.MISSING and f.name != "name"} - set(raw)
     if unknown or missing:

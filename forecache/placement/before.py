@@ -13,6 +13,7 @@ from forecache.cache.budget import (
     BudgetSplit,
     bank_size,
     device_host_layers,
+    draft_device_bytes,
     format_size,
     prefill_seqs,
     slots_for_fraction,
@@ -24,7 +25,7 @@ from forecache.cache.disk import HostSlots, size_disk_tier
 from forecache.cache.measured import load_evidence, measured_rates
 from forecache.cache.prefetcher import stage_slots
 from forecache.errors import setting
-from forecache.gguf.header import EXPERT_TENSOR_PATTERN, ModelFile
+from forecache.gguf.header import EXPERT_TENSOR_PATTERN, ModelFile, read_model_file
 from forecache.native.ggml_devices import (
     Device,
     cache_device,
@@ -165,15 +166,25 @@ class Placement:
 
 
 def budget_split(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: int,
-                 kv_on_device: bool = True, contexts: Sequence[int] = ()) -> BudgetSplit | None:
+                 kv_on_device: bool = True, contexts: Sequence[int] = (),
+                 draft_bytes: int = 0) -> BudgetSplit | None:
     """Where ``cfg.gpu_budget`` goes on the cache's device (None without a single budget);
-    ``kv_on_device`` and ``contexts`` as ``budget.split_budget`` takes them."""
+    ``kv_on_device``, ``contexts`` and ``draft_bytes`` as ``budget.split_budget`` takes them."""
     if cfg.gpu_budget is None:
         return None
     dev = cache_device()
     return split_budget(model, cfg.gpu_budget, n_ctx=n_ctx, n_ubatch=n_ubatch,
                        device_name=dev.name, device_total=dev.memory_total,
-                       kv_on_device=kv_on_device, contexts=contexts)
+                       kv_on_device=kv_on_device, contexts=contexts, draft_bytes=draft_bytes)
+
+
+def draft_bytes(options: Options, n_ctx: int, n_batch: int) -> int:
+    """The device memory a draft model's context takes beside the model (0 without one, for
+    the model's own little pass, or a draft path that is not a file, which the draft's load
+    then refuses): the budget pays for it, stock's placement and the cache's alike."""
+    if options.draft is None or not os.path.isfile(options.draft):
+        return 0
+    return draft_device_bytes(read_model_file(options.draft), n_ctx, n_batch)
 
 
 def micro_contexts(options: Options, n_ctx: int) -> list[int]:
@@ -304,10 +315,10 @@ def plan_load(model: ModelFile, options: Options, cache: CacheConfig | None | ob
     n_ubatch = min(int(kwargs.get("n_batch", 512)), int(kwargs.get("n_ubatch", 512)))
     routing = None
     if routing_trace is not None:
-        if options.draft is not None or (cfg is not None and cfg.little_k):
+        if cfg is not None and cfg.little_k:
             raise ValueError(f"{setting('routing_trace')} replays every expert of the trace's "
-                             f"rows: it cannot go with {setting('draft')} or MoBiLE's little "
-                             "pass, which choose experts or rows of their own")
+                             "rows: it cannot go with MoBiLE's little pass, which chooses "
+                             "experts of its own")
         if options.n_seq_max <= 1:
             # one sequence's routing is set a batch at a time: every llama_decode must be one
             # ubatch (a batch job's is set by sequence and position, however llama.cpp splits it)
@@ -323,7 +334,9 @@ def plan_load(model: ModelFile, options: Options, cache: CacheConfig | None | ob
     if cfg is not None:  # the budget's split, worked out once for the choice and the placement
         memory = budget_split(model, cfg, n_ctx=n_ctx, n_ubatch=n_ubatch,
                               kv_on_device=bool(kwargs.get("offload_kqv", True)),
-                              contexts=micro_contexts(options, n_ctx))
+                              contexts=micro_contexts(options, n_ctx),
+                              draft_bytes=draft_bytes(options, n_ctx,
+                                                      int(kwargs.get("n_batch", 512))))
         choice = default_choice(model, cfg, n_ctx=n_ctx, n_ubatch=n_ubatch, memory=memory,
                                 routing_hit=routing.decode_hit_rate if routing else None)
     if cfg is not None and cfg.policy is None:  # named now: the choice, or the default's own

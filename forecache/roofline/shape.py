@@ -105,11 +105,16 @@ def _nbytes(n_elements: int, row: int, qtype: str) -> int:
 def shape_of(name: str, qtype: str = "q4_k") -> ModelShape:
     """The shape of a models.yaml model (``models`` or ``trace_models``) at ``qtype``: a preset's
     sizes are its tensors as make-model writes them (the lm head at q8_0, as quantizers keep
-    it); a shape-only trace model's are a qwen2moe-style layer of its dimensions."""
+    it); a shape-only trace model's are a qwen2moe-style layer of its dimensions. ValueError for
+    a dense preset (a draft): it has no experts to time."""
     raw = yaml.safe_load(models_yaml(None).read_text())
     extra = (raw.get("trace_models") or {}).get(name)
     if extra is None or "preset" in extra:
-        return _preset_shape(name, get_spec(extra["preset"] if extra else name), qtype)
+        spec = get_spec(extra["preset"] if extra else name)
+        if spec.is_dense:
+            raise ValueError(f"{spec.name} is a dense draft, not a MoE model: the timing models "
+                             "and the simulator take MoE shapes")
+        return _preset_shape(name, spec, qtype)
     spec = dict(extra)
     d, ff, e = spec["d_model"], spec["expert_ff"], spec["experts"]
     head = spec.get("head_dim") or d // spec["heads"]

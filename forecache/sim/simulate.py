@@ -223,10 +223,13 @@ class Simulator:
         for k in range(stage if cached else 0):
             self.n_slots[cached[-1 - k % len(cached)]] -= 1
         self.n_stage = stage
-        if cfg.spec_draft == "model" and cfg.draft_bytes > 0:
+        # a model draft's weights on the device, in experts' worth
+        draft_experts = int(np.ceil(cfg.draft_bytes / shape.expert_bytes)) \
+            if cfg.spec_draft == "model" and cfg.draft_bytes > 0 else 0
+        if draft_experts:
             # the draft's weights come out of the slots, as whole experts, a layer at a time
             cached = [il for il in self.layers if self.n_slots[il] > 1]
-            n = int(np.ceil(cfg.draft_bytes / shape.expert_bytes))
+            n = draft_experts
             for k in range(n if cached else 0):
                 self.n_slots[cached[-1 - k % len(cached)]] -= 1
         if cfg.layer_device is not None and len(cfg.layer_device) != n_layers:
@@ -249,8 +252,9 @@ class Simulator:
         if spec.placement == "host":
             self.stock_host = set(self.layers)
         elif spec.placement == "layers":
-            total = sum(cfg.slots_at(il) for il in self.layers)
-            on_gpu = min(len(self.layers), total // shape.experts)
+            # (a draft's weights take device memory --n-cpu-moe then leaves to host layers)
+            total = sum(cfg.slots_at(il) for il in self.layers) - draft_experts
+            on_gpu = min(len(self.layers), max(total, 0) // shape.experts)
             self.stock_host = set(sorted(self.layers)[:len(self.layers) - on_gpu])
         self.forecaster = None
         if spec.ranks_experts and f.prefetch and predictor is not None:

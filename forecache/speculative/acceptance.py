@@ -17,6 +17,52 @@ import numpy as np
 
 
 @dataclass(frozen=True)
+class Published:
+    """A published acceptance of a real draft/target pair, as llama.cpp reports it: accepted
+    drafts over drafts tested (``share``, the low end where a range is quoted), at a draft
+    length of ``n_draft`` (None where the source leaves it to llama.cpp's defaults)."""
+
+    pair: str
+    share: float
+    n_draft: int | None
+    source: str
+
+
+# What the acceptance replays are swept around (no published figure pairs a Qwen2-0.5B draft
+# with Qwen2-57B-A14B; these are its family's nearest, and the classic pair of llama.cpp's own
+# speculative example)
+PUBLISHED = (
+    Published("Qwen2.5-Coder-0.5B -> Qwen2.5-Coder-14B (q8_0 / q4_k_m)", 0.26, None,
+              "inventivehq.com/blog/speculative-decoding-draft-model-size-sweep"),
+    Published("Qwen2.5-Coder-1.5B -> Qwen2.5-Coder-14B (q4_k_m)", 0.40, None,
+              "inventivehq.com/blog/speculative-decoding-draft-model-size-sweep"),
+    Published("Qwen2.5-Coder-3B -> Qwen2.5-Coder-14B (q4_k_m)", 0.87, None,
+              "inventivehq.com/blog/speculative-decoding-draft-model-size-sweep"),
+    Published("Qwen2.5-1.5B -> Qwen2.5-32B (quoted 65-80%)", 0.65, None,
+              "svah-x.github.io/mac-playbooks/playbooks/speculative-decoding"),
+    Published("CodeLlama-7B -> CodeLlama-34B (q4_k_m, greedy, code)", 0.878, 16,
+              "github.com/ggml-org/llama.cpp/pull/3006"),
+)
+
+
+def per_token_rate(share: float, n_draft: int) -> float:
+    """The per-token acceptance (each draft accepted with it until the first rejection, as the
+    replay draws) whose expected accepted share of ``n_draft`` drafts is ``share``: the inverse
+    of sum(p**i, i = 1..n) / n (the relation llama.cpp's maintainers give for its reported
+    rate, github.com/ggml-org/llama.cpp/issues/3649)."""
+    if not 0.0 <= share <= 1.0 or n_draft < 1:
+        raise ValueError(f"a share of {share} of {n_draft} drafts: give 0 to 1 of at least 1")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # the share grows with p: bisect
+        p = (lo + hi) / 2
+        if sum(p ** i for i in range(1, n_draft + 1)) / n_draft < share:
+            lo = p
+        else:
+            hi = p
+    return (lo + hi) / 2
+
+
+@dataclass(frozen=True)
 class AcceptanceReplay:
     """How many draft tokens each verification accepts: each token with probability ``rate``,
     the first rejection ending the step (the per-token rate that published measurements of

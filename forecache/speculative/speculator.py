@@ -283,6 +283,8 @@ class _Rows:
         fill_batch(b, tokens, pos, every_logit=True)
         if llm.expert_cache is not None:
             llm.expert_cache.begin_ubatch(np.asarray(tokens, dtype=np.int32))
+        if llm.replay is not None:  # (benchmarks) the rows route as plain decoding's would
+            llm.replay.before_rows_of_decode(pos, len(tokens))
         rc = low.llama_decode(llm.ctx, b)
         if rc != 0:
             raise RuntimeError(f"llama_decode failed ({rc}) verifying {len(tokens)} tokens")
@@ -377,13 +379,21 @@ class ModelDraft:
                              f"{llm.model_file.path.name}'s ({bad}); use a draft made with the "
                              "same tokenizer")
         self.predictor: CrossModelPredictor | None = None
-        if cache is not None:
+        # under a routing replay (benchmarks) the verification routes the trace's rows, which no
+        # draft state predicts: the cross-model prefetch is off rather than guessing
+        self.replayed = llm.replay is not None
+        if cache is not None and not self.replayed:
             mf = llm.model_file
             pred = CrossModelPredictor(mf, mf.moe_layers(), mf.n_layer, mf.n_expert_used,
                                        self.ctx.n_layer)
             if pred.layers and pred.width() == self.ctx.n_embd:
                 self.predictor = pred
         self.cutoff = len(self.predictor.layers) if self.predictor else 0
+        # what the reports say of the cross-model prefetch
+        self.prefetch_mode = ("cross-model" if self.predictor is not None else
+                              "off: no expert cache" if cache is None else
+                              "off: routing replayed" if self.replayed else
+                              "off: the draft's width is not the model's")
         self.token_s = 0.0  # a draft token's decode time (moving average)
         self._predicted: dict[int, set[int]] = {}
         self.prefetched = 0  # copies the predictions queued
@@ -464,6 +474,7 @@ class ModelDraft:
 
     def stats(self) -> dict:
         return {"spec_cutoff": self.cutoff, "spec_prefetched": self.prefetched,
+                "spec_prefetch": self.prefetch_mode,
                 "prefetch_precision": self.hits / self.n_predicted if self.n_predicted else None,
                 "prefetch_recall": self.hits / self.n_routed if self.n_routed else None,
                 # what guessing would reach: the share of a layer's experts a verification routes
@@ -544,6 +555,8 @@ class Speculator:
                 else:
                     accepted, new = verify(logits, drafts, qs, sampler, rng, generated)
                 keep_to = pos + 1 + len(accepted)
+                if llm.replay is not None:
+                    llm.replay.advance_decode(1 + len(accepted))
                 low.llama_memory_seq_rm(low.llama_get_memory(llm.ctx), -1, keep_to, -1)
                 llm.n_tokens = keep_to
                 self.stats.add(len(drafts), len(accepted))

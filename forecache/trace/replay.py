@@ -232,6 +232,21 @@ class RoutingReplay:
                               "at the same position twice)")
         self.tokens += n
 
+    def before_rows_of_decode(self, pos: int, n_tokens: int) -> None:
+        """Set the routing of a verification: ``n_tokens`` rows of sequence 0 from position
+        ``pos``, reading the decode rows that plain decoding would give the same positions
+        (from the phase's cursor on, which ``advance_decode`` moves past the tokens kept), so a
+        token routes alike however many of it were drafted, accepted or computed again."""
+        rows = self.routing.rows(True)
+        start = self._next[True]
+        picks = rows[(start + np.arange(n_tokens)) % rows.size]
+        self.before_rows([0] * n_tokens, range(pos, pos + n_tokens), picks.tolist())
+
+    def advance_decode(self, n_tokens: int) -> None:
+        """``n_tokens`` decode rows used by tokens kept (``before_rows_of_decode``)."""
+        rows = self.routing.rows(True)
+        self._next[True] = (self._next[True] + n_tokens) % rows.size
+
     def before_batch(self, n_tokens: int) -> None:
         """Set the routing of the batch about to be decoded."""
         if self._lib is None or self._handle is None:
