@@ -1,8 +1,8 @@
 """Speculative decoding on the trained reference model: acceptance and speed by draft.
 
     python benchmarks/spec_bench.py [--prompts 6] [--prompt-len 64] [--gen 64]
-        [--drafts self-little,self-cached] [--draft-model GGUF] [--ks 2,4,adaptive]
-        [--temp 0] [--cache-fraction 0.5] [--threads 2] [--json OUT]
+        [--drafts self-little,self-cached] [--draft-model GGUF] [--first-layers 1,2,4]
+        [--ks 2,4,adaptive] [--temp 0] [--cache-fraction 0.5] [--threads 2] [--json OUT]
 
 Prompts are cut from the reference model's held-out text (``forecache-ref-valid.txt``). Every
 run decodes the same prompts with promoe at ``--cache-fraction``: once without a draft, then with
@@ -11,6 +11,8 @@ tokens each verification pass yields (accepted + 1), for a GGUF draft of the mod
 precision and recall of the experts its states named (through the model's routers) against those
 the verifications routed (and the precision a random guess would have), the time per generated
 token and the speedup over the run without a draft, and whether the tokens equal it (greedy).
+``--first-layers`` also drafts with the reference model's own first N layers (``forecache
+make-draft``, written to a temporary directory), whose states the predictor reads layer for layer.
 The acceptance feeds the simulator's speculative replay (``spec_sim.py``).
 """
 
@@ -20,10 +22,12 @@ import argparse
 import json
 import os
 import platform
+import tempfile
 import time
 from pathlib import Path
 
 from forecache.generate import SamplingParams, generate
+from forecache.gguf.truncate import make_draft
 from forecache.llama import Llama
 from forecache.models.default import REFERENCE_MODEL
 from forecache.placement.options import CacheConfig
@@ -58,6 +62,17 @@ def _run(prompts: list[list[int]], n_gen: int, sp: SamplingParams, cache_fractio
     return {"tokens": tokens, "tpot_s": t_gen / max(n, 1), "stats": stats}
 
 
+def _first_layers(draft: str) -> int | None:
+    """N for a draft that is a model's own first N layers (its forecache.draft keys)."""
+    if not draft.endswith(".gguf"):
+        return None
+    from forecache.gguf.header import read_model_file
+    from forecache.gguf.truncate import declared_first_layers
+
+    declared = declared_first_layers(read_model_file(draft).kv)
+    return declared[0] if declared else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=6)
@@ -65,6 +80,8 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--drafts", default="self-little,self-cached")
     ap.add_argument("--draft-model", default=None, help="also a GGUF draft")
+    ap.add_argument("--first-layers", default="",
+                    help="also drafts of the model's own first N layers, e.g. 1,2,4")
     ap.add_argument("--ks", default="2,4,adaptive")
     ap.add_argument("--temp", type=float, default=0.0, help="0: greedy")
     ap.add_argument("--cache-fraction", type=float, default=0.5)
@@ -83,7 +100,13 @@ def main() -> None:
     print("| draft | k | accepted | tokens a verification | prefetch precision (chance) / "
           "recall (cutoff) | ms a token | over no draft | same tokens |")
     print("|---|---|---|---|---|---|---|---|")
-    drafts = args.drafts.split(",") + ([args.draft_model] if args.draft_model else [])
+    drafts = [d for d in args.drafts.split(",") if d] + \
+        ([args.draft_model] if args.draft_model else [])
+    tmp = tempfile.TemporaryDirectory(prefix="spec_bench-")
+    for n in (int(x) for x in args.first_layers.split(",") if x):
+        stem = REFERENCE_MODEL.stem.replace("-q8_0", "")
+        drafts.append(str(make_draft(REFERENCE_MODEL, Path(tmp.name) / f"{stem}-first{n}.gguf",
+                                     n).path))
     rows = []
     for draft in drafts:
         for ks in args.ks.split(","):
@@ -99,7 +122,8 @@ def main() -> None:
                    "prefetch_precision": s.get("prefetch_precision"),
                    "prefetch_recall": s.get("prefetch_recall"),
                    "prefetch_precision_chance": s.get("prefetch_precision_chance"),
-                   "spec_cutoff": s.get("spec_cutoff")}
+                   "spec_cutoff": s.get("spec_cutoff"),
+                   "first_layers": _first_layers(draft)}
             rows.append(row)
             pr = "-" if row["prefetch_precision"] is None else \
                 (f"{row['prefetch_precision']:.2f} ({row['prefetch_precision_chance']:.2f}) / "
@@ -108,6 +132,7 @@ def main() -> None:
                   f"{row['tokens_per_verify']:.2f} | {pr} | {r['tpot_s'] * 1e3:.2f} | "
                   f"{row['speedup']:.2f}x | {'-' if same is None else 'yes' if same else 'NO'} |",
                   flush=True)
+    tmp.cleanup()
     if args.json:
         args.json.write_text(json.dumps({"model": REFERENCE_MODEL.name,
                                          "prompts": len(prompts), "gen": args.gen,

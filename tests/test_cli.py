@@ -9,9 +9,9 @@ import subprocess
 import pytest
 from cli_helpers import run_cli
 
-COMMANDS = ["batch", "bench", "build", "chat", "doctor", "eval-predictor", "generate", "make-model",
-            "models", "plan", "pull", "routing-stats", "rpc-server", "run", "serve", "simulate",
-            "synth-trace", "trace", "train"]
+COMMANDS = ["batch", "bench", "build", "chat", "doctor", "eval-predictor", "generate", "make-draft",
+            "make-model", "models", "plan", "pull", "routing-stats", "rpc-server", "run", "serve",
+            "simulate", "synth-trace", "trace", "train"]
 
 
 def test_top_level_help_lists_commands() -> None:

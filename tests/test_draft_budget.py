@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from forecache.cache.budget import BudgetError, draft_device_bytes, kv_cache_bytes
+from forecache.cache.budget import BudgetError, draft_device_bytes, draft_ubatch, kv_cache_bytes
 from forecache.gguf.header import read_model_file
 from forecache.llama import Llama
 from forecache.placement.options import CacheConfig
@@ -27,12 +27,13 @@ def draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_draft_is_weighed_whole(draft: Path) -> None:
     """Its weights, its KV cache and a ubatch's compute buffers, each growing with its own
-    measure."""
+    measure; its ubatch is small (it decodes a token at a time), whatever the model's."""
     mf = read_model_file(draft)
     small = draft_device_bytes(mf, 256, 32)
     assert small > mf.total_bytes() + kv_cache_bytes(mf, 256)
     assert draft_device_bytes(mf, 512, 32) - small == kv_cache_bytes(mf, 256)
     assert draft_device_bytes(mf, 256, 64) > small
+    assert draft_ubatch(512) == draft_ubatch(4096) < 512 and draft_ubatch(8) == 8
 
 
 @pytest.mark.parametrize("policy", ["lru", "ncmoe"])
@@ -43,7 +44,7 @@ def test_the_budget_pays_for_the_draft(tiny_model: Callable[[str], Path], draft:
     model = tiny_model("q8_0")
     mf = read_model_file(model)
     n_ctx = 256
-    need = draft_device_bytes(read_model_file(draft), n_ctx, 512)
+    need = draft_device_bytes(read_model_file(draft), n_ctx, draft_ubatch(512))
     plain = Llama.open(model, cache=CacheConfig(policy, gpu_budget=1 << 30), n_ctx=n_ctx,
                        n_threads=1)
     fixed = plain.placement.memory.fixed_bytes

@@ -16,6 +16,8 @@ _UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40,
           "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 # Compute buffers beyond the logits and expert activations (attention scratch, graph bookkeeping).
 COMPUTE_RESERVE = 256 << 20
+# a draft model's context's largest ubatch (``draft_ubatch``)
+DRAFT_UBATCH = 64
 
 
 class BudgetError(ValueError):
@@ -162,6 +164,12 @@ def compute_buffer_bytes(n_ubatch: int, n_used: int, n_ff_exp: int, n_embd: int,
             + n_ubatch * n_embd * 4 * 8 + COMPUTE_RESERVE
             # expert groups computed from slots: gathered inputs, outputs and row indices
             + pairs * (max(n_embd, n_ff_exp) * 4 * 2 + 16))
+
+
+def draft_ubatch(n_batch: int) -> int:
+    """A draft context's ubatch: it decodes a token at a time but for its prompt, and its
+    compute buffers hold a ubatch's logits (a Qwen2 vocabulary's take 0.3 GB at 512 rows)."""
+    return min(n_batch, DRAFT_UBATCH)
 
 
 def draft_device_bytes(draft: ModelFile, n_ctx: int, n_ubatch: int) -> int:

@@ -21,6 +21,7 @@ def _register() -> None:
         build_cmd,
         chat_cmd,
         doctor_cmd,
+        draft_cmd,
         generate_cmd,
         model_cmds,
         models_cmd,
@@ -33,8 +34,8 @@ def _register() -> None:
         stats_cmd,
     )
 
-    for mod in (batch_cmd, bench_cmd, build_cmd, chat_cmd, doctor_cmd, generate_cmd, model_cmds,
-                models_cmd, plan_cmd, predictor_cmds, pull_cmd, rpc_cmd, serve_cmd,
+    for mod in (batch_cmd, bench_cmd, build_cmd, chat_cmd, doctor_cmd, draft_cmd, generate_cmd,
+                model_cmds, models_cmd, plan_cmd, predictor_cmds, pull_cmd, rpc_cmd, serve_cmd,
                 simulate_cmd, stats_cmd):
         for cmd in mod.COMMANDS:
             cli.add_command(cmd)

@@ -14,6 +14,7 @@ from forecache.cache.budget import (
     bank_size,
     device_host_layers,
     draft_device_bytes,
+    draft_ubatch,
     format_size,
     prefill_seqs,
     slots_for_fraction,
@@ -184,7 +185,7 @@ def draft_bytes(options: Options, n_ctx: int, n_batch: int) -> int:
     then refuses): the budget pays for it, stock's placement and the cache's alike."""
     if options.draft is None or not os.path.isfile(options.draft):
         return 0
-    return draft_device_bytes(read_model_file(options.draft), n_ctx, n_batch)
+    return draft_device_bytes(read_model_file(options.draft), n_ctx, draft_ubatch(n_batch))
 
 
 def micro_contexts(options: Options, n_ctx: int) -> list[int]:
@@ -281,6 +282,7 @@ class LoadPlan:
     n_ctx: int
     n_ubatch: int
     load_kwargs: dict[str, Any]  # llama_cpp.Llama's keywords
+    draft_ubatch: int = 0  # a draft model's context's ubatch (``budget.draft_ubatch``)
 
 
 def plan_load(model: ModelFile, options: Options, cache: CacheConfig | None | object,
@@ -362,7 +364,7 @@ def plan_load(model: ModelFile, options: Options, cache: CacheConfig | None | ob
         # attention sums in the same order as a single-sequence run
         kwargs.update(n_seq_max=options.n_seq_max, kv_unified=False)
     return LoadPlan(options, cfg, choice, placement, layer_dev, rpc, routing, n_ctx, n_ubatch,
-                    kwargs)
+                    kwargs, draft_ubatch(int(kwargs.get("n_batch", 512))))
 
 
 def _configure(options: Options, cache: CacheConfig | None | object) -> CacheConfig | None:

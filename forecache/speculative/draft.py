@@ -5,6 +5,10 @@ The draft runs in a context of its own, made through llama.cpp's C API so that a
 computed. Fed through the target's router of the corresponding layer, that state names the experts
 the target will route the same token to when it verifies it (SP-MoE's structural correspondence:
 a draft of the same width and depth, e.g. Qwen2-7B for Qwen2-57B-A14B).
+
+A draft cut from the target itself (``forecache make-draft``: its first N layers, which its
+``forecache.draft.*`` keys declare) computes the target's own states in those layers: there the
+correspondence is exact, layer for layer, and the deeper layers read its last layer's state.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from forecache.gguf.header import ModelFile
+from forecache.gguf.truncate import FIRST_LAYERS_KEY, SOURCE_LAYERS_KEY
 from forecache.native import libllama, llama_cpp_module
 from forecache.native.log import load_log
 
@@ -38,7 +43,7 @@ class DraftContext:
     history; with ``capture``, each layer's last FFN input is captured as it is computed."""
 
     def __init__(self, path: Path, *, n_ctx: int, n_batch: int, n_threads: int,
-                 capture: bool) -> None:
+                 capture: bool, n_ubatch: int | None = None) -> None:
         low = llama_cpp_module()
         self.low = low
         self.model = None
@@ -52,17 +57,24 @@ class DraftContext:
         if not self.model:
             reason = "; ".join(text.strip() for _, text in log[-2:]) or "no reason given"
             raise ValueError(f"llama.cpp cannot load it ({reason})")
-        self.n_layer = int(low.llama_model_n_layer(self.model))
+        n_layer = int(low.llama_model_n_layer(self.model))
         self.n_embd = int(low.llama_model_n_embd(self.model))
+        first, of = self.meta_int(FIRST_LAYERS_KEY), self.meta_int(SOURCE_LAYERS_KEY)
+        # trusted only as stated: the first n_layer layers of a deeper (or as deep) model
+        self.source_layers = of if first == n_layer and of is not None and of >= n_layer \
+            else None
+        self.n_layer = n_layer
         cparams = low.llama_context_default_params()
         cparams.n_ctx = n_ctx
-        cparams.n_batch = cparams.n_ubatch = n_batch
+        cparams.n_batch = n_batch
+        # (a smaller ubatch keeps its logits buffer small: it decodes a token at a time)
+        cparams.n_ubatch = min(n_ubatch or n_batch, n_batch)
         cparams.n_threads = cparams.n_threads_batch = n_threads
         # as llama-cpp-python makes contexts (the model's own among them)
         cparams.flash_attn_type = low.LLAMA_FLASH_ATTN_TYPE_DISABLED
         lib = libllama()
         if capture:
-            self.capture = lib.forecache_capture_init(CAPTURED, self.n_layer, self.n_embd)
+            self.capture = lib.forecache_capture_init(CAPTURED, n_layer, self.n_embd)
             # the callback is C code in libllama: ctypes only hands its address over
             self._cb = ctypes.cast(ctypes.cast(lib.forecache_capture_eval, ctypes.c_void_p),
                                    low.ggml_backend_sched_eval_callback)
@@ -82,6 +94,17 @@ class DraftContext:
 
     def n_vocab(self) -> int:
         return self._n_vocab
+
+    def meta_int(self, key: str) -> int | None:
+        """An integer metadata value of the draft's GGUF, None when it has no such key."""
+        buf = ctypes.create_string_buffer(64)
+        n = self.low.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        if n < 0:
+            return None
+        try:
+            return int(buf.value.decode())
+        except ValueError:
+            return None
 
     def sync(self, history: Sequence[int]) -> None:
         """Make the KV cache hold ``history`` (keeping the common prefix, at least its last
@@ -141,10 +164,17 @@ class DraftContext:
 
 class CrossModelPredictor:
     """The target's routers applied to a draft's per-layer states (SP-MoE): for each routed layer
-    of the target, the draft layer at the same relative depth, and the target's top-k there."""
+    of the target a draft layer (``source``), and the target's top-k there.
+
+    A draft trained apart is read at the same relative depth. A draft that is the target's own
+    first ``draft_layers`` layers (``source_layers``, the block count it was cut from, equal to
+    the target's) is read layer for layer: target layer ``il`` from draft layer ``il`` below
+    ``draft_layers`` (the same computation: the router's own input), and from the draft's last
+    layer beyond it (a skip prediction: that state through the deeper layer's router).
+    ``DraftContext.source_layers`` says which a draft is."""
 
     def __init__(self, target: ModelFile, moe_layers: Sequence[int], n_layer: int, n_used: int,
-                 draft_layers: int) -> None:
+                 draft_layers: int, *, source_layers: int | None = None) -> None:
         from forecache.gguf.tensors import tensor_array
 
         self.gates: dict[int, np.ndarray] = {}
@@ -153,9 +183,15 @@ class CrossModelPredictor:
             if a is not None:
                 self.gates[il] = a
         self.n_used = n_used
-        # target layer -> draft layer at the same relative depth
-        self.source = {il: min(round(il * draft_layers / n_layer), draft_layers - 1)
-                       for il in self.gates}
+        #: the draft is the target's own first layers (and not some other model's)
+        self.own_layers = source_layers == n_layer and 0 < draft_layers <= n_layer
+        if self.own_layers:
+            # target layer -> the draft's same layer, or its last for the layers it lacks
+            self.source = {il: min(il, draft_layers - 1) for il in self.gates}
+        else:
+            # target layer -> draft layer at the same relative depth
+            self.source = {il: min(round(il * draft_layers / n_layer), draft_layers - 1)
+                           for il in self.gates}
 
     @property
     def layers(self) -> list[int]:

@@ -368,8 +368,10 @@ class ModelDraft:
         self.kind = os.path.basename(path)
         cache = llm.expert_cache
         try:
+            # its ubatch is the one the budget paid for (``budget.draft_ubatch``)
             self.ctx = DraftContext(Path(path), n_ctx=llm.n_ctx(), n_batch=llm.n_batch,
-                                    n_threads=llm.n_threads, capture=cache is not None)
+                                    n_threads=llm.n_threads, capture=cache is not None,
+                                    n_ubatch=llm.load_plan.draft_ubatch or None)
         except ValueError as e:
             raise ValueError(f"{setting('draft', path)}: {e}") from e
         bad = vocab_mismatch(llm, self.ctx)
@@ -385,7 +387,7 @@ class ModelDraft:
         if cache is not None and not self.replayed:
             mf = llm.model_file
             pred = CrossModelPredictor(mf, mf.moe_layers(), mf.n_layer, mf.n_expert_used,
-                                       self.ctx.n_layer)
+                                       self.ctx.n_layer, source_layers=self.ctx.source_layers)
             if pred.layers and pred.width() == self.ctx.n_embd:
                 self.predictor = pred
         self.cutoff = len(self.predictor.layers) if self.predictor else 0
