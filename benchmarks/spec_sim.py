@@ -4,7 +4,7 @@ and the cutoff-layer sweep.
 
     python benchmarks/spec_sim.py [--like TRACE.npz] [--shape qwen2-57b-a14b] [--budget 24GiB]
         [--profile rtx4090] [--requests 8] [--prefill 512] [--decode 128]
-        [--drafts self-little:0.93,self-cached:0.96,model:0.4e9:0.7,model:4.7e9:0.8]
+        [--drafts self-little:0.93,self-cached:0.96,model:qwen2-0.5b:0.7,model:4.7e9:0.8]
         [--ks 2,4,6] [--cutoffs 0,7,14,21,auto] [--accepts 0.5,0.6,0.7,0.8,0.9]
         [--seed 0] [--json OUT]
 
@@ -16,11 +16,13 @@ has there). Drafts, as KIND:ACCEPTANCE or model:BYTES:ACCEPTANCE:
 - self-little: the model's little pass (top half of the top-k) drafts; the verification first
   prefetches what the little passes routed, every layer.
 - self-cached: the little pass over the experts already in slots and the top-1.
-- model: a dense draft of BYTES on the device (its weights take slots), whose hidden states name
-  the verifier's experts through the target's gates as it reaches each layer (SP-MoE's
-  cross-model predictor, taken as exact), layers up to the cutoff, copied while it drafts. The
-  cutoff is SP-MoE's rule as the runtime applies it (``auto``) unless swept. Qwen2-0.5B in q4_k
-  is about 0.4e9 bytes, Qwen2-7B 4.7e9.
+- model: a dense draft of BYTES on the device (its weights and context take slots), whose hidden
+  states name the verifier's experts through the target's gates as it reaches each layer
+  (SP-MoE's cross-model predictor, taken as exact), layers up to the cutoff, copied while it
+  drafts. The cutoff is SP-MoE's rule as the runtime applies it (``auto``) unless swept. BYTES
+  may be a dense make-model preset's name: ``qwen2-0.5b`` (Qwen2-0.5B in q4_k_m, 0.39 GB, with
+  its KV cache and compute buffers as the runtime's budget pays for them: 0.44 GB); Qwen2-7B's
+  weights are 4.7e9.
 
 The acceptances are inputs: the self drafts' defaults are measured on the reference model
 (``spec_bench.py``); a model draft's comes from published measurements of real pairs
@@ -38,6 +40,8 @@ import argparse
 from dataclasses import replace
 from pathlib import Path
 
+from forecache.cache.budget import dense_compute_bytes, draft_ubatch
+from forecache.gguf.specs import get_spec, size_report
 from forecache.sim.run import (
     NCMOE_LEGEND,
     StockBest,
@@ -57,37 +61,57 @@ ROOT = Path(__file__).resolve().parents[1]
 OLMOE = ROOT.parent / "shared" / "traces" / "olmoe_1b_7b_nf4gemm_decode_4x512.npz"
 
 
-def _draft_config(base: SimConfig, spec: str, top_k: int) -> tuple[str, SimConfig]:
+def preset_draft_bytes(name: str, n_ctx: int) -> float:
+    """What a dense make-model preset's draft context takes on the device, as the runtime's
+    budget pays for it (``budget.draft_device_bytes``): its q4_k_m weights, its KV cache of
+    ``n_ctx`` cells and the compute buffers of its ubatch."""
+    spec = get_spec(name)
+    kv = spec.layers * spec.kv_heads * spec.head_dim * 2 * 2 * n_ctx
+    compute = dense_compute_bytes(draft_ubatch(512), spec.ff, spec.d_model, spec.vocab)
+    return float(size_report(spec, "q4_k_m").total_bytes + kv + compute)
+
+
+def _draft_config(base: SimConfig, spec: str, top_k: int, n_ctx: int
+                  ) -> tuple[str, SimConfig]:
     """A draft argument's label and SimConfig."""
     kind, *rest = spec.split(":")
     if kind == "model":
-        nbytes, accept = float(rest[0]), float(rest[1])
-        return (f"model {nbytes / 1e9:.1f} GB", replace(base, spec_draft="model",
-                                                         draft_bytes=nbytes, spec_accept=accept))
+        try:
+            nbytes, label = float(rest[0]), f"model {float(rest[0]) / 1e9:.1f} GB"
+        except ValueError:  # a preset's name
+            nbytes = preset_draft_bytes(rest[0], n_ctx)
+            label = f"{rest[0]} ({nbytes / 1e9:.2f} GB)"
+        accept = float(rest[1])
+        return label, replace(base, spec_draft="model", draft_bytes=nbytes, spec_accept=accept)
     accept = float(rest[0])
     resident = kind == "self-cached"
     return kind, replace(base, spec_draft="little", spec_accept=accept,
                          little_k=top_k if resident else top_k // 2, little_resident=resident)
 
 
-def _needed(rows: list[dict]) -> None:
+def _needed(rows: list[dict], ncmoe_s: float) -> None:
     """Print the lowest swept acceptance at which the best k reaches each target
-    (``TARGETS``), interpolated between swept acceptances."""
+    (``TARGETS``), interpolated between swept acceptances. Stock's best with the draft is its
+    best k, or no drafting where that is faster (the same adaptive loop stops drafting where it
+    does not pay)."""
     acc = sorted({r["acceptance"] for r in rows})
     for name, target in TARGETS:
-        gain = [max(r[f"over_{name}"] for r in rows if r["acceptance"] == a) for a in acc]
+        gain = []
+        for a in acc:
+            at = [r for r in rows if r["acceptance"] == a]
+            stock = ncmoe_s if name == "ncmoe" else \
+                min(ncmoe_s, *(r["ncmoe_draft_tpot_s"] for r in at))
+            gain.append(stock / min(r["tpot_s"] for r in at))
+        print(f"{target}x over {name}: " + ", ".join(f"{g:.2f}x at {a:.2f}"
+                                                     for a, g in zip(acc, gain, strict=True)))
         at = next((i for i, g in enumerate(gain) if g >= target), None)
         if at is None:
-            print(f"{target}x over {name}: not reached at acceptance <= {acc[-1]:.2f} "
-                  f"(best {max(gain):.2f}x)")
+            print(f"  not reached at acceptance <= {acc[-1]:.2f}")
         elif at == 0:
-            print(f"{target}x over {name}: reached at acceptance {acc[0]:.2f} already "
-                  f"({gain[0]:.2f}x)")
+            print(f"  reached at acceptance {acc[0]:.2f} already")
         else:
             a0, a1, g0, g1 = acc[at - 1], acc[at], gain[at - 1], gain[at]
-            need = a0 + (target - g0) * (a1 - a0) / (g1 - g0)
-            print(f"{target}x over {name}: needs acceptance {need:.2f} with the best k "
-                  f"({g0:.2f}x at {a0:.2f}, {g1:.2f}x at {a1:.2f})")
+            print(f"  needs acceptance {a0 + (target - g0) * (a1 - a0) / (g1 - g0):.2f}")
 
 
 def _cited() -> None:
@@ -104,7 +128,7 @@ def _cited() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     target_options(ap, OLMOE)
-    ap.add_argument("--drafts", default="self-little:0.93,self-cached:0.96,model:0.4e9:0.7,"
+    ap.add_argument("--drafts", default="self-little:0.93,self-cached:0.96,model:qwen2-0.5b:0.7,"
                                         "model:4.7e9:0.8")
     ap.add_argument("--ks", default="2,4,6")
     ap.add_argument("--cutoffs", default="0,7,14,21,auto",
@@ -149,7 +173,7 @@ def main() -> None:
 
     first_model = None
     for spec in args.drafts.split(","):
-        label, cfg = _draft_config(base, spec, shape.top_k)
+        label, cfg = _draft_config(base, spec, shape.top_k, args.prefill + args.decode)
         if cfg.spec_draft == "model" and first_model is None:
             first_model = (label, cfg)
         for k in (int(x) for x in args.ks.split(",")):
@@ -164,7 +188,7 @@ def main() -> None:
         swept = [one(label, replace(cfg, spec_accept=float(a), spec_k=int(k), spec_cutoff=-1),
                      "auto")
                  for a in args.accepts.split(",") if a for k in args.ks.split(",")]
-        _needed(swept)
+        _needed(swept, nc.tpot_s)
     print(NCMOE_LEGEND + "; over ncmoe+draft: over the same, with the same draft, k and "
           "acceptance")
     t.write_json(args, rows, "promoe")

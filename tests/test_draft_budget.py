@@ -67,3 +67,17 @@ def test_the_budget_pays_for_the_draft(tiny_model: Callable[[str], Path], draft:
     with pytest.raises(BudgetError, match="the draft model"):
         Llama.open(model, cache=CacheConfig(policy, gpu_budget=fixed + need // 2), n_ctx=n_ctx,
                    n_threads=1, draft=str(draft))
+
+
+def test_a_dense_draft_is_weighed_by_its_rows(tmp_path: Path) -> None:
+    """A dense draft (make-model's tiny-draft) holds a ubatch's logits and activation rows, not
+    a MoE model's compute reserve: a few MiB at its 64-row ubatch."""
+    from forecache.gguf.maker import make_model
+
+    path = make_model(tmp_path / "d.gguf", "tiny-draft", "q8_0", workers=1).path
+    mf = read_model_file(path)
+    assert not mf.is_moe
+    rows = draft_device_bytes(mf, 256, 64) - draft_device_bytes(mf, 256, 32)
+    n_embd, n_ff = int(mf.arch_kv("embedding_length")), int(mf.arch_kv("feed_forward_length"))
+    assert rows == 32 * (mf.n_vocab * 4 + max(n_ff, n_embd) * 8)
+    assert draft_device_bytes(mf, 256, 64) < mf.total_bytes() + kv_cache_bytes(mf, 256) + (8 << 20)
