@@ -9,7 +9,8 @@ from forecache.cache.cost import Profile
 from forecache.cache.prefetcher import Features
 from forecache.predictor.history import HistoryPredictor
 from forecache.sim.shapes import shape_of
-from forecache.sim.simulate import SimConfig, simulate
+from forecache.sim.simulate import SimConfig, Simulator, simulate
+from forecache.trace.format import logged_layers
 from tests.test_prefetch import _requests
 
 
@@ -73,4 +74,15 @@ def test_speculative_steps() -> None:
     assert heavy["hit_rate"] < free["hit_rate"]
     blind = run(spec_draft="model", draft_bytes=0.0, spec_k=3, spec_accept=0.8, spec_cutoff=0)
     assert blind["prefetch_loads"] < free["prefetch_loads"]
+    # the acceptance draws are the drafts' own: the same steps whatever the prefetch draws
+    assert blind["spec_accepted"] == free["spec_accepted"] == heavy["spec_accepted"]
+    # stock's --n-cpu-moe with the same draft: its weights leave a layer's experts on the host
+    layers = logged_layers(reqs, shape.layers)
+    stock = replace(base, policy="ncmoe", n_slots=shape.experts)  # every layer on the device
+    drafted = replace(stock, spec_draft="model", spec_k=3, spec_accept=0.8,
+                      draft_bytes=shape.experts * shape.expert_bytes)
+    assert not Simulator(shape, profile, stock, layers).stock_host
+    assert len(Simulator(shape, profile, drafted, layers).stock_host) == 1
+    assert simulate(reqs, shape, profile, drafted).to_json()["spec_accepted"] == \
+        free["spec_accepted"]
     assert exact["n_decode_tokens"] == n_decode

@@ -285,6 +285,9 @@ class Simulator:
         self._floor = 0.0  # the last ubatch's physical floor
         self._bus_floor = 0.0  # and its bus floor
         self._rng = np.random.default_rng(cfg.seed)
+        # the drafts' acceptance draws of their own: runs of one acceptance and k accept alike,
+        # whatever else (recall, fallbacks) draws
+        self._accept_rng = np.random.default_rng([cfg.seed, 1])
         self._little = False  # the pass being simulated is a MoBiLE little pass
         self._oracle: np.ndarray | None = None  # the big pass's routing, prefetched at its start
         self._bank_end: dict[int, float] = {}  # layer -> when its bank's fill ends (this pass)
@@ -471,7 +474,7 @@ class Simulator:
         self._oracle = None
         self.floor_decode.append(self._floor)
         j = 0
-        while j < k and self._rng.random() < cfg.spec_accept:
+        while j < k and self._accept_rng.random() < cfg.spec_accept:
             j += 1
         self.spec_steps += 1
         self.spec_accepted += j
