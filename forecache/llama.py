@@ -17,6 +17,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -31,7 +32,7 @@ from forecache.diskprobe import DiskRate
 from forecache.errors import setting
 from forecache.generate import Streamed
 from forecache.gguf.header import ModelFile, require_moe
-from forecache.models.names import resolve_model_arg
+from forecache.models.names import ModelNotFoundError, resolve_model_arg
 from forecache.native import llama_cpp_module, llama_cpp_package, patch_version
 from forecache.native.cache_api import SLOT_EMPTY
 from forecache.native.ggml_devices import Device
@@ -121,6 +122,14 @@ class Llama(llama_cpp.Llama):
             raise ValueError("an acceptance replay replays how many of a draft's tokens each "
                              f"verification accepts: give {setting('draft')} too")
         self._acceptance = acceptance_replay
+        if options.draft is not None and options.draft not in SELF_DRAFTS and \
+                not os.path.isfile(options.draft):
+            # a draft is named as a model is (a catalog name such as qwen2-0.5b-instruct,
+            # OWNER/REPO[:QUANT] pulled, a path)
+            try:
+                options = replace(options, draft=str(resolve_model_arg(options.draft)))
+            except ModelNotFoundError as e:
+                raise ModelNotFoundError(f"{setting('draft', options.draft)}: {e}") from None
         if routing_trace is not None and options.draft in SELF_DRAFTS:
             # a model draft runs in a context of its own; a little pass routes the model itself
             raise ValueError(f"{setting('routing_trace')} replays every expert of the trace's "

@@ -436,3 +436,24 @@ def test_a_model_draft_that_does_not_pay_stops_drafting(tiny_model: Callable[[st
         s = spec.stats_json()
         assert s["accepted"] == 0 and s["verify_passes"] >= MIN_SPEC_STEPS
         assert spec.length.backoffs >= 1 and s["undrafted"] > PLAIN_PROBE
+
+
+def test_a_draft_is_named_as_a_model_is(tiny_model: Callable[[str], Path], tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``draft=`` takes what ``-m`` takes: a catalog name finds its file in the model directory
+    (here make-model's tiny-draft, the tiny model's vocabulary, under the name of the catalog's
+    Qwen2-0.5B-Instruct file); a name that is nothing is refused in one line naming draft=."""
+    from forecache.gguf.maker import make_model
+    from forecache.models.names import ModelNotFoundError, catalog
+
+    entry = catalog()["qwen2-0.5b-instruct"]
+    make_model(tmp_path / entry.file, "tiny-draft", "q8_0", workers=1)
+    monkeypatch.setenv("FORECACHE_MODEL_DIR", str(tmp_path))
+    model = tiny_model("q8_0")
+    with Llama.open(model, cache=None, n_ctx=128, n_threads=2, draft="qwen2-0.5b-instruct",
+                    draft_k=2) as llm:
+        res = generate(llm, PROMPTS[0], 8, SamplingParams(greedy=True), ignore_eos=True)
+        assert llm.speculator is not None and llm.speculator.draft.kind == entry.file
+        assert len(res.tokens) == 8
+    with pytest.raises(ModelNotFoundError, match="draft=.*no model file or name"):
+        Llama.open(model, cache=None, n_ctx=128, n_threads=2, draft="no-such-draft")
