@@ -10,20 +10,18 @@
 #                                         them, one copy of each library, with the wheels the GPU
 #                                         machine lacks, into .gpu-bundle/ (tar + xz, about 42 MB)
 #   benchmarks/gpu_check.sh run OUT       on the GPU machine, one call of about 8 min: install the
-#                                         bundle, doctor, write the 57B model (Q4_K_M mix), replay
-#                                         OLMoE-fitted routing at 24 GiB (all-gpu, ncmoe with
-#                                         --no-mmap and with mmap, promoe with and without
-#                                         prompt banks, infinity), the real OLMoE trace,
-#                                         speculative decoding (stock's best and promoe with
-#                                         the same Qwen2-0.5B-shaped draft, acceptance
-#                                         replayed), promoe's timeline, 12 GiB, a batch job
-#                                         (stock's and
-#                                         forecache's fastest plans by the batch roofline, with
-#                                         and without micro-batches, each
-#                                         request reading its own rows of the routing), every
-#                                         expert resident against all-gpu and the replay's own
-#                                         cost, a 4096-token prompt against stock at its best
-#                                         ubatch,
+#                                         bundle, doctor, write the 57B model (Q4_K_M mix) and a
+#                                         draft of Qwen2-0.5B's shape, replay OLMoE-fitted
+#                                         routing at 24 GiB (all-gpu, ncmoe with --no-mmap and
+#                                         with mmap, promoe with and without prompt banks,
+#                                         infinity), speculative decoding (stock's best and
+#                                         promoe with the same draft, acceptance replayed), a
+#                                         batch job (stock's and forecache's fastest plans by the
+#                                         batch roofline, with and without micro-batches, each
+#                                         request reading its own rows of the routing), the real
+#                                         OLMoE trace, promoe's timeline, 12 GiB, every expert
+#                                         resident against all-gpu and the replay's own cost, a
+#                                         4096-token prompt against stock at its best ubatch,
 #                                         promoe over the disk tier (a quarter of the experts in
 #                                         host memory), the other routings, then the lossless
 #                                         subset as time allows
@@ -254,19 +252,9 @@ bench fit24 "$FIT" "$BIG" "all-gpu,ncmoe,ncmoe-mmap,promoe,$BANK_AB,infinity,def
 # to 16 (benchmarks/spec_sim.py prints them); kept in bench_fit24.json as "spec"
 bench spec "$FIT" "$BIG" "ncmoe,ncmoe+draft,promoe+draft" --draft "$DRAFT" --acceptance 0.7
 keep_in bench_spec.json bench_fit24.json spec
-# the real OLMoE trace mapped onto the model, the routing to beat (into bench_routings.json)
-REAL=$BUNDLE/olmoe-real.npz
-if [ -f "$REAL" ]; then bench r_olmoe-real "$REAL" "$BIG" ncmoe,promoe,infinity,default; fi
-# where promoe's time goes, layer by layer (a run of its own: recording costs a little), kept
-# in bench_fit24.json as "timeline_run" (the device returns at most 8 files)
-bench timeline "$FIT" "$BIG" promoe --timeline
-keep_in bench_timeline.json bench_fit24.json timeline_run
-# at 12 GiB half of each layer's experts miss: promoe without its copy stream beside it (a
-# decoded token's product waiting on the host for its copies; the same run on a CPU build)
-bench fit12 "$FIT" "$SMALL" ncmoe,ncmoe-mmap,promoe,promoe+nostream,default
-# a batch job: stock llama.cpp's and forecache's plans the batch roofline predicts fastest, the
-# same requests each reading its own rows of the fitted routing, kept in bench_fit24.json as
-# "batch"
+# a batch job (before the steps earlier calls have measured): stock llama.cpp's and
+# forecache's plans the batch roofline predicts fastest, the same requests each reading its own
+# rows of the fitted routing, kept in bench_fit24.json as "batch"
 t=$(left)
 if [ "$t" -ge 60 ]; then
     log "batch ($t s left)"
@@ -278,6 +266,16 @@ if [ "$t" -ge 60 ]; then
 else
     log "skipped batch: $t s left"
 fi
+# the real OLMoE trace mapped onto the model, the routing to beat (into bench_routings.json)
+REAL=$BUNDLE/olmoe-real.npz
+if [ -f "$REAL" ]; then bench r_olmoe-real "$REAL" "$BIG" ncmoe,promoe,infinity,default; fi
+# where promoe's time goes, layer by layer (a run of its own: recording costs a little), kept
+# in bench_fit24.json as "timeline_run" (the device returns at most 8 files)
+bench timeline "$FIT" "$BIG" promoe --timeline
+keep_in bench_timeline.json bench_fit24.json timeline_run
+# at 12 GiB half of each layer's experts miss: promoe without its copy stream beside it (a
+# decoded token's product waiting on the host for its copies; the same run on a CPU build)
+bench fit12 "$FIT" "$SMALL" ncmoe,ncmoe-mmap,promoe,promoe+nostream,default
 # the fixed cost when nothing misses: every expert in a slot against every layer on the GPU,
 # both replayed, and the replay's own cost (every layer on the GPU on the model's own routing)
 bench full "$FIT" "$FULL" all-gpu,promoe
