@@ -728,6 +728,7 @@ def test_a_model_draft_under_replay_keeps_plain_decodings_routing(
         s = llm.speculator.stats_json()
         assert llm.replay.check() > 0 and s["verify_passes"] > 0
         assert s["spec_prefetch"] in ("off: routing replayed", "off: no expert cache")
+        assert llm.speculator.draft.ctx.capture is None  # no states captured for nothing
     assert drafted == plain
 
     own = _own_routing_trace(model, tmp_path / "own.npz", prompt, n_gen)

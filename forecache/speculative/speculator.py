@@ -34,6 +34,7 @@ import numpy as np
 
 from forecache.errors import setting
 from forecache.generate import SamplingParams
+from forecache.gguf.header import read_model_file
 from forecache.native import llama_cpp_module
 from forecache.speculative.acceptance import AcceptanceReplay
 from forecache.speculative.draft import (
@@ -367,10 +368,22 @@ class ModelDraft:
                              f"model's vocabulary, or {' or '.join(SELF_DRAFTS)}")
         self.kind = os.path.basename(path)
         cache = llm.expert_cache
+        # under a routing replay (benchmarks) the verification routes the trace's rows, which no
+        # draft state predicts: the cross-model prefetch is off rather than guessing
+        self.replayed = llm.replay is not None
+        mf = llm.model_file
+        try:
+            width = int(read_model_file(path).arch_kv("embedding_length", 0))
+        except ValueError:
+            width = 0  # (the load below says what is wrong with it)
+        # states are captured only where the predictor reads them: each capture is a sync
+        # point in the draft's graph
+        capture = cache is not None and not self.replayed and \
+            width == int(mf.arch_kv("embedding_length", -1))
         try:
             # its ubatch is the one the budget paid for (``budget.draft_ubatch``)
             self.ctx = DraftContext(Path(path), n_ctx=llm.n_ctx(), n_batch=llm.n_batch,
-                                    n_threads=llm.n_threads, capture=cache is not None,
+                                    n_threads=llm.n_threads, capture=capture,
                                     n_ubatch=llm.load_plan.draft_ubatch or None)
         except ValueError as e:
             raise ValueError(f"{setting('draft', path)}: {e}") from e
@@ -381,11 +394,7 @@ class ModelDraft:
                              f"{llm.model_file.path.name}'s ({bad}); use a draft made with the "
                              "same tokenizer")
         self.predictor: CrossModelPredictor | None = None
-        # under a routing replay (benchmarks) the verification routes the trace's rows, which no
-        # draft state predicts: the cross-model prefetch is off rather than guessing
-        self.replayed = llm.replay is not None
-        if cache is not None and not self.replayed:
-            mf = llm.model_file
+        if capture:
             pred = CrossModelPredictor(mf, mf.moe_layers(), mf.n_layer, mf.n_expert_used,
                                        self.ctx.n_layer, source_layers=self.ctx.source_layers)
             if pred.layers and pred.width() == self.ctx.n_embd:
