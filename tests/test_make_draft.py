@@ -241,3 +241,25 @@ def test_bad_input_is_one_line(tiny_model: Callable[..., Path], tmp_path: Path) 
         assert len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert exists.read_bytes() == b"x" and not (tmp_path / "o.gguf").exists()
     assert not list(tmp_path.glob(".*.partial"))
+
+
+def test_a_draft_is_read_layer_for_layer_beside_its_own_model_only(
+        tiny_model: Callable[..., Path], tmp_path: Path) -> None:
+    """The draft carries its source's fingerprint: beside another model of the same shape and
+    vocabulary (other weights) it is read as a draft trained apart, at relative depth, and the
+    stats say why."""
+    from forecache.gguf.maker import make_model
+
+    src = tiny_model("q8_0")
+    other = make_model(tmp_path / "other.gguf", "tiny", "q8_0", seed=7, workers=1).path
+    draft = make_draft(src, tmp_path / "d.gguf", 2).path
+    cfg = CacheConfig("promoe", cache_fraction=0.5, predictor="history")
+    seen = {}
+    for model in (src, other):
+        with Llama.open(model, cache=cfg, n_ctx=64, n_threads=2, draft=str(draft),
+                        draft_k=2) as llm:
+            d = llm.speculator.draft
+            assert d.predictor is not None
+            seen[model] = (d.predictor.own_layers, d.prefetch_mode)
+    assert seen[src] == (True, "cross-model")
+    assert seen[other][0] is False and "cut from another model" in seen[other][1]

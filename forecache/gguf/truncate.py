@@ -29,6 +29,7 @@ from forecache.gguf.header import (
     ModelFile,
     require_moe,
 )
+from forecache.gguf.identity import fingerprint
 
 #: How many of the source's layers the draft is: its first ``N`` (the draft's block_count).
 FIRST_LAYERS_KEY = "forecache.draft.first_layers"
@@ -36,6 +37,9 @@ FIRST_LAYERS_KEY = "forecache.draft.first_layers"
 SOURCE_LAYERS_KEY = "forecache.draft.source_block_count"
 #: The source model's file name (for whoever reads the draft's header).
 SOURCE_NAME_KEY = "forecache.draft.source"
+#: The source model's content fingerprint (``identity.fingerprint``): a draft is read layer for
+#: layer only beside the model it was cut from.
+SOURCE_FINGERPRINT_KEY = "forecache.draft.source_fingerprint"
 #: With ``experts``: how many experts each layer kept, and which (N rows of that many ids).
 EXPERTS_KEY = "forecache.draft.experts"
 KEPT_EXPERTS_KEY = "forecache.draft.kept_experts"
@@ -229,6 +233,7 @@ def _metadata(mf: ModelFile, layers: int, experts: Sequence[Sequence[int]] | Non
     out.append(_entry(FIRST_LAYERS_KEY, _U32, layers))
     out.append(_entry(SOURCE_LAYERS_KEY, _U32, n))
     out.append(_entry(SOURCE_NAME_KEY, _STRING, mf.name))
+    out.append(_entry(SOURCE_FINGERPRINT_KEY, _STRING, fingerprint(mf)))
     if experts is not None:
         out.append(_entry(EXPERTS_KEY, _U32, len(experts[0])))
         out.append(_u32_array(KEPT_EXPERTS_KEY, [x for row in experts for x in row]))

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from forecache.gguf.header import ModelFile
-from forecache.gguf.truncate import FIRST_LAYERS_KEY, SOURCE_LAYERS_KEY
+from forecache.gguf.truncate import FIRST_LAYERS_KEY, SOURCE_FINGERPRINT_KEY, SOURCE_LAYERS_KEY
 from forecache.native import libllama, llama_cpp_module
 from forecache.native.log import load_log
 
@@ -60,6 +60,8 @@ class DraftContext:
         n_layer = int(low.llama_model_n_layer(self.model))
         self.n_embd = int(low.llama_model_n_embd(self.model))
         first, of = self.meta_int(FIRST_LAYERS_KEY), self.meta_int(SOURCE_LAYERS_KEY)
+        # the model it was cut from (None: not said): ``source_layers`` holds beside it only
+        self.source_fingerprint = self.meta_str(SOURCE_FINGERPRINT_KEY)
         # trusted only as stated: the first n_layer layers of a deeper (or as deep) model
         self.source_layers = of if first == n_layer and of is not None and of >= n_layer \
             else None
@@ -95,14 +97,17 @@ class DraftContext:
     def n_vocab(self) -> int:
         return self._n_vocab
 
+    def meta_str(self, key: str) -> str | None:
+        """A metadata value of the draft's GGUF as text, None when it has no such key."""
+        buf = ctypes.create_string_buffer(256)
+        n = self.low.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
+        return None if n < 0 else buf.value.decode(errors="replace")
+
     def meta_int(self, key: str) -> int | None:
         """An integer metadata value of the draft's GGUF, None when it has no such key."""
-        buf = ctypes.create_string_buffer(64)
-        n = self.low.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
-        if n < 0:
-            return None
+        text = self.meta_str(key)
         try:
-            return int(buf.value.decode())
+            return None if text is None else int(text)
         except ValueError:
             return None
 

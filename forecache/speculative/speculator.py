@@ -35,6 +35,7 @@ import numpy as np
 from forecache.errors import setting
 from forecache.generate import SamplingParams
 from forecache.gguf.header import read_model_file
+from forecache.gguf.identity import fingerprint
 from forecache.native import llama_cpp_module
 from forecache.speculative.acceptance import AcceptanceReplay
 from forecache.speculative.draft import (
@@ -394,14 +395,21 @@ class ModelDraft:
                              f"{llm.model_file.path.name}'s ({bad}); use a draft made with the "
                              "same tokenizer")
         self.predictor: CrossModelPredictor | None = None
+        # a draft cut from the model (make-draft) is read layer for layer, beside that model only
+        own = self.ctx.source_layers
+        self.other_source = own is not None and self.ctx.source_fingerprint is not None and \
+            self.ctx.source_fingerprint != fingerprint(mf)
         if capture:
             pred = CrossModelPredictor(mf, mf.moe_layers(), mf.n_layer, mf.n_expert_used,
-                                       self.ctx.n_layer, source_layers=self.ctx.source_layers)
+                                       self.ctx.n_layer,
+                                       source_layers=None if self.other_source else own)
             if pred.layers and pred.width() == self.ctx.n_embd:
                 self.predictor = pred
         self.cutoff = len(self.predictor.layers) if self.predictor else 0
         # what the reports say of the cross-model prefetch
-        self.prefetch_mode = ("cross-model" if self.predictor is not None else
+        self.prefetch_mode = ("cross-model, at relative depth: the draft was cut from another "
+                              "model" if self.predictor is not None and self.other_source else
+                              "cross-model" if self.predictor is not None else
                               "off: no expert cache" if cache is None else
                               "off: routing replayed" if self.replayed else
                               "off: the draft's width is not the model's")
