@@ -148,13 +148,12 @@ def resolve_model(arg: str | os.PathLike[str] | None) -> Path:
                 f"{text!r} is a shape for the simulator, not a published model, and make-model "
                 f"does not write its architecture ({specs[text].arch}): pass "
                 f"{setting('model_path', 'PATH')} to a GGUF of it")
+        dest = model_dir() / f"{text}-random-q4_k.gguf"
         if specs[text].is_dense:
-            dest = model_dir() / f"{text}-random-q4_k.gguf"
             raise ModelNotFoundError(
                 f"{text!r} is a dense draft's shape, not a MoE model: make one with "
                 f"`forecache make-model {dest} --preset {text} --type q4_k` and pass "
                 f"{setting('draft', str(dest))} beside a model with its vocabulary")
-        dest = model_dir() / f"{text}-random-q4_k.gguf"
         raise ModelNotFoundError(
             f"{text!r} is a shape, not a published model: make a random-weight stand-in with "
             f"`forecache make-model {dest} --preset {text} --type q4_k` and pass "

@@ -179,13 +179,13 @@ def budget_split(model: ModelFile, cfg: CacheConfig, *, n_ctx: int, n_ubatch: in
                        kv_on_device=kv_on_device, contexts=contexts, draft_bytes=draft_bytes)
 
 
-def draft_bytes(options: Options, n_ctx: int, n_batch: int) -> int:
+def draft_context_bytes(options: Options, n_ctx: int, n_ubatch: int) -> int:
     """The device memory a draft model's context takes beside the model (0 without one, for
     the model's own little pass, or a draft path that is not a file, which the draft's load
     then refuses): the budget pays for it, stock's placement and the cache's alike."""
     if options.draft is None or not os.path.isfile(options.draft):
         return 0
-    return draft_device_bytes(read_model_file(options.draft), n_ctx, draft_ubatch(n_batch))
+    return draft_device_bytes(read_model_file(options.draft), n_ctx, n_ubatch)
 
 
 def micro_contexts(options: Options, n_ctx: int) -> list[int]:
@@ -333,12 +333,12 @@ def plan_load(model: ModelFile, options: Options, cache: CacheConfig | None | ob
             cfg = replace(cfg, profile=routing.counts(model.moe_layers(), model.n_layer,
                                                       model.n_expert))
     choice, memory = None, None
+    d_ubatch = draft_ubatch(int(kwargs.get("n_batch", 512)))  # (after a replay's n_batch)
     if cfg is not None:  # the budget's split, worked out once for the choice and the placement
         memory = budget_split(model, cfg, n_ctx=n_ctx, n_ubatch=n_ubatch,
                               kv_on_device=bool(kwargs.get("offload_kqv", True)),
                               contexts=micro_contexts(options, n_ctx),
-                              draft_bytes=draft_bytes(options, n_ctx,
-                                                      int(kwargs.get("n_batch", 512))))
+                              draft_bytes=draft_context_bytes(options, n_ctx, d_ubatch))
         choice = default_choice(model, cfg, n_ctx=n_ctx, n_ubatch=n_ubatch, memory=memory,
                                 routing_hit=routing.decode_hit_rate if routing else None)
     if cfg is not None and cfg.policy is None:  # named now: the choice, or the default's own
@@ -364,7 +364,7 @@ def plan_load(model: ModelFile, options: Options, cache: CacheConfig | None | ob
         # attention sums in the same order as a single-sequence run
         kwargs.update(n_seq_max=options.n_seq_max, kv_unified=False)
     return LoadPlan(options, cfg, choice, placement, layer_dev, rpc, routing, n_ctx, n_ubatch,
-                    kwargs, draft_ubatch(int(kwargs.get("n_batch", 512))))
+                    kwargs, d_ubatch)
 
 
 def _configure(options: Options, cache: CacheConfig | None | object) -> CacheConfig | None:

@@ -212,26 +212,15 @@ class Simulator:
         f = cfg.features
         self.bank = self._banks(spec)
         if self.bank:  # the banks' device memory, out of the slots as stage slots
-            held = self._bank_held()
-            cached = [il for il in self.layers if self.n_slots[il] > 1]
-            for k in range(held if cached else 0):
-                self.n_slots[cached[-1 - k % len(cached)]] -= 1
+            self._take_slots(self._bank_held())
         stage = stage_slots(shape.experts, self.n_slots, given=cfg.stage_slots,
                             streams=spec.proactive and f.reorder and not self.bank)
-        # the stage's device memory comes out of the slots, one from a layer at a time
-        cached = [il for il in self.layers if self.n_slots[il] > 1]
-        for k in range(stage if cached else 0):
-            self.n_slots[cached[-1 - k % len(cached)]] -= 1
+        self._take_slots(stage)  # the stage's device memory
         self.n_stage = stage
-        # a model draft's weights on the device, in experts' worth
+        # a model draft's weights on the device, in experts' worth: out of the slots
         draft_experts = int(np.ceil(cfg.draft_bytes / shape.expert_bytes)) \
             if cfg.spec_draft == "model" and cfg.draft_bytes > 0 else 0
-        if draft_experts:
-            # the draft's weights come out of the slots, as whole experts, a layer at a time
-            cached = [il for il in self.layers if self.n_slots[il] > 1]
-            n = draft_experts
-            for k in range(n if cached else 0):
-                self.n_slots[cached[-1 - k % len(cached)]] -= 1
+        self._take_slots(draft_experts)
         if cfg.layer_device is not None and len(cfg.layer_device) != n_layers:
             raise ValueError(f"{len(cfg.layer_device)} layer devices for a shape of {n_layers} "
                              "layers")
@@ -316,6 +305,13 @@ class Simulator:
         self.spec_cutoffs: list[int] = []  # SP-MoE's rule's choices
         self.bus_floor_prefill: list[float] = []
         self.floor_decode: list[float] = []  # per decoded token
+
+    def _take_slots(self, n: int) -> None:
+        """``n`` slots' worth of device memory taken for something else: one slot from a layer
+        at a time, from the last layer with more than one."""
+        cached = [il for il in self.layers if self.n_slots[il] > 1]
+        for k in range(n if cached else 0):
+            self.n_slots[cached[-1 - k % len(cached)]] -= 1
 
     def _banks(self, spec: PolicySpec) -> bool:
         """Prompt banks, as ``placement.before.held_back`` places them: asked for (by default with

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from forecache.gguf.header import ModelFile
-from forecache.gguf.truncate import FIRST_LAYERS_KEY, SOURCE_FINGERPRINT_KEY, SOURCE_LAYERS_KEY
+from forecache.gguf.header import ModelFile, read_model_file
+from forecache.gguf.truncate import SOURCE_FINGERPRINT_KEY, declared_first_layers
 from forecache.native import libllama, llama_cpp_module
 from forecache.native.log import load_log
 
@@ -59,12 +59,13 @@ class DraftContext:
             raise ValueError(f"llama.cpp cannot load it ({reason})")
         n_layer = int(low.llama_model_n_layer(self.model))
         self.n_embd = int(low.llama_model_n_embd(self.model))
-        first, of = self.meta_int(FIRST_LAYERS_KEY), self.meta_int(SOURCE_LAYERS_KEY)
-        # the model it was cut from (None: not said): ``source_layers`` holds beside it only
-        self.source_fingerprint = self.meta_str(SOURCE_FINGERPRINT_KEY)
+        kv = read_model_file(path).kv
+        declared = declared_first_layers(kv)
         # trusted only as stated: the first n_layer layers of a deeper (or as deep) model
-        self.source_layers = of if first == n_layer and of is not None and of >= n_layer \
+        self.source_layers = declared[1] if declared is not None and declared[0] == n_layer \
             else None
+        # the model it was cut from (None: not said): ``source_layers`` holds beside it only
+        self.source_fingerprint = kv.get(SOURCE_FINGERPRINT_KEY)
         self.n_layer = n_layer
         cparams = low.llama_context_default_params()
         cparams.n_ctx = n_ctx
@@ -96,20 +97,6 @@ class DraftContext:
 
     def n_vocab(self) -> int:
         return self._n_vocab
-
-    def meta_str(self, key: str) -> str | None:
-        """A metadata value of the draft's GGUF as text, None when it has no such key."""
-        buf = ctypes.create_string_buffer(256)
-        n = self.low.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
-        return None if n < 0 else buf.value.decode(errors="replace")
-
-    def meta_int(self, key: str) -> int | None:
-        """An integer metadata value of the draft's GGUF, None when it has no such key."""
-        text = self.meta_str(key)
-        try:
-            return None if text is None else int(text)
-        except ValueError:
-            return None
 
     def sync(self, history: Sequence[int]) -> None:
         """Make the KV cache hold ``history`` (keeping the common prefix, at least its last

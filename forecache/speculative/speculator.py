@@ -403,7 +403,7 @@ class ModelDraft:
             pred = CrossModelPredictor(mf, mf.moe_layers(), mf.n_layer, mf.n_expert_used,
                                        self.ctx.n_layer,
                                        source_layers=None if self.other_source else own)
-            if pred.layers and pred.width() == self.ctx.n_embd:
+            if pred.layers:  # (its width is the model's: ``capture`` says so)
                 self.predictor = pred
         self.cutoff = len(self.predictor.layers) if self.predictor else 0
         # what the reports say of the cross-model prefetch
