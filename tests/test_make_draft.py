@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from cli_helpers import run_cli
 
-from forecache.generate import SamplingParams, generate
+from forecache.generate import SamplingParams, generate, last_logits, text_tokens
 from forecache.gguf.header import ModelFile, read_model_file
 from forecache.gguf.truncate import (
     FIRST_LAYERS_KEY,
@@ -25,6 +25,7 @@ from forecache.llama import Llama
 from forecache.models.default import REFERENCE_MODEL
 from forecache.placement.options import CacheConfig
 from forecache.speculative.draft import CrossModelPredictor, DraftContext
+from tests.conftest import assert_same_tokens
 
 PROMPT = [7, 99, 23, 5, 301, 4, 1000, 42]
 N_GEN = 24
@@ -44,6 +45,21 @@ def _greedy(model: Path, draft: str | None, prompt: list[int] | str = PROMPT
     with Llama.open(model, cache=cfg, n_ctx=256, n_threads=2, draft=draft, draft_k=3) as llm:
         res = generate(llm, prompt, N_GEN, SamplingParams(greedy=True), ignore_eos=True)
         return res.tokens, llm.expert_stats()
+
+
+def _stepped(model: Path, prompt: list[int] | str = PROMPT) -> tuple[list[int], np.ndarray]:
+    """The model alone, one row at a time: its greedy tokens and each step's logits (what a
+    verification's several rows, which some CPUs' kernels round otherwise, meet up to a near
+    tie)."""
+    cfg = CacheConfig("promoe", cache_fraction=0.5, predictor="history")
+    with Llama.open(model, cache=cfg, n_ctx=256, n_threads=2) as llm:
+        llm.eval(text_tokens(llm, prompt) if isinstance(prompt, str) else list(prompt))
+        tokens, rows = [], []
+        for _ in range(N_GEN):
+            rows.append(last_logits(llm))
+            tokens.append(int(np.argmax(rows[-1])))
+            llm.eval([tokens[-1]])
+        return tokens, np.array(rows)
 
 
 def test_the_copy_is_the_models_first_layers(tiny_model: Callable[..., Path],
@@ -136,7 +152,7 @@ def test_the_drafts_states_name_the_experts_the_model_routes(
                                    ctx.n_layer, source_layers=ctx.source_layers)
         assert pred.own_layers and pred.width() == ctx.n_embd
         with Llama.open(src, cache=cfg, n_ctx=64, n_threads=2) as llm:
-            compared = 0
+            compared = differ = 0
             for i, t in enumerate(PROMPT * 2):
                 routed.clear()
                 llm.eval([t])
@@ -147,9 +163,13 @@ def test_the_drafts_states_name_the_experts_the_model_routes(
                 for il in (0, 1):
                     state = ctx.state(pred.source[il])
                     assert state is not None
-                    assert set(pred.predict(il, state)) == routed[il], (i, il)
+                    differ += set(pred.predict(il, state)) != routed[il]
                     compared += 1
         assert compared == 2 * 2 * len(PROMPT)
+        # the same states through the same routers: every token's experts, but where a CPU's
+        # kernels round the model's expert products (from slots) otherwise than the draft's
+        # and flip a router's near tie (AMX's tiles), one at most
+        assert differ <= 1, differ
     finally:
         ctx.close()
 
@@ -159,13 +179,15 @@ def test_as_a_draft_greedy_output_is_the_models(tiny_model: Callable[..., Path],
     """Through ``--draft``: the same greedy tokens; the prefetch is as precise as the model
     drafting for itself with every layer, and better than chance with the first half."""
     src = tiny_model("q8_0")
-    plain, _ = _greedy(src, None)
+    plain, rows = _stepped(src)
     n = read_model_file(src).n_layer
     precision = {}
     for layers in (n // 2, n):
         draft = make_draft(src, tmp_path / f"first{layers}.gguf", layers).path
         tokens, stats = _greedy(src, str(draft))
-        assert tokens == plain, layers
+        # (k+1 rows in one pass: the same tokens where the CPU rounds both alike, as here, else
+        # up to a near tie)
+        assert_same_tokens(tokens, plain, rows, f"first {layers}")
         assert stats["draft"] == draft.name and stats["verify_passes"] > 0
         precision[layers] = stats["prefetch_precision"]
         assert precision[layers] > stats["prefetch_precision_chance"]
@@ -177,10 +199,10 @@ def test_as_a_draft_greedy_output_is_the_models(tiny_model: Callable[..., Path],
 def test_the_reference_models_first_layers_draft_for_it(tmp_path: Path) -> None:
     """On the trained reference model: the same greedy tokens, drafts accepted, and a prefetch
     well above chance (the trained draft made apart barely passes it)."""
-    plain, _ = _greedy(REFERENCE_MODEL, None, "In the beginning God created the heaven")
+    plain, rows = _stepped(REFERENCE_MODEL, "In the beginning God created the heaven")
     draft = make_draft(REFERENCE_MODEL, tmp_path / "ref-first4.gguf", 4).path
     tokens, stats = _greedy(REFERENCE_MODEL, str(draft), "In the beginning God created the heaven")
-    assert tokens == plain
+    assert_same_tokens(tokens, plain, rows, "reference, first 4")
     assert stats["prefetch_precision"] > stats["prefetch_precision_chance"] + 0.2
 
 
@@ -207,7 +229,8 @@ def test_experts_kept_by_the_routing_profile(tiny_model: Callable[..., Path],
             assert _bytes(b, t.name) == b"".join(whole[e * per:(e + 1) * per]
                                                  for e in kept[il]), t.name
     tokens, stats = _greedy(src, str(out))
-    assert tokens == _greedy(src, None)[0] and stats["verify_passes"] > 0
+    assert_same_tokens(tokens, *_stepped(src), "2 layers, 6 experts")
+    assert stats["verify_passes"] > 0
 
 
 def test_bad_input_is_one_line(tiny_model: Callable[..., Path], tmp_path: Path) -> None:
